@@ -1,0 +1,85 @@
+"""weightcache: keep post-processed model weights resident outside the engine and attach them zero-copy.
+
+The public names are re-exported here. Names that need torch (``attach``, ``Cache``, ``Handle``, ``bind``)
+load on first use, so that the keeper and the CLI's keeper commands start without importing torch.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from . import quant
+from ._version import __version__
+from .errors import (
+    BindError,
+    CheckpointError,
+    EntryNotFound,
+    FallbackWarning,
+    FingerprintMismatch,
+    KeeperAlreadyRunning,
+    KeeperError,
+    KeeperUnavailable,
+    ManifestError,
+    PeerRejected,
+    ProtocolError,
+    ProtocolVersionError,
+    SegmentError,
+    SocketDirError,
+    UnsupportedQuantError,
+    WeightCacheError,
+)
+from .fingerprint import Fingerprint
+from .manifest import Manifest
+
+if TYPE_CHECKING:
+    from .attach import attach
+    from .binding import bind
+    from .cache import Cache, EntryInfo, Handle
+
+_LAZY = {
+    "attach": "attach",
+    "bind": "binding",
+    "Cache": "cache",
+    "EntryInfo": "cache",
+    "Handle": "cache",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'weightcache' has no attribute {name!r}")
+    import importlib
+
+    value = getattr(importlib.import_module(f".{module}", __name__), name)
+    globals()[name] = value
+    return value
+
+
+__all__ = [
+    "BindError",
+    "Cache",
+    "CheckpointError",
+    "EntryInfo",
+    "EntryNotFound",
+    "FallbackWarning",
+    "Fingerprint",
+    "FingerprintMismatch",
+    "Handle",
+    "KeeperAlreadyRunning",
+    "KeeperError",
+    "KeeperUnavailable",
+    "Manifest",
+    "ManifestError",
+    "PeerRejected",
+    "ProtocolError",
+    "ProtocolVersionError",
+    "SegmentError",
+    "SocketDirError",
+    "UnsupportedQuantError",
+    "WeightCacheError",
+    "__version__",
+    "attach",
+    "bind",
+    "quant",
+]

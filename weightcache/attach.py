@@ -1,0 +1,166 @@
+"""``attach()``: give a model its weights from the host cache, or from disk, by mode.
+
+- ``off``: load the safetensors checkpoint, no keeper involved.
+- ``daemon``: ensure a keeper; attach if the fingerprint is cached, else load from disk, publish, and bind the
+  published copy (so this process, too, runs on the shared memory).
+- ``client``: attach what the keeper holds; if no keeper runs, it holds no such entry, or its entry for this
+  checkpoint differs, fall back to disk with a :class:`FallbackWarning` saying why (or raise with
+  ``strict=True``).
+"""
+
+from __future__ import annotations
+
+import os
+import warnings
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
+
+import torch
+from torch import nn
+
+from . import quant as quant_registry
+from .binding import bind, to_device
+from .cache import Cache, Handle
+from .checkpoint import load_state_dict
+from .errors import EntryNotFound, FallbackWarning, FingerprintMismatch, KeeperUnavailable
+from .fingerprint import Fingerprint, format_differences
+
+Mode = Literal["off", "daemon", "client"]
+MODES = ("off", "daemon", "client")
+
+
+def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None)
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype or its name (e.g. 'bfloat16'); found {dtype!r}")
+    return value
+
+
+def attach(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    *,
+    mode: Mode = "off",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    quant: str = "none",
+    quant_config: Mapping[str, Any] | None = None,
+    parallel: Mapping[str, tuple[int, int]] | None = None,
+    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    strict: bool = False,
+    socket_dir: str | os.PathLike[str] | None = None,
+) -> Handle:
+    """Bind the weights of ``checkpoint`` into ``model`` and return a :class:`Handle` (a context manager).
+
+    Args:
+        model: the model, typically built under ``torch.device("meta")``; its parameters and buffers are
+            replaced by the loaded or attached tensors.
+        checkpoint: a directory of ``.safetensors`` files (with or without an index), or one such file.
+        mode: ``"off"``, ``"daemon"`` or ``"client"`` (see the module docstring).
+        device: where the weights live (``"cpu"``; ``"cuda:N"`` with the CUDA transport). Default ``"cpu"``.
+        dtype: convert floating point weights to this dtype on load (part of the fingerprint).
+        quant: quantization method of the weights; refused methods raise UnsupportedQuantError in modes
+            daemon and client, before anything is loaded.
+        quant_config: the method's configuration (its hash is part of the fingerprint).
+        parallel: ``{"tp": (rank, size), ...}`` of these weights (part of the fingerprint).
+        transform: applied to the loaded state dict before publishing (sharding, quantization, renaming);
+            its qualified name is part of the fingerprint, so rename it when its behaviour changes.
+        strict: in mode client, raise KeeperUnavailable, EntryNotFound or FingerprintMismatch instead of
+            falling back to disk.
+        socket_dir: the keeper's socket directory (default: see :mod:`weightcache.rundir`).
+
+    Returns:
+        A Handle with ``source`` ("cache" or "disk"), ``fingerprint`` and ``tensors``. Close it (or leave the
+        ``with`` block) to release the lease; the model keeps working either way.
+    """
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {MODES}; found {mode!r}")
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    torch_dtype = _dtype(dtype)
+    fingerprint = Fingerprint.create(
+        checkpoint,
+        dtype=torch_dtype,
+        quant=quant,
+        quant_config=quant_config,
+        parallel=parallel,
+        transform=transform,
+        device=dev,
+    )
+
+    def from_disk(reason: str | None = None) -> Handle:
+        state = to_device(load_state_dict(checkpoint, dtype=torch_dtype, transform=transform), dev)
+        bind(model, state, device=dev)
+        return Handle(source="disk", fingerprint=fingerprint, tensors=state, fallback_reason=reason)
+
+    if mode == "off":
+        return from_disk()
+
+    quant_registry.get(quant).check(quant_config)
+
+    if mode == "daemon":
+        cache = Cache(socket_dir, spawn=True)
+        handle = cache.get(fingerprint)
+        if handle is None:
+            state = to_device(load_state_dict(checkpoint, dtype=torch_dtype, transform=transform), dev)
+            handle = cache._put(fingerprint, state, digests=True, max_segment_bytes=_max_segment(), consume=True)
+        return _bound(model, handle, dev)
+
+    # mode == "client"
+    try:
+        cache = Cache(socket_dir)
+        handle = cache.get(fingerprint)
+    except KeeperUnavailable as exc:
+        if strict:
+            raise
+        return _fallback(from_disk, f"no keeper is available ({exc})")
+    if handle is not None:
+        return _bound(model, handle, dev)
+    reason, diffs = _why_missing(cache, fingerprint)
+    if strict:
+        if diffs:
+            raise FingerprintMismatch(reason, tuple(diffs))
+        raise EntryNotFound(reason)
+    return _fallback(from_disk, reason)
+
+
+def _max_segment() -> int:
+    from .cache import DEFAULT_MAX_SEGMENT_BYTES
+
+    return int(os.environ.get("WEIGHTCACHE_MAX_SEGMENT_BYTES", DEFAULT_MAX_SEGMENT_BYTES))
+
+
+def _bound(model: nn.Module, handle: Handle, device: torch.device) -> Handle:
+    try:
+        bind(model, handle.tensors, device=device)
+    except BaseException:
+        handle.close()
+        raise
+    return handle
+
+
+def _fallback(from_disk: Callable[[str], Handle], reason: str) -> Handle:
+    warnings.warn(f"weightcache: loading from disk: {reason}", FallbackWarning, stacklevel=3)
+    return from_disk(reason)
+
+
+def _why_missing(cache: Cache, fingerprint: Fingerprint) -> tuple[str, list[tuple[str, object, object]]]:
+    """Explain a miss: the closest cached entry of the same checkpoint and placement, and how it differs."""
+    same_model = [
+        e
+        for e in cache.entries()
+        if e.fingerprint.model_path == fingerprint.model_path and e.placement == fingerprint.placement
+    ]
+    if not same_model:
+        return (
+            f"the keeper holds no entry for {fingerprint.model_path} on {fingerprint.placement} "
+            f"(digest {fingerprint.digest[:12]}); publish it first with mode='daemon' or `weightcache load`",
+            [],
+        )
+    best = min(same_model, key=lambda e: len(fingerprint.diff(e.fingerprint)))
+    diffs = fingerprint.diff(best.fingerprint)
+    return (
+        f"the cached entry {best.digest[:12]} for {fingerprint.model_path} does not match: {format_differences(diffs)}",
+        diffs,
+    )

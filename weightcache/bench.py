@@ -1,0 +1,227 @@
+"""``weightcache bench``: how long does attaching take, and is it flat in model size?
+
+For each size it builds a synthetic state dict (LLM-like: two thirds small tensors such as norms and biases,
+the rest large matrices sharing the bytes), publishes it into a private keeper, and then, in a fresh process
+(a restarted engine), times attach: ``Cache.get`` (connect, hello, manifest, map, views) plus ``bind`` into a
+model built on the meta device. Every run checks that the attached data equals what was published.
+
+The result is a table on stdout and, with ``--json``, a JSON file; docs/benchmarks.md records the figures.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
+    p.add_argument("--sizes", default="1,2,8", help="comma-separated sizes in GiB (default 1,2,8)")
+    p.add_argument("--tensors", default="500", help="comma-separated tensor counts (default 500)")
+    p.add_argument("--repeat", type=int, default=7, help="attaches timed per size (default 7)")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
+
+
+def layout(total_bytes: int, n: int, itemsize: int) -> list[int]:
+    """Element counts of ``n`` tensors adding up to about ``total_bytes``."""
+    small = (2 * n) // 3
+    big = max(1, n - small)
+    sizes = [4096] * small
+    rest = total_bytes // itemsize - sum(sizes)
+    sizes += [max(256, (rest // big) // 256 * 256)] * big
+    return sizes
+
+
+def _holder(shapes: list[int], dtype: Any) -> Any:
+    import torch
+    from torch import nn
+
+    model = nn.Module()
+    with torch.device("meta"):
+        for i, n in enumerate(shapes):
+            model.register_parameter(f"p{i}", nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False))
+    return model
+
+
+def _marker_checkpoint(directory: Path) -> Path:
+    """A tiny real checkpoint that gives the synthetic weights a genuine fingerprint."""
+    import torch
+    from safetensors.torch import save_file
+
+    path = directory / "marker"
+    path.mkdir(exist_ok=True)
+    save_file({"marker": torch.zeros(1)}, str(path / "model.safetensors"))
+    return path
+
+
+def _fingerprint(marker: Path, device: str, gib: float, n: int, dtype: str) -> Any:
+    from .fingerprint import Fingerprint
+
+    return Fingerprint.create(marker, device=device, dtype=dtype, extra={"bench_gib": gib, "bench_tensors": n})
+
+
+def client(spec_path: str) -> None:
+    """Runs in the fresh process: attach ``repeat`` times, print one JSON line of timings."""
+    import torch
+
+    from .binding import bind
+    from .cache import Cache
+
+    spec = json.loads(Path(spec_path).read_text())
+    dtype = getattr(torch, spec["dtype"])
+    fp = _fingerprint(Path(spec["marker"]), spec["device"], spec["gib"], spec["n"], spec["dtype"])
+    cache = Cache(spec["socket_dir"])
+    runs = []
+    for _ in range(spec["repeat"]):
+        model = _holder(spec["shapes"], dtype)
+        t0 = time.perf_counter()
+        handle = cache.get(fp)
+        t1 = time.perf_counter()
+        assert handle is not None, "entry vanished"
+        bind(model, handle.tensors, device=spec["device"])
+        if spec["device"] != "cpu":
+            torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        first, last = model.p0, getattr(model, f"p{len(spec['shapes']) - 1}")
+        check = [float(first.float().sum()), float(last[:4096].float().sum())]
+        if check != spec["check"]:
+            raise SystemExit(f"attached data differs from what was published: {check} != {spec['check']}")
+        runs.append({"get_ms": (t1 - t0) * 1e3, "bind_ms": (t2 - t1) * 1e3, "total_ms": (t2 - t0) * 1e3})
+        handle.close()
+        del model, handle
+    print(json.dumps(runs))
+
+
+def _run_one(
+    socket_dir: Path, marker: Path, device: str, gib: float, n: int, dtype_name: str, repeat: int
+) -> dict[str, Any]:
+    import torch
+
+    from .cache import Cache
+
+    dtype = getattr(torch, dtype_name)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    shapes = layout(int(gib * 2**30), n, itemsize)
+    fp = _fingerprint(marker, device, gib, n, dtype_name)
+    cache = Cache(socket_dir)
+    t0 = time.perf_counter()
+    state = {}
+    for i, numel in enumerate(shapes):
+        state[f"p{i}"] = torch.full((numel,), float((i % 7) + 1) / 8, dtype=dtype, device=device)
+    check = [float(state["p0"].float().sum()), float(state[f"p{n - 1}"][:4096].float().sum())]
+    t1 = time.perf_counter()
+    handle = cache._put(fp, state, digests=False, max_segment_bytes=8 << 30, consume=True)
+    t2 = time.perf_counter()
+    assert handle.manifest is not None
+    total = handle.manifest.total_bytes
+    handle.close()
+    del handle, state
+    with tempfile.NamedTemporaryFile("w", suffix=".json", delete=False) as f:
+        json.dump(
+            {
+                "socket_dir": str(socket_dir),
+                "marker": str(marker),
+                "device": device,
+                "gib": gib,
+                "n": n,
+                "dtype": dtype_name,
+                "shapes": shapes,
+                "repeat": repeat,
+                "check": check,
+            },
+            f,
+        )
+        spec = f.name
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "weightcache.bench", "client", spec], capture_output=True, text=True, check=False
+        )
+    finally:
+        os.unlink(spec)
+    if out.returncode != 0:
+        raise SystemExit(f"bench client failed:\n{out.stderr[-3000:]}")
+    runs = json.loads(out.stdout.strip().splitlines()[-1])
+    Cache(socket_dir).evict(fp, force=True)
+    totals = [r["total_ms"] for r in runs]
+    return {
+        "gib": gib,
+        "tensors": n,
+        "bytes": total,
+        "fill_s": round(t1 - t0, 3),
+        "publish_s": round(t2 - t1, 3),
+        "attach_ms_median": round(statistics.median(totals), 3),
+        "attach_ms_min": round(min(totals), 3),
+        "get_ms_median": round(statistics.median(r["get_ms"] for r in runs), 3),
+        "bind_ms_median": round(statistics.median(r["bind_ms"] for r in runs), 3),
+        "runs": runs,
+    }
+
+
+def main(args: argparse.Namespace) -> int:
+    import torch
+
+    from . import keeper as _keeper  # noqa: F401  (fail early if the package is broken)
+    from .cache import Cache
+    from .client import ensure_keeper
+
+    sizes = [float(s) for s in args.sizes.split(",")]
+    counts = [int(c) for c in args.tensors.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="wc-bench-"))
+    socket_dir = tmp / "sock"
+    ensure_keeper(socket_dir)
+    marker = _marker_checkpoint(tmp)
+    results = []
+    try:
+        for n in counts:
+            for gib in sizes:
+                r = _run_one(socket_dir, marker, args.device, gib, n, args.dtype, args.repeat)
+                results.append(r)
+                print(
+                    f"{gib:>6g} GiB {n:>6} tensors  attach median {r['attach_ms_median']:7.2f} ms "
+                    f"(min {r['attach_ms_min']:.2f}; get {r['get_ms_median']:.2f} + bind {r['bind_ms_median']:.2f})"
+                    f"  publish {r['publish_s']:.2f} s",
+                    flush=True,
+                )
+    finally:
+        Cache(socket_dir).stop()
+    report: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": args.device,
+        "host": platform.node(),
+        "cpu": platform.processor() or platform.machine(),
+        "cpus": os.cpu_count(),
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "command": "weightcache bench " + " ".join(sys.argv[2:]),
+        "results": results,
+    }
+    for n in counts:
+        series = [r for r in results if r["tensors"] == n]
+        if len(series) > 1:
+            small, large = series[0], series[-1]
+            ratio = large["attach_ms_median"] / small["attach_ms_median"]
+            report.setdefault("flatness", []).append(
+                {"tensors": n, "from_gib": small["gib"], "to_gib": large["gib"], "ratio": round(ratio, 3)}
+            )
+            print(f"{n} tensors: attach at {large['gib']:g} GiB is {ratio:.2f}x the time at {small['gib']:g} GiB")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json_out}")
+    return 0
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "client":
+        client(sys.argv[2])
+    else:
+        raise SystemExit("usage: python -m weightcache.bench client SPEC.json (use `weightcache bench`)")

@@ -1,0 +1,163 @@
+"""Binding tensors into a model built on the meta device, without copying them.
+
+Parameters stay ``nn.Parameter`` (same ``requires_grad``, same Python attributes an engine set on them),
+buffers stay buffers with their persistence, and tied weights stay tied: every name of one tensor object in
+the model gets the same new tensor, and the checkpoint may hold any one of those names. Anything that does
+not fit (a missing name, an unexpected one, a shape or dtype that differs, a tensor left on meta) is an error
+that lists every problem at once.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+from torch import nn
+
+from .errors import BindError
+
+_MAX_LISTED = 8
+
+
+def _listing(names: list[str]) -> str:
+    shown = ", ".join(names[:_MAX_LISTED])
+    return shown + (f" and {len(names) - _MAX_LISTED} more" if len(names) > _MAX_LISTED else "")
+
+
+class _Slot:
+    """One tensor object of the model and every (module, attribute, full name) it is registered under."""
+
+    __slots__ = ("is_param", "names", "original", "persistent", "places")
+
+    def __init__(self, original: torch.Tensor, is_param: bool, persistent: bool) -> None:
+        self.original = original
+        self.is_param = is_param
+        self.persistent = persistent
+        self.places: list[tuple[nn.Module, str]] = []
+        self.names: list[str] = []
+
+
+def _slots(model: nn.Module) -> list[_Slot]:
+    slots: dict[int, _Slot] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        dot = f"{prefix}." if prefix else ""
+        for attr, p in module._parameters.items():
+            if p is None:
+                continue
+            slot = slots.get(id(p))
+            if slot is None:
+                slot = slots[id(p)] = _Slot(p, True, True)
+            slot.places.append((module, attr))
+            slot.names.append(dot + attr)
+        for attr, b in module._buffers.items():
+            if b is None:
+                continue
+            slot = slots.get(id(b))
+            if slot is None:
+                slot = slots[id(b)] = _Slot(b, False, attr not in module._non_persistent_buffers_set)
+            slot.places.append((module, attr))
+            slot.names.append(dot + attr)
+    return list(slots.values())
+
+
+def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch.device | str | None = None) -> None:
+    """Replace the model's parameters and buffers by ``tensors`` (by state-dict name), sharing their memory.
+
+    Args:
+        model: typically built under ``torch.device("meta")``; a materialised model works too.
+        tensors: name -> tensor, e.g. a Handle's ``tensors``. Must cover every parameter and persistent
+            buffer; a non-persistent buffer that is still on meta must be covered too.
+        device: when given, every bound tensor must be on this device.
+
+    Raises:
+        BindError: listing every missing or unexpected name, shape, dtype or device mismatch, and any
+            tensor left on the meta device. The model is left unchanged in that case.
+    """
+    want_device = torch.device(device) if device is not None else None
+    missing: list[str] = []
+    mismatched: list[str] = []
+    used: set[str] = set()
+    plan: list[tuple[_Slot, torch.Tensor]] = []
+    for slot in _slots(model):
+        source_name = next((n for n in slot.names if n in tensors), None)
+        if source_name is None:
+            if not slot.persistent and not slot.original.is_meta:
+                continue  # a buffer the model computes itself (e.g. rotary inv_freq), already materialised
+            missing.append(" = ".join(slot.names))
+            continue
+        used.update(n for n in slot.names if n in tensors)
+        tensor = tensors[source_name]
+        orig = slot.original
+        problems = []
+        if tensor.shape != orig.shape:
+            problems.append(f"shape {tuple(tensor.shape)} vs model {tuple(orig.shape)}")
+        if tensor.dtype != orig.dtype:
+            problems.append(f"dtype {tensor.dtype} vs model {orig.dtype}")
+        if want_device is not None and not _same_device(tensor.device, want_device):
+            problems.append(f"device {tensor.device}, expected {want_device}")
+        if tensor.is_meta:
+            problems.append("the given tensor is on meta")
+        for other in slot.names:
+            if other != source_name and other in tensors:
+                t2 = tensors[other]
+                if t2.shape != tensor.shape or t2.dtype != tensor.dtype:
+                    problems.append(f"tied name {other} has {tuple(t2.shape)} {t2.dtype}")
+        if problems:
+            mismatched.append(f"{source_name}: " + "; ".join(problems))
+            continue
+        plan.append((slot, tensor))
+    unexpected = sorted(set(tensors) - used)
+    errors = []
+    if missing:
+        errors.append(f"{len(missing)} model tensors have no data: {_listing(missing)}")
+    if mismatched:
+        errors.append(f"{len(mismatched)} tensors do not fit the model: {_listing(mismatched)}")
+    if unexpected:
+        errors.append(
+            f"{len(unexpected)} tensors are not in the model: {_listing(unexpected)} "
+            "(drop or rename them with transform=)"
+        )
+    if errors:
+        raise BindError(
+            "cannot bind weights into " + type(model).__name__ + ": " + ". ".join(errors) + ". Build the model "
+            "with the same architecture, dtype (or pass dtype=) and parallel layout as the weights."
+        )
+    for slot, tensor in plan:
+        if slot.is_param:
+            orig = slot.original
+            new: torch.Tensor = nn.Parameter(tensor, requires_grad=orig.requires_grad and _grad_ok(tensor))
+            if orig.__dict__:
+                new.__dict__.update(orig.__dict__)  # engine attributes such as a weight_loader
+            for module, attr in slot.places:
+                module._parameters[attr] = new  # type: ignore[assignment]
+        else:
+            for module, attr in slot.places:
+                module._buffers[attr] = tensor
+    left = [n for n, t in model.named_parameters(remove_duplicate=False) if t.is_meta]
+    left += [n for n, t in model.named_buffers(remove_duplicate=False) if t.is_meta]
+    if left:
+        raise BindError(f"tensors left on the meta device after binding: {_listing(left)}")
+
+
+def _grad_ok(tensor: torch.Tensor) -> bool:
+    return tensor.is_floating_point() or tensor.is_complex()
+
+
+def _same_device(a: torch.device, b: torch.device) -> bool:
+    if a.type != b.type:
+        return False
+    return a.index == b.index or a.index is None or b.index is None
+
+
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
+    """Move a state dict to ``device``, keeping tied entries (same storage) tied."""
+    if device.type == "cpu":
+        return tensors
+    moved: dict[int, torch.Tensor] = {}
+    out = {}
+    for name, t in tensors.items():
+        key = id(t)
+        if key not in moved:
+            moved[key] = t.to(device)
+        out[name] = moved[key]
+    return out

@@ -1,0 +1,225 @@
+"""Safetensors checkpoints: which files make one up, their identity, and loading them into a state dict.
+
+The identity (:func:`checkpoint_files`) reads only file metadata and the safetensors headers, never tensor
+data, so computing a fingerprint costs milliseconds even for a terabyte checkpoint. A file rewritten in place
+with the same shapes but other values still changes identity: its ctime (which no user call can set back)
+and, usually, its mtime and inode change with it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import struct
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+import attrs
+
+from .errors import CheckpointError
+
+if TYPE_CHECKING:
+    import torch
+
+#: safetensors itself refuses headers above 100 MB; so do we, before allocating anything.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+INDEX_SUFFIX = ".safetensors.index.json"
+
+
+@attrs.frozen
+class CheckpointFile:
+    """Identity of one safetensors file: enough to notice any rewrite without reading tensor data."""
+
+    name: str
+    size: int
+    mtime_ns: int
+    ctime_ns: int
+    inode: int
+    header_sha256: str
+
+    def to_json(self) -> dict[str, object]:
+        return attrs.asdict(self)
+
+
+def _index_file(directory: Path) -> Path | None:
+    found = sorted(p for p in directory.iterdir() if p.name.endswith(INDEX_SUFFIX))
+    if len(found) > 1:
+        raise CheckpointError(
+            f"checkpoint {directory} has {len(found)} index files ({', '.join(p.name for p in found)}); "
+            "expected at most one. Remove the stale one."
+        )
+    return found[0] if found else None
+
+
+def safetensors_files(checkpoint: str | os.PathLike[str]) -> list[Path]:
+    """The safetensors files that make up ``checkpoint``, in a stable order.
+
+    ``checkpoint`` is a directory holding one or more ``.safetensors`` files, with or without a
+    ``*.safetensors.index.json`` (whose ``weight_map`` then names the files), or a single ``.safetensors`` file.
+    """
+    path = Path(checkpoint)
+    if path.is_file():
+        if path.suffix != ".safetensors":
+            raise CheckpointError(f"expected a .safetensors file or a directory of them, found file {path}")
+        return [path]
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} does not exist; pass a directory of .safetensors files")
+    index = _index_file(path)
+    if index is not None:
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            names = sorted(set(weight_map.values()))
+        except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
+            raise CheckpointError(
+                f"index {index} is not a valid safetensors index (expected a JSON object with a "
+                f"'weight_map' of tensor name -> file name): {exc}"
+            ) from exc
+        files = []
+        for name in names:
+            if not isinstance(name, str) or "/" in name or name.startswith("."):
+                raise CheckpointError(f"index {index} names file {name!r}; expected a file name in {path}")
+            file = path / name
+            if not file.is_file():
+                raise CheckpointError(f"index {index} names {name}, which does not exist in {path}")
+            files.append(file)
+        return files
+    files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" and p.is_file())
+    if not files:
+        raise CheckpointError(f"checkpoint directory {path} holds no .safetensors files")
+    return files
+
+
+def read_header(file: Path) -> tuple[bytes, dict[str, object]]:
+    """Raw bytes and parsed JSON of a safetensors header, with its length bounded and checked."""
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{file} is {size} bytes, too short for a safetensors header (truncated?)")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_HEADER_BYTES or 8 + length > size:
+                raise CheckpointError(
+                    f"{file} declares a {length}-byte header in a {size}-byte file; expected at most "
+                    f"{min(MAX_HEADER_BYTES, size - 8)} (the file is truncated or not safetensors)"
+                )
+            raw = f.read(length)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint file {file}: {exc}") from exc
+    try:
+        header = json.loads(raw)
+        if not isinstance(header, dict):
+            raise ValueError("header is not a JSON object")
+    except ValueError as exc:
+        raise CheckpointError(f"{file} has a corrupt safetensors header: {exc}") from exc
+    data_bytes = size - 8 - length
+    for name, info in header.items():
+        if name == "__metadata__":
+            continue
+        offsets = info.get("data_offsets") if isinstance(info, dict) else None
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(isinstance(o, int) for o in offsets)
+            or not 0 <= offsets[0] <= offsets[1] <= data_bytes
+        ):
+            raise CheckpointError(
+                f"{file}: tensor {name!r} has data_offsets {offsets!r} outside the {data_bytes} data bytes "
+                "(the file is truncated or corrupt); re-download or re-save the checkpoint"
+            )
+    return raw, header
+
+
+def file_identity(file: Path) -> CheckpointFile:
+    raw, _ = read_header(file)
+    st = os.stat(file)
+    return CheckpointFile(
+        name=file.name,
+        size=st.st_size,
+        mtime_ns=st.st_mtime_ns,
+        ctime_ns=st.st_ctime_ns,
+        inode=st.st_ino,
+        header_sha256=hashlib.sha256(raw).hexdigest(),
+    )
+
+
+def checkpoint_files(checkpoint: str | os.PathLike[str]) -> tuple[CheckpointFile, ...]:
+    """Identity of every file of the checkpoint, without reading tensor data."""
+    return tuple(file_identity(f) for f in safetensors_files(checkpoint))
+
+
+def read_model_config(checkpoint: str | os.PathLike[str]) -> dict[str, object]:
+    """``config.json`` next to the weights (Hugging Face layout), or ``{}`` when there is none."""
+    path = Path(checkpoint)
+    config = (path if path.is_dir() else path.parent) / "config.json"
+    if not config.is_file():
+        return {}
+    try:
+        data = json.loads(config.read_text())
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"{config} is not valid JSON: {exc}") from exc
+    return data if isinstance(data, dict) else {}
+
+
+def iter_tensors(
+    checkpoint: str | os.PathLike[str], *, dtype: torch.dtype | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint, on CPU, one at a time.
+
+    Floating point tensors are converted to ``dtype`` when it is given; integer and boolean tensors are not.
+    """
+    from safetensors import SafetensorError, safe_open
+
+    seen: dict[str, Path] = {}
+    for file in safetensors_files(checkpoint):
+        read_header(file)  # clear errors for truncation before safetensors' own
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    if name in seen:
+                        raise CheckpointError(f"tensor {name!r} is in both {seen[name].name} and {file.name}")
+                    seen[name] = file
+                    tensor = f.get_tensor(name)
+                    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                        tensor = tensor.to(dtype)
+                    yield name, tensor
+        except SafetensorError as exc:
+            raise CheckpointError(f"cannot read {file}: {exc}; the file is corrupt or truncated") from exc
+
+
+def load_state_dict(
+    checkpoint: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    progress: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Load the whole checkpoint into a CPU state dict, convert it to ``dtype`` and apply ``transform``."""
+    if progress:
+        from tqdm import tqdm
+
+        total = sum(f.stat().st_size for f in safetensors_files(checkpoint))
+        state: dict[str, torch.Tensor] = {}
+        with tqdm(total=total, unit="B", unit_scale=True, desc="loading checkpoint") as bar:
+            for name, tensor in iter_tensors(checkpoint, dtype=dtype):
+                state[name] = tensor
+                bar.update(tensor.numel() * tensor.element_size())
+    else:
+        state = dict(iter_tensors(checkpoint, dtype=dtype))
+    if transform is not None:
+        state = transform(state)
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"transform {qualified_name(transform)} returned {type(state).__name__}; "
+                "expected a dict of name -> tensor"
+            )
+    return state
+
+
+def qualified_name(fn: object) -> str:
+    """``module.qualname`` of a callable: what the fingerprint records for a transform."""
+    module = getattr(fn, "__module__", None) or "?"
+    name = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}.{name}"

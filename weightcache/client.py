@@ -1,0 +1,231 @@
+"""Talking to the keeper: connecting (with credential and version checks) and spawning one on demand.
+
+Torch-free, so the CLI's ``ls``/``stop``/``evict`` start fast.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+from filelock import FileLock
+from filelock import Timeout as LockTimeout
+
+from . import protocol
+from ._version import __version__
+from .errors import (
+    KeeperError,
+    KeeperUnavailable,
+    PeerRejected,
+    ProtocolError,
+    ProtocolVersionError,
+    SocketDirError,
+)
+from .rundir import (
+    LOG_NAME,
+    SPAWN_LOCK_NAME,
+    check_private_dir,
+    ensure_private_dir,
+    resolve_socket_dir,
+    socket_path,
+)
+
+#: Seconds to wait for a spawned keeper to report readiness.
+SPAWN_TIMEOUT_S = 30.0
+
+
+class KeeperConnection:
+    """One connection to the keeper. Entries got or published over it stay leased until it closes."""
+
+    def __init__(self, sock: socket.socket, socket_dir: Path, hello: dict[str, Any]) -> None:
+        self._sock = sock
+        self.socket_dir = socket_dir
+        #: The keeper's answer to ``hello``: pid, version, negotiated protocol.
+        self.hello = hello
+
+    @classmethod
+    def connect(
+        cls,
+        socket_dir: str | os.PathLike[str] | None = None,
+        *,
+        protocol_version: int = protocol.PROTOCOL_VERSION,
+        min_protocol_version: int = protocol.MIN_PROTOCOL_VERSION,
+    ) -> KeeperConnection:
+        """Connect and say hello. Raises KeeperUnavailable when no keeper serves ``socket_dir``."""
+        directory = resolve_socket_dir(socket_dir)
+        path = socket_path(directory)
+        try:
+            check_private_dir(directory)
+        except SocketDirError as exc:
+            if not os.path.lexists(directory):
+                raise KeeperUnavailable(
+                    f"no keeper runs for {directory} (the directory does not exist); start one with "
+                    f"`weightcache serve --socket-dir {directory}` or use mode='daemon'"
+                ) from None
+            raise exc
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        try:
+            sock.connect(str(path))
+        except (FileNotFoundError, ConnectionRefusedError) as exc:
+            sock.close()
+            what = "no socket" if isinstance(exc, FileNotFoundError) else "a stale socket (its keeper died)"
+            raise KeeperUnavailable(
+                f"no keeper is running at {path} ({what}); start one with `weightcache serve` or use "
+                "mode='daemon' to spawn one"
+            ) from None
+        except OSError as exc:
+            sock.close()
+            raise KeeperUnavailable(f"cannot connect to the keeper at {path}: {exc}") from exc
+        try:
+            _, uid, _ = protocol.peer_credentials(sock)
+            if uid != os.getuid():
+                raise PeerRejected(
+                    f"the process serving {path} runs as uid {uid}, not as this user (uid {os.getuid()}); "
+                    "refusing to trust it"
+                )
+            protocol.send_frame(
+                sock,
+                {
+                    "op": "hello",
+                    "protocol": protocol_version,
+                    "min_protocol": min_protocol_version,
+                    "client_version": __version__,
+                    "pid": os.getpid(),
+                },
+            )
+            reply, fds = protocol.recv_frame(sock, idle_timeout=protocol.FRAME_TIMEOUT_S)
+            protocol.close_fds(fds)
+        except (ProtocolError, OSError) as exc:
+            sock.close()
+            if isinstance(exc, ProtocolError):
+                raise KeeperUnavailable(f"the keeper at {path} did not answer hello: {exc}") from exc
+            raise KeeperUnavailable(f"the keeper at {path} failed during hello: {exc}") from exc
+        except BaseException:
+            sock.close()
+            raise
+        if not reply.get("ok"):
+            sock.close()
+            if reply.get("error") == "version":
+                raise ProtocolVersionError(str(reply.get("message")))
+            if reply.get("error") == "forbidden":
+                raise PeerRejected(str(reply.get("message")))
+            raise KeeperError(str(reply.get("message")), str(reply.get("error")))
+        return cls(sock, directory, reply)
+
+    def request(
+        self, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()
+    ) -> tuple[dict[str, Any], list[int]]:
+        """Send one request and return ``(reply, fds)``; the caller owns the returned fds.
+
+        Raises KeeperError carrying the keeper's error code when the reply is not ok, and KeeperUnavailable
+        when the connection breaks.
+        """
+        try:
+            protocol.send_frame(self._sock, message, fds)
+            reply, out = protocol.recv_frame(self._sock, idle_timeout=None)
+        except protocol.PeerClosed as exc:
+            raise KeeperUnavailable("the keeper closed the connection (stopped or crashed)") from exc
+        except (ProtocolError, OSError) as exc:
+            raise KeeperUnavailable(f"lost the connection to the keeper: {exc}") from exc
+        if not reply.get("ok"):
+            protocol.close_fds(out)
+            raise KeeperError(str(reply.get("message", "keeper refused the request")), str(reply.get("error")))
+        return reply, out
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            self._sock.close()
+
+    @property
+    def closed(self) -> bool:
+        return self._sock.fileno() < 0
+
+    def __enter__(self) -> KeeperConnection:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def ensure_keeper(socket_dir: str | os.PathLike[str] | None = None, *, timeout: float = SPAWN_TIMEOUT_S) -> Path:
+    """Make sure a keeper serves ``socket_dir``, spawning a detached one if none does. Returns the directory.
+
+    Racing callers serialise on a file lock, so exactly one keeper is started; the keeper's own instance
+    lock backs this up for keepers started by hand.
+    """
+    directory = resolve_socket_dir(socket_dir)
+    with contextlib.suppress(KeeperUnavailable):
+        KeeperConnection.connect(directory).close()
+        return directory
+    ensure_private_dir(directory)
+    try:
+        with FileLock(str(directory / SPAWN_LOCK_NAME), timeout=timeout):
+            with contextlib.suppress(KeeperUnavailable):
+                KeeperConnection.connect(directory).close()
+                return directory
+            _spawn(directory, timeout)
+    except LockTimeout:
+        raise KeeperUnavailable(
+            f"waited {timeout:.0f} s for another process to start the keeper in {directory}; see {directory / LOG_NAME}"
+        ) from None
+    KeeperConnection.connect(directory).close()
+    return directory
+
+
+def _spawn(directory: Path, timeout: float) -> None:
+    read_fd, write_fd = os.pipe()
+    try:
+        cmd = [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(directory), "--detach"]
+        cmd += ["--ready-fd", str(write_fd)]
+        env = dict(os.environ)
+        # The keeper never needs a GPU: hide them so that nothing it imports can create a CUDA context.
+        env["CUDA_VISIBLE_DEVICES"] = ""
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            pass_fds=(write_fd,),
+            env=env,
+            start_new_session=True,
+        )
+        os.close(write_fd)
+        write_fd = -1
+        _, err = proc.communicate(timeout=timeout)  # the intermediate process exits right after forking
+        deadline = time.monotonic() + timeout
+        status = b""
+        while not status.endswith(b"\n") and time.monotonic() < deadline:
+            import select
+
+            ready, _, _ = select.select([read_fd], [], [], max(0.0, deadline - time.monotonic()))
+            if not ready:
+                break
+            chunk = os.read(read_fd, 4096)
+            if not chunk:
+                break
+            status += chunk
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        raise KeeperUnavailable(f"the keeper process did not detach within {timeout:.0f} s") from None
+    finally:
+        os.close(read_fd)
+        if write_fd >= 0:
+            os.close(write_fd)
+    text = status.decode(errors="replace").strip()
+    if text == "ok":
+        return
+    if text.startswith("error:"):
+        if "already serves" in text:
+            return  # a keeper started by hand won the race: use it
+        raise KeeperUnavailable(f"the keeper failed to start: {text[6:].strip()}")
+    detail = err.decode(errors="replace").strip()[-2000:] if err else ""
+    raise KeeperUnavailable(
+        f"the keeper did not become ready within {timeout:.0f} s (exit status {proc.returncode}); see "
+        f"{directory / LOG_NAME}" + (f"\n{detail}" if detail else "")
+    )

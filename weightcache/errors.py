@@ -1,0 +1,114 @@
+"""Every error weightcache raises, in one place.
+
+Catch :class:`WeightCacheError` for all of them, or exactly one case. Each message says what was expected,
+what was found, and what to do. This module imports nothing heavy: the keeper and the CLI use it too.
+"""
+
+from __future__ import annotations
+
+
+class WeightCacheError(Exception):
+    """Base class of every error raised by weightcache."""
+
+
+# --- the keeper and the wire ------------------------------------------------------------------------------
+
+
+class KeeperUnavailable(WeightCacheError):
+    """No keeper answers on the socket (none running, stale socket, or it could not be started)."""
+
+
+class KeeperAlreadyRunning(WeightCacheError):
+    """`weightcache serve` found another keeper already serving the same socket directory."""
+
+
+class KeeperError(WeightCacheError):
+    """The keeper answered a request with an error (entry too big, bad manifest, evicting a leased entry...)."""
+
+    def __init__(self, message: str, code: str = "error") -> None:
+        super().__init__(message)
+        #: Machine-readable reason sent by the keeper, e.g. ``"leased"``, ``"not_found"``, ``"bad_request"``.
+        self.code = code
+
+
+class ProtocolError(WeightCacheError):
+    """A peer sent something that is not a valid weightcache message (bad frame, bad JSON, bad fds)."""
+
+
+class ProtocolVersionError(ProtocolError):
+    """Client and keeper speak protocol versions that do not overlap."""
+
+
+class SocketDirError(WeightCacheError):
+    """The socket directory is missing, not private, not owned by this user, or a symlink."""
+
+
+class PeerRejected(WeightCacheError):
+    """The peer on the socket runs as a user that is not allowed (SO_PEERCRED check)."""
+
+
+# --- what is cached -----------------------------------------------------------------------------------------
+
+
+class FingerprintMismatch(WeightCacheError):
+    """The keeper holds weights for this checkpoint, but not with this fingerprint (dtype, layout, ...)."""
+
+    def __init__(self, message: str, differences: tuple[tuple[str, object, object], ...] = ()) -> None:
+        super().__init__(message)
+        #: ``(field, requested, cached)`` for each field that differs.
+        self.differences = differences
+
+
+class EntryNotFound(WeightCacheError):
+    """The keeper holds no entry with the requested fingerprint or digest."""
+
+
+class ManifestError(WeightCacheError):
+    """A manifest is malformed or does not fit its segments."""
+
+
+class SegmentError(WeightCacheError):
+    """A shared memory segment could not be created, exported, imported or mapped."""
+
+
+class UnsupportedQuantError(WeightCacheError):
+    """The quantization method is unknown, or its output cannot be shared safely between processes."""
+
+
+# --- loading and binding ------------------------------------------------------------------------------------
+
+
+class CheckpointError(WeightCacheError):
+    """The checkpoint is missing, empty, or not valid safetensors."""
+
+
+class BindError(WeightCacheError):
+    """Tensors could not be bound into the model: a name is missing, a shape or dtype differs, or a tensor
+    was left on the meta device."""
+
+
+# --- warnings -----------------------------------------------------------------------------------------------
+
+
+class FallbackWarning(UserWarning):
+    """Mode ``client`` fell back to loading from disk; the message says why."""
+
+
+__all__ = [
+    "BindError",
+    "CheckpointError",
+    "EntryNotFound",
+    "FallbackWarning",
+    "FingerprintMismatch",
+    "KeeperAlreadyRunning",
+    "KeeperError",
+    "KeeperUnavailable",
+    "ManifestError",
+    "PeerRejected",
+    "ProtocolError",
+    "ProtocolVersionError",
+    "SegmentError",
+    "SocketDirError",
+    "UnsupportedQuantError",
+    "WeightCacheError",
+]

@@ -1,0 +1,321 @@
+"""The fingerprint: everything that decides whether cached weights are exactly the weights an engine wants.
+
+A fingerprint is a frozen value. Its :attr:`~Fingerprint.digest` (SHA-256 of the canonical JSON of the identity
+fields) keys entries in the keeper. ``placement`` (``"cpu"`` or a GPU UUID) says where the segments live; it
+selects the copy but is not part of the identity, so the same model on two GPUs has one digest.
+
+This module must not import torch at import time: the keeper and the CLI read fingerprints too.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .checkpoint import CheckpointFile, checkpoint_files, qualified_name, read_model_config
+from .errors import ManifestError
+
+#: Bumped whenever the layout of cached data or the meaning of a field changes: old entries stop matching.
+FORMAT_VERSION = 1
+
+ParallelLayout = tuple[tuple[str, int, int], ...]
+
+
+def canonical_json(value: object) -> str:
+    """JSON with sorted keys and no whitespace: equal values give equal bytes."""
+    return json.dumps(value, sort_keys=True, separators=(",", ":"), ensure_ascii=True, allow_nan=False)
+
+
+def config_hash(config: Mapping[str, Any] | None) -> str | None:
+    """SHA-256 of the canonical JSON of a (quantization) config, or None when there is none."""
+    if config is None:
+        return None
+    try:
+        text = canonical_json(dict(config))
+    except (TypeError, ValueError) as exc:
+        raise TypeError(f"config must be JSON-serialisable (str keys, plain values); found {config!r}") from exc
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def normalise_parallel(parallel: Mapping[str, tuple[int, int] | list[int]] | None) -> ParallelLayout:
+    """``{"tp": (rank, size), ...}`` -> a sorted tuple ``(("tp", rank, size), ...)``, validated."""
+    if not parallel:
+        return ()
+    out = []
+    for axis, value in parallel.items():
+        try:
+            rank, size = (int(v) for v in value)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"parallel[{axis!r}] must be (rank, size); found {value!r}") from exc
+        if size < 1 or not 0 <= rank < size:
+            raise ValueError(f"parallel[{axis!r}] = ({rank}, {size}): expected 0 <= rank < size")
+        out.append((str(axis), rank, size))
+    return tuple(sorted(out))
+
+
+def _dtype_name(dtype: object) -> str | None:
+    if dtype is None:
+        return None
+    text = str(dtype)
+    return text.removeprefix("torch.")
+
+
+def _device_markers(device: object) -> tuple[str, str, str | None]:
+    """(device kind, placement, compute capability) for a device spec; imports torch only for CUDA."""
+    text = "cpu" if device is None else str(device)
+    if text == "cpu":
+        return "cpu", "cpu", None
+    if text.startswith("cuda"):
+        import torch
+
+        dev = torch.device(text)
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        props = torch.cuda.get_device_properties(index)
+        return "cuda", f"GPU-{props.uuid}", f"{props.major}.{props.minor}"
+    raise ValueError(f"device must be 'cpu' or 'cuda[:N]'; found {device!r}")
+
+
+@attrs.frozen
+class Fingerprint:
+    """Identity of a set of post-processed weights. Build it with :meth:`create`."""
+
+    #: Absolute path of the checkpoint.
+    model_path: str
+    #: ``architectures[0]`` from config.json, when present.
+    architecture: str | None
+    #: Revision (e.g. a git commit of the hub repository), when known.
+    revision: str | None
+    #: Identity of every safetensors file (name, size, mtime, ctime, inode, header hash).
+    checkpoint: tuple[CheckpointFile, ...]
+    #: ``(("tp", rank, size), ...)``, sorted by axis name.
+    parallel: ParallelLayout
+    #: Quantization method name (see :mod:`weightcache.quant`).
+    quant: str
+    #: SHA-256 of the canonical JSON of the quantization config, or None.
+    quant_config_hash: str | None
+    #: dtype the floating point weights were converted to, or None when kept as stored.
+    dtype: str | None
+    #: Qualified name of the transform applied before publishing, or None.
+    transform: str | None
+    #: Engine that produced the weights (``"torch"`` for plain nn.Module) and its version.
+    engine: str
+    engine_version: str
+    #: Environment markers: device kind (``"cpu"``/``"cuda"``), compute capability, torch and format version.
+    device_kind: str
+    compute_capability: str | None
+    torch_version: str
+    format_version: int
+    #: Free-form identity fields supplied by the caller or an engine adapter (canonical JSON).
+    extra: str
+    #: Where the weights live: ``"cpu"`` or ``"GPU-<uuid>"``. Not part of :attr:`digest`.
+    placement: str = attrs.field(default="cpu", eq=False)
+
+    @classmethod
+    def create(
+        cls,
+        checkpoint: str | os.PathLike[str],
+        *,
+        dtype: object = None,
+        quant: str = "none",
+        quant_config: Mapping[str, Any] | None = None,
+        parallel: Mapping[str, tuple[int, int] | list[int]] | None = None,
+        transform: Callable[..., Any] | str | None = None,
+        device: object = None,
+        extra: Mapping[str, Any] | None = None,
+        engine: str = "torch",
+        engine_version: str | None = None,
+    ) -> Fingerprint:
+        """Compute the fingerprint of ``checkpoint`` as it would be loaded with these settings.
+
+        Reads file metadata and safetensors headers only, never tensor data.
+
+        Args:
+            checkpoint: directory of ``.safetensors`` files (with or without an index), or one such file.
+            dtype: dtype floating point weights are converted to (``torch.bfloat16`` or ``"bfloat16"``).
+            quant: quantization method name; see :func:`weightcache.quant.get`.
+            quant_config: the method's configuration; only its hash is kept.
+            parallel: ``{"tp": (rank, size), "pp": (rank, size), ...}``.
+            transform: the callable (or its name) applied to the state dict before publishing.
+            device: ``"cpu"`` or ``"cuda:N"``; the device kind and compute capability join the identity,
+                the GPU UUID becomes the placement.
+            extra: further identity fields (JSON-serialisable), e.g. an engine's model config.
+            engine, engine_version: the producer of the weights; adapters set these.
+        """
+        import torch
+
+        from . import quant as quant_registry
+
+        path = Path(checkpoint).resolve()
+        files = checkpoint_files(path)
+        config = read_model_config(path)
+        archs = config.get("architectures")
+        architecture = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+        revision = config.get("_commit_hash")
+        strategy = quant_registry.get(quant)
+        device_kind, placement, capability = _device_markers(device)
+        transform_name = transform if transform is None or isinstance(transform, str) else qualified_name(transform)
+        try:
+            extra_json = canonical_json(dict(extra or {}))
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"extra must be JSON-serialisable; found {extra!r}") from exc
+        return cls(
+            model_path=str(path),
+            architecture=architecture,
+            revision=revision if isinstance(revision, str) else None,
+            checkpoint=files,
+            parallel=normalise_parallel(parallel),
+            quant=strategy.name,
+            quant_config_hash=config_hash(quant_config),
+            dtype=_dtype_name(dtype),
+            transform=transform_name,
+            engine=engine,
+            engine_version=engine_version if engine_version is not None else torch.__version__,
+            device_kind=device_kind,
+            compute_capability=capability,
+            torch_version=torch.__version__,
+            format_version=FORMAT_VERSION,
+            extra=extra_json,
+            placement=placement,
+        )
+
+    # --- serialisation ----------------------------------------------------------------------------------
+
+    def identity(self) -> dict[str, Any]:
+        """The identity fields as plain JSON values (everything but ``placement``)."""
+        out = {f.name: getattr(self, f.name) for f in attrs.fields(Fingerprint) if f.name != "placement"}
+        out["checkpoint"] = [c.to_json() for c in self.checkpoint]
+        out["parallel"] = [list(p) for p in self.parallel]
+        return out
+
+    def canonical_json(self) -> str:
+        """Canonical JSON of the identity: what :attr:`digest` hashes."""
+        return canonical_json(self.identity())
+
+    @property
+    def digest(self) -> str:
+        """SHA-256 (hex) of :meth:`canonical_json`: the key of this entry in the keeper."""
+        return hashlib.sha256(self.canonical_json().encode()).hexdigest()
+
+    def to_json(self) -> dict[str, Any]:
+        """Identity plus placement, as sent on the wire and stored in manifests."""
+        return {**self.identity(), "placement": self.placement}
+
+    @classmethod
+    def from_json(cls, data: object) -> Fingerprint:
+        """Parse :meth:`to_json` output, checking every field's type (the data may come from a socket)."""
+        if not isinstance(data, dict):
+            raise ManifestError(f"fingerprint must be a JSON object; found {type(data).__name__}")
+        try:
+            files = tuple(
+                CheckpointFile(
+                    name=_typed(c, "name", str),
+                    size=_typed(c, "size", int),
+                    mtime_ns=_typed(c, "mtime_ns", int),
+                    ctime_ns=_typed(c, "ctime_ns", int),
+                    inode=_typed(c, "inode", int),
+                    header_sha256=_typed(c, "header_sha256", str),
+                )
+                for c in _typed(data, "checkpoint", list)
+            )
+            parallel = []
+            for p in _typed(data, "parallel", list):
+                if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], str)):
+                    raise ManifestError(f"fingerprint parallel entry must be [axis, rank, size]; found {p!r}")
+                parallel.append((p[0], _int(p[1]), _int(p[2])))
+            fp = cls(
+                model_path=_typed(data, "model_path", str),
+                architecture=_typed(data, "architecture", str, optional=True),
+                revision=_typed(data, "revision", str, optional=True),
+                checkpoint=files,
+                parallel=tuple(parallel),
+                quant=_typed(data, "quant", str),
+                quant_config_hash=_typed(data, "quant_config_hash", str, optional=True),
+                dtype=_typed(data, "dtype", str, optional=True),
+                transform=_typed(data, "transform", str, optional=True),
+                engine=_typed(data, "engine", str),
+                engine_version=_typed(data, "engine_version", str),
+                device_kind=_typed(data, "device_kind", str),
+                compute_capability=_typed(data, "compute_capability", str, optional=True),
+                torch_version=_typed(data, "torch_version", str),
+                format_version=_typed(data, "format_version", int),
+                extra=_typed(data, "extra", str),
+                placement=_typed(data, "placement", str),
+            )
+        except AttributeError as exc:  # a checkpoint entry that is not an object
+            raise ManifestError(f"malformed fingerprint: {exc}") from exc
+        return fp
+
+    # --- comparison -------------------------------------------------------------------------------------
+
+    def diff(self, other: Fingerprint) -> list[tuple[str, object, object]]:
+        """``(field, self's value, other's value)`` for every identity field that differs.
+
+        The checkpoint is compared per file, so a rewritten shard is named, e.g.
+        ``("checkpoint[model-00002-of-00004.safetensors].mtime_ns", 1700..., 1712...)``.
+        """
+        out: list[tuple[str, object, object]] = []
+        for f in attrs.fields(Fingerprint):
+            if f.name in ("placement", "checkpoint"):
+                continue
+            mine, theirs = getattr(self, f.name), getattr(other, f.name)
+            if mine != theirs:
+                out.append((f.name, mine, theirs))
+        mine_files = {c.name: c for c in self.checkpoint}
+        their_files = {c.name: c for c in other.checkpoint}
+        for name in sorted(mine_files.keys() | their_files.keys()):
+            a, b = mine_files.get(name), their_files.get(name)
+            if a is None or b is None:
+                out.append((f"checkpoint[{name}]", "present" if a else "absent", "present" if b else "absent"))
+                continue
+            for field in attrs.fields(CheckpointFile):
+                va, vb = getattr(a, field.name), getattr(b, field.name)
+                if va != vb:
+                    out.append((f"checkpoint[{name}].{field.name}", va, vb))
+        return out
+
+    def describe(self) -> str:
+        """One line for humans: model, dtype, quant, layout and placement."""
+        model = self.architecture or Path(self.model_path).name
+        layout = ",".join(f"{a}{r}/{s}" for a, r, s in self.parallel) or "-"
+        return (
+            f"{model} ({self.model_path}) dtype={self.dtype or 'as-stored'} quant={self.quant} "
+            f"parallel={layout} on {self.placement}"
+        )
+
+
+def format_differences(diffs: list[tuple[str, object, object]], limit: int = 6) -> str:
+    """``dtype: requested bfloat16, cached float16; ...`` for a warning or error message."""
+    parts = [f"{name}: requested {a!r}, cached {b!r}" for name, a, b in diffs[:limit]]
+    if len(diffs) > limit:
+        parts.append(f"and {len(diffs) - limit} more")
+    return "; ".join(parts)
+
+
+def _typed(data: object, key: str, kind: type, optional: bool = False) -> Any:
+    if not isinstance(data, dict):
+        raise ManifestError(f"expected a JSON object holding {key!r}; found {type(data).__name__}")
+    if key not in data:
+        raise ManifestError(f"fingerprint field {key!r} is missing")
+    value = data[key]
+    if value is None and optional:
+        return None
+    if kind is int:
+        return _int(value, key)
+    if not isinstance(value, kind):
+        raise ManifestError(f"fingerprint field {key!r} must be {kind.__name__}; found {type(value).__name__}")
+    return value
+
+
+def _int(value: object, key: str = "value") -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ManifestError(f"fingerprint field {key!r} must be an integer; found {value!r}")
+    return value
+
+
+__all__ = ["FORMAT_VERSION", "Fingerprint", "canonical_json", "config_hash", "format_differences"]

@@ -1,0 +1,512 @@
+"""The keeper: a small host daemon that holds segment fds and manifests, keyed by fingerprint.
+
+It never maps segment memory and never imports torch or CUDA, so it costs no GPU memory and starts instantly.
+One keeper serves one socket directory (one per host and user). Each client connection is a thread; an open
+connection is the client's lease on the entries it got or published, and closing it releases them.
+
+Readiness is atomic: the keeper takes an exclusive lock for its lifetime (so a second keeper refuses to
+start, and a crashed one leaves no stale lock), binds its socket under a temporary name, and renames it into
+place only once it listens. A client that connects to ``keeper.sock`` therefore always reaches a serving
+keeper, and a socket file left by a dead keeper refuses connections and is replaced on the next start.
+
+Bad input never takes the keeper down: a malformed frame closes that one connection, an invalid request gets
+an error reply, and nothing received is unpickled or evaluated.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import select
+import signal
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from . import protocol, segments
+from ._version import __version__
+from .errors import KeeperAlreadyRunning, ManifestError, ProtocolError, SegmentError, WeightCacheError
+from .manifest import Manifest
+from .protocol import field, peer_credentials, recv_frame, send_frame
+from .rundir import INSTANCE_LOCK_NAME, ensure_private_dir, resolve_socket_dir, socket_path
+
+log = logging.getLogger("weightcache.keeper")
+
+MAX_CONNECTIONS = 1024
+
+
+@attrs.define
+class Lease:
+    pid: int
+    since: float
+
+
+@attrs.define
+class Entry:
+    """What the keeper holds for one (digest, placement)."""
+
+    digest: str
+    manifest: Manifest
+    manifest_json: dict[str, Any]
+    fds: list[int]
+    created: float
+    last_used: float
+    #: connection id -> lease
+    leases: dict[int, Lease] = attrs.field(factory=dict)
+
+    @property
+    def key(self) -> str:
+        return entry_key(self.digest, self.manifest.fingerprint.placement)
+
+    def describe(self, now: float) -> dict[str, Any]:
+        fp = self.manifest.fingerprint
+        return {
+            "key": self.key,
+            "digest": self.digest,
+            "placement": fp.placement,
+            "device": fp.device_kind if fp.placement == "cpu" else f"{fp.device_kind}:{fp.placement}",
+            "model": fp.architecture or Path(fp.model_path).name,
+            "model_path": fp.model_path,
+            "bytes": self.manifest.total_bytes,
+            "tensor_bytes": self.manifest.tensor_bytes,
+            "tensors": len(self.manifest),
+            "segments": len(self.manifest.segments),
+            "leases": len(self.leases),
+            "holders": [{"pid": lease.pid, "since": lease.since} for lease in self.leases.values()],
+            "created": self.created,
+            "last_used": self.last_used,
+            "age_s": round(now - self.created, 3),
+            "fingerprint": fp.to_json(),
+        }
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+
+
+def entry_key(digest: str, placement: str) -> str:
+    return f"{digest}@{placement}"
+
+
+class RequestError(WeightCacheError):
+    """An invalid request: answered with an error reply, the connection stays open."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+class Keeper:
+    """The keeper process's state and server loop. Use :func:`serve` to run one."""
+
+    def __init__(self, socket_dir: Path, *, allowed_gids: tuple[int, ...] = ()) -> None:
+        self.socket_dir = socket_dir
+        self.allowed_gids = allowed_gids
+        self.started = time.time()
+        self.entries: dict[str, Entry] = {}
+        self.lock = threading.Lock()
+        self._stop = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+        self._next_conn = 0
+        self._connections: dict[int, socket.socket] = {}
+        self._lock_fd = -1
+        self._listener: socket.socket | None = None
+        self._sock_ino: int | None = None
+
+    # --- lifecycle --------------------------------------------------------------------------------------
+
+    def start(self) -> None:
+        """Take the instance lock, bind and listen, then publish the socket atomically (rename)."""
+        ensure_private_dir(self.socket_dir)
+        lock_path = self.socket_dir / INSTANCE_LOCK_NAME
+        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        try:
+            fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            other = os.pread(self._lock_fd, 64, 0).decode(errors="replace").strip() or "?"
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+            raise KeeperAlreadyRunning(
+                f"a keeper (pid {other}) already serves {self.socket_dir}; use it, or stop it first with "
+                f"`weightcache stop --socket-dir {self.socket_dir}`"
+            ) from None
+        os.ftruncate(self._lock_fd, 0)
+        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+        final = socket_path(self.socket_dir)
+        tmp = self.socket_dir / f".keeper.{os.getpid()}.sock"
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(tmp)
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        old_umask = os.umask(0o177)
+        try:
+            listener.bind(str(tmp))
+        finally:
+            os.umask(old_umask)
+        os.chmod(tmp, 0o600)
+        listener.listen(128)
+        # We hold the instance lock, so whatever sits at `final` is a dead keeper's socket: replace it.
+        os.replace(tmp, final)
+        self._sock_ino = os.stat(final).st_ino
+        self._listener = listener
+        log.info("keeper %d serving %s (weightcache %s)", os.getpid(), final, __version__)
+
+    def stop(self) -> None:
+        """Ask the server loop to exit (thread- and signal-safe)."""
+        self._stop.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def close(self) -> None:
+        """Remove our socket (only if it is still ours), drop all entries and release the instance lock."""
+        final = socket_path(self.socket_dir)
+        try:
+            if self._sock_ino is not None and os.stat(final).st_ino == self._sock_ino:
+                os.unlink(final)
+        except FileNotFoundError:
+            pass
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+        with self.lock:
+            for conn in list(self._connections.values()):
+                with contextlib.suppress(OSError):
+                    conn.shutdown(socket.SHUT_RDWR)
+            for entry in self.entries.values():
+                entry.close()
+            self.entries.clear()
+        if self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._lock_fd, 0)
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
+    def serve_forever(self) -> None:
+        assert self._listener is not None, "call start() first"
+        listener = self._listener
+        while not self._stop.is_set():
+            waitables: list[Any] = [listener, self._wake_r]
+            ready, _, _ = select.select(waitables, [], [])
+            if self._stop.is_set():
+                break
+            if listener not in ready:
+                continue
+            try:
+                conn, _ = listener.accept()
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                continue
+            self._admit(conn)
+
+    def _admit(self, conn: socket.socket) -> None:
+        try:
+            pid, uid, gid = peer_credentials(conn)
+        except OSError:
+            conn.close()
+            return
+        if uid != os.getuid() and gid not in self.allowed_gids:
+            log.warning("refused connection from pid %d uid %d gid %d", pid, uid, gid)
+            with contextlib.suppress(OSError):
+                send_frame(
+                    conn,
+                    {
+                        "ok": False,
+                        "error": "forbidden",
+                        "message": f"this keeper serves uid {os.getuid()} only; you are uid {uid}",
+                    },
+                )
+            conn.close()
+            return
+        with self.lock:
+            if len(self._connections) >= MAX_CONNECTIONS:
+                busy = True
+            else:
+                busy = False
+                self._next_conn += 1
+                cid = self._next_conn
+                self._connections[cid] = conn
+        if busy:
+            with contextlib.suppress(OSError):
+                send_frame(conn, {"ok": False, "error": "busy", "message": f"over {MAX_CONNECTIONS} connections"})
+            conn.close()
+            return
+        threading.Thread(target=self._serve_connection, args=(cid, conn, pid), daemon=True).start()
+
+    # --- one connection ---------------------------------------------------------------------------------
+
+    def _serve_connection(self, cid: int, conn: socket.socket, pid: int) -> None:
+        greeted = False
+        try:
+            while not self._stop.is_set():
+                try:
+                    message, fds = recv_frame(conn)
+                except protocol.PeerClosed:
+                    return
+                except ProtocolError as exc:
+                    log.info("connection %d (pid %d): %s", cid, pid, exc)
+                    with contextlib.suppress(OSError):
+                        send_frame(conn, {"ok": False, "error": "bad_frame", "message": str(exc)})
+                    return
+                try:
+                    op = message.get("op")
+                    if not greeted and op != "hello":
+                        raise RequestError("bad_request", f"the first message must be 'hello'; got {op!r}")
+                    reply, out_fds = self._handle(cid, pid, op, message, fds)
+                    fds = []  # ownership taken by the handler
+                    greeted = True
+                except (RequestError, ProtocolError, ManifestError, SegmentError) as exc:
+                    code = exc.code if isinstance(exc, RequestError) else "bad_request"
+                    reply, out_fds = {"ok": False, "error": code, "message": str(exc)}, []
+                    if code == "version":
+                        send_frame(conn, reply)
+                        return
+                finally:
+                    protocol.close_fds(fds)
+                try:
+                    send_frame(conn, reply, out_fds)
+                finally:
+                    protocol.close_fds(out_fds)
+                if op == "stop" and reply.get("ok"):
+                    self.stop()
+                    return
+        except OSError as exc:
+            log.info("connection %d (pid %d) failed: %s", cid, pid, exc)
+        finally:
+            with self.lock:
+                self._connections.pop(cid, None)
+                for entry in self.entries.values():
+                    entry.leases.pop(cid, None)
+            conn.close()
+
+    def _handle(
+        self, cid: int, pid: int, op: object, message: dict[str, Any], fds: list[int]
+    ) -> tuple[dict[str, Any], list[int]]:
+        if op != "publish" and fds:
+            raise RequestError("bad_request", f"message {op!r} carries no fds; {len(fds)} arrived")
+        if op == "hello":
+            return self._hello(message), []
+        if op == "publish":
+            return self._publish(cid, pid, message, fds), []
+        if op == "get":
+            return self._get(cid, pid, message)
+        if op == "release":
+            return self._release(cid, message), []
+        if op == "list":
+            return self._list(), []
+        if op == "inspect":
+            return self._inspect(message), []
+        if op == "evict":
+            return self._evict(message), []
+        if op == "stop":
+            return {"ok": True, "pid": os.getpid()}, []
+        raise RequestError("bad_request", f"unknown op {op!r}; expected one of {sorted(OPS)}")
+
+    def _hello(self, message: dict[str, Any]) -> dict[str, Any]:
+        theirs = field(message, "protocol", int)
+        their_min = field(message, "min_protocol", int, optional=True) or theirs
+        lo, hi = max(their_min, protocol.MIN_PROTOCOL_VERSION), min(theirs, protocol.PROTOCOL_VERSION)
+        if lo > hi:
+            raise RequestError(
+                "version",
+                f"protocol mismatch: this keeper (weightcache {__version__}, pid {os.getpid()}) speaks "
+                f"protocol {protocol.MIN_PROTOCOL_VERSION}..{protocol.PROTOCOL_VERSION}, the client speaks "
+                f"{their_min}..{theirs}. Run the same weightcache version on both sides, or stop the keeper "
+                "(`weightcache stop`) so a matching one is started.",
+            )
+        return {
+            "ok": True,
+            "protocol": hi,
+            "keeper_version": __version__,
+            "pid": os.getpid(),
+            "uid": os.getuid(),
+        }
+
+    def _publish(self, cid: int, pid: int, message: dict[str, Any], fds: list[int]) -> dict[str, Any]:
+        # On error the caller closes `fds`; on success this handler owns them.
+        manifest_json = field(message, "manifest", dict)
+        manifest = Manifest.from_json(manifest_json)
+        if len(fds) != len(manifest.segments):
+            raise RequestError(
+                "bad_request", f"manifest lists {len(manifest.segments)} segments but {len(fds)} fds arrived"
+            )
+        for fd, info in zip(fds, manifest.segments):
+            segments.verify_fd(fd, info)
+        digest = manifest.fingerprint.digest
+        key = entry_key(digest, manifest.fingerprint.placement)
+        now = time.time()
+        with self.lock:
+            existing = self.entries.get(key)
+            if existing is None:
+                self.entries[key] = Entry(
+                    digest=digest,
+                    manifest=manifest,
+                    manifest_json=manifest_json,
+                    fds=list(fds),
+                    created=now,
+                    last_used=now,
+                    leases={cid: Lease(pid, now)},
+                )
+        if existing is not None:
+            protocol.close_fds(fds)
+            return {"ok": True, "digest": digest, "key": key, "created": False}
+        log.info("published %s (%d bytes, %d tensors) from pid %d", key, manifest.total_bytes, len(manifest), pid)
+        return {"ok": True, "digest": digest, "key": key, "created": True}
+
+    def _get(self, cid: int, pid: int, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+        digest = field(message, "digest", str)
+        placement = field(message, "placement", str)
+        key = entry_key(digest, placement)
+        with self.lock:
+            entry = self.entries.get(key)
+            if entry is None:
+                return {"ok": True, "found": False}, []
+            now = time.time()
+            entry.last_used = now
+            entry.leases.setdefault(cid, Lease(pid, now))
+            # dup under the lock: an evict racing with this get cannot close the fds we are about to send.
+            out = [os.dup(fd) for fd in entry.fds]
+            manifest_json = entry.manifest_json
+        return {"ok": True, "found": True, "key": key, "manifest": manifest_json}, out
+
+    def _release(self, cid: int, message: dict[str, Any]) -> dict[str, Any]:
+        key = entry_key(field(message, "digest", str), field(message, "placement", str))
+        with self.lock:
+            entry = self.entries.get(key)
+            released = entry is not None and entry.leases.pop(cid, None) is not None
+        return {"ok": True, "released": released}
+
+    def _list(self) -> dict[str, Any]:
+        now = time.time()
+        with self.lock:
+            entries = [e.describe(now) for e in self.entries.values()]
+            connections = len(self._connections)
+        return {
+            "ok": True,
+            "keeper": {
+                "pid": os.getpid(),
+                "version": __version__,
+                "protocol": protocol.PROTOCOL_VERSION,
+                "socket_dir": str(self.socket_dir),
+                "started": self.started,
+                "uptime_s": round(now - self.started, 3),
+                "connections": connections,
+            },
+            "entries": entries,
+        }
+
+    def _match(self, prefix: str) -> list[Entry]:
+        if not prefix:
+            raise RequestError("bad_request", "empty digest")
+        return [e for k, e in self.entries.items() if k.startswith(prefix) or e.digest.startswith(prefix)]
+
+    def _inspect(self, message: dict[str, Any]) -> dict[str, Any]:
+        prefix = field(message, "digest", str)
+        with self.lock:
+            found = self._match(prefix)
+            if len(found) != 1:
+                raise self._ambiguous(prefix, found)
+            entry = found[0]
+            return {"ok": True, "entry": entry.describe(time.time()), "manifest": entry.manifest_json}
+
+    def _evict(self, message: dict[str, Any]) -> dict[str, Any]:
+        prefix = field(message, "digest", str)
+        force = bool(field(message, "force", bool, optional=True))
+        every = bool(field(message, "all", bool, optional=True))
+        with self.lock:
+            found = list(self.entries.values()) if every and prefix == "*" else self._match(prefix)
+            if not found:
+                raise self._ambiguous(prefix, found)
+            leased = [e for e in found if e.leases]
+            if leased and not force:
+                raise RequestError(
+                    "leased",
+                    "entr{} {} {} leased by pid {}; evict anyway with force (memory stays mapped in those "
+                    "processes until they exit)".format(
+                        "y" if len(leased) == 1 else "ies",
+                        ", ".join(e.key[:16] for e in leased),
+                        "is" if len(leased) == 1 else "are",
+                        ", ".join(sorted({str(lease.pid) for e in leased for lease in e.leases.values()})),
+                    ),
+                )
+            for e in found:
+                del self.entries[e.key]
+                e.close()
+        return {"ok": True, "evicted": [e.key for e in found]}
+
+    @staticmethod
+    def _ambiguous(prefix: str, found: list[Entry]) -> RequestError:
+        if not found:
+            return RequestError("not_found", f"no entry matches {prefix!r}; `weightcache ls` lists the entries")
+        return RequestError(
+            "ambiguous", f"{prefix!r} matches {len(found)} entries ({', '.join(e.key[:20] for e in found)})"
+        )
+
+
+OPS = ("hello", "publish", "get", "release", "list", "inspect", "evict", "stop")
+
+
+def serve(
+    socket_dir: str | os.PathLike[str] | None = None,
+    *,
+    allowed_gids: tuple[int, ...] = (),
+    ready_fd: int | None = None,
+) -> None:
+    """Run a keeper in this process until it is stopped (``weightcache stop``, SIGTERM or SIGINT).
+
+    ``ready_fd``, when given, receives ``b"ok\\n"`` once the socket is live, or ``b"error: ...\\n"``.
+    """
+    directory = resolve_socket_dir(socket_dir)
+    keeper = Keeper(directory, allowed_gids=allowed_gids)
+    try:
+        keeper.start()
+    except Exception as exc:
+        if ready_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(ready_fd, f"error: {exc}\n".encode())
+                os.close(ready_fd)
+        raise
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: keeper.stop())
+    if ready_fd is not None:
+        with contextlib.suppress(OSError):
+            os.write(ready_fd, b"ok\n")
+            os.close(ready_fd)
+    try:
+        keeper.serve_forever()
+    finally:
+        keeper.close()
+        log.info("keeper %d stopped", os.getpid())
+
+
+def detach_and_serve(socket_dir: str | None, ready_fd: int | None, allowed_gids: tuple[int, ...] = ()) -> None:
+    """Fork into the background (new session, stdio to the log), then :func:`serve`. The caller returns."""
+    directory = ensure_private_dir(resolve_socket_dir(socket_dir))
+    if os.fork() != 0:
+        os._exit(0)  # the spawner waits for this intermediate process only; the keeper is re-parented
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    log_fd = os.open(directory / "keeper.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    os.dup2(devnull, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(devnull)
+    os.close(log_fd)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
+    try:
+        serve(directory, allowed_gids=allowed_gids, ready_fd=ready_fd)
+    except KeeperAlreadyRunning as exc:
+        log.info("%s", exc)
+        os._exit(0)
+    except Exception:
+        log.exception("keeper failed")
+        os._exit(1)
+    os._exit(0)

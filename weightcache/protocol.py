@@ -1,0 +1,188 @@
+"""The wire protocol between clients and the keeper: length-prefixed JSON frames, fds over SCM_RIGHTS.
+
+Specified in docs/protocol.md. A frame is an 8-byte header followed by a UTF-8 JSON object::
+
+    magic b"WC" | wire version (u8) | number of fds attached (u8) | payload length (u32, big endian)
+
+The fds ride as SCM_RIGHTS ancillary data on the header bytes; the header's count lets the receiver check
+that exactly the announced fds arrived. Every length is bounded before anything is allocated, and nothing
+received is ever unpickled or evaluated: JSON is parsed into plain values and checked field by field.
+
+This module must not import torch: the keeper uses it.
+"""
+
+from __future__ import annotations
+
+import array
+import json
+import os
+import socket
+import struct
+from collections.abc import Sequence
+from typing import Any
+
+from .errors import ProtocolError
+
+MAGIC = b"WC"
+#: Version of the frame layout (the 8-byte header). Changes only if the framing itself changes.
+WIRE_VERSION = 1
+#: Version of the message vocabulary; negotiated in ``hello``. A keeper serves clients whose range overlaps.
+PROTOCOL_VERSION = 1
+MIN_PROTOCOL_VERSION = 1
+
+HEADER = struct.Struct("!2sBBI")
+#: Largest JSON payload accepted (a manifest of ~100k tensors fits).
+MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
+#: Most fds in one frame (the kernel's SCM_MAX_FD is 253).
+MAX_FDS = 250
+#: Seconds a peer may take to deliver the rest of a frame once its header arrived.
+FRAME_TIMEOUT_S = 30.0
+_FD_SIZE = array.array("i").itemsize
+
+
+class PeerClosed(ProtocolError):
+    """The peer closed the connection cleanly between frames."""
+
+
+def send_frame(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
+    """Send one frame: ``message`` as JSON with ``fds`` attached. The fds stay open on this side."""
+    if len(fds) > MAX_FDS:
+        raise ProtocolError(f"a frame carries at most {MAX_FDS} fds; tried to send {len(fds)}")
+    payload = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
+    if len(payload) > MAX_PAYLOAD_BYTES:
+        raise ProtocolError(
+            f"message of {len(payload)} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte limit "
+            "(too many tensors in one entry?)"
+        )
+    data = HEADER.pack(MAGIC, WIRE_VERSION, len(fds), len(payload)) + payload
+    ancillary = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", fds))] if fds else []
+    sent = sock.sendmsg([data], ancillary)
+    if sent < len(data):
+        sock.sendall(data[sent:])
+
+
+def close_fds(fds: Sequence[int]) -> None:
+    """Close every fd, ignoring ones already closed."""
+    for fd in fds:
+        try:
+            os.close(fd)
+        except OSError:
+            pass
+
+
+def _fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
+    fds: list[int] = []
+    for level, kind, data in ancdata:
+        if level == socket.SOL_SOCKET and kind == socket.SCM_RIGHTS:
+            usable = len(data) - len(data) % _FD_SIZE
+            fds.extend(array.array("i", data[:usable]))
+    return fds
+
+
+def recv_frame(sock: socket.socket, *, idle_timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
+    """Receive one frame: ``(message, fds)``. The caller owns (and must close) the returned fds.
+
+    Raises :class:`PeerClosed` if the peer closed between frames and :class:`ProtocolError` for anything
+    malformed; in both cases every fd received so far is closed first.
+    """
+    sock.settimeout(idle_timeout)
+    fds: list[int] = []
+    try:
+        header = b""
+        while len(header) < HEADER.size:
+            data, ancdata, flags, _ = sock.recvmsg(
+                HEADER.size - len(header), socket.CMSG_SPACE(MAX_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
+            )
+            fds.extend(_fds_from_ancillary(ancdata))
+            if flags & socket.MSG_CTRUNC:
+                raise ProtocolError(f"peer sent more than {MAX_FDS} fds in one frame")
+            if not data:
+                if header or fds:
+                    raise ProtocolError("peer closed the connection in the middle of a frame header")
+                raise PeerClosed("peer closed the connection")
+            header += data
+            sock.settimeout(FRAME_TIMEOUT_S)
+        magic, wire, nfds, length = HEADER.unpack(header)
+        if magic != MAGIC:
+            raise ProtocolError(f"bad frame magic {magic!r}; expected {MAGIC!r} (not a weightcache peer?)")
+        if wire != WIRE_VERSION:
+            raise ProtocolError(f"frame format version {wire}; this side speaks {WIRE_VERSION}")
+        if length > MAX_PAYLOAD_BYTES:
+            raise ProtocolError(f"frame announces {length} payload bytes; the limit is {MAX_PAYLOAD_BYTES}")
+        if nfds != len(fds):
+            raise ProtocolError(f"frame announces {nfds} fds but {len(fds)} arrived")
+        payload = bytearray(length)
+        view = memoryview(payload)
+        got = 0
+        while got < length:
+            n, ancdata, flags, _ = sock.recvmsg_into(
+                [view[got:]], socket.CMSG_SPACE(MAX_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
+            )
+            stray = _fds_from_ancillary(ancdata)
+            if stray:
+                fds.extend(stray)
+                raise ProtocolError("fds arrived in the middle of a frame payload")
+            if n == 0:
+                raise ProtocolError(f"peer closed the connection after {got} of {length} payload bytes")
+            got += n
+        try:
+            message = json.loads(payload.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise ProtocolError(f"frame payload is not UTF-8 JSON: {exc}") from exc
+        if not isinstance(message, dict):
+            raise ProtocolError(f"frame payload must be a JSON object; found {type(message).__name__}")
+        return message, fds
+    except TimeoutError as exc:
+        close_fds(fds)
+        raise ProtocolError(f"peer sent a partial frame and then nothing for {FRAME_TIMEOUT_S:.0f} s") from exc
+    except OSError as exc:
+        close_fds(fds)
+        raise ProtocolError(f"connection failed while reading a frame: {exc}") from exc
+    except BaseException:
+        close_fds(fds)
+        raise
+
+
+# --- field checks for messages read off the wire -----------------------------------------------------------
+
+
+def field(message: dict[str, Any], key: str, kind: type | tuple[type, ...], *, optional: bool = False) -> Any:
+    """``message[key]``, checked to be of ``kind``; ProtocolError naming the field otherwise."""
+    if key not in message or message[key] is None:
+        if optional:
+            return None
+        raise ProtocolError(f"message {message.get('op', '?')!r} lacks the field {key!r}")
+    value = message[key]
+    kinds = kind if isinstance(kind, tuple) else (kind,)
+    if isinstance(value, bool) and bool not in kinds:
+        raise ProtocolError(f"field {key!r} must be {_names(kinds)}; found a boolean")
+    if not isinstance(value, kinds):
+        raise ProtocolError(f"field {key!r} must be {_names(kinds)}; found {type(value).__name__}")
+    return value
+
+
+def _names(kinds: tuple[type, ...]) -> str:
+    return " or ".join(k.__name__ for k in kinds)
+
+
+def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
+    """``(pid, uid, gid)`` of the process at the other end of a Unix socket (SO_PEERCRED)."""
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
+    pid, uid, gid = struct.unpack("3i", creds)
+    return pid, uid, gid
+
+
+__all__ = [
+    "FRAME_TIMEOUT_S",
+    "MAX_FDS",
+    "MAX_PAYLOAD_BYTES",
+    "MIN_PROTOCOL_VERSION",
+    "PROTOCOL_VERSION",
+    "PeerClosed",
+    "WIRE_VERSION",
+    "close_fds",
+    "field",
+    "peer_credentials",
+    "recv_frame",
+    "send_frame",
+]

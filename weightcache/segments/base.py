@@ -1,0 +1,80 @@
+"""The segment transport interface: how a region of shareable memory is created, filled, exported, checked
+and mapped. One transport per file (``memfd.py`` for CPU; CUDA VMM drops in beside it).
+
+The cut is here so that the keeper, the protocol and the cache never know which memory they move: they pass
+around an fd, a :class:`~weightcache.manifest.SegmentInfo` and, in clients, a flat ``uint8`` tensor that owns
+the mapping. Lifetime rule: the memory lives while any fd or mapping of it lives. A mapped base tensor keeps
+its mapping alive through every view made of it, so dropping a Handle never pulls memory from under a model.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from typing import TYPE_CHECKING, ClassVar
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..manifest import SegmentInfo
+
+
+class Segment(ABC):
+    """A region being filled by a publisher. Write tensors at offsets, :meth:`seal`, then export :attr:`fd`."""
+
+    kind: ClassVar[str]
+
+    def __init__(self, size: int, placement: str) -> None:
+        self.size = size
+        self.placement = placement
+
+    @abstractmethod
+    def write(self, offset: int, tensor: torch.Tensor) -> None:
+        """Copy ``tensor``'s bytes (in memory order, see :func:`weightcache.segments.dense_bytes`) to ``offset``."""
+
+    @abstractmethod
+    def seal(self) -> None:
+        """Finish writing. After this the contents never change and :attr:`fd` can be shared."""
+
+    @property
+    @abstractmethod
+    def fd(self) -> int:
+        """The shareable fd; owned by the segment until :meth:`close`."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Close this process's fd. Memory stays alive while the keeper or any mapping holds it."""
+
+    def __enter__(self) -> Segment:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Transport(ABC):
+    """Creates, verifies and maps segments of one kind."""
+
+    #: ``SegmentInfo.kind`` this transport handles.
+    kind: ClassVar[str]
+    #: Tensors are packed at offsets that are multiples of this many bytes.
+    alignment: ClassVar[int]
+
+    @abstractmethod
+    def create(self, size: int, placement: str) -> Segment:
+        """A new writable segment of ``size`` bytes at ``placement``."""
+
+    @abstractmethod
+    def map(self, fd: int, info: SegmentInfo) -> torch.Tensor:
+        """Map a received fd; return a flat ``uint8`` tensor over the whole segment that owns the mapping.
+
+        Writes through the returned tensor must never reach other processes' view of the segment. The fd
+        is not consumed: the caller still owns and closes it.
+        """
+
+    @staticmethod
+    @abstractmethod
+    def verify_fd(fd: int, info: SegmentInfo) -> None:
+        """Check that ``fd`` really is a sealed segment of this kind and size; raise SegmentError otherwise.
+
+        Runs in the keeper: must not import torch or create a CUDA context.
+        """

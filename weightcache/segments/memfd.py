@@ -1,0 +1,123 @@
+"""CPU segments: sealed memfds.
+
+A publisher writes tensors into a memfd with ``pwrite`` (no mapping needed), then seals it against writing,
+shrinking and growing. Sealing is what makes sharing safe: no process, however buggy, can change the bytes
+other processes read or truncate the file under their mappings (which would kill them with SIGBUS).
+
+Clients map the memfd ``MAP_PRIVATE``: reads hit the one shared copy in the page cache, and an engine that
+writes to its weights gets a private copy of that page instead of corrupting everyone else's.
+
+Must not import torch at module level: the keeper calls :meth:`MemfdTransport.verify_fd`.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import mmap
+import os
+import stat
+from typing import TYPE_CHECKING, ClassVar
+
+from ..errors import SegmentError
+from .base import Segment, Transport
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..manifest import SegmentInfo
+
+REQUIRED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+MEMFD_PREFIX = "/memfd:weightcache"
+
+
+class MemfdSegment(Segment):
+    kind: ClassVar[str] = "memfd"
+
+    def __init__(self, size: int, placement: str, name: str = "weightcache") -> None:
+        super().__init__(size, placement)
+        if placement != "cpu":
+            raise SegmentError(f"memfd segments live on 'cpu'; asked for placement {placement!r}")
+        try:
+            self._fd = os.memfd_create(name, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        except OSError as exc:
+            raise SegmentError(f"memfd_create failed: {exc}; this needs Linux >= 3.17") from exc
+        try:
+            os.ftruncate(self._fd, size)
+        except OSError as exc:
+            os.close(self._fd)
+            raise SegmentError(f"cannot size a memfd to {size} bytes: {exc}") from exc
+        self._sealed = False
+
+    def write(self, offset: int, tensor: torch.Tensor) -> None:
+        from . import dense_bytes
+
+        if self._sealed:
+            raise SegmentError("segment is sealed; it cannot be written any more")
+        data = dense_bytes(tensor)
+        n = data.numel()
+        if offset < 0 or offset + n > self.size:
+            raise SegmentError(f"write of {n} bytes at {offset} overflows a {self.size}-byte segment")
+        view = data.numpy().data if n else memoryview(b"")
+        done = 0
+        try:
+            while done < n:
+                done += os.pwrite(self._fd, view[done:], offset + done)
+        except OSError as exc:
+            raise SegmentError(
+                f"writing {n} bytes into a memfd failed: {exc} (out of memory, or /dev/shm limits?)"
+            ) from exc
+
+    def seal(self) -> None:
+        if not self._sealed:
+            fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS | fcntl.F_SEAL_SEAL)
+            self._sealed = True
+
+    @property
+    def fd(self) -> int:
+        if self._fd < 0:
+            raise SegmentError("segment is closed")
+        return self._fd
+
+    def close(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+
+
+class MemfdTransport(Transport):
+    kind: ClassVar[str] = "memfd"
+    #: 64 bytes would do for CPU kernels; 512 keeps offsets identical to the CUDA transport's rule.
+    alignment: ClassVar[int] = 512
+
+    def create(self, size: int, placement: str) -> MemfdSegment:
+        return MemfdSegment(size, placement)
+
+    def map(self, fd: int, info: SegmentInfo) -> torch.Tensor:
+        import torch
+
+        self.verify_fd(fd, info)
+        try:
+            mapping = mmap.mmap(fd, info.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+        except OSError as exc:
+            raise SegmentError(f"cannot map a {info.size}-byte memfd: {exc}") from exc
+        # torch.frombuffer keeps `mapping` referenced for as long as the tensor or any view of it lives;
+        # the mapping is unmapped only when the last of them is collected.
+        return torch.frombuffer(mapping, dtype=torch.uint8)
+
+    @staticmethod
+    def verify_fd(fd: int, info: SegmentInfo) -> None:
+        try:
+            st = os.fstat(fd)
+            target = os.readlink(f"/proc/self/fd/{fd}")
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise SegmentError(f"fd {fd} is not a sealed memfd: {exc}") from exc
+        if not stat.S_ISREG(st.st_mode) or not target.startswith("/memfd:"):
+            raise SegmentError(f"expected a memfd for a CPU segment; fd {fd} is {target!r}")
+        if st.st_size != info.size:
+            raise SegmentError(f"memfd holds {st.st_size} bytes; the manifest says {info.size}")
+        if seals & REQUIRED_SEALS != REQUIRED_SEALS:
+            raise SegmentError(
+                f"memfd is not sealed against write/shrink/grow (seals {seals:#x}); refusing to share memory "
+                "that its creator can still change"
+            )
