@@ -22,7 +22,15 @@ from . import quant as quant_registry
 from .binding import bind, to_device
 from .cache import Cache, Handle
 from .checkpoint import load_state_dict
-from .errors import EntryNotFound, FallbackWarning, FingerprintMismatch, KeeperUnavailable
+from .errors import (
+    EntryNotFound,
+    FallbackWarning,
+    FingerprintMismatch,
+    KeeperError,
+    KeeperUnavailable,
+    ProtocolError,
+    SocketDirError,
+)
 from .fingerprint import Fingerprint, format_differences
 
 Mode = Literal["off", "daemon", "client"]
@@ -115,6 +123,10 @@ def attach(
         if strict:
             raise
         return _fallback(from_disk, f"no keeper is available ({exc})")
+    except (KeeperError, ProtocolError, SocketDirError) as exc:
+        if strict:
+            raise
+        return _fallback(from_disk, f"the keeper could not serve this request ({exc})")
     if handle is not None:
         return _bound(model, handle, dev)
     reason, diffs = _why_missing(cache, fingerprint)

@@ -247,7 +247,9 @@ class Keeper:
         try:
             while not self._stop.is_set():
                 try:
-                    message, fds = recv_frame(conn)
+                    # Until hello, a silent peer is dropped after the frame timeout; after it, an idle
+                    # connection is a lease and may stay open for as long as its engine runs.
+                    message, fds = recv_frame(conn, idle_timeout=None if greeted else protocol.FRAME_TIMEOUT_S)
                 except protocol.PeerClosed:
                     return
                 except ProtocolError as exc:

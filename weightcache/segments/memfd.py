@@ -43,9 +43,15 @@ class MemfdSegment(Segment):
             raise SegmentError(f"memfd_create failed: {exc}; this needs Linux >= 3.17") from exc
         try:
             os.ftruncate(self._fd, size)
+            # Reserve the pages now: running out of memory becomes a clear error here instead of a SIGBUS
+            # in some process that touches the page later.
+            os.posix_fallocate(self._fd, 0, size)
         except OSError as exc:
             os.close(self._fd)
-            raise SegmentError(f"cannot size a memfd to {size} bytes: {exc}") from exc
+            raise SegmentError(
+                f"cannot allocate a {size}-byte shared memory segment: {exc}. Free memory (evict entries with "
+                "`weightcache evict`) or publish a smaller model."
+            ) from exc
         self._sealed = False
 
     def write(self, offset: int, tensor: torch.Tensor) -> None:
@@ -109,11 +115,14 @@ class MemfdTransport(Transport):
         try:
             st = os.fstat(fd)
             target = os.readlink(f"/proc/self/fd/{fd}")
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
         except OSError as exc:
-            raise SegmentError(f"fd {fd} is not a sealed memfd: {exc}") from exc
+            raise SegmentError(f"fd {fd} cannot be inspected: {exc}") from exc
         if not stat.S_ISREG(st.st_mode) or not target.startswith("/memfd:"):
             raise SegmentError(f"expected a memfd for a CPU segment; fd {fd} is {target!r}")
+        try:
+            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+        except OSError as exc:
+            raise SegmentError(f"memfd {target!r} does not support sealing: {exc}") from exc
         if st.st_size != info.size:
             raise SegmentError(f"memfd holds {st.st_size} bytes; the manifest says {info.size}")
         if seals & REQUIRED_SEALS != REQUIRED_SEALS:

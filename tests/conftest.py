@@ -1,0 +1,164 @@
+"""Shared fixtures: private socket directories, real keeper processes, tiny checkpoints."""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+from models import make_checkpoint  # noqa: E402
+
+import weightcache as wc  # noqa: E402
+from weightcache.client import KeeperConnection  # noqa: E402
+from weightcache.rundir import INSTANCE_LOCK_NAME  # noqa: E402
+
+
+def cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:
+        return False
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    if cuda_available():
+        return
+    skip = pytest.mark.skip(reason="needs an NVIDIA GPU (marked cuda)")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
+
+
+def keeper_pid(socket_dir: Path) -> int | None:
+    try:
+        text = (socket_dir / INSTANCE_LOCK_NAME).read_text().strip()
+    except FileNotFoundError:
+        return None
+    return int(text) if text.isdigit() else None
+
+
+def stop_keeper(socket_dir: Path) -> None:
+    """Stop whatever keeper serves socket_dir (politely, then SIGKILL)."""
+    pid = keeper_pid(socket_dir)
+    with contextlib.suppress(wc.WeightCacheError), KeeperConnection.connect(socket_dir) as conn:
+        conn.request({"op": "stop"})
+    if pid:
+        for _ in range(100):
+            try:
+                os.kill(pid, 0)
+            except ProcessLookupError:
+                return
+            time.sleep(0.02)
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
+
+
+@pytest.fixture
+def socket_dir() -> Iterator[Path]:
+    """A fresh, short socket directory path (not created), with any keeper in it stopped afterwards."""
+    base = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    path = base / "s"
+    yield path
+    stop_keeper(path)
+    shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.fixture
+def keeper(socket_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
+    """A keeper running in the foreground as a child process (`weightcache serve`)."""
+    proc = start_keeper(socket_dir)
+    yield proc
+    if proc.poll() is None:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+
+
+def start_keeper(socket_dir: Path) -> subprocess.Popen[bytes]:
+    read_fd, write_fd = os.pipe()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(socket_dir), "--ready-fd", str(write_fd)],
+        pass_fds=(write_fd,),
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+    )
+    os.close(write_fd)
+    with os.fdopen(read_fd, "rb") as ready:
+        status = ready.readline().strip()
+    if status != b"ok":
+        proc.kill()
+        raise RuntimeError(f"keeper did not start: {status!r} {proc.stderr.read() if proc.stderr else ''}")
+    return proc
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Path:
+    return make_checkpoint(tmp_path / "ckpt")
+
+
+def run_worker(command: str, spec: dict, timeout: float = 120) -> dict:
+    out = subprocess.run(
+        [sys.executable, str(HERE / "worker.py"), command, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    if out.returncode != 0:
+        raise AssertionError(f"worker failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+class Holder:
+    """A worker process in `hold` mode: attached, computing on request."""
+
+    def __init__(self, spec: dict) -> None:
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "worker.py"), "hold", json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        line = self.proc.stdout.readline() if self.proc.stdout else ""
+        if not line:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise AssertionError(f"holder failed to attach:\n{err[-4000:]}")
+        self.info = json.loads(line)
+
+    def compute(self) -> dict:
+        assert self.proc.stdin and self.proc.stdout
+        self.proc.stdin.write("go\n")
+        self.proc.stdin.flush()
+        line = self.proc.stdout.readline()
+        if not line:
+            err = self.proc.stderr.read() if self.proc.stderr else ""
+            raise AssertionError(f"holder died:\n{err[-4000:]}")
+        return json.loads(line)
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin
+            self.proc.stdin.close()
+            try:
+                self.proc.wait(10)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

@@ -1,0 +1,312 @@
+"""attach() end to end, with real keeper processes, real sockets and real shared memory."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Holder, keeper_pid, run_worker, start_keeper
+from models import INPUT_IDS, TinyLM, make_checkpoint, meta_model, reference_output
+from worker import digest
+
+import weightcache as wc
+
+
+def output_digest(model: torch.nn.Module) -> str:
+    torch.set_num_threads(1)
+    with torch.no_grad():
+        return digest(model(INPUT_IDS))
+
+
+def test_mode_off_loads_from_disk_without_a_keeper(checkpoint: Path, socket_dir: Path) -> None:
+    model = meta_model()
+    with wc.attach(model, checkpoint, mode="off", socket_dir=socket_dir) as handle:
+        assert handle.source == "disk"
+        assert isinstance(handle.fingerprint, wc.Fingerprint)
+        with torch.no_grad():
+            assert torch.equal(model(INPUT_IDS), reference_output(checkpoint))
+    assert not socket_dir.exists(), "mode off must not involve a keeper"
+
+
+def test_binding_keeps_parameters_buffers_and_ties(checkpoint: Path, socket_dir: Path) -> None:
+    model = meta_model()
+    with wc.attach(model, checkpoint, mode="daemon", socket_dir=socket_dir) as handle:
+        assert handle.source == "cache"
+        assert model.head.weight is model.embed.weight
+        assert isinstance(model.embed.weight, torch.nn.Parameter)
+        assert isinstance(model.blocks[0].up.bias, torch.nn.Parameter)
+        assert "scale" in model._buffers and "scale" not in model._parameters
+        assert "positions" in model._non_persistent_buffers_set
+        assert set(model.state_dict()) == set(TinyLM().state_dict())
+        assert not any(t.is_meta for t in model.state_dict().values())
+
+
+def test_client_in_other_process_is_bitwise_equal_to_disk(checkpoint: Path, socket_dir: Path) -> None:
+    disk = run_worker("attach", {"checkpoint": str(checkpoint), "mode": "off"})
+    daemon = run_worker("attach", {"checkpoint": str(checkpoint), "mode": "daemon", "socket_dir": str(socket_dir)})
+    client = run_worker("attach", {"checkpoint": str(checkpoint), "mode": "client", "socket_dir": str(socket_dir)})
+    assert disk["source"] == "disk" and daemon["source"] == "cache" and client["source"] == "cache"
+    assert disk["output"] == daemon["output"] == client["output"]
+    assert client["warnings"] == []
+    assert disk["digest"] == daemon["digest"] == client["digest"]
+
+
+def test_memory_is_shared_not_copied(tmp_path: Path, socket_dir: Path) -> None:
+    """Two clients touch every page of the weights; smaps shows the pages shared, none private or anonymous,
+    and the host's shared-memory total grows by one copy, not three."""
+    ckpt = make_checkpoint(tmp_path / "big", dim=512, vocab=4096)  # ~25 MB of weights
+    spec = {"checkpoint": str(ckpt), "socket_dir": str(socket_dir), "touch": True}
+    shmem_before = _meminfo_kb("Shmem")
+    publisher = Holder({**spec, "mode": "daemon"})
+    a = Holder({**spec, "mode": "client"})
+    b = Holder({**spec, "mode": "client"})
+    try:
+        shmem_after = _meminfo_kb("Shmem")
+        entry = wc.Cache(socket_dir).entries()[0]
+        size_kb = entry.bytes // 1024
+        for holder in (a, b):
+            smaps = holder.info["smaps"]
+            assert holder.info["source"] == "cache"
+            assert smaps["Rss"] >= 0.9 * size_kb
+            shared = smaps.get("Shared_Clean", 0) + smaps.get("Shared_Dirty", 0)
+            assert shared >= 0.9 * size_kb, str({k: v for k, v in smaps.items() if v})
+            assert smaps["Pss"] <= 0.55 * smaps["Rss"]  # proportional share: at least two processes map it
+            assert smaps.get("Private_Dirty", 0) == 0 and smaps.get("Anonymous", 0) == 0, smaps
+        # one copy in shared memory (plus noise), not one per process
+        assert shmem_after - shmem_before < 1.5 * size_kb + 8192
+    finally:
+        for h in (a, b, publisher):
+            h.close()
+
+
+def test_a_client_writing_its_weights_cannot_corrupt_others(checkpoint: Path, socket_dir: Path) -> None:
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir)}
+    first = run_worker("attach", {**spec, "mode": "daemon"})
+    writer = run_worker("attach", {**spec, "mode": "client", "write": True})
+    assert writer["output_after_write"] != writer["output"]  # its own copy changed...
+    reader = run_worker("attach", {**spec, "mode": "client"})
+    assert reader["output"] == first["output"]  # ...nobody else's
+
+
+def test_keeper_sigkill_leaves_attached_clients_computing(checkpoint: Path, socket_dir: Path) -> None:
+    proc = start_keeper(socket_dir)
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir)}
+    publisher = run_worker("attach", {**spec, "mode": "daemon"})
+    holder = Holder({**spec, "mode": "client"})
+    try:
+        assert holder.info["source"] == "cache"
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        for _ in range(3):
+            after = holder.compute()
+            assert after["output"] == publisher["output"]
+        assert holder.proc.poll() is None
+    finally:
+        holder.close()
+
+
+def test_publisher_exit_keeps_entry_for_later_clients(checkpoint: Path, socket_dir: Path) -> None:
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir)}
+    first = run_worker("attach", {**spec, "mode": "daemon"})  # process exits: keeper keeps the fds
+    again = run_worker("attach", {**spec, "mode": "client", "strict": True})
+    assert again["source"] == "cache" and again["output"] == first["output"]
+
+
+def test_client_without_keeper_falls_back_with_reason(checkpoint: Path, socket_dir: Path) -> None:
+    model = meta_model()
+    with pytest.warns(wc.FallbackWarning, match="no keeper"):
+        handle = wc.attach(model, checkpoint, mode="client", socket_dir=socket_dir)
+    assert handle.source == "disk" and "no keeper" in (handle.fallback_reason or "")
+    assert output_digest(model) == digest(reference_output(checkpoint))
+    with pytest.raises(wc.KeeperUnavailable):
+        wc.attach(meta_model(), checkpoint, mode="client", socket_dir=socket_dir, strict=True)
+
+
+def test_client_without_entry_falls_back_or_raises(checkpoint: Path, socket_dir: Path, keeper: object) -> None:
+    with pytest.warns(wc.FallbackWarning, match="holds no entry"):
+        handle = wc.attach(meta_model(), checkpoint, mode="client", socket_dir=socket_dir)
+    assert handle.source == "disk"
+    with pytest.raises(wc.EntryNotFound, match="holds no entry"):
+        wc.attach(meta_model(), checkpoint, mode="client", socket_dir=socket_dir, strict=True)
+
+
+def test_dtype_mismatch_names_the_field(checkpoint: Path, socket_dir: Path) -> None:
+    with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir):
+        pass
+    model = meta_model().to(torch.bfloat16)
+    model.positions = torch.arange(16)
+    with pytest.warns(wc.FallbackWarning, match=r"dtype: requested 'bfloat16', cached None"):
+        handle = wc.attach(model, checkpoint, mode="client", dtype=torch.bfloat16, socket_dir=socket_dir)
+    assert handle.source == "disk" and model.embed.weight.dtype == torch.bfloat16
+    with pytest.raises(wc.FingerprintMismatch, match="dtype") as info:
+        wc.attach(model, checkpoint, mode="client", dtype="bfloat16", socket_dir=socket_dir, strict=True)
+    assert ("dtype", "bfloat16", None) in info.value.differences
+
+
+def test_rewritten_checkpoint_is_never_served(tmp_path: Path, socket_dir: Path) -> None:
+    """Same shapes, other values, mtime put back: the fingerprint still changes (ctime, inode)."""
+    ckpt = make_checkpoint(tmp_path / "ckpt", seed=0)
+    file = ckpt / "model.safetensors"
+    with wc.attach(meta_model(), ckpt, mode="daemon", socket_dir=socket_dir) as first:
+        old_digest = first.fingerprint.digest
+    st = os.stat(file)
+    size = st.st_size
+    make_checkpoint(tmp_path / "ckpt", seed=1)  # rewrite in place
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    assert os.stat(file).st_size == size
+    model = meta_model()
+    with pytest.warns(wc.FallbackWarning, match="does not match"):
+        handle = wc.attach(model, ckpt, mode="client", socket_dir=socket_dir)
+    assert handle.source == "disk" and handle.fingerprint.digest != old_digest
+    assert output_digest(model) == digest(reference_output(ckpt))
+    with pytest.raises(wc.FingerprintMismatch, match="checkpoint"):
+        wc.attach(meta_model(), ckpt, mode="client", socket_dir=socket_dir, strict=True)
+
+
+@pytest.mark.parametrize("method", ["fp8_per_tensor", "marlin", "awq", "gptq"])
+@pytest.mark.parametrize("mode", ["daemon", "client"])
+def test_refused_quant_methods_raise_before_loading(checkpoint: Path, socket_dir: Path, method: str, mode: str) -> None:
+    model = meta_model()
+    with pytest.raises(wc.UnsupportedQuantError, match=method) as info:
+        wc.attach(model, checkpoint, mode=mode, quant=method, socket_dir=socket_dir)  # type: ignore[arg-type]
+    assert wc.quant.get(method).reason in str(info.value)
+    assert model.embed.weight.is_meta, "nothing may be loaded for a refused method"
+    assert not socket_dir.exists(), "no keeper may be started for a refused method"
+
+
+def test_fp8_block_is_accepted(checkpoint: Path, socket_dir: Path) -> None:
+    cfg = {"weight_block_size": [128, 128]}
+    with wc.attach(
+        meta_model(), checkpoint, mode="daemon", quant="fp8_block", quant_config=cfg, socket_dir=socket_dir
+    ) as h:
+        assert h.source == "cache" and h.fingerprint.quant == "fp8_block"
+    with pytest.raises(wc.UnsupportedQuantError, match="weight_block_size"):
+        wc.attach(meta_model(), checkpoint, mode="daemon", quant="fp8_block", quant_config={}, socket_dir=socket_dir)
+
+
+def test_concurrent_clients(checkpoint: Path, socket_dir: Path) -> None:
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir)}
+    first = run_worker("attach", {**spec, "mode": "daemon"})
+    with ThreadPoolExecutor(8) as pool:
+        results = list(pool.map(lambda _: run_worker("attach", {**spec, "mode": "client", "strict": True}), range(8)))
+    assert {r["source"] for r in results} == {"cache"}
+    assert {r["output"] for r in results} == {first["output"]}
+    assert len({r["pid"] for r in results}) == 8
+
+
+def test_racing_daemons_publish_once(checkpoint: Path, socket_dir: Path) -> None:
+    """Six engines start at once in mode daemon: one keeper, one entry, identical outputs."""
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir), "mode": "daemon"}
+    with ThreadPoolExecutor(6) as pool:
+        results = list(pool.map(lambda _: run_worker("attach", spec), range(6)))
+    assert {r["source"] for r in results} == {"cache"}
+    assert len({r["output"] for r in results}) == 1
+    assert len(wc.Cache(socket_dir).entries()) == 1
+
+
+def test_leases_follow_handles(checkpoint: Path, socket_dir: Path) -> None:
+    handle = wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir)
+    cache = wc.Cache(socket_dir)
+    assert cache.entries()[0].leases == 1
+    assert cache.entries()[0].holders[0][0] == os.getpid()
+    with wc.attach(meta_model(), checkpoint, mode="client", socket_dir=socket_dir):
+        assert cache.entries()[0].leases == 2
+    handle.close()
+    for _ in range(100):  # the keeper notices closed connections asynchronously
+        if cache.entries()[0].leases == 0:
+            break
+        time.sleep(0.01)
+    assert cache.entries()[0].leases == 0
+
+
+def test_sharded_checkpoint_with_index(tmp_path: Path, socket_dir: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "sharded", shards=3)
+    assert len(list(ckpt.glob("*.safetensors"))) == 3
+    model = meta_model()
+    with wc.attach(model, ckpt, mode="daemon", socket_dir=socket_dir) as h:
+        assert len(h.fingerprint.checkpoint) == 3
+        assert output_digest(model) == digest(reference_output(ckpt))
+
+
+def test_dtype_conversion_and_transform(checkpoint: Path, socket_dir: Path) -> None:
+    def double_scale(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+        state["scale"] = state["scale"] * 2
+        return state
+
+    model = meta_model().to(torch.bfloat16)
+    model.positions = torch.arange(16)
+    with wc.attach(
+        model, checkpoint, mode="daemon", dtype=torch.bfloat16, transform=double_scale, socket_dir=socket_dir
+    ) as h:
+        assert h.fingerprint.transform.endswith("double_scale")
+        assert model.embed.weight.dtype == torch.bfloat16
+        assert model.positions.dtype == torch.int64
+    again = meta_model().to(torch.bfloat16)
+    again.positions = torch.arange(16)
+    with wc.attach(
+        again,
+        checkpoint,
+        mode="client",
+        dtype=torch.bfloat16,
+        transform=double_scale,
+        socket_dir=socket_dir,
+        strict=True,
+    ) as h2:
+        assert h2.source == "cache"
+        assert torch.equal(again.scale, model.scale)
+    ref = wc.attach(meta_model(), checkpoint, mode="off")
+    assert torch.equal(model.scale, (ref.tensors["scale"] * 2).to(torch.bfloat16))
+
+
+def test_bad_mode_and_bad_model(checkpoint: Path, socket_dir: Path) -> None:
+    with pytest.raises(ValueError, match="mode must be one of"):
+        wc.attach(meta_model(), checkpoint, mode="sometimes")  # type: ignore[arg-type]
+    with pytest.raises(wc.BindError, match="shape"):
+        wc.attach(meta_model(dim=32), checkpoint, mode="off")
+
+
+def test_keeper_pid_is_recorded(checkpoint: Path, socket_dir: Path) -> None:
+    with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir):
+        pass
+    pid = keeper_pid(socket_dir)
+    assert pid and wc.Cache(socket_dir).keeper_info()["pid"] == pid
+    # the spawned keeper is detached: not our child, its own session
+    assert os.getsid(pid) == pid
+    out = subprocess.run(["ps", "-o", "ppid=", "-p", str(pid)], capture_output=True, text=True)
+    assert out.stdout.strip() != str(os.getpid())
+
+
+def _meminfo_kb(key: str) -> int:
+    for line in Path("/proc/meminfo").read_text().splitlines():
+        if line.startswith(key + ":"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def test_after_keeper_sigkill_daemon_mode_starts_a_fresh_keeper(checkpoint: Path, socket_dir: Path) -> None:
+    with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir):
+        pass
+    old = keeper_pid(socket_dir)
+    assert old
+    os.kill(old, signal.SIGKILL)
+    for _ in range(200):
+        try:
+            os.kill(old, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.01)
+    assert (socket_dir / "keeper.sock").exists()  # left behind: stale
+    with pytest.warns(wc.FallbackWarning, match="stale socket"):
+        wc.attach(meta_model(), checkpoint, mode="client", socket_dir=socket_dir)
+    model = meta_model()
+    with wc.attach(model, checkpoint, mode="daemon", socket_dir=socket_dir) as handle:
+        assert handle.source == "cache"
+        assert output_digest(model) == digest(reference_output(checkpoint))
+    new = keeper_pid(socket_dir)
+    assert new and new != old

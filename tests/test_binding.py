@@ -1,0 +1,101 @@
+"""bind(): parameters, buffers, ties, and clear errors."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from models import TinyLM, meta_model
+from torch import nn
+
+import weightcache as wc
+
+
+def full_state() -> dict[str, torch.Tensor]:
+    torch.manual_seed(0)
+    return {k: v for k, v in TinyLM().state_dict().items() if k != "head.weight"}
+
+
+def test_binds_without_copying() -> None:
+    state = full_state()
+    model = meta_model()
+    wc.bind(model, state)
+    assert model.embed.weight.data_ptr() == state["embed.weight"].data_ptr()
+    assert model.head.weight is model.embed.weight
+    assert model.scale.data_ptr() == state["scale"].data_ptr()
+    assert all(p.requires_grad for p in model.parameters())
+
+
+def test_tied_weight_under_either_name() -> None:
+    state = full_state()
+    state["head.weight"] = state.pop("embed.weight")
+    model = meta_model()
+    wc.bind(model, state)
+    assert model.head.weight is model.embed.weight
+
+
+def test_tied_names_both_present_must_agree() -> None:
+    state = full_state()
+    state["head.weight"] = torch.zeros(3, 3)
+    with pytest.raises(wc.BindError, match="tied name head.weight"):
+        wc.bind(meta_model(), state)
+
+
+def test_all_problems_are_listed_and_model_is_untouched() -> None:
+    state = full_state()
+    del state["blocks.0.up.bias"]
+    state["blocks.1.norm.weight"] = torch.zeros(3)
+    state["scale"] = state["scale"].double()
+    state["lm.extra"] = torch.zeros(1)
+    model = meta_model()
+    with pytest.raises(wc.BindError) as info:
+        wc.bind(model, state)
+    text = str(info.value)
+    assert "blocks.0.up.bias" in text and "have no data" in text
+    assert "blocks.1.norm.weight: shape (3,) vs model (64,)" in text
+    assert "scale: dtype torch.float64 vs model torch.float32" in text
+    assert "lm.extra" in text and "transform=" in text
+    assert model.embed.weight.is_meta, "a failed bind must not half-bind the model"
+
+
+def test_non_persistent_buffer_left_on_meta_is_an_error() -> None:
+    with torch.device("meta"):
+        model = TinyLM()  # positions (non-persistent) still on meta
+    with pytest.raises(wc.BindError, match="positions"):
+        wc.bind(model, full_state())
+    state = full_state()
+    state["positions"] = torch.arange(16)
+    wc.bind(model, state)  # supplying it works
+    assert torch.equal(model.positions, torch.arange(16))
+    assert "positions" in model._non_persistent_buffers_set
+
+
+def test_parameter_attributes_and_requires_grad_survive() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(2, device="meta"), requires_grad=False)
+            self.w.weight_loader = "custom"  # type: ignore[attr-defined]
+            self.register_buffer("b", torch.empty(2, device="meta"))
+
+    m = M()
+    wc.bind(m, {"w": torch.ones(2), "b": torch.zeros(2)})
+    assert isinstance(m.w, nn.Parameter) and m.w.requires_grad is False
+    assert m.w.weight_loader == "custom"  # type: ignore[attr-defined]
+    assert "b" in m._buffers
+
+
+def test_device_check() -> None:
+    with pytest.raises(wc.BindError, match="expected meta"):
+        wc.bind(meta_model(), full_state(), device="meta")
+
+
+def test_shared_submodule() -> None:
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.a = nn.Linear(2, 2, device="meta")
+            self.b = self.a  # the same module twice
+
+    m = M()
+    wc.bind(m, {"a.weight": torch.ones(2, 2), "a.bias": torch.zeros(2)})
+    assert m.b.weight is m.a.weight and not m.a.weight.is_meta

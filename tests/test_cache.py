@@ -1,0 +1,179 @@
+"""Cache.put / get / entries / evict against a real keeper."""
+
+from __future__ import annotations
+
+import gc
+import os
+from pathlib import Path
+
+import attrs
+import pytest
+import torch
+
+import weightcache as wc
+
+
+def sample_state() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "w.bf16": torch.randn(33, 17, generator=g).to(torch.bfloat16),
+        "w.f32.t": torch.randn(16, 8, generator=g).t(),  # transposed view: layout kept
+        "w.fp8": torch.randn(64, generator=g).to(torch.float8_e4m3fn),
+        "w.f16": torch.randn(5, 5, 5, generator=g).half(),
+        "i64": torch.arange(11),
+        "mask": torch.tensor([True, False, True]),
+        "scalar": torch.tensor(3.5),
+        "empty": torch.zeros(0, 4),
+        "param": torch.nn.Parameter(torch.randn(4, 4, generator=g)),
+    }
+
+
+@pytest.fixture
+def cache(socket_dir: Path) -> wc.Cache:
+    return wc.Cache(socket_dir, spawn=True)
+
+
+def same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return (
+        a.dtype == b.dtype
+        and a.shape == b.shape
+        and a.stride() == b.stride()
+        and torch.equal(
+            a.view(torch.uint8) if a.dtype == torch.float8_e4m3fn else a,
+            b.view(torch.uint8) if b.dtype == torch.float8_e4m3fn else b,
+        )
+    )
+
+
+def test_put_then_get_round_trips_every_dtype_and_layout(cache: wc.Cache, checkpoint: Path) -> None:
+    state = sample_state()
+    fp = wc.Fingerprint.create(checkpoint)
+    with cache.put(fp, state) as published:
+        assert published.source == "cache"
+        assert list(published.tensors) == list(state)
+        for name, t in state.items():
+            assert same(published.tensors[name], t), name
+    assert cache.get(wc.Fingerprint.create(checkpoint, dtype="float16")) is None
+    with cache.get(fp) as got:  # type: ignore[union-attr]
+        for name, t in state.items():
+            assert same(got.tensors[name], t), name
+        got.verify()
+        assert got.manifest is not None and got.manifest.kind[list(state).index("param")] == "parameter"
+
+
+def test_put_splits_into_segments(cache: wc.Cache, checkpoint: Path) -> None:
+    state = {f"t{i}": torch.full((1000,), float(i)) for i in range(10)}
+    handle = cache.put(wc.Fingerprint.create(checkpoint), state, max_segment_bytes=8192)
+    assert handle.manifest is not None and len(handle.manifest.segments) == 5
+    [entry] = cache.entries()
+    assert entry.segments == 5 and entry.tensors == 10
+    with cache.get(handle.fingerprint) as again:  # type: ignore[union-attr]
+        assert all(torch.equal(again.tensors[k], v) for k, v in state.items())
+    handle.close()
+
+
+def test_second_put_of_same_fingerprint_attaches_the_first(cache: wc.Cache, checkpoint: Path) -> None:
+    fp = wc.Fingerprint.create(checkpoint)
+    first = cache.put(fp, {"w": torch.ones(8)})
+    second = cache.put(fp, {"w": torch.full((8,), 2.0)})  # someone else won the race: theirs is served
+    assert torch.equal(second.tensors["w"], torch.ones(8))
+    assert len(cache.entries()) == 1
+    first.close()
+    second.close()
+
+
+def test_entries_report_what_is_held(cache: wc.Cache, checkpoint: Path) -> None:
+    fp = wc.Fingerprint.create(checkpoint, dtype="bfloat16")
+    with cache.put(fp, {"w": torch.zeros(1000, dtype=torch.bfloat16)}):
+        [e] = cache.entries()
+        assert e.digest == fp.digest and e.placement == "cpu" and e.device == "cpu"
+        assert e.bytes >= 2000 and e.tensors == 1 and e.leases == 1 and e.holders[0][0] == os.getpid()
+        assert e.fingerprint == fp and e.model == "TinyLM" and e.age_s >= 0
+    info = cache.keeper_info()
+    assert info["version"] == wc.__version__ and isinstance(info["pid"], int)
+
+
+def test_evict_refuses_leased_entries_and_keeps_mapped_memory(cache: wc.Cache, checkpoint: Path) -> None:
+    fp = wc.Fingerprint.create(checkpoint)
+    handle = cache.put(fp, {"w": torch.arange(100.0)})
+    with pytest.raises(wc.KeeperError, match=f"leased by pid {os.getpid()}") as info:
+        cache.evict(fp)
+    assert info.value.code == "leased"
+    assert cache.evict(fp.digest[:10], force=True) == [f"{fp.digest}@cpu"]
+    assert cache.entries() == [] and cache.get(fp) is None
+    assert torch.equal(handle.tensors["w"], torch.arange(100.0))  # still mapped here
+    handle.close()
+    with pytest.raises(wc.KeeperError, match="no entry matches") as missing:
+        cache.evict(fp)
+    assert missing.value.code == "not_found"
+
+
+def test_evict_unleased(cache: wc.Cache, checkpoint: Path) -> None:
+    fp = wc.Fingerprint.create(checkpoint)
+    cache.put(fp, {"w": torch.ones(3)}).close()
+    for _ in range(100):
+        if cache.entries()[0].leases == 0:
+            break
+        __import__("time").sleep(0.01)
+    assert cache.evict(fp) == [f"{fp.digest}@cpu"]
+
+
+def test_handle_close_keeps_tensors_valid(cache: wc.Cache, checkpoint: Path) -> None:
+    fp = wc.Fingerprint.create(checkpoint)
+    handle = cache.put(fp, {"w": torch.arange(1000.0)})
+    w = handle.tensors["w"]
+    handle.close()
+    handle.close()  # idempotent
+    del handle
+    gc.collect()
+    assert float(w.sum()) == sum(range(1000))
+    assert not cache.get(fp).leased or True  # type: ignore[union-attr]
+
+
+def test_verify_detects_a_locally_modified_tensor(cache: wc.Cache, checkpoint: Path) -> None:
+    fp = wc.Fingerprint.create(checkpoint)
+    with cache.put(fp, {"w": torch.zeros(16), "v": torch.ones(2)}):
+        pass
+    with cache.get(fp) as handle:  # type: ignore[union-attr]
+        handle.tensors["w"].add_(1)  # a private copy-on-write page: only this process sees it
+        with pytest.raises(wc.WeightCacheError, match="1 tensors differ.*w"):
+            handle.verify()
+    with cache.get(fp) as clean:  # type: ignore[union-attr]
+        clean.verify()
+
+
+def test_put_rejects_bad_input(cache: wc.Cache, checkpoint: Path) -> None:
+    fp = wc.Fingerprint.create(checkpoint)
+    with pytest.raises(wc.WeightCacheError, match="empty"):
+        cache.put(fp, {})
+    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+        cache.put(fp, {"w": [1, 2]})  # type: ignore[dict-item]
+    gpu_fp = attrs.evolve(fp, placement="GPU-0")
+    with pytest.raises(wc.SegmentError, match="placement|cuda"):
+        cache.put(gpu_fp, {"w": torch.ones(2)})
+    assert cache.entries() == []
+
+
+def test_no_fd_or_memory_growth_over_attach_cycles(cache: wc.Cache, checkpoint: Path) -> None:
+    fp = wc.Fingerprint.create(checkpoint)
+    cache.put(fp, {f"t{i}": torch.randn(256) for i in range(20)}).close()
+
+    def fds() -> int:
+        return len(os.listdir("/proc/self/fd"))
+
+    def maps() -> int:
+        return Path("/proc/self/maps").read_text().count("memfd:weightcache")
+
+    for _ in range(5):  # warm up
+        cache.get(fp).close()  # type: ignore[union-attr]
+    gc.collect()
+    before_fds, before_maps = fds(), maps()
+    for _ in range(200):
+        handle = cache.get(fp)
+        assert handle is not None
+        float(handle.tensors["t3"].sum())
+        handle.close()
+        del handle
+    gc.collect()
+    assert fds() == before_fds
+    assert maps() <= before_maps  # every mapping went away with its tensors

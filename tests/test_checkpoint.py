@@ -1,0 +1,88 @@
+"""Checkpoint discovery, header checks and loading."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+from models import make_checkpoint
+from safetensors.torch import save_file
+
+import weightcache as wc
+from weightcache.checkpoint import load_state_dict, safetensors_files
+
+
+def test_single_file_directory_and_file(checkpoint: Path) -> None:
+    assert safetensors_files(checkpoint) == [checkpoint / "model.safetensors"]
+    assert safetensors_files(checkpoint / "model.safetensors") == [checkpoint / "model.safetensors"]
+
+
+def test_index_selects_files(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "s", shards=2)
+    (ckpt / "stray.safetensors").write_bytes(b"not listed in the index")
+    files = safetensors_files(ckpt)
+    assert [f.name for f in files] == ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]
+    state = load_state_dict(ckpt)
+    assert "embed.weight" in state and "blocks.1.down.bias" in state
+
+
+def test_index_naming_a_missing_file(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "s", shards=2)
+    (ckpt / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(wc.CheckpointError, match="does not exist"):
+        safetensors_files(ckpt)
+    (ckpt / "model.safetensors.index.json").write_text("[1, 2]")
+    with pytest.raises(wc.CheckpointError, match="weight_map"):
+        safetensors_files(ckpt)
+
+
+def test_truncated_file_is_a_clear_error(checkpoint: Path) -> None:
+    file = checkpoint / "model.safetensors"
+    data = file.read_bytes()
+    file.write_bytes(data[: len(data) // 2])
+    with pytest.raises(wc.CheckpointError, match="truncated"):
+        load_state_dict(checkpoint)
+    file.write_bytes(data[:4])
+    with pytest.raises(wc.CheckpointError, match="too short"):
+        load_state_dict(checkpoint)
+
+
+def test_duplicate_tensor_across_files(tmp_path: Path) -> None:
+    d = tmp_path / "dup"
+    d.mkdir()
+    save_file({"w": torch.zeros(2)}, str(d / "a.safetensors"))
+    save_file({"w": torch.ones(2)}, str(d / "b.safetensors"))
+    with pytest.raises(wc.CheckpointError, match="in both"):
+        load_state_dict(d)
+
+
+def test_dtype_converts_floats_only(tmp_path: Path) -> None:
+    d = tmp_path / "mixed"
+    d.mkdir()
+    save_file({"f": torch.randn(3), "i": torch.arange(3), "b": torch.tensor([True, False])}, str(d / "m.safetensors"))
+    state = load_state_dict(d, dtype=torch.float16)
+    assert state["f"].dtype == torch.float16 and state["i"].dtype == torch.int64 and state["b"].dtype == torch.bool
+
+
+def test_transform_must_return_a_dict(checkpoint: Path) -> None:
+    with pytest.raises(wc.CheckpointError, match="expected a dict"):
+        load_state_dict(checkpoint, transform=lambda s: list(s))  # type: ignore[arg-type,return-value]
+
+
+def test_huge_declared_header_is_refused_before_allocating(tmp_path: Path) -> None:
+    d = tmp_path / "huge"
+    d.mkdir()
+    (d / "m.safetensors").write_bytes((2**40).to_bytes(8, "little") + b"{}")
+    with pytest.raises(wc.CheckpointError, match="header"):
+        safetensors_files(d) and load_state_dict(d)
+
+
+def test_offsets_outside_the_file(tmp_path: Path) -> None:
+    d = tmp_path / "lie"
+    d.mkdir()
+    header = json.dumps({"w": {"dtype": "F32", "shape": [1000], "data_offsets": [0, 4000]}}).encode()
+    (d / "m.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
+    with pytest.raises(wc.CheckpointError, match="data_offsets"):
+        wc.Fingerprint.create(d)

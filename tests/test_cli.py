@@ -1,0 +1,72 @@
+"""The weightcache command, run as a user would."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+from conftest import keeper_pid
+
+
+def wc_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    out = subprocess.run([sys.executable, "-m", "weightcache", *args], capture_output=True, text=True, timeout=300)
+    if check and out.returncode != 0:
+        raise AssertionError(f"weightcache {' '.join(args)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}")
+    return out
+
+
+def test_load_ls_inspect_evict_stop(checkpoint: Path, socket_dir: Path) -> None:
+    sd = ["--socket-dir", str(socket_dir)]
+    out = wc_cli("load", str(checkpoint), "--device", "cpu", "--dtype", "bfloat16", *sd)
+    assert "published" in out.stdout and "TinyLM" in out.stdout
+    assert "already cached" in wc_cli("load", str(checkpoint), "--dtype", "bfloat16", *sd).stdout
+
+    listing = json.loads(wc_cli("ls", "--json", *sd).stdout)
+    assert listing["keeper"]["pid"] == keeper_pid(socket_dir)
+    assert listing["keeper"]["version"]
+    [entry] = listing["entries"]
+    assert len(entry["digest"]) == 64 and entry["bytes"] > 0 and entry["device"] == "cpu" and entry["leases"] == 0
+    assert entry["fingerprint"]["dtype"] == "bfloat16"
+
+    table = wc_cli("ls", *sd).stdout
+    assert "ENTRY" in table and entry["digest"][:12] in table and "TinyLM [bfloat16]" in table
+
+    shown = wc_cli("inspect", entry["digest"][:8], "--tensors", *sd).stdout
+    assert "embed.weight" in shown and "bfloat16" in shown and "model.safetensors" in shown
+    assert json.loads(wc_cli("inspect", entry["digest"], "--json", *sd).stdout)["manifest"]["version"] == 1
+
+    assert "evicted" in wc_cli("evict", entry["digest"][:8], *sd).stdout
+    assert json.loads(wc_cli("ls", "--json", *sd).stdout)["entries"] == []
+    assert "nothing to evict" in wc_cli("evict", "--all", *sd).stdout
+
+    assert "stopping" in wc_cli("stop", *sd).stdout
+
+
+def test_errors_are_one_clear_line(socket_dir: Path, checkpoint: Path) -> None:
+    sd = ["--socket-dir", str(socket_dir)]
+    out = wc_cli("ls", *sd, check=False)
+    assert out.returncode == 1 and "no keeper" in out.stderr and "Traceback" not in out.stderr
+    out = wc_cli("load", str(checkpoint), "--quant", "gptq", *sd, check=False)
+    assert out.returncode == 1 and "gptq" in out.stderr and "Traceback" not in out.stderr
+    assert not socket_dir.exists()
+    out = wc_cli("load", str(checkpoint.parent / "missing"), *sd, check=False)
+    assert out.returncode == 1 and "does not exist" in out.stderr
+    assert wc_cli("stop", *sd, check=False).returncode == 1
+    assert wc_cli("--version").stdout.startswith("weightcache ")
+
+
+def test_inspect_unknown_digest(socket_dir: Path, keeper: object) -> None:
+    out = wc_cli("inspect", "deadbeef", "--socket-dir", str(socket_dir), check=False)
+    assert out.returncode == 1 and "no entry matches 'deadbeef'" in out.stderr
+
+
+def test_bench_runs_small(tmp_path: Path) -> None:
+    report = tmp_path / "bench.json"
+    out = wc_cli("bench", "--sizes", "0.01,0.02", "--tensors", "30", "--repeat", "2", "--json", str(report))
+    assert "attach median" in out.stdout
+    data = json.loads(report.read_text())
+    assert [r["tensors"] for r in data["results"]] == [30, 30]
+    assert all(r["attach_ms_median"] > 0 for r in data["results"])
+    assert data["flatness"][0]["ratio"] > 0

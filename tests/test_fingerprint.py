@@ -1,0 +1,151 @@
+"""Fingerprint: identity fields, canonical JSON, digest, diff, and change detection without reading data."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+import torch
+from models import make_checkpoint
+
+import weightcache as wc
+from weightcache.fingerprint import canonical_json
+
+
+def test_create_fills_identity_fields(checkpoint: Path) -> None:
+    fp = wc.Fingerprint.create(
+        checkpoint,
+        dtype=torch.bfloat16,
+        quant="fp8_block",
+        quant_config={"weight_block_size": [128, 128]},
+        parallel={"tp": (1, 2), "pp": (0, 1)},
+        transform="my.shard",
+        device="cpu",
+        extra={"engine_config": {"max_len": 4096}},
+    )
+    assert fp.model_path == str(checkpoint.resolve())
+    assert fp.architecture == "TinyLM"
+    assert fp.dtype == "bfloat16" and fp.quant == "fp8_block" and fp.quant_config_hash
+    assert fp.parallel == (("pp", 0, 1), ("tp", 1, 2))
+    assert fp.transform == "my.shard"
+    assert fp.device_kind == "cpu" and fp.placement == "cpu" and fp.compute_capability is None
+    assert fp.torch_version == torch.__version__ and fp.format_version >= 1
+    [f] = fp.checkpoint
+    assert f.name == "model.safetensors" and f.size == (checkpoint / "model.safetensors").stat().st_size
+    assert len(f.header_sha256) == 64
+    assert json.loads(fp.extra) == {"engine_config": {"max_len": 4096}}
+
+
+def test_digest_is_stable_and_canonical(checkpoint: Path) -> None:
+    a = wc.Fingerprint.create(checkpoint, quant_config={"b": 1, "a": 2})
+    b = wc.Fingerprint.create(checkpoint, quant_config={"a": 2, "b": 1})
+    assert a == b and a.digest == b.digest and len(a.digest) == 64
+    assert a.canonical_json() == canonical_json(json.loads(a.canonical_json()))
+    assert " " not in a.canonical_json()
+
+
+def test_json_round_trip(checkpoint: Path) -> None:
+    fp = wc.Fingerprint.create(checkpoint, dtype="float16", parallel={"tp": (0, 4)})
+    back = wc.Fingerprint.from_json(json.loads(json.dumps(fp.to_json())))
+    assert back == fp and back.digest == fp.digest and back.placement == fp.placement
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        ({"dtype": torch.float16}, "dtype"),
+        ({"quant": "fp8_block"}, "quant"),
+        ({"quant_config": {"x": 1}}, "quant_config_hash"),
+        ({"parallel": {"tp": (0, 2)}}, "parallel"),
+        ({"transform": "other"}, "transform"),
+        ({"extra": {"k": "v"}}, "extra"),
+    ],
+)
+def test_diff_names_each_differing_field(checkpoint: Path, change: dict, field: str) -> None:
+    base = wc.Fingerprint.create(checkpoint)
+    other = wc.Fingerprint.create(checkpoint, **change)
+    diffs = base.diff(other)
+    assert [d[0] for d in diffs] == [field]
+    assert diffs[0][1] == getattr(base, field) and diffs[0][2] == getattr(other, field)
+    assert base.digest != other.digest
+
+
+def test_rewrite_with_same_shapes_changes_identity(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "c", seed=0)
+    file = ckpt / "model.safetensors"
+    before = wc.Fingerprint.create(ckpt)
+    st = os.stat(file)
+    make_checkpoint(tmp_path / "c", seed=1)
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))  # an rsync -t / cp -p style restore
+    after = wc.Fingerprint.create(ckpt)
+    assert before.checkpoint[0].header_sha256 == after.checkpoint[0].header_sha256  # headers alone can't tell
+    assert before.checkpoint[0].mtime_ns == after.checkpoint[0].mtime_ns
+    assert before.digest != after.digest
+    fields = [d[0] for d in before.diff(after)]
+    assert any(f.startswith("checkpoint[model.safetensors].") for f in fields)
+
+
+def test_in_place_overwrite_of_data_bytes_changes_identity(tmp_path: Path) -> None:
+    """Overwrite tensor bytes inside the file (same inode, same size, same header, mtime restored)."""
+    ckpt = make_checkpoint(tmp_path / "c")
+    file = ckpt / "model.safetensors"
+    before = wc.Fingerprint.create(ckpt)
+    st = os.stat(file)
+    with open(file, "r+b") as f:
+        f.seek(st.st_size - 16)
+        f.write(b"\x01" * 16)
+    os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+    after = wc.Fingerprint.create(ckpt)
+    assert after.checkpoint[0].inode == before.checkpoint[0].inode
+    assert before.digest != after.digest  # ctime moved; nothing the writer can set back
+
+
+def test_placement_is_not_identity(checkpoint: Path) -> None:
+    fp = wc.Fingerprint.create(checkpoint)
+    import attrs
+
+    moved = attrs.evolve(fp, placement="GPU-00000000-0000-0000-0000-000000000000")
+    assert moved == fp and moved.digest == fp.digest
+    assert moved.diff(fp) == []
+
+
+def test_missing_and_corrupt_checkpoints(tmp_path: Path) -> None:
+    with pytest.raises(wc.CheckpointError, match="does not exist"):
+        wc.Fingerprint.create(tmp_path / "nope")
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(wc.CheckpointError, match="no .safetensors"):
+        wc.Fingerprint.create(tmp_path / "empty")
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    (bad / "model.safetensors").write_bytes(b"\xff" * 8 + b"{}")
+    with pytest.raises(wc.CheckpointError, match="header"):
+        wc.Fingerprint.create(bad)
+
+
+def test_from_json_rejects_malformed_input(checkpoint: Path) -> None:
+    good = wc.Fingerprint.create(checkpoint).to_json()
+    for broken in (
+        None,
+        [],
+        {**good, "dtype": 3},
+        {**good, "format_version": "1"},
+        {**good, "format_version": True},
+        {**good, "checkpoint": [{"name": "x"}]},
+        {**good, "parallel": [["tp", 0]]},
+        {k: v for k, v in good.items() if k != "quant"},
+    ):
+        with pytest.raises(wc.ManifestError):
+            wc.Fingerprint.from_json(broken)
+
+
+def test_bad_arguments(checkpoint: Path) -> None:
+    with pytest.raises(wc.UnsupportedQuantError, match="unknown quantization method"):
+        wc.Fingerprint.create(checkpoint, quant="int3-magic")
+    with pytest.raises(ValueError, match="rank < size"):
+        wc.Fingerprint.create(checkpoint, parallel={"tp": (2, 2)})
+    with pytest.raises(ValueError, match="device"):
+        wc.Fingerprint.create(checkpoint, device="tpu")
+    with pytest.raises(TypeError, match="JSON"):
+        wc.Fingerprint.create(checkpoint, extra={"f": object()})

@@ -1,0 +1,269 @@
+"""The keeper as a real process: readiness, exclusivity, privacy, and surviving bad input."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import stat
+import struct
+import subprocess
+import sys
+import tempfile
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import keeper_pid, start_keeper
+
+import weightcache as wc
+from weightcache import protocol
+from weightcache.client import KeeperConnection, ensure_keeper
+from weightcache.manifest import MANIFEST_VERSION
+
+
+def alive(socket_dir: Path) -> bool:
+    with KeeperConnection.connect(socket_dir) as conn:
+        reply, _ = conn.request({"op": "list"})
+    return bool(reply["ok"])
+
+
+def test_socket_dir_and_socket_are_private(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
+    assert stat.S_IMODE(os.stat(socket_dir).st_mode) == 0o700
+    assert stat.S_IMODE(os.stat(socket_dir / "keeper.sock").st_mode) == 0o600
+    assert keeper_pid(socket_dir) == keeper.pid
+
+
+def test_second_keeper_refuses_to_start(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(socket_dir)], capture_output=True, text=True
+    )
+    assert out.returncode == 1
+    assert f"a keeper (pid {keeper.pid}) already serves" in out.stderr
+    assert alive(socket_dir)
+
+
+def test_stale_socket_is_detected_and_replaced(socket_dir: Path) -> None:
+    socket_dir.mkdir(mode=0o700)
+    dead = socket.socket(socket.AF_UNIX)
+    dead.bind(str(socket_dir / "keeper.sock"))  # a socket file nobody listens on, as a crashed keeper leaves
+    dead.close()
+    with pytest.raises(wc.KeeperUnavailable, match="stale socket"):
+        KeeperConnection.connect(socket_dir)
+    proc = start_keeper(socket_dir)
+    try:
+        assert alive(socket_dir)
+    finally:
+        proc.terminate()
+        proc.wait(10)
+    assert not (socket_dir / "keeper.sock").exists(), "a stopped keeper removes its socket"
+
+
+def test_unsafe_socket_dirs_are_refused() -> None:
+    base = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    (base / "real").mkdir(mode=0o700)
+    (base / "link").symlink_to(base / "real")
+    with pytest.raises(wc.SocketDirError, match="symlink"):
+        ensure_keeper(base / "link")
+    (base / "open").mkdir(mode=0o755)
+    os.chmod(base / "open", 0o755)
+    with pytest.raises(wc.SocketDirError, match="chmod 700"):
+        ensure_keeper(base / "open")
+    if os.getuid() == 0:
+        (base / "theirs").mkdir(mode=0o700)
+        os.chown(base / "theirs", 65534, 65534)
+        with pytest.raises(wc.SocketDirError, match="owned by uid 65534"):
+            ensure_keeper(base / "theirs")
+    with pytest.raises(wc.SocketDirError, match="too long|Pick a shorter"):
+        ensure_keeper(base / ("x" * 120))
+
+
+def test_protocol_version_mismatch_is_a_clear_error(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
+    with pytest.raises(wc.ProtocolVersionError, match="speaks protocol 1..1, the client speaks 7..9"):
+        KeeperConnection.connect(socket_dir, protocol_version=9, min_protocol_version=7)
+    with pytest.raises(wc.ProtocolVersionError, match="the client speaks 0..0"):
+        KeeperConnection.connect(socket_dir, protocol_version=0, min_protocol_version=0)
+    assert alive(socket_dir)
+
+
+def raw_exchange(socket_dir: Path, data: bytes, fds: list[int] | None = None) -> bytes:
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(socket_dir / "keeper.sock"))
+    anc = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, __import__("array").array("i", fds))] if fds else []
+    s.sendmsg([data], anc)
+    s.shutdown(socket.SHUT_WR)
+    s.settimeout(10)
+    chunks = []
+    try:
+        while chunk := s.recv(65536):
+            chunks.append(chunk)
+    except ConnectionResetError:
+        pass  # the keeper closed on us with our junk still unread: a reset, not a hang
+    s.close()
+    return b"".join(chunks)
+
+
+def frame(obj: object, nfds: int = 0) -> bytes:
+    payload = json.dumps(obj).encode()
+    return b"WC" + bytes([1, nfds]) + struct.pack("!I", len(payload)) + payload
+
+
+@pytest.mark.parametrize(
+    "data",
+    [
+        b"",
+        b"GET / HTTP/1.1\r\n\r\n",
+        b"WC\x01\x00\xff\xff\xff\xff",
+        b"WC\x01\x00\x00\x00\x00\x05[1,2",
+        frame({"op": "get"}),
+        frame([1, 2, 3]),
+        frame({"op": "hello", "protocol": "one"}),
+        frame({"op": "hello", "protocol": 1}) + frame({"op": "publish", "manifest": "nope"}),
+        frame({"op": "hello", "protocol": 1}) + frame({"op": "get", "digest": 5, "placement": "cpu"}),
+        frame({"op": "hello", "protocol": 1}) + frame({"op": "explode"}),
+        frame({"op": "hello", "protocol": 1}) + frame({"op": "evict", "digest": ""}),
+        frame({"op": "hello", "protocol": 1}) + frame({"op": "inspect", "digest": "zz"}),
+    ],
+)
+def test_keeper_survives_bad_input(socket_dir: Path, keeper: subprocess.Popen[bytes], data: bytes) -> None:
+    raw_exchange(socket_dir, data)
+    assert keeper.poll() is None
+    assert alive(socket_dir)
+
+
+def test_error_replies_say_what_is_wrong(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
+    reply = raw_exchange(socket_dir, frame({"op": "get", "digest": "x", "placement": "cpu"}))
+    assert b"the first message must be 'hello'" in reply
+    with KeeperConnection.connect(socket_dir) as conn:
+        with pytest.raises(wc.KeeperError, match="unknown op 'explode'") as info:
+            conn.request({"op": "explode"})
+        assert info.value.code == "bad_request"
+        with pytest.raises(wc.KeeperError, match="lacks the field 'placement'"):
+            conn.request({"op": "get", "digest": "x"})
+        assert conn.request({"op": "list"})[0]["ok"]  # the connection stays usable
+
+
+def _manifest(checkpoint: Path, size: int, offset: int = 0) -> dict:
+    fp = wc.Fingerprint.create(checkpoint)
+    return {
+        "version": MANIFEST_VERSION,
+        "fingerprint": fp.to_json(),
+        "segments": [{"kind": "memfd", "size": size, "placement": "cpu"}],
+        "tensors": {
+            "name": ["w"],
+            "segment": [0],
+            "offset": [offset],
+            "dtype": ["float32"],
+            "shape": [[4]],
+            "stride": [[1]],
+            "kind": ["tensor"],
+            "requires_grad": [False],
+            "digest": [None],
+        },
+    }
+
+
+def _sealed_memfd(size: int, seal: bool = True) -> int:
+    import fcntl
+
+    fd = os.memfd_create("weightcache", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+def test_publish_checks_fds_and_manifest(socket_dir: Path, keeper: subprocess.Popen[bytes], checkpoint: Path) -> None:
+    with KeeperConnection.connect(socket_dir) as conn:
+        with tempfile.TemporaryFile() as f:
+            os.ftruncate(f.fileno(), 512)
+            with pytest.raises(wc.KeeperError, match="expected a memfd"):
+                conn.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [f.fileno()])
+        unsealed = _sealed_memfd(512, seal=False)
+        with pytest.raises(wc.KeeperError, match="not sealed"):
+            conn.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [unsealed])
+        sealed = _sealed_memfd(512)
+        with pytest.raises(wc.KeeperError, match="1 segments but 2 fds"):
+            conn.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [sealed, sealed])
+        with pytest.raises(wc.KeeperError, match="1 segments but 0 fds"):
+            conn.request({"op": "publish", "manifest": _manifest(checkpoint, 512)})
+        with pytest.raises(wc.KeeperError, match="spans bytes 500..516 of segment 0"):
+            conn.request({"op": "publish", "manifest": _manifest(checkpoint, 512, offset=500)}, [sealed])
+        with pytest.raises(wc.KeeperError, match="memfd holds 512 bytes; the manifest says 1024"):
+            conn.request({"op": "publish", "manifest": _manifest(checkpoint, 1024)}, [sealed])
+        with pytest.raises(wc.KeeperError, match="carries no fds"):
+            conn.request({"op": "list"}, [sealed])
+        assert conn.request({"op": "list"})[0]["entries"] == []
+        reply, _ = conn.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [sealed])
+        assert reply["created"] is True
+        for fd in (unsealed, sealed):
+            os.close(fd)
+    assert keeper.poll() is None
+
+
+def test_racing_spawns_start_exactly_one_keeper(socket_dir: Path) -> None:
+    code = (
+        "import sys, weightcache.client as c; c.ensure_keeper(sys.argv[1]); "
+        "print(c.KeeperConnection.connect(sys.argv[1]).hello['pid'])"
+    )
+    with ThreadPoolExecutor(16) as pool:
+        outs = list(
+            pool.map(
+                lambda _: subprocess.run([sys.executable, "-c", code, str(socket_dir)], capture_output=True, text=True),
+                range(16),
+            )
+        )
+    assert all(o.returncode == 0 for o in outs), [o.stderr for o in outs if o.returncode]
+    pids = {int(o.stdout.strip()) for o in outs}
+    assert len(pids) == 1
+    ps = subprocess.run(["ps", "-ww", "-eo", "args"], capture_output=True, text=True).stdout
+    assert sum(1 for line in ps.splitlines() if "weightcache serve" in line and str(socket_dir) in line) == 1
+
+
+def test_keeper_never_loads_torch(socket_dir: Path) -> None:
+    ensure_keeper(socket_dir)
+    pid = keeper_pid(socket_dir)
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert "libtorch" not in maps and "libcuda" not in maps
+    env = Path(f"/proc/{pid}/environ").read_bytes().split(b"\0")
+    assert b"CUDA_VISIBLE_DEVICES=" in env
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
+def test_other_uid_is_refused(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
+    # Open the path on purpose so that only the SO_PEERCRED check stands between the other user and the keeper.
+    os.chmod(socket_dir.parent, 0o755)  # mkdtemp made it 0700
+    os.chmod(socket_dir, 0o755)
+    os.chmod(socket_dir / "keeper.sock", 0o666)
+    code = (
+        "import os, socket, sys, json, struct; os.setgid(65534); os.setuid(65534); "
+        "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
+        "p = json.dumps({'op': 'hello', 'protocol': 1}).encode(); "
+        "s.sendall(b'WC' + bytes([1, 0]) + struct.pack('!I', len(p)) + p); "
+        "print(s.recv(4096)[8:].decode())"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(socket_dir / "keeper.sock")], capture_output=True, text=True, timeout=30
+    )
+    assert out.returncode == 0, out.stderr
+    reply = json.loads(out.stdout)
+    assert reply["ok"] is False and reply["error"] == "forbidden" and "uid 65534" in reply["message"]
+    os.chmod(socket_dir, 0o700)
+    assert alive(socket_dir)
+
+
+def test_stop(socket_dir: Path) -> None:
+    ensure_keeper(socket_dir)
+    pid = keeper_pid(socket_dir)
+    wc.Cache(socket_dir).stop()
+    for _ in range(200):
+        if not (socket_dir / "keeper.sock").exists():
+            break
+        __import__("time").sleep(0.01)
+    assert not (socket_dir / "keeper.sock").exists()
+    with pytest.raises(wc.KeeperUnavailable):
+        KeeperConnection.connect(socket_dir)
+    assert pid
+
+
+_ = protocol

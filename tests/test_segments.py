@@ -1,0 +1,127 @@
+"""CPU segments (sealed memfds), packing, and the keeper-side fd checks."""
+
+from __future__ import annotations
+
+import fcntl
+import os
+import tempfile
+
+import pytest
+import torch
+
+import weightcache as wc
+from weightcache import segments
+from weightcache.manifest import SegmentInfo
+from weightcache.segments.memfd import MemfdTransport
+
+
+def test_pack_aligns_and_splits() -> None:
+    placements, sizes = segments.pack([10, 600, 5000, 1], alignment=512, max_segment_bytes=4096)
+    assert [(p.segment, p.offset) for p in placements] == [(0, 0), (0, 512), (1, 0), (2, 0)]
+    assert sizes == [1536, 5120, 512]
+    assert all(p.offset % 512 == 0 for p in placements)
+
+
+def test_pack_keeps_zero_sized_tensors() -> None:
+    placements, sizes = segments.pack([0, 0], alignment=512, max_segment_bytes=4096)
+    assert len(placements) == 2 and sizes == [512]
+
+
+def test_write_seal_map_round_trip() -> None:
+    t = MemfdTransport()
+    a = torch.randn(7, 3)
+    b = torch.arange(10, dtype=torch.int64)
+    seg = t.create(4096, "cpu")
+    seg.write(0, a)
+    seg.write(512, b)
+    seg.seal()
+    base = t.map(seg.fd, SegmentInfo("memfd", 4096, "cpu"))
+    seg.close()  # the mapping outlives the fd
+    assert torch.equal(base[: a.numel() * 4].view(torch.float32).view(7, 3), a)
+    assert torch.equal(base[512 : 512 + 80].view(torch.int64), b)
+
+
+def test_sealed_segment_cannot_change() -> None:
+    seg = MemfdTransport().create(4096, "cpu")
+    seg.write(0, torch.ones(4))
+    seg.seal()
+    with pytest.raises(wc.SegmentError, match="sealed"):
+        seg.write(0, torch.zeros(4))
+    with pytest.raises(PermissionError):
+        os.pwrite(seg.fd, b"x", 0)
+    with pytest.raises(PermissionError):
+        os.ftruncate(seg.fd, 10)  # shrinking would SIGBUS every client
+    import mmap
+
+    with pytest.raises(PermissionError):
+        mmap.mmap(seg.fd, 4096, flags=mmap.MAP_SHARED, prot=mmap.PROT_WRITE)
+    seg.close()
+
+
+def test_private_mapping_isolates_writes() -> None:
+    t = MemfdTransport()
+    seg = t.create(4096, "cpu")
+    seg.write(0, torch.zeros(16))
+    seg.seal()
+    info = SegmentInfo("memfd", 4096, "cpu")
+    mine, theirs = t.map(seg.fd, info), t.map(seg.fd, info)
+    mine[:64].view(torch.float32).fill_(3.0)
+    assert theirs[:64].view(torch.float32).sum().item() == 0
+    assert torch.equal(t.map(seg.fd, info)[:64], torch.zeros(64, dtype=torch.uint8))
+    seg.close()
+
+
+def test_write_out_of_bounds() -> None:
+    seg = MemfdTransport().create(512, "cpu")
+    with pytest.raises(wc.SegmentError, match="overflows"):
+        seg.write(256, torch.zeros(100))
+    seg.close()
+    with pytest.raises(wc.SegmentError, match="cpu"):
+        MemfdTransport().create(512, "GPU-x")
+
+
+def test_verify_fd_rejects_wrong_kinds() -> None:
+    info = SegmentInfo("memfd", 4096, "cpu")
+    with tempfile.TemporaryFile() as f:
+        os.ftruncate(f.fileno(), 4096)
+        with pytest.raises(wc.SegmentError, match="expected a memfd"):
+            segments.verify_fd(f.fileno(), info)
+    r, w = os.pipe()
+    with pytest.raises(wc.SegmentError):
+        segments.verify_fd(r, info)
+    os.close(r)
+    os.close(w)
+    unsealed = os.memfd_create("weightcache", os.MFD_ALLOW_SEALING)
+    os.ftruncate(unsealed, 4096)
+    with pytest.raises(wc.SegmentError, match="not sealed"):
+        segments.verify_fd(unsealed, info)
+    fcntl.fcntl(unsealed, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    segments.verify_fd(unsealed, info)
+    with pytest.raises(wc.SegmentError, match="4096 bytes"):
+        segments.verify_fd(unsealed, SegmentInfo("memfd", 8192, "cpu"))
+    os.close(unsealed)
+    with pytest.raises(wc.SegmentError, match="unknown segment kind"):
+        segments.transport("floppy")
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.randn(4, 6),
+        lambda: torch.randn(6, 4).t(),  # transposed: strides kept
+        lambda: torch.randn(2, 3, 4).permute(2, 0, 1),
+        lambda: torch.randn(8, 8)[:, :3],  # not dense: stored contiguous
+        lambda: torch.randn(3).expand(4, 3),  # overlapping: stored contiguous
+        lambda: torch.zeros(0, 5),
+    ],
+)
+def test_dense_bytes_and_strides(make) -> None:  # type: ignore[no-untyped-def]
+    t = make()
+    data = segments.dense_bytes(t)
+    stride = segments.stored_stride(t)
+    assert data.numel() == t.numel() * t.element_size()
+    if t.numel():
+        rebuilt = data.view(t.dtype).as_strided(t.shape, stride)
+        assert torch.equal(rebuilt, t)
+    if segments.is_dense(t):
+        assert stride == t.stride()

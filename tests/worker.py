@@ -1,0 +1,110 @@
+"""A separate process that plays an engine: attach, compute, report as JSON on stdout.
+
+python tests/worker.py attach '{"checkpoint": ..., "mode": ..., "socket_dir": ...}'
+python tests/worker.py hold '{...}'     # attach, print "ready", then compute each time a line arrives
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import sys
+import time
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+import torch
+from models import INPUT_IDS, meta_model, model_kwargs
+
+import weightcache as wc
+
+torch.set_num_threads(1)
+
+
+def digest(t: torch.Tensor) -> str:
+    return hashlib.sha256(t.detach().contiguous().view(torch.uint8).numpy().tobytes()).hexdigest()
+
+
+def run(model: torch.nn.Module) -> str:
+    with torch.no_grad():
+        return digest(model(INPUT_IDS))
+
+
+def smaps_for_memfd() -> dict[str, int]:
+    """kB totals of /proc/self/smaps fields over the mappings of weightcache memfds."""
+    totals: dict[str, int] = {}
+    inside = False
+    with open("/proc/self/smaps") as f:
+        for line in f:
+            parts = line.split()
+            if "-" in parts[0] and len(parts) >= 5:
+                inside = "/memfd:weightcache" in line
+            elif inside and len(parts) >= 2 and parts[0].endswith(":") and parts[1].isdigit():
+                totals[parts[0][:-1]] = totals.get(parts[0][:-1], 0) + int(parts[1])
+    return totals
+
+
+def attach(spec: dict) -> tuple[torch.nn.Module, wc.Handle, dict]:
+    model = meta_model(**model_kwargs(spec["checkpoint"]))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        t0 = time.perf_counter()
+        handle = wc.attach(
+            model,
+            spec["checkpoint"],
+            mode=spec.get("mode", "client"),
+            dtype=spec.get("dtype"),
+            socket_dir=spec.get("socket_dir"),
+            strict=spec.get("strict", False),
+        )
+        elapsed = time.perf_counter() - t0
+    info = {
+        "source": handle.source,
+        "digest": handle.fingerprint.digest,
+        "attach_ms": elapsed * 1e3,
+        "warnings": [str(w.message) for w in caught if issubclass(w.category, wc.FallbackWarning)],
+        "fallback_reason": handle.fallback_reason,
+        "pid": os.getpid(),
+    }
+    return model, handle, info
+
+
+def main() -> None:
+    command, spec = sys.argv[1], json.loads(sys.argv[2])
+    if command == "attach":
+        try:
+            model, handle, info = attach(spec)
+        except wc.WeightCacheError as exc:
+            print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+            return
+        info["output"] = run(model)
+        if spec.get("touch"):
+            for p in model.parameters():
+                float(p.float().sum())
+            info["smaps"] = smaps_for_memfd()
+        if spec.get("write"):
+            with torch.no_grad():
+                model.embed.weight.add_(1.0)
+            info["output_after_write"] = run(model)
+        handle.close()
+        print(json.dumps(info), flush=True)
+    elif command == "hold":
+        model, handle, info = attach(spec)
+        info["output"] = run(model)
+        if spec.get("touch"):
+            for p in model.parameters():
+                float(p.float().sum())
+            info["smaps"] = smaps_for_memfd()
+        if spec.get("release"):
+            handle.close()
+        print(json.dumps(info), flush=True)
+        for _line in sys.stdin:
+            print(json.dumps({"output": run(model), "leased": handle.leased}), flush=True)
+    else:
+        raise SystemExit(f"unknown command {command}")
+
+
+if __name__ == "__main__":
+    main()
