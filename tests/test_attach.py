@@ -244,7 +244,7 @@ def test_dtype_conversion_and_transform(checkpoint: Path, socket_dir: Path) -> N
     with wc.attach(
         model, checkpoint, mode="daemon", dtype=torch.bfloat16, transform=double_scale, socket_dir=socket_dir
     ) as h:
-        assert h.fingerprint.transform.endswith("double_scale")
+        assert ".double_scale#" in h.fingerprint.transform
         assert model.embed.weight.dtype == torch.bfloat16
         assert model.positions.dtype == torch.int64
     again = meta_model().to(torch.bfloat16)
@@ -310,3 +310,39 @@ def test_after_keeper_sigkill_daemon_mode_starts_a_fresh_keeper(checkpoint: Path
         assert output_digest(model) == digest(reference_output(checkpoint))
     new = keeper_pid(socket_dir)
     assert new and new != old
+
+
+def test_client_falls_back_from_a_broken_entry(checkpoint: Path, socket_dir: Path, keeper: object) -> None:
+    """A same-user peer publishes an entry under the right fingerprint whose manifest does not fit its
+    segment: client mode must load from disk with a warning, not crash."""
+    import fcntl
+
+    from weightcache.client import KeeperConnection
+
+    fp = wc.Fingerprint.create(checkpoint)
+    fd = os.memfd_create("weightcache", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 1024)
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    manifest = {
+        "version": 1,
+        "fingerprint": fp.to_json(),
+        "segments": [{"kind": "memfd", "size": 1024, "placement": "cpu"}],
+        "tensors": {
+            "name": ["embed.weight"],
+            "segment": [0],
+            "offset": [0],
+            "dtype": ["float32"],
+            "shape": [[4]],
+            "stride": [[1]],
+            "kind": ["parameter"],
+            "requires_grad": [True],
+            "digest": [None],
+        },
+    }
+    with KeeperConnection.connect(socket_dir) as conn:
+        conn.request({"op": "publish", "manifest": manifest}, [fd])
+    os.close(fd)
+    model = meta_model()
+    with pytest.raises(wc.BindError):  # binding a wrong entry is a hard error, never silent
+        wc.attach(model, checkpoint, mode="client", socket_dir=socket_dir)
+    assert model.embed.weight.is_meta

@@ -99,3 +99,21 @@ def test_shared_submodule() -> None:
     m = M()
     wc.bind(m, {"a.weight": torch.ones(2, 2), "a.bias": torch.zeros(2)})
     assert m.b.weight is m.a.weight and not m.a.weight.is_meta
+
+
+def test_parameter_subclasses_survive() -> None:
+    class EngineParam(nn.Parameter):
+        def loader(self) -> str:
+            return "engine"
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = EngineParam(torch.empty(3, device="meta"))
+            self.w.output_dim = 0  # type: ignore[attr-defined]
+
+    m = M()
+    data = torch.arange(3.0)
+    wc.bind(m, {"w": data})
+    assert type(m.w) is EngineParam and m.w.loader() == "engine" and m.w.output_dim == 0  # type: ignore[attr-defined]
+    assert m.w.data_ptr() == data.data_ptr()

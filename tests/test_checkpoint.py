@@ -86,3 +86,11 @@ def test_offsets_outside_the_file(tmp_path: Path) -> None:
     (d / "m.safetensors").write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 16)
     with pytest.raises(wc.CheckpointError, match="data_offsets"):
         wc.Fingerprint.create(d)
+
+
+def test_dtype_leaves_fp8_alone(tmp_path: Path) -> None:
+    d = tmp_path / "fp8"
+    d.mkdir()
+    save_file({"w": torch.randn(4).to(torch.float8_e4m3fn), "s": torch.ones(1)}, str(d / "m.safetensors"))
+    state = load_state_dict(d, dtype=torch.bfloat16)
+    assert state["w"].dtype == torch.float8_e4m3fn and state["s"].dtype == torch.bfloat16

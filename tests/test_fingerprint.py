@@ -149,3 +149,55 @@ def test_bad_arguments(checkpoint: Path) -> None:
         wc.Fingerprint.create(checkpoint, device="tpu")
     with pytest.raises(TypeError, match="JSON"):
         wc.Fingerprint.create(checkpoint, extra={"f": object()})
+
+
+def _scale(state: dict, k: float = 1.0) -> dict:
+    return state
+
+
+def _shard(state: dict, rank: int = 0) -> dict:
+    return state
+
+
+def test_transform_identity(checkpoint: Path) -> None:
+    import functools
+
+    from weightcache.fingerprint import transform_identity
+
+    a = transform_identity(functools.partial(_scale, k=2.0))
+    b = transform_identity(functools.partial(_shard, rank=1))
+    c = transform_identity(functools.partial(_scale, k=3.0))
+    assert len({a, b, c}) == 3 and "_scale" in a and '"k":2.0' in a
+    with pytest.raises(ValueError, match="lambda"):
+        transform_identity(lambda s: s)
+    x = 2
+
+    def closure(s: dict) -> dict:
+        return {k: v * x for k, v in s.items()}
+
+    with pytest.raises(ValueError, match="closure"):
+        transform_identity(closure)
+    closure.weightcache_id = "times-two-v1"  # type: ignore[attr-defined]
+    assert transform_identity(closure) == "times-two-v1"
+    with pytest.raises(ValueError, match="JSON"):
+        transform_identity(functools.partial(_scale, k=object()))
+
+    def v1(s: dict) -> dict:
+        return s
+
+    first = transform_identity(v1)
+
+    def v1(s: dict) -> dict:
+        return dict(s)
+
+    assert transform_identity(v1) != first and transform_identity(v1).split("#")[0] == first.split("#")[0]
+    fp1 = wc.Fingerprint.create(checkpoint, transform=functools.partial(_scale, k=2.0))
+    fp2 = wc.Fingerprint.create(checkpoint, transform=functools.partial(_scale, k=3.0))
+    assert fp1.digest != fp2.digest
+
+
+def test_dtype_names_are_validated(checkpoint: Path) -> None:
+    assert wc.Fingerprint.create(checkpoint, dtype="torch.bfloat16").dtype == "bfloat16"
+    assert wc.Fingerprint.create(checkpoint, dtype=torch.bfloat16).dtype == "bfloat16"
+    with pytest.raises(ValueError, match="bf16"):
+        wc.Fingerprint.create(checkpoint, dtype="bf16")

@@ -267,3 +267,23 @@ def test_stop(socket_dir: Path) -> None:
 
 
 _ = protocol
+
+
+def test_before_hello_frames_are_small(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
+    reply = raw_exchange(socket_dir, b"WC\x01\x00" + struct.pack("!I", 1 << 20))
+    assert b"limit here is 65536" in reply
+    assert alive(socket_dir)
+
+
+def test_wrongly_typed_manifest_columns(socket_dir: Path, keeper: subprocess.Popen[bytes], checkpoint: Path) -> None:
+    manifest = _manifest(checkpoint, 512)
+    manifest["tensors"]["dtype"] = [["x"]]
+    fd = _sealed_memfd(512)
+    with KeeperConnection.connect(socket_dir) as conn:
+        with pytest.raises(wc.KeeperError, match="dtype"):
+            conn.request({"op": "publish", "manifest": manifest}, [fd])
+        manifest = _manifest(checkpoint, 1000)
+        with pytest.raises(wc.KeeperError, match="multiple of 512"):
+            conn.request({"op": "publish", "manifest": manifest}, [fd])
+    os.close(fd)
+    assert alive(socket_dir)

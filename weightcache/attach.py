@@ -23,27 +23,18 @@ from .binding import bind, to_device
 from .cache import Cache, Handle
 from .checkpoint import load_state_dict
 from .errors import (
+    BindError,
     EntryNotFound,
     FallbackWarning,
     FingerprintMismatch,
-    KeeperError,
     KeeperUnavailable,
-    ProtocolError,
-    SocketDirError,
+    UnsupportedQuantError,
+    WeightCacheError,
 )
-from .fingerprint import Fingerprint, format_differences
+from .fingerprint import Fingerprint, format_differences, resolve_dtype
 
 Mode = Literal["off", "daemon", "client"]
 MODES = ("off", "daemon", "client")
-
-
-def _dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype).removeprefix("torch."), None)
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype or its name (e.g. 'bfloat16'); found {dtype!r}")
-    return value
 
 
 def attach(
@@ -74,7 +65,8 @@ def attach(
         quant_config: the method's configuration (its hash is part of the fingerprint).
         parallel: ``{"tp": (rank, size), ...}`` of these weights (part of the fingerprint).
         transform: applied to the loaded state dict before publishing (sharding, quantization, renaming);
-            its qualified name is part of the fingerprint, so rename it when its behaviour changes.
+            its name and a hash of its code are part of the fingerprint (see
+            :func:`weightcache.fingerprint.transform_identity`; functions it calls are not covered).
         strict: in mode client, raise KeeperUnavailable, EntryNotFound or FingerprintMismatch instead of
             falling back to disk.
         socket_dir: the keeper's socket directory (default: see :mod:`weightcache.rundir`).
@@ -86,7 +78,7 @@ def attach(
     if mode not in MODES:
         raise ValueError(f"mode must be one of {MODES}; found {mode!r}")
     dev = torch.device(device) if device is not None else torch.device("cpu")
-    torch_dtype = _dtype(dtype)
+    torch_dtype = resolve_dtype(dtype)
     fingerprint = Fingerprint.create(
         checkpoint,
         dtype=torch_dtype,
@@ -111,36 +103,34 @@ def attach(
         cache = Cache(socket_dir, spawn=True)
         handle = cache.get(fingerprint)
         if handle is None:
-            state = to_device(load_state_dict(checkpoint, dtype=torch_dtype, transform=transform), dev)
-            handle = cache._put(fingerprint, state, digests=True, max_segment_bytes=_max_segment(), consume=True)
+            # Copied straight from the (memory-mapped) checkpoint into the segments: no second copy on the device.
+            state = load_state_dict(checkpoint, dtype=torch_dtype, transform=transform)
+            handle = cache.put(fingerprint, state, consume=True)
         return _bound(model, handle, dev)
 
     # mode == "client"
     try:
         cache = Cache(socket_dir)
         handle = cache.get(fingerprint)
+        if handle is None:
+            reason, diffs = _why_missing(cache, fingerprint)
     except KeeperUnavailable as exc:
         if strict:
             raise
         return _fallback(from_disk, f"no keeper is available ({exc})")
-    except (KeeperError, ProtocolError, SocketDirError) as exc:
+    except (UnsupportedQuantError, BindError):
+        raise
+    except WeightCacheError as exc:  # a broken entry, an insecure socket dir, a keeper error...
         if strict:
             raise
-        return _fallback(from_disk, f"the keeper could not serve this request ({exc})")
+        return _fallback(from_disk, f"the cache could not serve this request ({type(exc).__name__}: {exc})")
     if handle is not None:
         return _bound(model, handle, dev)
-    reason, diffs = _why_missing(cache, fingerprint)
     if strict:
         if diffs:
             raise FingerprintMismatch(reason, tuple(diffs))
         raise EntryNotFound(reason)
     return _fallback(from_disk, reason)
-
-
-def _max_segment() -> int:
-    from .cache import DEFAULT_MAX_SEGMENT_BYTES
-
-    return int(os.environ.get("WEIGHTCACHE_MAX_SEGMENT_BYTES", DEFAULT_MAX_SEGMENT_BYTES))
 
 
 def _bound(model: nn.Module, handle: Handle, device: torch.device) -> Handle:

@@ -125,7 +125,7 @@ def _run_one(
         state[f"p{i}"] = torch.full((numel,), float((i % 7) + 1) / 8, dtype=dtype, device=device)
     check = [float(state["p0"].float().sum()), float(state[f"p{n - 1}"][:4096].float().sum())]
     t1 = time.perf_counter()
-    handle = cache._put(fp, state, digests=False, max_segment_bytes=8 << 30, consume=True)
+    handle = cache.put(fp, state, digests=False, consume=True)
     t2 = time.perf_counter()
     assert handle.manifest is not None
     total = handle.manifest.total_bytes

@@ -125,9 +125,13 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
     for slot, tensor in plan:
         if slot.is_param:
             orig = slot.original
-            new: torch.Tensor = nn.Parameter(tensor, requires_grad=orig.requires_grad and _grad_ok(tensor))
+            grad = orig.requires_grad and _grad_ok(tensor)
+            # Keep the parameter's class (engines subclass nn.Parameter) without running its constructor, and
+            # its Python attributes (e.g. a weight_loader); the data is the attached tensor, not a copy.
+            cls = type(orig) if isinstance(orig, nn.Parameter) else nn.Parameter
+            new: torch.Tensor = torch.Tensor._make_subclass(cls, tensor, grad)
             if orig.__dict__:
-                new.__dict__.update(orig.__dict__)  # engine attributes such as a weight_loader
+                new.__dict__.update(orig.__dict__)
             for module, attr in slot.places:
                 module._parameters[attr] = new  # type: ignore[assignment]
         else:
@@ -150,14 +154,20 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
 
 
 def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Move a state dict to ``device``, keeping tied entries (same storage) tied."""
+    """Move a state dict to ``device``, keeping tied entries (same tensor object) tied.
+
+    Copies run in a few threads: sources are usually memory-mapped checkpoint files, and parallel page faults
+    keep the disk busy while earlier tensors are copied to the device.
+    """
     if device.type == "cpu":
         return tensors
-    moved: dict[int, torch.Tensor] = {}
-    out = {}
-    for name, t in tensors.items():
-        key = id(t)
-        if key not in moved:
-            moved[key] = t.to(device)
-        out[name] = moved[key]
-    return out
+    from concurrent.futures import ThreadPoolExecutor
+
+    unique: dict[int, torch.Tensor] = {}
+    for t in tensors.values():
+        unique.setdefault(id(t), t)
+    with ThreadPoolExecutor(max_workers=8) as pool:
+        moved = dict(zip(unique, pool.map(lambda t: t.to(device), unique.values())))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+    return {name: moved[id(t)] for name, t in tensors.items()}

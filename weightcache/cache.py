@@ -19,7 +19,7 @@ import torch
 from . import quant as quant_registry
 from . import segments as segment_transports
 from .client import KeeperConnection, ensure_keeper
-from .errors import KeeperError, ManifestError, SegmentError, WeightCacheError
+from .errors import KeeperError, ManifestError, WeightCacheError
 from .fingerprint import Fingerprint
 from .manifest import DTYPE_SIZES, Manifest, SegmentInfo, TensorInfo
 from .protocol import close_fds
@@ -201,9 +201,10 @@ class Cache:
         that live clients map stays valid either way; it is freed when the last of them lets go.
         Returns the keys evicted.
         """
-        digest = (
-            fingerprint_or_digest.digest if isinstance(fingerprint_or_digest, Fingerprint) else fingerprint_or_digest
-        )
+        if isinstance(fingerprint_or_digest, Fingerprint):  # exactly this entry: digest and placement
+            digest = f"{fingerprint_or_digest.digest}@{fingerprint_or_digest.placement}"
+        else:
+            digest = fingerprint_or_digest
         with self._connect() as conn:
             reply, _ = conn.request({"op": "evict", "digest": digest, "force": force})
         return [str(k) for k in reply["evicted"]]
@@ -255,24 +256,34 @@ class Cache:
         fingerprint: Fingerprint,
         tensors: Mapping[str, torch.Tensor],
         *,
-        digests: bool = True,
-        max_segment_bytes: int = DEFAULT_MAX_SEGMENT_BYTES,
+        digests: bool | None = None,
+        max_segment_bytes: int | None = None,
+        consume: bool = False,
     ) -> Handle:
         """Copy a state dict into shareable segments, publish it under ``fingerprint`` and return the
         attached Handle (its tensors map the published segments, not ``tensors``).
 
-        If the keeper already holds this fingerprint (another process won a race), the existing entry is
-        attached instead. Raises UnsupportedQuantError for a refused method, before anything is copied.
+        The tensors may live on any device; they are copied to the fingerprint's placement. If the keeper
+        already holds this fingerprint (another process won a race), the existing entry is attached instead.
+        Raises UnsupportedQuantError for a refused method, before anything is copied.
+
+        Args:
+            digests: record a SHA-256 per tensor (for :meth:`Handle.verify`); default: when the tensors are
+                on the CPU (elsewhere it costs a device-to-host copy).
+            max_segment_bytes: largest segment; default :func:`default_segment_bytes`.
+            consume: remove each tensor from ``tensors`` (a mutable mapping) once copied, freeing GPU memory
+                as it goes, so that migrating a model needs one segment of extra memory, not two copies.
+                Only references held elsewhere (e.g. by a model) keep originals alive.
         """
-        return self._put(fingerprint, tensors, digests=digests, max_segment_bytes=max_segment_bytes, consume=False)
+        return self._put(fingerprint, tensors, digests=digests, max_segment_bytes=max_segment_bytes, consume=consume)
 
     def _put(
         self,
         fingerprint: Fingerprint,
         tensors: Mapping[str, torch.Tensor],
         *,
-        digests: bool,
-        max_segment_bytes: int,
+        digests: bool | None,
+        max_segment_bytes: int | None,
         consume: bool,
     ) -> Handle:
         quant_registry.get(fingerprint.quant).check()
@@ -280,27 +291,22 @@ class Cache:
         names = list(tensors)
         if not names:
             raise WeightCacheError("cannot publish an empty state dict")
-        want = "cpu" if fingerprint.placement == "cpu" else "cuda"
         for name in names:
-            t = tensors[name]
-            if not isinstance(t, torch.Tensor):
-                raise TypeError(f"state dict entry {name!r} is {type(t).__name__}; expected a torch.Tensor")
-            if t.device.type != want:
-                raise SegmentError(
-                    f"tensor {name!r} is on {t.device} but the fingerprint places the entry on "
-                    f"{fingerprint.placement}; create the fingerprint with the device the tensors live on"
-                )
+            if not isinstance(tensors[name], torch.Tensor):
+                raise TypeError(f"state dict entry {name!r} is {type(tensors[name]).__name__}; expected a torch.Tensor")
         nbytes = [tensors[n].numel() * tensors[n].element_size() for n in names]
+        if max_segment_bytes is None:
+            max_segment_bytes = default_segment_bytes(fingerprint.placement, nbytes)
+        if digests is None:
+            # Digests need the bytes on the host: free for CPU tensors, a device-to-host copy otherwise.
+            digests = all(tensors[n].device.type == "cpu" for n in names)
         placements, sizes = segment_transports.pack(nbytes, transport.alignment, max_segment_bytes)
-        segs = [transport.create(size, fingerprint.placement) for size in sizes]
-        infos: list[TensorInfo] = []
+        segs: list[segment_transports.Segment] = []
         try:
-            infos = _fill(segs, names, placements, tensors, digests=digests, consume=consume)
-            for seg in segs:
-                seg.seal()
+            infos = _fill(transport, fingerprint.placement, segs, sizes, names, placements, tensors, digests, consume)
             manifest = Manifest.build(
                 fingerprint,
-                [SegmentInfo(kind=transport.kind, size=s, placement=fingerprint.placement) for s in sizes],
+                [SegmentInfo(kind=transport.kind, size=seg.size, placement=fingerprint.placement) for seg in segs],
                 infos,
             )
             conn = self._connect()
@@ -322,7 +328,7 @@ class Cache:
             if handle is None:
                 raise KeeperError("the keeper reported the entry as existing, then could not find it", "race")
             return handle
-        fds = [seg.fd for seg in segs]  # the handle owns them from here
+        fds = [seg.detach_fd() for seg in segs]  # the handle owns them from here
         try:
             views = _views(manifest, fds)
         except BaseException:
@@ -334,25 +340,51 @@ class Cache:
         )
 
 
+def default_segment_bytes(placement: str, nbytes: list[int]) -> int:
+    """Segment size when none is given.
+
+    CPU: up to 8 GiB (a memfd costs one mmap to attach, whatever its size). GPU: max(1 GiB, the largest
+    tensor), so that migrating weights that already sit on the GPU needs at most one segment of extra memory;
+    grown when needed to keep an entry within the fds one message can carry. Importing a VMM segment costs
+    ~0.1 ms, so a few dozen segments still attach in milliseconds.
+    """
+    from .protocol import MAX_FDS
+
+    if placement == "cpu":
+        return DEFAULT_MAX_SEGMENT_BYTES
+    total = sum(nbytes)
+    return max(1 << 30, max(nbytes, default=0), -(-total // (MAX_FDS - 10)))
+
+
 def _fill(
+    transport: segment_transports.Transport,
+    placement: str,
     segs: list[segment_transports.Segment],
+    sizes: list[int],
     names: list[str],
     placements: list[segment_transports.Placement],
     tensors: Mapping[str, torch.Tensor],
-    *,
     digests: bool,
     consume: bool,
 ) -> list[TensorInfo]:
-    """Write every tensor into its segment (in a few threads: pwrite and hashing release the GIL) and
-    return its manifest row. With ``consume``, entries are removed from ``tensors`` as they are written so
-    the originals can be freed one at a time."""
+    """Create the segments one at a time and copy their tensors in (a few threads: copies and hashing release
+    the GIL), appending each created segment to ``segs`` so the caller can clean up on failure.
 
-    def one(i: int) -> TensorInfo:
+    With ``consume``, each tensor is removed from ``tensors`` once copied, and GPU memory the originals held is
+    returned to the driver before the next segment is created: migrating weights from the caching allocator
+    then needs one segment of extra memory, not a second copy of the model.
+    """
+    rows: list[TensorInfo | None] = [None] * len(names)
+    by_segment: list[list[int]] = [[] for _ in sizes]
+    for i, where in enumerate(placements):
+        by_segment[where.segment].append(i)
+
+    def one(i: int) -> None:
         name = names[i]
         t = tensors[name]
         where = placements[i]
         segs[where.segment].write(where.offset, t)
-        return TensorInfo(
+        rows[i] = TensorInfo(
             name=name,
             segment=where.segment,
             offset=where.offset,
@@ -364,14 +396,19 @@ def _fill(
             digest=content_digest(t) if digests else None,
         )
 
-    workers = min(4, os.cpu_count() or 1)
-    rows: list[TensorInfo] = []
+    on_gpu = any(tensors[n].is_cuda for n in names)
+    workers = min(8, os.cpu_count() or 1)
     with ThreadPoolExecutor(max_workers=workers) as pool:
-        for i, row in enumerate(pool.map(one, range(len(names)))):
-            rows.append(row)
+        for k, size in enumerate(sizes):
+            segs.append(transport.create(size, placement))
+            list(pool.map(one, by_segment[k]))
+            segs[k].seal()
             if consume and isinstance(tensors, MutableMapping):
-                tensors.pop(names[i], None)
-    return rows
+                for i in by_segment[k]:
+                    tensors.pop(names[i], None)
+                if on_gpu:
+                    torch.cuda.empty_cache()
+    return [r for r in rows if r is not None]
 
 
 def _views(manifest: Manifest, fds: list[int]) -> dict[str, torch.Tensor]:
@@ -379,6 +416,18 @@ def _views(manifest: Manifest, fds: list[int]) -> dict[str, torch.Tensor]:
     bases = [segment_transports.transport(info.kind).map(fd, info) for fd, info in zip(fds, manifest.segments)]
     typed: dict[tuple[int, str], torch.Tensor] = {}
     out: dict[str, torch.Tensor] = {}
+    try:
+        return _cut(manifest, bases, typed, out)
+    except RuntimeError as exc:  # torch refused a view: the manifest does not fit its segments
+        raise ManifestError(f"cannot build the tensors this manifest describes: {exc}") from exc
+
+
+def _cut(
+    manifest: Manifest,
+    bases: list[torch.Tensor],
+    typed: dict[tuple[int, str], torch.Tensor],
+    out: dict[str, torch.Tensor],
+) -> dict[str, torch.Tensor]:
     for name, seg, off, dt, shape, stride in zip(
         manifest.names, manifest.segment, manifest.offset, manifest.dtype, manifest.shape, manifest.stride
     ):

@@ -26,6 +26,8 @@ if TYPE_CHECKING:
 #: safetensors itself refuses headers above 100 MB; so do we, before allocating anything.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 INDEX_SUFFIX = ".safetensors.index.json"
+#: dtypes that ``dtype=`` converts; FP8 and integer tensors are quantized data and stay as they are.
+CONVERTIBLE = frozenset({"torch.float16", "torch.bfloat16", "torch.float32", "torch.float64"})
 
 
 @attrs.frozen
@@ -168,7 +170,8 @@ def iter_tensors(
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the checkpoint, on CPU, one at a time.
 
-    Floating point tensors are converted to ``dtype`` when it is given; integer and boolean tensors are not.
+    Floating point tensors (float16, bfloat16, float32, float64) are converted to ``dtype`` when it is given;
+    integer, boolean and FP8 tensors (quantized weights) are not.
     """
     from safetensors import SafetensorError, safe_open
 
@@ -182,7 +185,7 @@ def iter_tensors(
                         raise CheckpointError(f"tensor {name!r} is in both {seen[name].name} and {file.name}")
                     seen[name] = file
                     tensor = f.get_tensor(name)
-                    if dtype is not None and tensor.is_floating_point() and tensor.dtype != dtype:
+                    if dtype is not None and tensor.dtype != dtype and str(tensor.dtype) in CONVERTIBLE:
                         tensor = tensor.to(dtype)
                     yield name, tensor
         except SafetensorError as exc:

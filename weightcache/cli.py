@@ -44,16 +44,15 @@ def _connect(args: argparse.Namespace) -> Any:
 def cmd_serve(args: argparse.Namespace) -> int:
     from . import keeper
 
-    gids = tuple(args.allow_group or ())
     if args.detach:
-        keeper.detach_and_serve(args.socket_dir, args.ready_fd, gids)
+        keeper.detach_and_serve(args.socket_dir, args.ready_fd)
         return 0
     logging.basicConfig(
         stream=sys.stderr,
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(message)s",
     )
-    keeper.serve(args.socket_dir, allowed_gids=gids, ready_fd=args.ready_fd)
+    keeper.serve(args.socket_dir, ready_fd=args.ready_fd)
     return 0
 
 
@@ -152,9 +151,13 @@ def cmd_stop(args: argparse.Namespace) -> int:
 def cmd_load(args: argparse.Namespace) -> int:
     from .cache import Cache
     from .checkpoint import load_state_dict
-    from .fingerprint import Fingerprint
+    from .fingerprint import Fingerprint, resolve_dtype
 
-    quant_config = json.loads(args.quant_config) if args.quant_config else None
+    try:
+        quant_config = json.loads(args.quant_config) if args.quant_config else None
+        dtype = resolve_dtype(args.dtype)
+    except ValueError as exc:
+        raise WeightCacheError(f"bad argument: {exc}") from exc
     fp = Fingerprint.create(
         args.checkpoint, dtype=args.dtype, quant=args.quant, quant_config=quant_config, device=args.device
     )
@@ -168,12 +171,11 @@ def cmd_load(args: argparse.Namespace) -> int:
         print(f"already cached: {fp.digest[:12]}  {fp.describe()}")
         return 0
     t0 = time.perf_counter()
-    import torch
-
-    dtype = getattr(torch, args.dtype) if args.dtype else None
     state = load_state_dict(args.checkpoint, dtype=dtype, progress=sys.stderr.isatty())
     t1 = time.perf_counter()
-    handle = cache._put(fp, state, digests=not args.no_digests, max_segment_bytes=args.max_segment_bytes, consume=True)
+    handle = cache.put(
+        fp, state, digests=False if args.no_digests else None, max_segment_bytes=args.max_segment_bytes, consume=True
+    )
     t2 = time.perf_counter()
     assert handle.manifest is not None
     size = handle.manifest.total_bytes
@@ -206,7 +208,6 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("serve", "run the keeper in the foreground (or --detach)")
     p.add_argument("--detach", action="store_true", help="fork into the background, log to keeper.log")
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
-    p.add_argument("--allow-group", type=int, action="append", help="also admit peers whose gid is this")
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_serve)
 
@@ -217,7 +218,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quant", default="none", help="quantization method of the weights (default none)")
     p.add_argument("--quant-config", default=None, help="the method's config as JSON")
     p.add_argument("--no-digests", action="store_true", help="skip per-tensor content digests")
-    p.add_argument("--max-segment-bytes", type=int, default=8 << 30, help=argparse.SUPPRESS)
+    p.add_argument("--max-segment-bytes", type=int, default=None, help=argparse.SUPPRESS)
     p.set_defaults(func=cmd_load)
 
     p = add("ls", "list the keeper's entries")

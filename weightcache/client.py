@@ -38,6 +38,8 @@ from .rundir import (
 
 #: Seconds to wait for a spawned keeper to report readiness.
 SPAWN_TIMEOUT_S = 30.0
+#: Seconds to wait for the keeper to accept a connection.
+CONNECT_TIMEOUT_S = 10.0
 
 
 class KeeperConnection:
@@ -70,6 +72,7 @@ class KeeperConnection:
                 ) from None
             raise exc
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(CONNECT_TIMEOUT_S)  # a keeper whose backlog is full must not hang an engine's start
         try:
             sock.connect(str(path))
         except (FileNotFoundError, ConnectionRefusedError) as exc:

@@ -9,9 +9,12 @@ This module must not import torch at import time: the keeper and the CLI read fi
 
 from __future__ import annotations
 
+import functools
 import hashlib
+import inspect
 import json
 import os
+import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
@@ -59,11 +62,64 @@ def normalise_parallel(parallel: Mapping[str, tuple[int, int] | list[int]] | Non
     return tuple(sorted(out))
 
 
+def resolve_dtype(dtype: object) -> Any:
+    """``torch.bfloat16``, ``"bfloat16"`` or ``"torch.bfloat16"`` -> the torch dtype (None stays None)."""
+    import torch
+
+    if dtype is None or isinstance(dtype, torch.dtype):
+        return dtype
+    value = getattr(torch, str(dtype).removeprefix("torch."), None) if isinstance(dtype, str) else None
+    if not isinstance(value, torch.dtype):
+        raise ValueError(f"dtype must be a torch.dtype or its name, e.g. 'bfloat16'; found {dtype!r}")
+    return value
+
+
 def _dtype_name(dtype: object) -> str | None:
-    if dtype is None:
-        return None
-    text = str(dtype)
-    return text.removeprefix("torch.")
+    resolved = resolve_dtype(dtype)
+    return None if resolved is None else str(resolved).removeprefix("torch.")
+
+
+def transform_identity(transform: Callable[..., Any] | str) -> str:
+    """What the fingerprint records for a transform: its qualified name plus a hash of its code, so that
+    editing the function's body changes the fingerprint.
+
+    A transform may state its identity itself with a ``weightcache_id`` string attribute (do that for callable
+    objects, bound methods and closures, whose captured state no name reveals). ``functools.partial`` records
+    its function and its (JSON-serialisable) arguments. Lambdas are refused: two lambdas in one module share
+    a name.
+    """
+    if isinstance(transform, str):
+        return transform
+    explicit = getattr(transform, "weightcache_id", None)
+    if isinstance(explicit, str) and explicit:
+        return explicit
+    if isinstance(transform, functools.partial):
+        try:
+            arguments = canonical_json({"args": list(transform.args), "keywords": dict(transform.keywords)})
+        except (TypeError, ValueError) as exc:
+            raise ValueError(
+                f"transform {transform!r} binds arguments that are not JSON-serialisable; set its weightcache_id "
+                "attribute to a string that names what it does"
+            ) from exc
+        return f"{transform_identity(transform.func)}({arguments})"
+    name = qualified_name(transform)
+    hint = "define a module-level function, or set transform.weightcache_id = 'name-v1'"
+    if "<lambda>" in name:
+        raise ValueError(f"transform {name} is a lambda, which has no stable identity; {hint}")
+    if inspect.ismethod(transform) or getattr(transform, "__closure__", None):
+        raise ValueError(f"transform {name} carries state (a bound method or closure) that no name reveals; {hint}")
+    code = getattr(transform, "__code__", None)
+    if code is None:
+        raise ValueError(f"transform {name} is a callable object whose state no name reveals; {hint}")
+    return f"{name}#{_code_hash(code)[:16]}"
+
+
+def _code_hash(code: types.CodeType) -> str:
+    h = hashlib.sha256(code.co_code)
+    h.update(repr(code.co_names).encode())
+    for const in code.co_consts:
+        h.update(_code_hash(const).encode() if isinstance(const, types.CodeType) else repr(const).encode())
+    return h.hexdigest()
 
 
 def _device_markers(device: object) -> tuple[str, str, str | None]:
@@ -141,7 +197,8 @@ class Fingerprint:
             quant: quantization method name; see :func:`weightcache.quant.get`.
             quant_config: the method's configuration; only its hash is kept.
             parallel: ``{"tp": (rank, size), "pp": (rank, size), ...}``.
-            transform: the callable (or its name) applied to the state dict before publishing.
+            transform: the callable (or its name) applied to the state dict before publishing; see
+                :func:`transform_identity` for what is recorded.
             device: ``"cpu"`` or ``"cuda:N"``; the device kind and compute capability join the identity,
                 the GPU UUID becomes the placement.
             extra: further identity fields (JSON-serialisable), e.g. an engine's model config.
@@ -159,7 +216,7 @@ class Fingerprint:
         revision = config.get("_commit_hash")
         strategy = quant_registry.get(quant)
         device_kind, placement, capability = _device_markers(device)
-        transform_name = transform if transform is None or isinstance(transform, str) else qualified_name(transform)
+        transform_name = None if transform is None else transform_identity(transform)
         try:
             extra_json = canonical_json(dict(extra or {}))
         except (TypeError, ValueError) as exc:
@@ -318,4 +375,12 @@ def _int(value: object, key: str = "value") -> int:
     return value
 
 
-__all__ = ["FORMAT_VERSION", "Fingerprint", "canonical_json", "config_hash", "format_differences"]
+__all__ = [
+    "FORMAT_VERSION",
+    "Fingerprint",
+    "canonical_json",
+    "config_hash",
+    "format_differences",
+    "resolve_dtype",
+    "transform_identity",
+]

@@ -17,8 +17,10 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
+import resource
 import select
 import signal
 import socket
@@ -40,6 +42,8 @@ from .rundir import INSTANCE_LOCK_NAME, ensure_private_dir, resolve_socket_dir, 
 log = logging.getLogger("weightcache.keeper")
 
 MAX_CONNECTIONS = 1024
+#: Largest manifest accepted: its get reply (manifest plus a few fields) must still fit in one frame.
+MAX_MANIFEST_BYTES = protocol.MAX_PAYLOAD_BYTES - 64 * 1024
 
 
 @attrs.define
@@ -108,9 +112,9 @@ class RequestError(WeightCacheError):
 class Keeper:
     """The keeper process's state and server loop. Use :func:`serve` to run one."""
 
-    def __init__(self, socket_dir: Path, *, allowed_gids: tuple[int, ...] = ()) -> None:
+    def __init__(self, socket_dir: Path) -> None:
         self.socket_dir = socket_dir
-        self.allowed_gids = allowed_gids
+        self.max_connections = MAX_CONNECTIONS
         self.started = time.time()
         self.entries: dict[str, Entry] = {}
         self.lock = threading.Lock()
@@ -127,6 +131,14 @@ class Keeper:
     def start(self) -> None:
         """Take the instance lock, bind and listen, then publish the socket atomically (rename)."""
         ensure_private_dir(self.socket_dir)
+        # Every segment of every entry is an open fd here: take all the fds the system allows us, and admit
+        # no more connections than leave room for them.
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if hard == resource.RLIM_INFINITY or hard > soft:
+            with contextlib.suppress(ValueError, OSError):
+                resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+        soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+        self.max_connections = max(16, min(MAX_CONNECTIONS, soft // 4))
         lock_path = self.socket_dir / INSTANCE_LOCK_NAME
         self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
         try:
@@ -203,6 +215,7 @@ class Keeper:
                 conn, _ = listener.accept()
             except OSError as exc:
                 log.warning("accept failed: %s", exc)
+                time.sleep(0.05)  # e.g. out of fds: let connections drain instead of spinning
                 continue
             self._admit(conn)
 
@@ -212,7 +225,7 @@ class Keeper:
         except OSError:
             conn.close()
             return
-        if uid != os.getuid() and gid not in self.allowed_gids:
+        if uid != os.getuid():
             log.warning("refused connection from pid %d uid %d gid %d", pid, uid, gid)
             with contextlib.suppress(OSError):
                 send_frame(
@@ -226,7 +239,7 @@ class Keeper:
             conn.close()
             return
         with self.lock:
-            if len(self._connections) >= MAX_CONNECTIONS:
+            if len(self._connections) >= self.max_connections:
                 busy = True
             else:
                 busy = False
@@ -235,10 +248,18 @@ class Keeper:
                 self._connections[cid] = conn
         if busy:
             with contextlib.suppress(OSError):
-                send_frame(conn, {"ok": False, "error": "busy", "message": f"over {MAX_CONNECTIONS} connections"})
+                send_frame(conn, {"ok": False, "error": "busy", "message": f"over {self.max_connections} connections"})
             conn.close()
             return
-        threading.Thread(target=self._serve_connection, args=(cid, conn, pid), daemon=True).start()
+        try:
+            threading.Thread(target=self._serve_connection, args=(cid, conn, pid), daemon=True).start()
+        except RuntimeError as exc:  # thread or pid limit reached: refuse this one, keep serving
+            log.warning("cannot start a thread for pid %d: %s", pid, exc)
+            with self.lock:
+                self._connections.pop(cid, None)
+            with contextlib.suppress(OSError):
+                send_frame(conn, {"ok": False, "error": "busy", "message": f"keeper cannot start a thread: {exc}"})
+            conn.close()
 
     # --- one connection ---------------------------------------------------------------------------------
 
@@ -249,7 +270,11 @@ class Keeper:
                 try:
                     # Until hello, a silent peer is dropped after the frame timeout; after it, an idle
                     # connection is a lease and may stay open for as long as its engine runs.
-                    message, fds = recv_frame(conn, idle_timeout=None if greeted else protocol.FRAME_TIMEOUT_S)
+                    message, fds = recv_frame(
+                        conn,
+                        idle_timeout=None if greeted else protocol.FRAME_TIMEOUT_S,
+                        max_payload=protocol.MAX_PAYLOAD_BYTES if greeted else protocol.MAX_HELLO_BYTES,
+                    )
                 except protocol.PeerClosed:
                     return
                 except ProtocolError as exc:
@@ -270,6 +295,10 @@ class Keeper:
                     if code == "version":
                         send_frame(conn, reply)
                         return
+                except Exception as exc:  # a bug of ours must cost one request, never the keeper
+                    log.exception("connection %d (pid %d): internal error in %r", cid, pid, message.get("op"))
+                    reply = {"ok": False, "error": "internal", "message": f"keeper internal error: {exc!r}"}
+                    out_fds = []
                 finally:
                     protocol.close_fds(fds)
                 try:
@@ -279,7 +308,7 @@ class Keeper:
                 if op == "stop" and reply.get("ok"):
                     self.stop()
                     return
-        except OSError as exc:
+        except (OSError, ProtocolError) as exc:
             log.info("connection %d (pid %d) failed: %s", cid, pid, exc)
         finally:
             with self.lock:
@@ -335,6 +364,12 @@ class Keeper:
         # On error the caller closes `fds`; on success this handler owns them.
         manifest_json = field(message, "manifest", dict)
         manifest = Manifest.from_json(manifest_json)
+        encoded = len(json.dumps(manifest_json, separators=(",", ":")))
+        if encoded > MAX_MANIFEST_BYTES:
+            raise RequestError(
+                "bad_request",
+                f"manifest is {encoded} bytes; at most {MAX_MANIFEST_BYTES} fit in a reply (fewer tensors per entry)",
+            )
         if len(fds) != len(manifest.segments):
             raise RequestError(
                 "bad_request", f"manifest lists {len(manifest.segments)} segments but {len(fds)} fds arrived"
@@ -374,7 +409,14 @@ class Keeper:
             entry.last_used = now
             entry.leases.setdefault(cid, Lease(pid, now))
             # dup under the lock: an evict racing with this get cannot close the fds we are about to send.
-            out = [os.dup(fd) for fd in entry.fds]
+            out: list[int] = []
+            try:
+                for fd in entry.fds:
+                    out.append(os.dup(fd))
+            except OSError as exc:
+                protocol.close_fds(out)
+                entry.leases.pop(cid, None)
+                raise RequestError("busy", f"keeper is out of file descriptors ({exc}); retry later") from exc
             manifest_json = entry.manifest_json
         return {"ok": True, "found": True, "key": key, "manifest": manifest_json}, out
 
@@ -407,6 +449,8 @@ class Keeper:
     def _match(self, prefix: str) -> list[Entry]:
         if not prefix:
             raise RequestError("bad_request", "empty digest")
+        if prefix in self.entries:  # a full key names exactly one entry
+            return [self.entries[prefix]]
         return [e for k, e in self.entries.items() if k.startswith(prefix) or e.digest.startswith(prefix)]
 
     def _inspect(self, message: dict[str, Any]) -> dict[str, Any]:
@@ -424,7 +468,7 @@ class Keeper:
         every = bool(field(message, "all", bool, optional=True))
         with self.lock:
             found = list(self.entries.values()) if every and prefix == "*" else self._match(prefix)
-            if not found:
+            if not found or (len(found) > 1 and not every):
                 raise self._ambiguous(prefix, found)
             leased = [e for e in found if e.leases]
             if leased and not force:
@@ -448,25 +492,22 @@ class Keeper:
         if not found:
             return RequestError("not_found", f"no entry matches {prefix!r}; `weightcache ls` lists the entries")
         return RequestError(
-            "ambiguous", f"{prefix!r} matches {len(found)} entries ({', '.join(e.key[:20] for e in found)})"
+            "ambiguous",
+            f"{prefix!r} matches {len(found)} entries ({', '.join(e.key[:20] for e in found)}); give more of the "
+            "digest (or the full key digest@placement), or --all",
         )
 
 
 OPS = ("hello", "publish", "get", "release", "list", "inspect", "evict", "stop")
 
 
-def serve(
-    socket_dir: str | os.PathLike[str] | None = None,
-    *,
-    allowed_gids: tuple[int, ...] = (),
-    ready_fd: int | None = None,
-) -> None:
+def serve(socket_dir: str | os.PathLike[str] | None = None, *, ready_fd: int | None = None) -> None:
     """Run a keeper in this process until it is stopped (``weightcache stop``, SIGTERM or SIGINT).
 
     ``ready_fd``, when given, receives ``b"ok\\n"`` once the socket is live, or ``b"error: ...\\n"``.
     """
     directory = resolve_socket_dir(socket_dir)
-    keeper = Keeper(directory, allowed_gids=allowed_gids)
+    keeper = Keeper(directory)
     try:
         keeper.start()
     except Exception as exc:
@@ -488,7 +529,7 @@ def serve(
         log.info("keeper %d stopped", os.getpid())
 
 
-def detach_and_serve(socket_dir: str | None, ready_fd: int | None, allowed_gids: tuple[int, ...] = ()) -> None:
+def detach_and_serve(socket_dir: str | None, ready_fd: int | None) -> None:
     """Fork into the background (new session, stdio to the log), then :func:`serve`. The caller returns."""
     directory = ensure_private_dir(resolve_socket_dir(socket_dir))
     if os.fork() != 0:
@@ -504,7 +545,7 @@ def detach_and_serve(socket_dir: str | None, ready_fd: int | None, allowed_gids:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     try:
-        serve(directory, allowed_gids=allowed_gids, ready_fd=ready_fd)
+        serve(directory, ready_fd=ready_fd)
     except KeeperAlreadyRunning as exc:
         log.info("%s", exc)
         os._exit(0)

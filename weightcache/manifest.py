@@ -47,6 +47,8 @@ DTYPE_SIZES: dict[str, int] = {
 TENSOR_KINDS = ("parameter", "buffer", "tensor")
 SEGMENT_KINDS = ("memfd", "cuda_vmm")
 MAX_TENSORS = 1_000_000
+#: Segment sizes are multiples of this (and so of every dtype's size).
+SEGMENT_ALIGNMENT = 512
 MAX_NDIM = 16
 
 
@@ -189,10 +191,12 @@ class Manifest:
             if not isinstance(s, dict):
                 raise ManifestError(f"segment {i} must be an object; found {type(s).__name__}")
             kind, size, placement = s.get("kind"), s.get("size"), s.get("placement")
-            if kind not in SEGMENT_KINDS:
+            if not isinstance(kind, str) or kind not in SEGMENT_KINDS:
                 raise ManifestError(f"segment {i} has kind {kind!r}; expected one of {SEGMENT_KINDS}")
-            if not isinstance(size, int) or isinstance(size, bool) or size <= 0:
-                raise ManifestError(f"segment {i} has size {size!r}; expected a positive integer")
+            if not isinstance(size, int) or isinstance(size, bool) or size <= 0 or size % SEGMENT_ALIGNMENT:
+                raise ManifestError(
+                    f"segment {i} has size {size!r}; expected a positive multiple of {SEGMENT_ALIGNMENT}"
+                )
             if placement != fingerprint.placement:
                 raise ManifestError(
                     f"segment {i} is placed on {placement!r} but the fingerprint says {fingerprint.placement!r}"
@@ -225,7 +229,7 @@ class Manifest:
             seen.add(name)
             if not _is_int(seg) or not 0 <= seg < len(segments):
                 raise ManifestError(f"tensor {name!r} names segment {seg!r}; the entry has {len(segments)}")
-            if dt not in DTYPE_SIZES:
+            if not isinstance(dt, str) or dt not in DTYPE_SIZES:
                 raise ManifestError(f"tensor {name!r} has dtype {dt!r}; expected one of {sorted(DTYPE_SIZES)}")
             if (
                 not isinstance(shape, list)
@@ -248,7 +252,7 @@ class Manifest:
                     f"tensor {name!r} spans bytes {off}..{end} of segment {seg}, which has only "
                     f"{segments[seg].size} bytes"
                 )
-            if cols["kind"][i] not in TENSOR_KINDS:
+            if not isinstance(cols["kind"][i], str) or cols["kind"][i] not in TENSOR_KINDS:
                 raise ManifestError(f"tensor {name!r} has kind {cols['kind'][i]!r}; expected {TENSOR_KINDS}")
             if not isinstance(cols["requires_grad"][i], bool):
                 raise ManifestError(f"tensor {name!r}: requires_grad must be a boolean")

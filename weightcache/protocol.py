@@ -18,6 +18,7 @@ import json
 import os
 import socket
 import struct
+import time
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +36,9 @@ HEADER = struct.Struct("!2sBBI")
 MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 #: Most fds in one frame (the kernel's SCM_MAX_FD is 253).
 MAX_FDS = 250
-#: Seconds a peer may take to deliver the rest of a frame once its header arrived.
+#: Largest payload accepted before a peer has said hello.
+MAX_HELLO_BYTES = 64 * 1024
+#: Seconds a peer may take to deliver a whole frame once its first byte arrived.
 FRAME_TIMEOUT_S = 30.0
 _FD_SIZE = array.array("i").itemsize
 
@@ -79,14 +82,26 @@ def _fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
     return fds
 
 
-def recv_frame(sock: socket.socket, *, idle_timeout: float | None = None) -> tuple[dict[str, Any], list[int]]:
+def recv_frame(
+    sock: socket.socket, *, idle_timeout: float | None = None, max_payload: int = MAX_PAYLOAD_BYTES
+) -> tuple[dict[str, Any], list[int]]:
     """Receive one frame: ``(message, fds)``. The caller owns (and must close) the returned fds.
 
-    Raises :class:`PeerClosed` if the peer closed between frames and :class:`ProtocolError` for anything
-    malformed; in both cases every fd received so far is closed first.
+    ``idle_timeout`` bounds the wait for the first byte (None: forever); once it arrived, the whole frame must
+    follow within :data:`FRAME_TIMEOUT_S`. Memory for the payload grows as it arrives, so a peer that only
+    announces a large frame costs nothing. Raises :class:`PeerClosed` if the peer closed between frames and
+    :class:`ProtocolError` for anything malformed; in both cases every fd received so far is closed first.
     """
     sock.settimeout(idle_timeout)
     fds: list[int] = []
+    deadline = 0.0
+
+    def arm() -> None:
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            raise TimeoutError
+        sock.settimeout(remaining)
+
     try:
         header = b""
         while len(header) < HEADER.size:
@@ -95,36 +110,40 @@ def recv_frame(sock: socket.socket, *, idle_timeout: float | None = None) -> tup
             )
             fds.extend(_fds_from_ancillary(ancdata))
             if flags & socket.MSG_CTRUNC:
-                raise ProtocolError(f"peer sent more than {MAX_FDS} fds in one frame")
+                raise ProtocolError(
+                    f"fds were dropped from a frame: the peer sent more than {MAX_FDS}, or this process "
+                    "reached its open-file limit (ulimit -n)"
+                )
             if not data:
                 if header or fds:
                     raise ProtocolError("peer closed the connection in the middle of a frame header")
                 raise PeerClosed("peer closed the connection")
+            if not header:
+                deadline = time.monotonic() + FRAME_TIMEOUT_S
             header += data
-            sock.settimeout(FRAME_TIMEOUT_S)
+            arm()
         magic, wire, nfds, length = HEADER.unpack(header)
         if magic != MAGIC:
             raise ProtocolError(f"bad frame magic {magic!r}; expected {MAGIC!r} (not a weightcache peer?)")
         if wire != WIRE_VERSION:
             raise ProtocolError(f"frame format version {wire}; this side speaks {WIRE_VERSION}")
-        if length > MAX_PAYLOAD_BYTES:
-            raise ProtocolError(f"frame announces {length} payload bytes; the limit is {MAX_PAYLOAD_BYTES}")
+        if length > max_payload:
+            raise ProtocolError(f"frame announces {length} payload bytes; the limit here is {max_payload}")
         if nfds != len(fds):
             raise ProtocolError(f"frame announces {nfds} fds but {len(fds)} arrived")
-        payload = bytearray(length)
-        view = memoryview(payload)
-        got = 0
-        while got < length:
-            n, ancdata, flags, _ = sock.recvmsg_into(
-                [view[got:]], socket.CMSG_SPACE(MAX_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
+        payload = bytearray()
+        while len(payload) < length:
+            arm()
+            chunk, ancdata, flags, _ = sock.recvmsg(
+                min(length - len(payload), 1 << 20), socket.CMSG_SPACE(MAX_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
             )
             stray = _fds_from_ancillary(ancdata)
             if stray:
                 fds.extend(stray)
                 raise ProtocolError("fds arrived in the middle of a frame payload")
-            if n == 0:
-                raise ProtocolError(f"peer closed the connection after {got} of {length} payload bytes")
-            got += n
+            if not chunk:
+                raise ProtocolError(f"peer closed the connection after {len(payload)} of {length} payload bytes")
+            payload += chunk
         try:
             message = json.loads(payload.decode("utf-8"))
         except (UnicodeDecodeError, ValueError) as exc:
@@ -134,7 +153,7 @@ def recv_frame(sock: socket.socket, *, idle_timeout: float | None = None) -> tup
         return message, fds
     except TimeoutError as exc:
         close_fds(fds)
-        raise ProtocolError(f"peer sent a partial frame and then nothing for {FRAME_TIMEOUT_S:.0f} s") from exc
+        raise ProtocolError(f"peer sent a partial frame and did not finish it within {FRAME_TIMEOUT_S:.0f} s") from exc
     except OSError as exc:
         close_fds(fds)
         raise ProtocolError(f"connection failed while reading a frame: {exc}") from exc
@@ -167,8 +186,8 @@ def _names(kinds: tuple[type, ...]) -> str:
 
 def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
     """``(pid, uid, gid)`` of the process at the other end of a Unix socket (SO_PEERCRED)."""
-    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("3i"))
-    pid, uid, gid = struct.unpack("3i", creds)
+    creds = sock.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, struct.calcsize("iII"))
+    pid, uid, gid = struct.unpack("iII", creds)
     return pid, uid, gid
 
 

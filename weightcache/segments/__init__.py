@@ -11,6 +11,7 @@ import attrs
 
 from ..errors import SegmentError
 from .base import Segment, Transport
+from .cuda_vmm import CudaVmmTransport
 from .memfd import MemfdTransport
 
 if TYPE_CHECKING:
@@ -18,7 +19,7 @@ if TYPE_CHECKING:
 
     from ..manifest import SegmentInfo
 
-_TRANSPORTS: dict[str, Transport] = {"memfd": MemfdTransport()}
+_TRANSPORTS: dict[str, Transport] = {"memfd": MemfdTransport(), "cuda_vmm": CudaVmmTransport()}
 
 
 def transport(kind: str) -> Transport:

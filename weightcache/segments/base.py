@@ -9,6 +9,7 @@ its mapping alive through every view made of it, so dropping a Handle never pull
 
 from __future__ import annotations
 
+import os
 from abc import ABC, abstractmethod
 from typing import TYPE_CHECKING, ClassVar
 
@@ -39,6 +40,12 @@ class Segment(ABC):
     @abstractmethod
     def fd(self) -> int:
         """The shareable fd; owned by the segment until :meth:`close`."""
+
+    def detach_fd(self) -> int:
+        """Hand the fd over to the caller (who closes it) and release everything else this segment holds."""
+        fd = os.dup(self.fd)
+        self.close()
+        return fd
 
     @abstractmethod
     def close(self) -> None:

@@ -60,6 +60,8 @@ class MemfdSegment(Segment):
         if self._sealed:
             raise SegmentError("segment is sealed; it cannot be written any more")
         data = dense_bytes(tensor)
+        if data.device.type != "cpu":
+            data = data.cpu()
         n = data.numel()
         if offset < 0 or offset + n > self.size:
             raise SegmentError(f"write of {n} bytes at {offset} overflows a {self.size}-byte segment")
@@ -83,6 +85,11 @@ class MemfdSegment(Segment):
         if self._fd < 0:
             raise SegmentError("segment is closed")
         return self._fd
+
+    def detach_fd(self) -> int:
+        fd = self.fd
+        self._fd = -1
+        return fd
 
     def close(self) -> None:
         if self._fd >= 0:

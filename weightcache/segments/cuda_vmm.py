@@ -1,0 +1,336 @@
+"""GPU segments: CUDA VMM allocations shared as POSIX fds, through NVIDIA's ``cuda-bindings``.
+
+A publisher creates physical memory with ``cuMemCreate`` (requesting the POSIX-fd handle type, which cannot be
+added later), maps it read-write into its own address space, copies tensors in, synchronises, unmaps, and
+exports the fd. The keeper only holds that fd: it never creates a CUDA context. A client imports the fd,
+reserves address space, maps it and sets *read-only* access, so an engine cannot corrupt weights others use;
+a write through an attached tensor faults in the writer alone.
+
+Memory lives while any fd, allocation handle or mapping of it lives, in any process; a mapped base tensor owns
+its mapping (see :class:`_Mapping`) and unmaps it when the last view of it is collected.
+
+Segments are placed by GPU UUID (``"GPU-<uuid>"``), never by index: ``CUDA_VISIBLE_DEVICES`` differs from
+process to process, the UUID does not.
+
+Must not import torch or cuda-bindings at module level: the keeper imports this module for
+:meth:`CudaVmmTransport.verify_fd`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import stat
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from ..errors import SegmentError
+from .base import Segment, Transport
+
+if TYPE_CHECKING:
+    import torch
+
+    from ..manifest import SegmentInfo
+
+#: What /proc/self/fd/N points to for a VMM POSIX fd (seen with driver 580 on an H200).
+VMM_FD_TARGET = "/dev/nvidiactl"
+
+_lock = threading.Lock()
+_placements: dict[str, int] = {}
+
+
+def _driver() -> Any:
+    try:
+        from cuda.bindings import driver
+    except ImportError as exc:
+        raise SegmentError(
+            "CUDA segments need NVIDIA's cuda-bindings: pip install 'weightcache[cuda]' (or cuda-bindings "
+            "matching your driver)"
+        ) from exc
+    return driver
+
+
+def _check(result: tuple[Any, ...], what: str) -> Any:
+    cu = _driver()
+    err = result[0]
+    if err != cu.CUresult.CUDA_SUCCESS:
+        name = err.name if hasattr(err, "name") else str(err)
+        raise SegmentError(f"{what} failed: {name}")
+    if len(result) == 1:
+        return None
+    return result[1] if len(result) == 2 else result[1:]
+
+
+def placement_of(index: int) -> str:
+    """``"GPU-<uuid>"`` of the torch device ``cuda:index``."""
+    import torch
+
+    return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
+
+
+def device_index(placement: str) -> int:
+    """The torch device index, in this process, of the GPU with that UUID; SegmentError if it is not visible."""
+    with _lock:
+        if placement in _placements:
+            return _placements[placement]
+    import torch
+
+    if not torch.cuda.is_available():
+        raise SegmentError(f"segment is on {placement} but this process sees no CUDA device")
+    seen = []
+    for i in range(torch.cuda.device_count()):
+        p = placement_of(i)
+        seen.append(p)
+        with _lock:
+            _placements[p] = i
+        if p == placement:
+            return i
+    raise SegmentError(
+        f"segment is on {placement}, which this process cannot see (CUDA_VISIBLE_DEVICES="
+        f"{os.environ.get('CUDA_VISIBLE_DEVICES', '<unset>')}; visible: {', '.join(seen) or 'none'}). Attach "
+        "from a process that sees that GPU."
+    )
+
+
+def _location(index: int) -> Any:
+    cu = _driver()
+    loc = cu.CUmemLocation()
+    loc.type = cu.CUmemLocationType.CU_MEM_LOCATION_TYPE_DEVICE
+    loc.id = index
+    return loc
+
+
+@contextlib.contextmanager
+def _on_device(index: int) -> Iterator[None]:
+    """Make torch's primary context of ``index`` current on this thread for the driver calls inside, and
+    restore the caller's current device afterwards."""
+    import torch
+
+    torch.cuda.init()  # type: ignore[no-untyped-call]
+    with torch.cuda.device(index):
+        torch.cuda.current_stream(index)  # the primary context exists from here on
+        yield
+
+
+def granularity(index: int) -> int:
+    cu = _driver()
+    prop = _allocation_prop(index)
+    return int(
+        _check(
+            cu.cuMemGetAllocationGranularity(
+                prop, cu.CUmemAllocationGranularity_flags.CU_MEM_ALLOC_GRANULARITY_RECOMMENDED
+            ),
+            "cuMemGetAllocationGranularity",
+        )
+    )
+
+
+def _allocation_prop(index: int) -> Any:
+    cu = _driver()
+    prop = cu.CUmemAllocationProp()
+    prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
+    prop.location = _location(index)
+    prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    return prop
+
+
+class _Mapping:
+    """Owns one virtual mapping of a VMM allocation; exposes it to torch via ``__cuda_array_interface__``.
+
+    ``torch.as_tensor(mapping)`` keeps this object alive for as long as the tensor or any view of it lives;
+    when the last one goes, this object is collected and unmaps and frees the address range.
+    """
+
+    def __init__(self, ptr: int, size: int, index: int) -> None:
+        self.ptr = ptr
+        self.size = size
+        self.index = index
+        self.__cuda_array_interface__ = {
+            "shape": (size,),
+            "typestr": "|u1",
+            "data": (ptr, False),
+            "version": 3,
+            "stream": None,
+        }
+
+    def release(self) -> None:
+        if self.ptr:
+            cu = _driver()
+            ptr, self.ptr = self.ptr, 0
+            cu.cuMemUnmap(ptr, self.size)
+            cu.cuMemAddressFree(ptr, self.size)
+
+    def __del__(self) -> None:
+        try:
+            self.release()
+        except Exception:
+            pass
+
+
+def _map(handle: Any, size: int, index: int, read_only: bool) -> tuple[int, bool]:
+    """Reserve address space, map ``handle`` and set access. Returns (pointer, mapped read-only)."""
+    cu = _driver()
+    ptr = int(_check(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve"))
+    try:
+        _check(cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
+    except SegmentError:
+        cu.cuMemAddressFree(ptr, size)
+        raise
+    desc = cu.CUmemAccessDesc()
+    desc.location = _location(index)
+    flags = cu.CUmemAccess_flags
+    for ro in (True, False) if read_only else (False,):
+        desc.flags = flags.CU_MEM_ACCESS_FLAGS_PROT_READ if ro else flags.CU_MEM_ACCESS_FLAGS_PROT_READWRITE
+        err = cu.cuMemSetAccess(ptr, size, [desc], 1)[0]
+        if err == cu.CUresult.CUDA_SUCCESS:
+            return ptr, ro
+    cu.cuMemUnmap(ptr, size)
+    cu.cuMemAddressFree(ptr, size)
+    raise SegmentError(f"cuMemSetAccess failed: {err}")
+
+
+class CudaVmmSegment(Segment):
+    """A VMM allocation being filled by the publisher (mapped read-write in this process until sealed)."""
+
+    kind: ClassVar[str] = "cuda_vmm"
+
+    def __init__(self, size: int, placement: str) -> None:
+        self.index = device_index(placement)
+        with _on_device(self.index):
+            self._create(size, placement)
+
+    def _create(self, size: int, placement: str) -> None:
+        cu = _driver()
+        gran = granularity(self.index)
+        size = -(-size // gran) * gran
+        super().__init__(size, placement)
+        self._fd = -1
+        self._mapping: _Mapping | None = None
+        self._base: torch.Tensor | None = None
+        try:
+            self._handle = _check(cu.cuMemCreate(size, _allocation_prop(self.index), 0), "cuMemCreate")
+        except SegmentError as exc:
+            import torch
+
+            free, total = torch.cuda.mem_get_info(self.index)
+            raise SegmentError(
+                f"cannot allocate a {size / 2**30:.2f} GiB segment on {placement}: {exc} ({free / 2**30:.2f} of "
+                f"{total / 2**30:.2f} GiB free). Free GPU memory or evict entries (`weightcache evict`)."
+            ) from exc
+        try:
+            import torch
+
+            ptr, _ = _map(self._handle, size, self.index, read_only=False)
+            self._mapping = _Mapping(ptr, size, self.index)
+            self._base = torch.as_tensor(self._mapping, device=f"cuda:{self.index}")
+            self._fd = int(
+                _check(
+                    cu.cuMemExportToShareableHandle(
+                        self._handle, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR, 0
+                    ),
+                    "cuMemExportToShareableHandle",
+                )
+            )
+        except BaseException:
+            self.close()
+            raise
+        self._sealed = False
+
+    def write(self, offset: int, tensor: torch.Tensor) -> None:
+        from . import dense_bytes
+
+        if self._sealed or self._base is None:
+            raise SegmentError("segment is sealed; it cannot be written any more")
+        data = dense_bytes(tensor)
+        n = data.numel()
+        if offset < 0 or offset + n > self.size:
+            raise SegmentError(f"write of {n} bytes at {offset} overflows a {self.size}-byte segment")
+        if n:
+            self._base[offset : offset + n].copy_(data, non_blocking=data.is_pinned())
+
+    def destination(self, offset: int, nbytes: int) -> torch.Tensor:
+        """A writable ``uint8`` view of ``nbytes`` at ``offset``, for loaders that stream straight in."""
+        if self._sealed or self._base is None:
+            raise SegmentError("segment is sealed; it cannot be written any more")
+        if offset < 0 or offset + nbytes > self.size:
+            raise SegmentError(f"{nbytes} bytes at {offset} overflow a {self.size}-byte segment")
+        return self._base[offset : offset + nbytes]
+
+    def seal(self) -> None:
+        if self._sealed:
+            return
+        import torch
+
+        torch.cuda.synchronize(self.index)
+        # Drop our read-write mapping: from here on nobody can write the segment (clients map it read-only).
+        self._base = None
+        if self._mapping is not None:
+            self._mapping.release()
+            self._mapping = None
+        self._sealed = True
+
+    @property
+    def fd(self) -> int:
+        if self._fd < 0:
+            raise SegmentError("segment is closed")
+        return self._fd
+
+    def close(self) -> None:
+        self._base = None
+        if self._mapping is not None:
+            self._mapping.release()
+            self._mapping = None
+        if self._fd >= 0:
+            os.close(self._fd)
+            self._fd = -1
+        handle = getattr(self, "_handle", None)
+        if handle is not None:
+            self._handle = None
+            _driver().cuMemRelease(handle)
+
+
+class CudaVmmTransport(Transport):
+    kind: ClassVar[str] = "cuda_vmm"
+    alignment: ClassVar[int] = 512
+
+    def create(self, size: int, placement: str) -> CudaVmmSegment:
+        return CudaVmmSegment(size, placement)
+
+    def map(self, fd: int, info: SegmentInfo) -> torch.Tensor:
+        import torch
+
+        cu = _driver()
+        index = device_index(info.placement)
+        with _on_device(index):
+            handle = _check(
+                cu.cuMemImportFromShareableHandle(
+                    fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+                ),
+                "cuMemImportFromShareableHandle",
+            )
+            try:
+                ptr, _read_only = _map(handle, info.size, index, read_only=read_only_mappings())
+            finally:
+                cu.cuMemRelease(handle)  # the mapping holds the memory from here on
+            return torch.as_tensor(_Mapping(ptr, info.size, index), device=f"cuda:{index}")
+
+    @staticmethod
+    def verify_fd(fd: int, info: SegmentInfo) -> None:
+        try:
+            st = os.fstat(fd)
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError as exc:
+            raise SegmentError(f"fd {fd} cannot be inspected: {exc}") from exc
+        if not stat.S_ISCHR(st.st_mode) or target != VMM_FD_TARGET:
+            raise SegmentError(
+                f"expected a CUDA VMM POSIX fd (a handle on {VMM_FD_TARGET}) for a GPU segment; fd {fd} is {target!r}"
+            )
+        if not info.placement.startswith("GPU-"):
+            raise SegmentError(f"a cuda_vmm segment must be placed on a GPU UUID; found {info.placement!r}")
+
+
+def read_only_mappings() -> bool:
+    """Clients map segments read-only unless ``WEIGHTCACHE_CUDA_WRITABLE=1`` (for engines that must patch
+    weights in place; they then also change what every other client sees)."""
+    return os.environ.get("WEIGHTCACHE_CUDA_WRITABLE", "") not in ("1", "true", "yes")
