@@ -76,37 +76,45 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
     want_device = torch.device(device) if device is not None else None
     missing: list[str] = []
     mismatched: list[str] = []
-    used: set[str] = set()
+    used = 0
     plan: list[tuple[_Slot, torch.Tensor]] = []
+    # The common case (one name per tensor, everything fits) takes a few attribute reads per tensor; the
+    # explanations are built only for what does not fit. Attach of thousands of tensors depends on it.
     for slot in _slots(model):
-        source_name = next((n for n in slot.names if n in tensors), None)
-        if source_name is None:
+        names = slot.names
+        if len(names) == 1:
+            source_name = names[0]
+            tensor = tensors.get(source_name)
+            if tensor is not None:
+                used += 1
+        else:
+            present = [n for n in names if n in tensors]
+            used += len(present)
+            source_name = present[0] if present else names[0]
+            tensor = tensors[source_name] if present else None
+        if tensor is None:
             if not slot.persistent and not slot.original.is_meta:
                 continue  # a buffer the model computes itself (e.g. rotary inv_freq), already materialised
-            missing.append(" = ".join(slot.names))
+            missing.append(" = ".join(names))
             continue
-        used.update(n for n in slot.names if n in tensors)
-        tensor = tensors[source_name]
         orig = slot.original
-        problems = []
-        if tensor.shape != orig.shape:
-            problems.append(f"shape {tuple(tensor.shape)} vs model {tuple(orig.shape)}")
-        if tensor.dtype != orig.dtype:
-            problems.append(f"dtype {tensor.dtype} vs model {orig.dtype}")
-        if want_device is not None and not _same_device(tensor.device, want_device):
-            problems.append(f"device {tensor.device}, expected {want_device}")
-        if tensor.is_meta:
-            problems.append("the given tensor is on meta")
-        for other in slot.names:
-            if other != source_name and other in tensors:
-                t2 = tensors[other]
-                if t2.shape != tensor.shape or t2.dtype != tensor.dtype:
-                    problems.append(f"tied name {other} has {tuple(t2.shape)} {t2.dtype}")
-        if problems:
-            mismatched.append(f"{source_name}: " + "; ".join(problems))
-            continue
+        if (
+            tensor.shape != orig.shape
+            or tensor.dtype != orig.dtype
+            or tensor.is_meta
+            or (
+                want_device is not None
+                and tensor.device != want_device
+                and not _same_device(tensor.device, want_device)
+            )
+            or len(names) > 1
+        ):
+            problems = _problems(tensor, orig, want_device, source_name, names, tensors)
+            if problems:
+                mismatched.append(f"{source_name}: " + "; ".join(problems))
+                continue
         plan.append((slot, tensor))
-    unexpected = sorted(set(tensors) - used)
+    unexpected = sorted(set(tensors) - {n for slot in _slots(model) for n in slot.names}) if used < len(tensors) else []
     errors = []
     if missing:
         errors.append(f"{len(missing)} model tensors have no data: {_listing(missing)}")
@@ -122,14 +130,14 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
             "cannot bind weights into " + type(model).__name__ + ": " + ". ".join(errors) + ". Build the model "
             "with the same architecture, dtype (or pass dtype=) and parallel layout as the weights."
         )
+    make = torch.Tensor._make_subclass
     for slot, tensor in plan:
         if slot.is_param:
             orig = slot.original
-            grad = orig.requires_grad and _grad_ok(tensor)
             # Keep the parameter's class (engines subclass nn.Parameter) without running its constructor, and
             # its Python attributes (e.g. a weight_loader); the data is the attached tensor, not a copy.
             cls = type(orig) if isinstance(orig, nn.Parameter) else nn.Parameter
-            new: torch.Tensor = torch.Tensor._make_subclass(cls, tensor, grad)
+            new: torch.Tensor = make(cls, tensor, orig.requires_grad and _grad_ok(tensor))
             if orig.__dict__:
                 new.__dict__.update(orig.__dict__)
             for module, attr in slot.places:
@@ -137,10 +145,33 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
         else:
             for module, attr in slot.places:
                 module._buffers[attr] = tensor
-    left = [n for n, t in model.named_parameters(remove_duplicate=False) if t.is_meta]
-    left += [n for n, t in model.named_buffers(remove_duplicate=False) if t.is_meta]
-    if left:
-        raise BindError(f"tensors left on the meta device after binding: {_listing(left)}")
+    # Nothing is left on meta by construction: every slot was bound, or skipped as a materialised
+    # non-persistent buffer; slots on meta without data were reported as missing above.
+
+
+def _problems(
+    tensor: torch.Tensor,
+    orig: torch.Tensor,
+    want_device: torch.device | None,
+    source_name: str,
+    names: list[str],
+    tensors: Mapping[str, torch.Tensor],
+) -> list[str]:
+    problems = []
+    if tensor.shape != orig.shape:
+        problems.append(f"shape {tuple(tensor.shape)} vs model {tuple(orig.shape)}")
+    if tensor.dtype != orig.dtype:
+        problems.append(f"dtype {tensor.dtype} vs model {orig.dtype}")
+    if want_device is not None and not _same_device(tensor.device, want_device):
+        problems.append(f"device {tensor.device}, expected {want_device}")
+    if tensor.is_meta:
+        problems.append("the given tensor is on meta")
+    for other in names:
+        if other != source_name and other in tensors:
+            t2 = tensors[other]
+            if t2.shape != tensor.shape or t2.dtype != tensor.dtype:
+                problems.append(f"tied name {other} has {tuple(t2.shape)} {t2.dtype}")
+    return problems
 
 
 def _grad_ok(tensor: torch.Tensor) -> bool:

@@ -21,7 +21,7 @@ from . import segments as segment_transports
 from .client import KeeperConnection, ensure_keeper
 from .errors import KeeperError, ManifestError, WeightCacheError
 from .fingerprint import Fingerprint
-from .manifest import DTYPE_SIZES, Manifest, SegmentInfo, TensorInfo
+from .manifest import Manifest, SegmentInfo, TensorInfo
 from .protocol import close_fds
 
 #: Default upper bound on one segment; a larger tensor gets a segment of its own.
@@ -233,7 +233,7 @@ class Cache:
             conn.close()
             return None
         try:
-            manifest = Manifest.from_json(reply.get("manifest"))
+            manifest = Manifest.from_keeper(reply.get("manifest"))
             if manifest.fingerprint != fingerprint:
                 raise ManifestError(
                     f"the keeper answered digest {fingerprint.digest[:12]} with an entry whose fingerprint differs"
@@ -418,7 +418,7 @@ def _views(manifest: Manifest, fds: list[int]) -> dict[str, torch.Tensor]:
     out: dict[str, torch.Tensor] = {}
     try:
         return _cut(manifest, bases, typed, out)
-    except RuntimeError as exc:  # torch refused a view: the manifest does not fit its segments
+    except (RuntimeError, TypeError, ValueError) as exc:  # torch refused a view: the manifest is wrong
         raise ManifestError(f"cannot build the tensors this manifest describes: {exc}") from exc
 
 
@@ -428,12 +428,19 @@ def _cut(
     typed: dict[tuple[int, str], torch.Tensor],
     out: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
+    itemsizes: dict[tuple[int, str], int] = {}
     for name, seg, off, dt, shape, stride in zip(
         manifest.names, manifest.segment, manifest.offset, manifest.dtype, manifest.shape, manifest.stride
     ):
         key = (seg, dt)
         base = typed.get(key)
         if base is None:
+            if not (isinstance(seg, int) and 0 <= seg < len(bases)):
+                raise ManifestError(f"tensor {name!r} names segment {seg!r}; the entry has {len(bases)}")
             base = typed[key] = bases[seg].view(_torch_dtype(dt))
-        out[name] = base.as_strided(shape, stride, off // DTYPE_SIZES[dt])
+            itemsizes[key] = base.element_size()
+        index, misaligned = divmod(off, itemsizes[key])
+        if misaligned:
+            raise ManifestError(f"tensor {name!r} has offset {off}, not a multiple of its {dt} element size")
+        out[name] = base.as_strided(shape, stride, index)  # torch checks the view lies inside the segment
     return out

@@ -174,6 +174,54 @@ class Manifest:
         }
 
     @classmethod
+    def from_keeper(cls, data: object) -> Manifest:
+        """Parse a manifest the keeper sent back in a ``get`` reply: the fast path of every attach.
+
+        The keeper checked this manifest field by field when it was published (:meth:`from_json`), and the
+        client has checked that the keeper runs as its own user. What is left to check here is done in bulk
+        (columns present and of equal length); every tensor's bounds are then checked again by torch when its
+        view is cut (``as_strided`` refuses a view outside its storage), so a manifest that does not fit its
+        segments still fails cleanly, never reads outside them.
+        """
+        if not isinstance(data, dict) or data.get("version") != MANIFEST_VERSION:
+            raise ManifestError("the keeper sent a manifest this weightcache cannot read; restart the keeper")
+        fingerprint = Fingerprint.from_json(data.get("fingerprint"))
+        try:
+            segments = tuple(
+                SegmentInfo(kind=s["kind"], size=s["size"], placement=s["placement"]) for s in data["segments"]
+            )
+            t = data["tensors"]
+            names, shapes, strides = t["name"], t["shape"], t["stride"]
+            columns = (
+                names,
+                t["segment"],
+                t["offset"],
+                t["dtype"],
+                shapes,
+                strides,
+                t["kind"],
+                t["requires_grad"],
+                t["digest"],
+            )
+        except (KeyError, TypeError) as exc:
+            raise ManifestError(f"the keeper sent a malformed manifest: missing {exc}") from exc
+        if not all(isinstance(c, list) and len(c) == len(names) for c in columns):
+            raise ManifestError("the keeper sent a manifest whose tensor columns differ in length")
+        return cls(
+            fingerprint=fingerprint,
+            segments=segments,
+            names=tuple(names),
+            segment=tuple(t["segment"]),
+            offset=tuple(t["offset"]),
+            dtype=tuple(t["dtype"]),
+            shape=tuple(map(tuple, shapes)),
+            stride=tuple(map(tuple, strides)),
+            kind=tuple(t["kind"]),
+            requires_grad=tuple(t["requires_grad"]),
+            digest=tuple(t["digest"]),
+        )
+
+    @classmethod
     def from_json(cls, data: object) -> Manifest:
         """Parse and check a manifest read off the wire. Raises :class:`ManifestError` naming the problem."""
         if not isinstance(data, dict):
