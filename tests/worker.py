@@ -28,8 +28,10 @@ def digest(t: torch.Tensor) -> str:
 
 
 def run(model: torch.nn.Module) -> str:
+    device = next(model.parameters()).device
     with torch.no_grad():
-        return digest(model(INPUT_IDS))
+        out = model(INPUT_IDS.to(device))
+    return digest(out.cpu())
 
 
 def smaps_for_memfd() -> dict[str, int]:
@@ -51,10 +53,14 @@ def attach(spec: dict) -> tuple[torch.nn.Module, wc.Handle, dict]:
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
+        device = spec.get("device")
+        if device and device.startswith("cuda"):
+            model.positions = model.positions.to(device)
         handle = wc.attach(
             model,
             spec["checkpoint"],
             mode=spec.get("mode", "client"),
+            device=device,
             dtype=spec.get("dtype"),
             socket_dir=spec.get("socket_dir"),
             strict=spec.get("strict", False),

@@ -24,6 +24,7 @@ from .cache import Cache, Handle
 from .checkpoint import load_state_dict
 from .errors import (
     BindError,
+    CheckpointError,
     EntryNotFound,
     FallbackWarning,
     FingerprintMismatch,
@@ -64,7 +65,8 @@ def attach(
             daemon and client, before anything is loaded.
         quant_config: the method's configuration (its hash is part of the fingerprint).
         parallel: ``{"tp": (rank, size), ...}`` of these weights (part of the fingerprint).
-        transform: applied to the loaded state dict before publishing (sharding, quantization, renaming);
+        transform: applied to the loaded state dict (on ``device``) before binding or publishing (sharding,
+            quantization, renaming);
             its name and a hash of its code are part of the fingerprint (see
             :func:`weightcache.fingerprint.transform_identity`; functions it calls are not covered).
         strict: in mode client, raise KeeperUnavailable, EntryNotFound or FingerprintMismatch instead of
@@ -90,7 +92,7 @@ def attach(
     )
 
     def from_disk(reason: str | None = None) -> Handle:
-        state = to_device(load_state_dict(checkpoint, dtype=torch_dtype, transform=transform), dev)
+        state = load_weights(checkpoint, dev, torch_dtype, transform)
         bind(model, state, device=dev)
         return Handle(source="disk", fingerprint=fingerprint, tensors=state, fallback_reason=reason)
 
@@ -103,8 +105,9 @@ def attach(
         cache = Cache(socket_dir, spawn=True)
         handle = cache.get(fingerprint)
         if handle is None:
-            # Copied straight from the (memory-mapped) checkpoint into the segments: no second copy on the device.
-            state = load_state_dict(checkpoint, dtype=torch_dtype, transform=transform)
+            # consume: each tensor is freed once copied into its segment, so publishing needs one segment of
+            # extra memory, not a second copy of the model.
+            state = load_weights(checkpoint, dev, torch_dtype, transform)
             handle = cache.put(fingerprint, state, consume=True)
         return _bound(model, handle, dev)
 
@@ -131,6 +134,32 @@ def attach(
             raise FingerprintMismatch(reason, tuple(diffs))
         raise EntryNotFound(reason)
     return _fallback(from_disk, reason)
+
+
+def load_weights(
+    checkpoint: str | os.PathLike[str],
+    device: torch.device,
+    dtype: torch.dtype | None,
+    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None,
+) -> dict[str, torch.Tensor]:
+    """The checkpoint as a state dict on ``device``, converted to ``dtype``, with ``transform`` applied there.
+
+    CPU: the files are memory-mapped (pages are read when first touched). CUDA: they are streamed with large
+    sequential reads through pinned buffers (:mod:`weightcache.loader`).
+    """
+    if device.type == "cuda":
+        from .loader import load_to_device
+
+        state = load_to_device(checkpoint, device, dtype=dtype)
+    else:
+        state = to_device(load_state_dict(checkpoint, dtype=dtype), device)
+    if transform is not None:
+        state = transform(state)
+        if not isinstance(state, dict):
+            raise CheckpointError(
+                f"transform {transform!r} returned {type(state).__name__}; expected a dict of name -> tensor"
+            )
+    return state
 
 
 def _bound(model: nn.Module, handle: Handle, device: torch.device) -> Handle:

@@ -26,11 +26,20 @@ from typing import Any
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
-    p.add_argument("--sizes", default="1,2,8", help="comma-separated sizes in GiB (default 1,2,8)")
-    p.add_argument("--tensors", default="500", help="comma-separated tensor counts (default 500)")
+    p.add_argument("--sizes", default=None, help="comma-separated sizes in GiB (default 1,2,8)")
+    p.add_argument("--tensors", default=None, help="comma-separated tensor counts (default 500)")
     p.add_argument("--repeat", type=int, default=7, help="attaches timed per size (default 7)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="the restart benchmark: disk and H2D bandwidth, mode off, daemon first start and client attach "
+        "on a synthetic checkpoint (default sizes then 1,8,32 and tensors 300,3000)",
+    )
+    p.add_argument("--workdir", default=None, help="--restart: where to write checkpoints (default a temp dir)")
+    p.add_argument("--keep", action="store_true", help="--restart: keep the checkpoints")
+    p.add_argument("--progress", action="store_true", help="show progress bars even without a terminal")
 
 
 def layout(total_bytes: int, n: int, itemsize: int) -> list[int]:
@@ -43,14 +52,14 @@ def layout(total_bytes: int, n: int, itemsize: int) -> list[int]:
     return sizes
 
 
-def _holder(shapes: list[int], dtype: Any) -> Any:
+def _holder(shapes: list[int], dtype: Any, prefix: str = "p") -> Any:
     import torch
     from torch import nn
 
     model = nn.Module()
     with torch.device("meta"):
         for i, n in enumerate(shapes):
-            model.register_parameter(f"p{i}", nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False))
+            model.register_parameter(f"{prefix}{i}", nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False))
     return model
 
 
@@ -175,6 +184,15 @@ def _run_one(
 
 def main(args: argparse.Namespace) -> int:
     import torch
+
+    if args.restart:
+        from .bench_restart import run
+
+        args.sizes = args.sizes or "1,8,32"
+        args.tensors = args.tensors or "300,3000"
+        return run(args)
+    args.sizes = args.sizes or "1,2,8"
+    args.tensors = args.tensors or "500"
 
     from . import keeper as _keeper  # noqa: F401  (fail early if the package is broken)
     from .cache import Cache

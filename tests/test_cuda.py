@@ -1,0 +1,334 @@
+"""GPU tests: CUDA VMM segments on a real GPU (marked cuda; skipped where there is none).
+
+Run on a GPU machine with: python -m pytest -m cuda -v
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Holder, run_worker, start_keeper
+from models import make_checkpoint
+
+import weightcache as wc
+
+pytestmark = pytest.mark.cuda
+HERE = Path(__file__).parent
+
+
+def used_gib() -> float:
+    free, total = torch.cuda.mem_get_info(0)
+    return (total - free) / 2**30
+
+
+def python(code: str, env: dict[str, str] | None = None, timeout: float = 300) -> dict:
+    """Run code in a fresh process (the tests' own directory on the path); return its last JSON line."""
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}", **(env or {})},
+    )
+    if out.returncode != 0:
+        raise AssertionError(f"child failed ({out.returncode}):\n{out.stderr[-4000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def test_put_get_round_trip_on_gpu(checkpoint: Path, socket_dir: Path) -> None:
+    cache = wc.Cache(socket_dir, spawn=True)
+    fp = wc.Fingerprint.create(checkpoint, device="cuda:0")
+    assert fp.placement.startswith("GPU-") and fp.device_kind == "cuda" and fp.compute_capability
+    g = torch.Generator(device="cuda").manual_seed(0)
+    state = {
+        "a": torch.randn(1000, 17, device="cuda", generator=g).to(torch.bfloat16),
+        "t": torch.randn(64, 32, device="cuda", generator=g).t(),  # strides kept
+        "i": torch.arange(10, device="cuda"),
+        "cpu_source": torch.randn(33),  # published from host memory
+        "fp8": torch.randn(256, device="cuda", generator=g).to(torch.float8_e4m3fn),
+    }
+    expected = {k: v.to("cuda") for k, v in state.items()}
+    with cache.put(fp, state) as h:
+        assert h.manifest is not None and {s.kind for s in h.manifest.segments} == {"cuda_vmm"}
+        for k, v in expected.items():
+            got = h.tensors[k]
+            assert got.is_cuda and got.stride() == v.stride() and got.dtype == v.dtype
+            assert torch.equal(
+                got.view(torch.uint8) if got.dtype == torch.float8_e4m3fn else got,
+                v.view(torch.uint8) if v.dtype == torch.float8_e4m3fn else v,
+            )
+    with cache.get(fp) as again:  # type: ignore[union-attr]
+        assert torch.equal(again.tensors["a"], expected["a"])
+    [entry] = cache.entries()
+    assert entry.placement == fp.placement and entry.device.startswith("cuda")
+
+
+def test_client_in_other_process_is_bitwise_equal_on_gpu(checkpoint: Path, socket_dir: Path) -> None:
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir), "device": "cuda:0"}
+    off = run_worker("attach", {**spec, "mode": "off"})
+    daemon = run_worker("attach", {**spec, "mode": "daemon"})
+    client = run_worker("attach", {**spec, "mode": "client", "strict": True})
+    assert [off["source"], daemon["source"], client["source"]] == ["disk", "cache", "cache"]
+    assert off["output"] == daemon["output"] == client["output"]
+
+
+def test_clients_map_read_only(checkpoint: Path, socket_dir: Path) -> None:
+    """A client that writes into attached weights faults in its own process; everyone else's data is intact."""
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir), "device": "cuda:0"}
+    first = run_worker("attach", {**spec, "mode": "daemon"})
+    code = f"""
+        import torch, weightcache as wc
+        from models import meta_model
+        m = meta_model()
+        h = wc.attach(
+            m, {str(checkpoint)!r}, mode="client", device="cuda:0", socket_dir={str(socket_dir)!r}, strict=True
+        )
+        with torch.no_grad():
+            m.embed.weight.add_(1.0)
+        torch.cuda.synchronize()
+        print("WROTE")
+    """
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": f"{HERE}:{os.environ.get('PYTHONPATH', '')}"},
+    )
+    assert out.returncode != 0 and "WROTE" not in out.stdout, out.stdout + out.stderr[-2000:]
+    after = run_worker("attach", {**spec, "mode": "client", "strict": True})
+    assert after["output"] == first["output"]
+
+
+def test_keeper_sigkill_leaves_gpu_clients_computing(checkpoint: Path, socket_dir: Path) -> None:
+    proc = start_keeper(socket_dir)
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir), "device": "cuda:0"}
+    first = run_worker("attach", {**spec, "mode": "daemon"})
+    holder = Holder({**spec, "mode": "client"})
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        for _ in range(3):
+            assert holder.compute()["output"] == first["output"]
+    finally:
+        holder.close()
+
+
+def test_gpu_memory_is_returned_when_the_last_holder_exits(tmp_path: Path, socket_dir: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "big", dim=1024, vocab=32768)  # ~130 MB of fp32 weights
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+    baseline = used_gib()
+    proc = start_keeper(socket_dir)
+    spec = {"checkpoint": str(ckpt), "socket_dir": str(socket_dir), "device": "cuda:0"}
+    run_worker("attach", {**spec, "mode": "daemon"})  # publisher exits; the keeper's fd keeps the memory
+    holder = Holder({**spec, "mode": "client"})
+    size_gib = wc.Cache(socket_dir).entries()[0].bytes / 2**30
+    held = used_gib()
+    assert held - baseline >= 0.9 * size_gib
+    proc.send_signal(signal.SIGKILL)  # keeper gone: the client's mapping still holds it
+    proc.wait(10)
+    time.sleep(0.5)
+    assert used_gib() - baseline >= 0.9 * size_gib
+    holder.close()  # last holder gone: the driver frees the memory
+    deadline = time.time() + 10
+    while time.time() < deadline and used_gib() - baseline > 0.05:
+        time.sleep(0.1)
+    assert used_gib() - baseline <= 0.05, f"{used_gib() - baseline:.3f} GiB not returned"
+
+
+def test_attach_detach_cycles_leak_nothing(checkpoint: Path, socket_dir: Path) -> None:
+    cache = wc.Cache(socket_dir, spawn=True)
+    fp = wc.Fingerprint.create(checkpoint, device="cuda:0")
+    cache.put(fp, {f"t{i}": torch.randn(1 << 18, device="cuda") for i in range(8)}).close()
+    for _ in range(3):
+        cache.get(fp).close()  # type: ignore[union-attr]
+    torch.cuda.synchronize()
+    import gc
+
+    gc.collect()
+    fds, mem = len(os.listdir("/proc/self/fd")), used_gib()
+    for _ in range(100):
+        h = cache.get(fp)
+        assert h is not None
+        float(h.tensors["t3"].sum())
+        h.close()
+        del h
+    gc.collect()
+    torch.cuda.synchronize()
+    assert len(os.listdir("/proc/self/fd")) == fds
+    assert abs(used_gib() - mem) < 0.01
+    cache.evict(fp, force=True)
+    gc.collect()
+    time.sleep(0.2)
+    assert used_gib() < mem - 0.005  # the 8 MiB entry is gone once nobody holds it
+
+
+def test_visible_devices_by_uuid(checkpoint: Path, socket_dir: Path) -> None:
+    """A client that names the GPU by UUID in CUDA_VISIBLE_DEVICES finds the publisher's segment; one that
+    sees no GPU gets a clear fallback reason."""
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir), "device": "cuda:0"}
+    first = run_worker("attach", {**spec, "mode": "daemon"})
+    uuid = str(torch.cuda.get_device_properties(0).uuid)
+    code = f"""
+        import json, torch, weightcache as wc
+        from models import meta_model
+        m = meta_model()
+        h = wc.attach(
+            m, {str(checkpoint)!r}, mode="client", device="cuda:0", socket_dir={str(socket_dir)!r}, strict=True
+        )
+        print(json.dumps({{"source": h.source, "placement": h.fingerprint.placement}}))
+    """
+    got = python(code, env={"CUDA_VISIBLE_DEVICES": f"GPU-{uuid}"})
+    assert got == {"source": "cache", "placement": f"GPU-{uuid}"}
+    assert first["source"] == "cache"
+
+
+def test_cuda_graphs_and_torch_compile(checkpoint: Path, socket_dir: Path) -> None:
+    from models import INPUT_IDS, meta_model
+
+    with wc.attach(meta_model(), checkpoint, mode="daemon", device="cuda:0", socket_dir=socket_dir):
+        pass
+    model = meta_model()
+    model.positions = model.positions.cuda()
+    handle = wc.attach(model, checkpoint, mode="client", device="cuda:0", socket_dir=socket_dir, strict=True)
+    ids = INPUT_IDS.cuda()
+    with torch.no_grad():
+        eager = model(ids)
+        static = ids.clone()
+        stream = torch.cuda.Stream()
+        stream.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(stream):
+            model(static)  # warm-up
+        torch.cuda.current_stream().wait_stream(stream)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            captured = model(static)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(captured, eager)
+        compiled = torch.compile(model)
+        assert torch.allclose(compiled(ids), eager, rtol=1e-4, atol=1e-4)
+    handle.close()
+
+
+def test_publish_migrates_gpu_weights_with_bounded_memory(checkpoint: Path, socket_dir: Path) -> None:
+    """8 GiB of weights in the caching allocator are migrated into segments one at a time: peak use stays
+    within weights + max(1 GiB, largest tensor) + 5 %."""
+    cache = wc.Cache(socket_dir, spawn=True)
+    fp = wc.Fingerprint.create(checkpoint, device="cuda:0", extra={"test": "migrate"})
+    torch.cuda.synchronize()
+    base = used_gib()
+    state = {f"w{i}": torch.full((64 << 20,), float(i), dtype=torch.bfloat16, device="cuda") for i in range(64)}
+    weights = sum(t.numel() * t.element_size() for t in state.values()) / 2**30  # 8 GiB, 128 MiB tensors
+    peak = [0.0]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.is_set():
+            peak[0] = max(peak[0], used_gib() - base)
+            time.sleep(0.001)
+
+    sampler = threading.Thread(target=sample)
+    sampler.start()
+    try:
+        handle = cache.put(fp, state, consume=True)
+    finally:
+        stop.set()
+        sampler.join()
+    assert not state, "consume empties the source dict"
+    bound = weights + max(1.0, 128 / 1024) + 0.05 * weights
+    assert peak[0] <= bound, f"peak {peak[0]:.2f} GiB > bound {bound:.2f} GiB"
+    assert float(handle.tensors["w63"][0]) == 63.0
+    handle.close()
+    print(f"publish peak {peak[0]:.2f} GiB for {weights:.2f} GiB of weights (bound {bound:.2f})")
+
+
+def test_transformers_llama_greedy_generation_matches(tmp_path: Path, socket_dir: Path) -> None:
+    transformers = pytest.importorskip("transformers")
+    config = transformers.LlamaConfig(
+        vocab_size=512,
+        hidden_size=128,
+        intermediate_size=256,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        tie_word_embeddings=True,
+    )
+    torch.manual_seed(0)
+    transformers.LlamaForCausalLM(config).save_pretrained(tmp_path / "llama", safe_serialization=True)
+    code = """
+        import json, sys, torch, transformers, weightcache as wc
+        mode, ckpt, sock = sys.argv[1:4]
+        config = transformers.AutoConfig.from_pretrained(ckpt)
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(config)
+        # non-persistent buffers are computed, not stored: build the rotary embedding on the real device
+        model.model.rotary_emb = type(model.model.rotary_emb)(config=config, device="cuda:0")
+        handle = wc.attach(model, ckpt, mode=mode, device="cuda:0", socket_dir=sock, strict=mode == "client")
+        assert model.lm_head.weight is model.model.embed_tokens.weight
+        model.eval()
+        ids = torch.tensor([[1, 17, 42, 99, 7]], device="cuda:0")
+        out = model.generate(ids, max_new_tokens=24, do_sample=False, pad_token_id=0)
+        print(json.dumps({"source": handle.source, "tokens": out[0].tolist()}))
+    """
+    runs = {}
+    for mode in ("off", "daemon", "client"):
+        out = subprocess.run(
+            [sys.executable, "-c", textwrap.dedent(code), mode, str(tmp_path / "llama"), str(socket_dir)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr[-4000:]
+        runs[mode] = json.loads(out.stdout.strip().splitlines()[-1])
+    assert [runs[m]["source"] for m in ("off", "daemon", "client")] == ["disk", "cache", "cache"]
+    assert runs["off"]["tokens"] == runs["daemon"]["tokens"] == runs["client"]["tokens"]
+    assert len(runs["off"]["tokens"]) == 5 + 24
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_two_ranks_each_on_their_gpu(checkpoint: Path, socket_dir: Path) -> None:
+    """tp 0/2 and 1/2 publish to and attach from one host keeper, each on its own GPU, each process seeing
+    only its GPU (CUDA_VISIBLE_DEVICES), so both call it cuda:0: segments are told apart by UUID."""
+    wc.Cache(socket_dir, spawn=True)
+    code = """
+        import json, sys, torch, weightcache as wc
+        ckpt, sock, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
+        fp = wc.Fingerprint.create(ckpt, device="cuda:0", parallel={"tp": (rank, 2)})
+        cache = wc.Cache(sock)
+        h = cache.get(fp)
+        if h is None:
+            h = cache.put(fp, {"shard": torch.full((1 << 20,), float(rank), device="cuda:0")})
+        t = h.tensors["shard"]
+        print(json.dumps({"placement": fp.placement, "value": float(t[0]), "device": str(t.device),
+                          "uuid": str(torch.cuda.get_device_properties(0).uuid)}))
+    """
+    results = []
+    for attempt in range(2):  # publish, then attach
+        for rank in (0, 1):
+            out = subprocess.run(
+                [sys.executable, "-c", textwrap.dedent(code), str(checkpoint), str(socket_dir), str(rank)],
+                capture_output=True,
+                text=True,
+                timeout=300,
+                env={**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)},
+            )
+            assert out.returncode == 0, out.stderr[-3000:]
+            results.append((attempt, rank, json.loads(out.stdout.strip().splitlines()[-1])))
+    for _attempt, rank, r in results:
+        assert r["value"] == float(rank) and r["placement"] == f"GPU-{r['uuid']}"
+    assert results[0][2]["placement"] != results[1][2]["placement"]
+    entries = wc.Cache(socket_dir).entries()
+    assert len(entries) == 2 and {e.placement for e in entries} == {r["placement"] for _, _, r in results}

@@ -1,0 +1,282 @@
+"""``weightcache bench --restart``: what an engine restart costs with and without the cache, in one run.
+
+For each (size, tensor count) it writes a synthetic safetensors checkpoint, then measures:
+
+a. the disk's sequential read bandwidth with the page cache dropped, and pinned host-to-device bandwidth;
+b. mode ``off`` with the page cache dropped (an engine loading from disk);
+c. mode ``daemon``'s first start with the page cache dropped (load, publish, attach; spawns the keeper);
+d. mode ``client`` attach in a new process (the restarted engine);
+e. that all three hold identical weights (a checksum of every tensor's bits, computed on the device).
+
+Each engine is a fresh process that imports torch and initialises the device before the clock starts, then
+times ``attach()`` to the point where the weights are on the device. Results: a table and, with ``--json``,
+a JSON file.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import hashlib
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+#: Checkpoint shards are at most this big, like the files real checkpoints ship in.
+SHARD_BYTES = 4 << 30
+
+
+def write_checkpoint(path: Path, shapes: list[int], dtype_name: str, progress: bool) -> int:
+    """A synthetic checkpoint of 1-D tensors ``w{i}`` with deterministic contents, sharded, with an index."""
+    import torch
+    from safetensors.torch import save_file
+
+    dtype = getattr(torch, dtype_name)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    path.mkdir(parents=True, exist_ok=True)
+    shards: list[list[int]] = [[]]
+    used = 0
+    for i, numel in enumerate(shapes):
+        if used and used + numel * itemsize > SHARD_BYTES:
+            shards.append([])
+            used = 0
+        shards[-1].append(i)
+        used += numel * itemsize
+    total = sum(shapes) * itemsize
+    bar = _bar(total, "writing checkpoint", progress)
+    weight_map = {}
+    gen = torch.Generator().manual_seed(0)
+    for k, members in enumerate(shards):
+        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+        part = {}
+        for i in members:
+            # random bits, cheap to make: a random base row repeated, offset by the tensor index
+            base = torch.randint(-1000, 1000, (min(shapes[i], 1 << 20),), generator=gen, dtype=torch.int16)
+            t = base.repeat(-(-shapes[i] // base.numel()))[: shapes[i]].add_(i % 97)
+            part[f"w{i}"] = t.view(dtype) if itemsize == 2 else t.to(dtype)
+        save_file(part, str(path / name))
+        weight_map.update(dict.fromkeys(part, name))
+        bar(sum(shapes[i] for i in members) * itemsize)
+        del part
+    (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    (path / "config.json").write_text(json.dumps({"architectures": ["Synthetic"], "shapes": shapes}))
+    return total
+
+
+def _bar(total: int, desc: str, enabled: bool) -> Any:
+    if not enabled:
+        return lambda n: None
+    from tqdm import tqdm
+
+    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False)
+    return bar.update
+
+
+def drop_page_cache(path: Path) -> str:
+    """Evict the checkpoint's pages: fadvise per file (any user), plus the global drop as root."""
+    for f in path.glob("*.safetensors"):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    try:
+        os.sync()
+        with open("/proc/sys/vm/drop_caches", "w") as knob:
+            knob.write("1\n")
+        return "fadvise+drop_caches"
+    except OSError:
+        return "fadvise"
+
+
+def disk_read_gbps(path: Path) -> float:
+    """Sequential read of every file with 64 MiB reads, page cache dropped."""
+    drop_page_cache(path)
+    buf = bytearray(64 << 20)
+    total = 0
+    t0 = time.perf_counter()
+    for f in sorted(path.glob("*.safetensors")):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)
+            while n := os.readv(fd, [buf]):
+                total += n
+        finally:
+            os.close(fd)
+    return total / (time.perf_counter() - t0) / 1e9
+
+
+def h2d_gbps(device: str) -> float:
+    import torch
+
+    host = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
+    dev = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    dev.copy_(host)
+    torch.cuda.synchronize(device)
+    t0 = time.perf_counter()
+    for _ in range(4):
+        dev.copy_(host, non_blocking=True)
+    torch.cuda.synchronize(device)
+    return 4 * (1 << 30) / (time.perf_counter() - t0) / 1e9
+
+
+def engine(spec_json: str) -> None:
+    """One engine start, in its own process. Prints one JSON line."""
+    import torch
+
+    import weightcache as wc
+    from weightcache.bench import _holder
+
+    spec = json.loads(spec_json)
+    device = spec["device"]
+    if device.startswith("cuda"):
+        torch.zeros(1, device=device)
+        torch.cuda.synchronize(device)
+    shapes = json.loads((Path(spec["checkpoint"]) / "config.json").read_text())["shapes"]
+    model = _holder(shapes, getattr(torch, spec["dtype"]), prefix="w")
+    attach = wc.attach  # an engine imported this at its start, not inside the timed region
+    gc.collect()  # likewise the first full collection of torch's import-time objects (see docs/benchmarks.md)
+    t0 = time.perf_counter()
+    handle = attach(model, spec["checkpoint"], mode=spec["mode"], device=device, socket_dir=spec["socket_dir"])
+    if device.startswith("cuda"):
+        torch.cuda.synchronize(device)
+    elapsed = time.perf_counter() - t0
+    with torch.no_grad():
+        sums = torch.stack([p.view(-1).view(torch.int16).sum(dtype=torch.int64) for p in model.parameters()])
+        checksum = hashlib.sha256(sums.cpu().numpy().tobytes()).hexdigest()
+    free, total = torch.cuda.mem_get_info(device) if device.startswith("cuda") else (0, 0)
+    print(
+        json.dumps(
+            {
+                "mode": spec["mode"],
+                "source": handle.source,
+                "seconds": elapsed,
+                "checksum": checksum,
+                "device_used_gib": (total - free) / 2**30,
+            }
+        ),
+        flush=True,
+    )
+    if spec.get("hold"):
+        sys.stdin.readline()
+    handle.close()
+
+
+def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
+    out = subprocess.run(
+        [sys.executable, "-m", "weightcache.bench_restart", "engine", json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        check=False,
+    )
+    if out.returncode != 0:
+        raise SystemExit(f"engine in mode {spec['mode']} failed:\n{out.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+def run(args: Any) -> int:
+    import torch
+
+    from .bench import layout
+    from .cache import Cache
+
+    device = args.device
+    sizes = [float(s) for s in args.sizes.split(",")]
+    counts = [int(c) for c in args.tensors.split(",")]
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="wc-restart-"))
+    work.mkdir(parents=True, exist_ok=True)
+    socket_dir = Path(tempfile.mkdtemp(prefix="wc-")) / "s"
+    itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    h2d = h2d_gbps(device) if device.startswith("cuda") else None
+    rows = []
+    progress = sys.stderr.isatty() or args.progress
+    try:
+        for n in counts:
+            for gib in sizes:
+                ckpt = work / f"ckpt-{gib:g}g-{n}"
+                shapes = layout(int(gib * 2**30), n, itemsize)
+                total = write_checkpoint(ckpt, shapes, args.dtype, progress)
+                disk = disk_read_gbps(ckpt)
+                spec = {"checkpoint": str(ckpt), "device": device, "dtype": args.dtype, "socket_dir": str(socket_dir)}
+                dropped = drop_page_cache(ckpt)
+                off = _run_engine({**spec, "mode": "off"})
+                drop_page_cache(ckpt)
+                first = _run_engine({**spec, "mode": "daemon"})
+                client = _run_engine({**spec, "mode": "client"})
+                same = off["checksum"] == first["checksum"] == client["checksum"]
+                row = {
+                    "gib": gib,
+                    "tensors": n,
+                    "bytes": total,
+                    "disk_read_gbps": round(disk, 3),
+                    "h2d_pinned_gbps": None if h2d is None else round(h2d, 2),
+                    "page_cache_drop": dropped,
+                    "off_s": round(off["seconds"], 3),
+                    "off_gbps": round(total / off["seconds"] / 1e9, 3),
+                    "off_vs_disk": round(total / off["seconds"] / 1e9 / disk, 3),
+                    "daemon_first_s": round(first["seconds"], 3),
+                    "daemon_vs_off": round(first["seconds"] / off["seconds"], 3),
+                    "client_attach_ms": round(client["seconds"] * 1e3, 2),
+                    "sources": [off["source"], first["source"], client["source"]],
+                    "identical": same,
+                }
+                rows.append(row)
+                print(
+                    f"{gib:>5g} GiB {n:>5} tensors | disk {disk:5.2f} GB/s | off {row['off_s']:7.2f} s "
+                    f"({row['off_vs_disk'] * 100:4.0f}% of disk) | daemon first {row['daemon_first_s']:7.2f} s "
+                    f"({row['daemon_vs_off']:.2f}x off) | client attach {row['client_attach_ms']:7.2f} ms | "
+                    f"identical {same}",
+                    flush=True,
+                )
+                _evict_all(socket_dir)
+                if not args.keep:
+                    shutil.rmtree(ckpt, ignore_errors=True)
+    finally:
+        with contextlib.suppress(Exception):
+            Cache(socket_dir).stop()
+    report = {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "device": device,
+        "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
+        "torch": torch.__version__,
+        "command": "weightcache bench " + " ".join(sys.argv[2:]),
+        "h2d_pinned_gbps": h2d,
+        "results": rows,
+    }
+    for n in counts:
+        series = [r for r in rows if r["tensors"] == n]
+        if len(series) > 1:
+            report.setdefault("attach_flatness", []).append(
+                {
+                    "tensors": n,
+                    "from_gib": series[0]["gib"],
+                    "to_gib": series[-1]["gib"],
+                    "ratio": round(series[-1]["client_attach_ms"] / series[0]["client_attach_ms"], 3),
+                }
+            )
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {args.json_out}")
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+def _evict_all(socket_dir: Path) -> None:
+    from .client import KeeperConnection
+
+    with KeeperConnection.connect(socket_dir) as conn:
+        conn.request({"op": "evict", "digest": "*", "all": True, "force": True})
+
+
+if __name__ == "__main__":
+    if len(sys.argv) == 3 and sys.argv[1] == "engine":
+        engine(sys.argv[2])
+    else:
+        raise SystemExit("usage: python -m weightcache.bench_restart engine SPEC (use `weightcache bench --restart`)")
