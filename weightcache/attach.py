@@ -13,6 +13,7 @@ from __future__ import annotations
 import os
 import warnings
 from collections.abc import Callable, Mapping
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Literal
 
 import torch
@@ -22,6 +23,7 @@ from . import quant as quant_registry
 from .binding import bind, to_device
 from .cache import Cache, Handle
 from .checkpoint import load_state_dict
+from .client import ensure_keeper
 from .errors import (
     BindError,
     CheckpointError,
@@ -102,12 +104,22 @@ def attach(
     quant_registry.get(quant).check(quant_config)
 
     if mode == "daemon":
-        cache = Cache(socket_dir, spawn=True)
-        handle = cache.get(fingerprint)
+        state: dict[str, torch.Tensor] | None = None
+        try:
+            cache = Cache(socket_dir)
+            handle = cache.get(fingerprint)
+        except KeeperUnavailable:
+            # No keeper, so nothing is cached: start one while the weights load instead of before.
+            with ThreadPoolExecutor(max_workers=1) as pool:
+                spawning = pool.submit(ensure_keeper, socket_dir)
+                state = load_weights(checkpoint, dev, torch_dtype, transform)
+                spawning.result()
+            cache, handle = Cache(socket_dir), None
         if handle is None:
+            if state is None:
+                state = load_weights(checkpoint, dev, torch_dtype, transform)
             # consume: each tensor is freed once copied into its segment, so publishing needs one segment of
             # extra memory, not a second copy of the model.
-            state = load_weights(checkpoint, dev, torch_dtype, transform)
             handle = cache.put(fingerprint, state, consume=True)
         return _bound(model, handle, dev)
 

@@ -24,6 +24,11 @@ from .fingerprint import Fingerprint
 from .manifest import Manifest, SegmentInfo, TensorInfo
 from .protocol import close_fds
 
+try:  # import the CUDA driver bindings with the library, not inside the first attach (~10 ms once)
+    import cuda.bindings.driver  # noqa: F401
+except ImportError:  # no GPU support installed: CPU segments only
+    pass
+
 #: Default upper bound on one segment; a larger tensor gets a segment of its own.
 DEFAULT_MAX_SEGMENT_BYTES = 8 << 30
 Source = Literal["cache", "disk"]
@@ -397,7 +402,10 @@ def _fill(
         )
 
     on_gpu = any(tensors[n].is_cuda for n in names)
-    workers = min(8, os.cpu_count() or 1)
+    # Threads pay off where copies block on the host (page faults in mapped files, pwrite, hashing); copies
+    # between device buffers are asynchronous launches, and threads would only fight over the GIL.
+    host_work = digests or not all(tensors[n].is_cuda for n in names) or transport.kind == "memfd"
+    workers = min(8, os.cpu_count() or 1) if host_work else 1
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for k, size in enumerate(sizes):
             segs.append(transport.create(size, placement))

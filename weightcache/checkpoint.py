@@ -94,22 +94,11 @@ def safetensors_files(checkpoint: str | os.PathLike[str]) -> list[Path]:
 
 
 def read_header(file: Path) -> tuple[bytes, dict[str, object]]:
-    """Raw bytes and parsed JSON of a safetensors header, with its length bounded and checked."""
-    try:
-        with open(file, "rb") as f:
-            size = os.fstat(f.fileno()).st_size
-            prefix = f.read(8)
-            if len(prefix) < 8:
-                raise CheckpointError(f"{file} is {size} bytes, too short for a safetensors header (truncated?)")
-            (length,) = struct.unpack("<Q", prefix)
-            if length > MAX_HEADER_BYTES or 8 + length > size:
-                raise CheckpointError(
-                    f"{file} declares a {length}-byte header in a {size}-byte file; expected at most "
-                    f"{min(MAX_HEADER_BYTES, size - 8)} (the file is truncated or not safetensors)"
-                )
-            raw = f.read(length)
-    except OSError as exc:
-        raise CheckpointError(f"cannot read checkpoint file {file}: {exc}") from exc
+    """Raw bytes and parsed JSON of a safetensors header, with its length and every tensor's data offsets
+    checked against the file."""
+    raw = _raw_header(file)
+    size = os.stat(file).st_size
+    length = len(raw)
     try:
         header = json.loads(raw)
         if not isinstance(header, dict):
@@ -134,8 +123,28 @@ def read_header(file: Path) -> tuple[bytes, dict[str, object]]:
     return raw, header
 
 
+def _raw_header(file: Path) -> bytes:
+    """The header bytes, length-checked but not parsed: all that identity needs (parsing thousands of entries
+    would cost milliseconds on every attach; loading parses and checks them)."""
+    try:
+        with open(file, "rb") as f:
+            size = os.fstat(f.fileno()).st_size
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise CheckpointError(f"{file} is {size} bytes, too short for a safetensors header (truncated?)")
+            (length,) = struct.unpack("<Q", prefix)
+            if length > MAX_HEADER_BYTES or 8 + length > size:
+                raise CheckpointError(
+                    f"{file} declares a {length}-byte header in a {size}-byte file; expected at most "
+                    f"{min(MAX_HEADER_BYTES, size - 8)} (the file is truncated or not safetensors)"
+                )
+            return f.read(length)
+    except OSError as exc:
+        raise CheckpointError(f"cannot read checkpoint file {file}: {exc}") from exc
+
+
 def file_identity(file: Path) -> CheckpointFile:
-    raw, _ = read_header(file)
+    raw = _raw_header(file)
     st = os.stat(file)
     return CheckpointFile(
         name=file.name,

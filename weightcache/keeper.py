@@ -59,6 +59,8 @@ class Entry:
     digest: str
     manifest: Manifest
     manifest_json: dict[str, Any]
+    #: The manifest encoded once, at publish: every get sends these bytes instead of encoding it again.
+    manifest_text: str
     fds: list[int]
     created: float
     last_used: float
@@ -302,10 +304,13 @@ class Keeper:
                 finally:
                     protocol.close_fds(fds)
                 try:
-                    send_frame(conn, reply, out_fds)
+                    if isinstance(reply, bytes):
+                        protocol.send_payload(conn, reply, out_fds)
+                    else:
+                        send_frame(conn, reply, out_fds)
                 finally:
                     protocol.close_fds(out_fds)
-                if op == "stop" and reply.get("ok"):
+                if op == "stop" and isinstance(reply, dict) and reply.get("ok"):
                     self.stop()
                     return
         except (OSError, ProtocolError) as exc:
@@ -319,7 +324,7 @@ class Keeper:
 
     def _handle(
         self, cid: int, pid: int, op: object, message: dict[str, Any], fds: list[int]
-    ) -> tuple[dict[str, Any], list[int]]:
+    ) -> tuple[dict[str, Any] | bytes, list[int]]:
         if op != "publish" and fds:
             raise RequestError("bad_request", f"message {op!r} carries no fds; {len(fds)} arrived")
         if op == "hello":
@@ -364,7 +369,8 @@ class Keeper:
         # On error the caller closes `fds`; on success this handler owns them.
         manifest_json = field(message, "manifest", dict)
         manifest = Manifest.from_json(manifest_json)
-        encoded = len(json.dumps(manifest_json, separators=(",", ":")))
+        manifest_text = json.dumps(manifest_json, separators=(",", ":"), allow_nan=False)
+        encoded = len(manifest_text)
         if encoded > MAX_MANIFEST_BYTES:
             raise RequestError(
                 "bad_request",
@@ -386,6 +392,7 @@ class Keeper:
                     digest=digest,
                     manifest=manifest,
                     manifest_json=manifest_json,
+                    manifest_text=manifest_text,
                     fds=list(fds),
                     created=now,
                     last_used=now,
@@ -397,7 +404,7 @@ class Keeper:
         log.info("published %s (%d bytes, %d tensors) from pid %d", key, manifest.total_bytes, len(manifest), pid)
         return {"ok": True, "digest": digest, "key": key, "created": True}
 
-    def _get(self, cid: int, pid: int, message: dict[str, Any]) -> tuple[dict[str, Any], list[int]]:
+    def _get(self, cid: int, pid: int, message: dict[str, Any]) -> tuple[dict[str, Any] | bytes, list[int]]:
         digest = field(message, "digest", str)
         placement = field(message, "placement", str)
         key = entry_key(digest, placement)
@@ -417,8 +424,9 @@ class Keeper:
                 protocol.close_fds(out)
                 entry.leases.pop(cid, None)
                 raise RequestError("busy", f"keeper is out of file descriptors ({exc}); retry later") from exc
-            manifest_json = entry.manifest_json
-        return {"ok": True, "found": True, "key": key, "manifest": manifest_json}, out
+            manifest_text = entry.manifest_text
+        reply = f'{{"ok":true,"found":true,"key":{json.dumps(key)},"manifest":{manifest_text}}}'
+        return reply.encode(), out
 
     def _release(self, cid: int, message: dict[str, Any]) -> dict[str, Any]:
         key = entry_key(field(message, "digest", str), field(message, "placement", str))

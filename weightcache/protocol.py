@@ -49,9 +49,13 @@ class PeerClosed(ProtocolError):
 
 def send_frame(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
     """Send one frame: ``message`` as JSON with ``fds`` attached. The fds stay open on this side."""
+    send_payload(sock, json.dumps(message, separators=(",", ":"), allow_nan=False).encode(), fds)
+
+
+def send_payload(sock: socket.socket, payload: bytes, fds: Sequence[int] = ()) -> None:
+    """Send one frame whose payload is already-encoded JSON (the keeper caches its manifests this way)."""
     if len(fds) > MAX_FDS:
         raise ProtocolError(f"a frame carries at most {MAX_FDS} fds; tried to send {len(fds)}")
-    payload = json.dumps(message, separators=(",", ":"), allow_nan=False).encode()
     if len(payload) > MAX_PAYLOAD_BYTES:
         raise ProtocolError(
             f"message of {len(payload)} bytes exceeds the {MAX_PAYLOAD_BYTES}-byte limit "
@@ -204,4 +208,5 @@ __all__ = [
     "peer_credentials",
     "recv_frame",
     "send_frame",
+    "send_payload",
 ]
