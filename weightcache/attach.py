@@ -104,23 +104,30 @@ def attach(
     quant_registry.get(quant).check(quant_config)
 
     if mode == "daemon":
-        state: dict[str, torch.Tensor] | None = None
-        try:
-            cache = Cache(socket_dir)
-            handle = cache.get(fingerprint)
-        except KeeperUnavailable:
-            # No keeper, so nothing is cached: start one while the weights load instead of before.
-            with ThreadPoolExecutor(max_workers=1) as pool:
+        with ThreadPoolExecutor(max_workers=1) as pool:
+            spawning = None
+            try:
+                cache = Cache(socket_dir)
+                handle = cache.get(fingerprint)
+            except KeeperUnavailable:
+                # No keeper, so nothing is cached: start one while the weights load instead of before.
                 spawning = pool.submit(ensure_keeper, socket_dir)
-                state = load_weights(checkpoint, dev, torch_dtype, transform)
-                spawning.result()
-            cache, handle = Cache(socket_dir), None
-        if handle is None:
-            if state is None:
-                state = load_weights(checkpoint, dev, torch_dtype, transform)
-            # consume: each tensor is freed once copied into its segment, so publishing needs one segment of
-            # extra memory, not a second copy of the model.
-            handle = cache.put(fingerprint, state, consume=True)
+                cache, handle = Cache(socket_dir), None
+
+            def keeper_ready() -> None:
+                if spawning is not None:
+                    spawning.result()
+
+            if handle is None:
+                if dev.type == "cuda" and transform is None and _stored_as_is(checkpoint, torch_dtype):
+                    # Straight from the files into the segments: no second copy on the device at any time.
+                    handle = cache.put_checkpoint(fingerprint, checkpoint, before_publish=keeper_ready)
+                else:
+                    state = load_weights(checkpoint, dev, torch_dtype, transform)
+                    keeper_ready()
+                    # consume: each tensor is freed once copied into its segment, so publishing needs one
+                    # segment of extra memory, not a second copy of the model.
+                    handle = cache.put(fingerprint, state, consume=True)
         return _bound(model, handle, dev)
 
     # mode == "client"
@@ -146,6 +153,16 @@ def attach(
             raise FingerprintMismatch(reason, tuple(diffs))
         raise EntryNotFound(reason)
     return _fallback(from_disk, reason)
+
+
+def _stored_as_is(checkpoint: str | os.PathLike[str], dtype: torch.dtype | None) -> bool:
+    """Whether loading with ``dtype`` keeps every tensor exactly as the files store it."""
+    if dtype is None:
+        return True
+    from .checkpoint import CONVERTIBLE
+    from .loader import checkpoint_layout
+
+    return all(t.dtype == dtype or str(t.dtype) not in CONVERTIBLE for t in checkpoint_layout(checkpoint))
 
 
 def load_weights(

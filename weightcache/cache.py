@@ -9,9 +9,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import Literal
+from typing import TYPE_CHECKING, Literal
 
 import attrs
 import torch
@@ -19,10 +19,14 @@ import torch
 from . import quant as quant_registry
 from . import segments as segment_transports
 from .client import KeeperConnection, ensure_keeper
-from .errors import KeeperError, ManifestError, WeightCacheError
+from .errors import KeeperError, ManifestError, SegmentError, WeightCacheError
 from .fingerprint import Fingerprint
 from .manifest import Manifest, SegmentInfo, TensorInfo
 from .protocol import close_fds
+from .segments.cuda_vmm import CudaVmmSegment
+
+if TYPE_CHECKING:
+    from .loader import StoredTensor
 
 try:  # import the CUDA driver bindings with the library, not inside the first attach (~10 ms once)
     import cuda.bindings.driver  # noqa: F401
@@ -31,6 +35,8 @@ except ImportError:  # no GPU support installed: CPU segments only
 
 #: Default upper bound on one segment; a larger tensor gets a segment of its own.
 DEFAULT_MAX_SEGMENT_BYTES = 8 << 30
+#: Segments filled straight from a checkpoint need no spare memory, so they can be large: few imports per attach.
+STREAM_SEGMENT_BYTES = 16 << 30
 Source = Literal["cache", "disk"]
 
 
@@ -309,6 +315,21 @@ class Cache:
         segs: list[segment_transports.Segment] = []
         try:
             infos = _fill(transport, fingerprint.placement, segs, sizes, names, placements, tensors, digests, consume)
+        except BaseException:
+            for seg in segs:
+                seg.close()
+            raise
+        return self._publish(fingerprint, transport, segs, infos)
+
+    def _publish(
+        self,
+        fingerprint: Fingerprint,
+        transport: segment_transports.Transport,
+        segs: list[segment_transports.Segment],
+        infos: list[TensorInfo],
+    ) -> Handle:
+        """Hand sealed, filled segments to the keeper and return the attached Handle. Consumes ``segs``."""
+        try:
             manifest = Manifest.build(
                 fingerprint,
                 [SegmentInfo(kind=transport.kind, size=seg.size, placement=fingerprint.placement) for seg in segs],
@@ -343,6 +364,78 @@ class Cache:
         return Handle(
             source="cache", fingerprint=fingerprint, tensors=views, manifest=manifest, connection=conn, fds=fds
         )
+
+    def put_checkpoint(
+        self,
+        fingerprint: Fingerprint,
+        checkpoint: str | os.PathLike[str],
+        *,
+        before_publish: Callable[[], object] | None = None,
+    ) -> Handle:
+        """Publish a safetensors checkpoint as stored (no dtype conversion, no transform) by streaming its files
+        straight into GPU segments: no intermediate copy on the device, so the peak is the weights themselves,
+        and segments can be large (few imports per attach). For a ``GPU-<uuid>`` placement.
+
+        ``before_publish`` runs once the segments are filled, before the keeper is contacted (mode daemon
+        waits there for the keeper it started while the files were read).
+        """
+        from .loader import checkpoint_layout, stream_into
+        from .segments.cuda_vmm import device_index
+
+        quant_registry.get(fingerprint.quant).check()
+        transport = segment_transports.transport_for_placement(fingerprint.placement)
+        if transport.kind != "cuda_vmm":
+            raise SegmentError(f"put_checkpoint streams into GPU segments; {fingerprint.placement} is not a GPU")
+        layout = checkpoint_layout(checkpoint)
+        if not layout:
+            raise WeightCacheError(f"checkpoint {checkpoint} holds no tensors")
+        nbytes = [t.nbytes for t in layout]
+        placements, sizes = segment_transports.pack(nbytes, transport.alignment, STREAM_SEGMENT_BYTES)
+        segs: list[segment_transports.Segment] = []
+        try:
+            for size in sizes:
+                segs.append(transport.create(size, fingerprint.placement))
+            where = {t.name: placements[i] for i, t in enumerate(layout)}
+            device = torch.device("cuda", device_index(fingerprint.placement))
+
+            def destination(t: StoredTensor) -> torch.Tensor:
+                p = where[t.name]
+                seg = segs[p.segment]
+                assert isinstance(seg, CudaVmmSegment)
+                return seg.destination(p.offset, t.nbytes)
+
+            stream_into(layout, device, destination)
+            for seg in segs:
+                seg.seal()
+            if before_publish is not None:
+                before_publish()
+        except BaseException:
+            for seg in segs:
+                seg.close()
+            raise
+        infos = [
+            TensorInfo(
+                name=t.name,
+                segment=placements[i].segment,
+                offset=placements[i].offset,
+                dtype=str(t.dtype).removeprefix("torch."),
+                shape=t.shape,
+                stride=_contiguous_stride(t.shape),
+                kind="tensor",
+                requires_grad=False,
+                digest=None,
+            )
+            for i, t in enumerate(layout)
+        ]
+        return self._publish(fingerprint, transport, segs, infos)
+
+
+def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, acc = [], 1
+    for n in reversed(shape):
+        stride.append(acc)
+        acc *= max(n, 1)
+    return tuple(reversed(stride))
 
 
 def default_segment_bytes(placement: str, nbytes: list[int]) -> int:

@@ -10,10 +10,12 @@ dtype, then converted if a ``dtype`` was asked for.
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Callable
 from pathlib import Path
 
+import attrs
 import torch
 
 from .checkpoint import CONVERTIBLE, read_header, safetensors_files
@@ -44,6 +46,58 @@ for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("
         _SAFETENSORS_DTYPES[_name] = getattr(torch, _attr)
 
 
+@attrs.frozen
+class StoredTensor:
+    """One tensor as a safetensors file stores it: where its bytes are, and what they are."""
+
+    name: str
+    file: Path
+    #: absolute byte range of the data in ``file``
+    begin: int
+    end: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return self.end - self.begin
+
+
+def checkpoint_layout(checkpoint: str | os.PathLike[str]) -> list[StoredTensor]:
+    """Every tensor of the checkpoint, in file order, from the headers (checked against the files)."""
+    out: list[StoredTensor] = []
+    seen: set[str] = set()
+    for file in safetensors_files(checkpoint):
+        raw, header = read_header(file)
+        start = 8 + len(raw)
+        entries = []
+        for name, info in header.items():
+            if name == "__metadata__":
+                continue
+            assert isinstance(info, dict)
+            dtype = _SAFETENSORS_DTYPES.get(str(info.get("dtype")))
+            if dtype is None:
+                raise CheckpointError(
+                    f"{file}: tensor {name!r} has dtype {info.get('dtype')!r}, which torch cannot hold"
+                )
+            shape = info.get("shape")
+            if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
+                raise CheckpointError(f"{file}: tensor {name!r} has a malformed shape {shape!r}")
+            begin, end = info["data_offsets"]  # bounds checked by read_header
+            expected = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            if expected != end - begin:
+                raise CheckpointError(
+                    f"{file}: tensor {name!r} is {dtype} {shape} ({expected} bytes) but its data_offsets span "
+                    f"{end - begin} bytes; the file is corrupt"
+                )
+            if name in seen:
+                raise CheckpointError(f"tensor {name!r} appears in more than one file of the checkpoint ({file.name})")
+            seen.add(name)
+            entries.append(StoredTensor(name, file, start + begin, start + end, dtype, tuple(shape)))
+        out.extend(sorted(entries, key=lambda e: e.begin))
+    return out
+
+
 def load_to_device(
     checkpoint: str | os.PathLike[str],
     device: torch.device,
@@ -57,15 +111,11 @@ def load_to_device(
     """
     if device.type != "cuda":
         raise ValueError(f"load_to_device streams to a CUDA device; got {device}")
+    layout = checkpoint_layout(checkpoint)
     out: dict[str, torch.Tensor] = {}
-    buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8).pin_memory() for _ in range(STAGING_BUFFERS)]
-    events: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
-    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
-    turn = 0
-    with torch.cuda.device(device):
-        for file in safetensors_files(checkpoint):
-            turn = _load_file(file, device, out, buffers, events, stream, turn, progress)
-        stream.synchronize()
+    for stored in layout:
+        out[stored.name] = torch.empty(stored.shape, dtype=stored.dtype, device=device)
+    stream_into(layout, device, lambda t: out[t.name].view(-1).view(torch.uint8), progress)
     if dtype is not None:
         for name, t in out.items():
             if t.dtype != dtype and str(t.dtype) in CONVERTIBLE:
@@ -74,48 +124,45 @@ def load_to_device(
     return out
 
 
-def _load_file(
-    file: Path,
+def stream_into(
+    layout: list[StoredTensor],
     device: torch.device,
-    out: dict[str, torch.Tensor],
+    destination: Callable[[StoredTensor], torch.Tensor],
+    progress: Callable[[int], None] | None = None,
+) -> None:
+    """Copy every tensor's bytes from its file into ``destination(tensor)`` (a flat ``uint8`` device view of
+    ``tensor.nbytes``), reading each file front to back through pinned staging buffers. Returns when done."""
+    buffers = [torch.empty(CHUNK_BYTES, dtype=torch.uint8).pin_memory() for _ in range(STAGING_BUFFERS)]
+    events: list[torch.cuda.Event | None] = [None] * STAGING_BUFFERS
+    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
+    turn = 0
+    by_file: dict[Path, list[StoredTensor]] = {}
+    for t in layout:
+        by_file.setdefault(t.file, []).append(t)
+    with torch.cuda.device(device):
+        for file, tensors in by_file.items():
+            plan = [(t.begin, t.end, destination(t)) for t in tensors if t.nbytes]
+            turn = _stream_file(file, plan, buffers, events, stream, turn, progress)
+        stream.synchronize()
+    torch.cuda.current_stream(device).wait_stream(stream)
+
+
+def _stream_file(
+    file: Path,
+    plan: list[tuple[int, int, torch.Tensor]],
     buffers: list[torch.Tensor],
     events: list[torch.cuda.Event | None],
     stream: torch.cuda.Stream,
     turn: int,
     progress: Callable[[int], None] | None,
 ) -> int:
-    raw, header = read_header(file)
-    start = 8 + len(raw)
-    plan = []  # (begin, end, flat uint8 destination), in file order
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        assert isinstance(info, dict)
-        dtype = _SAFETENSORS_DTYPES.get(str(info.get("dtype")))
-        if dtype is None:
-            raise CheckpointError(f"{file}: tensor {name!r} has dtype {info.get('dtype')!r}, which torch cannot hold")
-        shape = info.get("shape")
-        if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
-            raise CheckpointError(f"{file}: tensor {name!r} has a malformed shape {shape!r}")
-        begin, end = info["data_offsets"]  # bounds checked by read_header
-        tensor = torch.empty(shape, dtype=dtype, device=device)
-        if tensor.numel() * tensor.element_size() != end - begin:
-            raise CheckpointError(
-                f"{file}: tensor {name!r} is {dtype} {shape} ({tensor.numel() * tensor.element_size()} bytes) but "
-                f"its data_offsets span {end - begin} bytes; the file is corrupt"
-            )
-        if name in out:
-            raise CheckpointError(f"tensor {name!r} appears in more than one file of the checkpoint ({file.name})")
-        out[name] = tensor
-        if end > begin:
-            plan.append((begin, end, tensor.view(-1).view(torch.uint8)))
     plan.sort(key=lambda p: p[0])
     if not plan:
         return turn
     first, last = plan[0][0], max(p[1] for p in plan)
     fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
     try:
-        os.posix_fadvise(fd, start + first, last - first, os.POSIX_FADV_SEQUENTIAL)
+        os.posix_fadvise(fd, first, last - first, os.POSIX_FADV_SEQUENTIAL)
         k = 0  # index into plan of the first tensor not yet completely copied
         pos = first
         while pos < last:
@@ -123,7 +170,7 @@ def _load_file(
             # Ask the kernel to read ahead while this chunk is dispatched to the GPU: the disk never idles.
             ahead = pos + n
             if ahead < last:
-                os.posix_fadvise(fd, start + ahead, min(PREFETCH_BYTES, last - ahead), os.POSIX_FADV_WILLNEED)
+                os.posix_fadvise(fd, ahead, min(PREFETCH_BYTES, last - ahead), os.POSIX_FADV_WILLNEED)
             slot = turn % len(buffers)
             if events[slot] is not None:
                 events[slot].synchronize()  # type: ignore[union-attr]
@@ -131,9 +178,9 @@ def _load_file(
             view = buf.numpy().data.cast("B")[:n]
             got = 0
             while got < n:
-                r = os.preadv(fd, [view[got:]], start + pos + got)
+                r = os.preadv(fd, [view[got:]], pos + got)
                 if r == 0:
-                    raise CheckpointError(f"{file} ended early at byte {start + pos + got}: the file is truncated")
+                    raise CheckpointError(f"{file} ended early at byte {pos + got}: the file is truncated")
                 got += r
             with torch.cuda.stream(stream):
                 while k < len(plan) and plan[k][0] < pos + n:
@@ -153,5 +200,4 @@ def _load_file(
                 progress(n)
     finally:
         os.close(fd)
-    torch.cuda.current_stream(device).wait_stream(stream)
     return turn
