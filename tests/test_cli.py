@@ -70,3 +70,12 @@ def test_bench_runs_small(tmp_path: Path) -> None:
     assert [r["tensors"] for r in data["results"]] == [30, 30]
     assert all(r["attach_ms_median"] > 0 for r in data["results"])
     assert data["flatness"][0]["ratio"] > 0
+
+
+def test_restart_bench_runs_small_on_cpu(tmp_path: Path) -> None:
+    report = tmp_path / "restart.json"
+    out = wc_cli("bench", "--restart", "--device", "cpu", "--sizes", "0.01", "--tensors", "40", "--json", str(report))
+    assert "client attach" in out.stdout and "identical True" in out.stdout
+    [row] = json.loads(report.read_text())["results"]
+    assert row["sources"] == ["disk", "cache", "cache"] and row["identical"] is True
+    assert row["disk_read_gbps"] > 0 and row["off_s"] > 0 and row["client_attach_ms"] > 0

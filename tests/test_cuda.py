@@ -332,3 +332,26 @@ def test_two_ranks_each_on_their_gpu(checkpoint: Path, socket_dir: Path) -> None
     assert results[0][2]["placement"] != results[1][2]["placement"]
     entries = wc.Cache(socket_dir).entries()
     assert len(entries) == 2 and {e.placement for e in entries} == {r["placement"] for _, _, r in results}
+
+
+def test_second_engine_adds_almost_no_gpu_memory(tmp_path: Path, socket_dir: Path) -> None:
+    """Each engine process attaches the same entry; what its attach adds to the device's memory use (measured
+    inside the process, after its CUDA context exists) is under 1 % of the weight bytes."""
+    ckpt = make_checkpoint(tmp_path / "big", dim=1024, vocab=65536)  # ~300 MB of fp32 weights
+    run_worker("attach", {"checkpoint": str(ckpt), "socket_dir": str(socket_dir), "device": "cuda:0", "mode": "daemon"})
+    weights = wc.Cache(socket_dir).entries()[0].bytes
+    code = f"""
+        import json, torch, weightcache as wc
+        from models import meta_model, model_kwargs
+        torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
+        free0, _ = torch.cuda.mem_get_info(0)
+        m = meta_model(**model_kwargs({str(ckpt)!r}))
+        h = wc.attach(m, {str(ckpt)!r}, mode="client", device="cuda:0", socket_dir={str(socket_dir)!r}, strict=True)
+        torch.cuda.synchronize()
+        free1, _ = torch.cuda.mem_get_info(0)
+        print(json.dumps({{"added": free0 - free1}}))
+    """
+    first = python(code)
+    second = python(code)
+    for r in (first, second):
+        assert r["added"] < 0.01 * weights, f"attach added {r['added']} bytes for {weights} bytes of weights"

@@ -229,6 +229,8 @@ def run(args: Any) -> int:
                     "identical": same,
                 }
                 rows.append(row)
+                if args.json_out:  # after every configuration, so that a run cut short keeps what it measured
+                    Path(args.json_out).write_text(json.dumps(_report(args, device, h2d, rows, counts), indent=2))
                 print(
                     f"{gib:>5g} GiB {n:>5} tensors | disk {disk:5.2f} GB/s | off {row['off_s']:7.2f} s "
                     f"({row['off_vs_disk'] * 100:4.0f}% of disk) | daemon first {row['daemon_first_s']:7.2f} s "
@@ -242,7 +244,16 @@ def run(args: Any) -> int:
     finally:
         with contextlib.suppress(Exception):
             Cache(socket_dir).stop()
-    report = {
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(_report(args, device, h2d, rows, counts), indent=2))
+        print(f"wrote {args.json_out}")
+    return 0 if all(r["identical"] for r in rows) else 1
+
+
+def _report(args: Any, device: str, h2d: float | None, rows: list[dict[str, Any]], counts: list[int]) -> dict[str, Any]:
+    import torch
+
+    report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "device": device,
         "device_name": torch.cuda.get_device_name(device) if device.startswith("cuda") else "cpu",
@@ -262,10 +273,7 @@ def run(args: Any) -> int:
                     "ratio": round(series[-1]["client_attach_ms"] / series[0]["client_attach_ms"], 3),
                 }
             )
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json_out}")
-    return 0 if all(r["identical"] for r in rows) else 1
+    return report
 
 
 def _evict_all(socket_dir: Path) -> None:
