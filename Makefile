@@ -27,8 +27,8 @@ demo: $(BIN)/.installed
 	$(BIN)/python examples/demo.py
 
 lint: $(BIN)/.installed
-	$(BIN)/ruff check weightcache tests examples
-	$(BIN)/ruff format --check weightcache tests examples
+	$(BIN)/ruff check weightcache tests examples benchmarks
+	$(BIN)/ruff format --check weightcache tests examples benchmarks
 	$(BIN)/mypy
 
 test: lint

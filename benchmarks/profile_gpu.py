@@ -1,13 +1,13 @@
+# ruff: noqa: E501  (the profiled client is an embedded script of long one-liners)
 """Where does GPU load and attach time go? (a diagnostic; prints timings and profiles)
 
-    python benchmarks/profile_gpu.py [GiB] [tensors]
+python benchmarks/profile_gpu.py [GiB] [tensors]
 """
 
 from __future__ import annotations
 
 import cProfile
 import gc
-import json
 import pstats
 import subprocess
 import sys
@@ -18,7 +18,8 @@ from pathlib import Path
 import torch
 
 from weightcache.bench import layout
-from weightcache.bench_restart import drop_page_cache, write_checkpoint
+from weightcache.bench_restart import write_checkpoint
+from weightcache.checkpoint import drop_page_cache
 
 CLIENT = r"""
 import cProfile, gc, json, pstats, sys, time, torch
@@ -69,7 +70,7 @@ def main() -> None:
     bufs = [torch.empty(loader.CHUNK_BYTES, dtype=torch.uint8).pin_memory() for _ in range(loader.STAGING_BUFFERS)]
     print("pin staging buffers ms", round((time.perf_counter() - t0) * 1e3, 1))
     del bufs
-    for rep in range(2):
+    for _ in range(2):
         drop_page_cache(ckpt)
         pr = cProfile.Profile()
         pr.enable()

@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import hashlib
 import json
-import os
 import shutil
 import subprocess
 import sys
@@ -26,6 +25,8 @@ from pathlib import Path
 
 import torch
 from torch import nn
+
+from weightcache.checkpoint import drop_page_cache
 
 HIDDEN = 2048
 
@@ -60,17 +61,6 @@ def make_checkpoint(path: Path, layers: int) -> None:
     path.mkdir(parents=True, exist_ok=True)
     save_file(model.state_dict(), str(path / "model.safetensors"))
     (path / "config.json").write_text(json.dumps({"architectures": ["MLPModel"], "layers": layers}))
-
-
-def drop_page_cache(path: Path) -> None:
-    """Evict the checkpoint's pages so that 'from disk' really reads the disk (no root needed)."""
-    for f in path.glob("*.safetensors"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
 
 
 def engine(checkpoint: str, mode: str, socket_dir: str) -> None:

@@ -28,6 +28,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from .checkpoint import drop_page_cache
+
 #: Checkpoint shards are at most this big, like the files real checkpoints ship in.
 SHARD_BYTES = 4 << 30
 
@@ -76,24 +78,6 @@ def _bar(total: int, desc: str, enabled: bool) -> Any:
 
     bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False)
     return bar.update
-
-
-def drop_page_cache(path: Path) -> str:
-    """Evict the checkpoint's pages: fadvise per file (any user), plus the global drop as root."""
-    for f in path.glob("*.safetensors"):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    try:
-        os.sync()
-        with open("/proc/sys/vm/drop_caches", "w") as knob:
-            knob.write("1\n")
-        return "fadvise+drop_caches"
-    except OSError:
-        return "fadvise"
 
 
 def disk_read_gbps(path: Path) -> float:

@@ -27,6 +27,7 @@ class Segment(ABC):
     def __init__(self, size: int, placement: str) -> None:
         self.size = size
         self.placement = placement
+        self._fd = -1
 
     @abstractmethod
     def write(self, offset: int, tensor: torch.Tensor) -> None:
@@ -37,9 +38,13 @@ class Segment(ABC):
         """Finish writing. After this the contents never change and :attr:`fd` can be shared."""
 
     @property
-    @abstractmethod
     def fd(self) -> int:
         """The shareable fd; owned by the segment until :meth:`close`."""
+        if self._fd < 0:
+            from ..errors import SegmentError
+
+            raise SegmentError("segment is closed")
+        return self._fd
 
     def detach_fd(self) -> int:
         """Hand the fd over to the caller (who closes it) and release everything else this segment holds."""

@@ -270,12 +270,6 @@ class CudaVmmSegment(Segment):
             self._mapping = None
         self._sealed = True
 
-    @property
-    def fd(self) -> int:
-        if self._fd < 0:
-            raise SegmentError("segment is closed")
-        return self._fd
-
     def close(self) -> None:
         self._base = None
         if self._mapping is not None:

@@ -80,12 +80,6 @@ class MemfdSegment(Segment):
             fcntl.fcntl(self._fd, fcntl.F_ADD_SEALS, REQUIRED_SEALS | fcntl.F_SEAL_SEAL)
             self._sealed = True
 
-    @property
-    def fd(self) -> int:
-        if self._fd < 0:
-            raise SegmentError("segment is closed")
-        return self._fd
-
     def detach_fd(self) -> int:
         fd = self.fd
         self._fd = -1
