@@ -286,17 +286,6 @@ class Cache:
                 as it goes, so that migrating a model needs one segment of extra memory, not two copies.
                 Only references held elsewhere (e.g. by a model) keep originals alive.
         """
-        return self._put(fingerprint, tensors, digests=digests, max_segment_bytes=max_segment_bytes, consume=consume)
-
-    def _put(
-        self,
-        fingerprint: Fingerprint,
-        tensors: Mapping[str, torch.Tensor],
-        *,
-        digests: bool | None,
-        max_segment_bytes: int | None,
-        consume: bool,
-    ) -> Handle:
         quant_registry.get(fingerprint.quant).check()
         transport = segment_transports.transport_for_placement(fingerprint.placement)
         names = list(tensors)
