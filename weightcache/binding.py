@@ -75,6 +75,7 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
     """
     want_device = torch.device(device) if device is not None else None
     missing: list[str] = []
+    computed: list[str] = []  # non-persistent buffers left on meta: checkpoints do not hold them
     mismatched: list[str] = []
     used = 0
     plan: list[tuple[_Slot, torch.Tensor]] = []
@@ -95,7 +96,7 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
         if tensor is None:
             if not slot.persistent and not slot.original.is_meta:
                 continue  # a buffer the model computes itself (e.g. rotary inv_freq), already materialised
-            missing.append(" = ".join(names))
+            (missing if slot.persistent else computed).append(" = ".join(names))
             continue
         orig = slot.original
         if (
@@ -118,6 +119,12 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
     errors = []
     if missing:
         errors.append(f"{len(missing)} model tensors have no data: {_listing(missing)}")
+    if computed:
+        errors.append(
+            f"{len(computed)} non-persistent buffers are still on the meta device and no checkpoint holds them: "
+            f"{_listing(computed)} (compute them on the real device before attaching, e.g. re-create the module "
+            "that owns them there, or add them with transform=)"
+        )
     if mismatched:
         errors.append(f"{len(mismatched)} tensors do not fit the model: {_listing(mismatched)}")
     if unexpected:
