@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import select
 import socket
 import subprocess
 import sys
@@ -204,8 +205,6 @@ def _spawn(directory: Path, timeout: float) -> None:
         deadline = time.monotonic() + timeout
         status = b""
         while not status.endswith(b"\n") and time.monotonic() < deadline:
-            import select
-
             ready, _, _ = select.select([read_fd], [], [], max(0.0, deadline - time.monotonic()))
             if not ready:
                 break
