@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import socket
 import stat
 import struct
@@ -76,6 +77,7 @@ def test_unsafe_socket_dirs_are_refused() -> None:
             ensure_keeper(base / "theirs")
     with pytest.raises(wc.SocketDirError, match="too long|Pick a shorter"):
         ensure_keeper(base / ("x" * 120))
+    shutil.rmtree(base)
 
 
 def test_protocol_version_mismatch_is_a_clear_error(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:

@@ -15,6 +15,7 @@ import gc
 import json
 import os
 import platform
+import shutil
 import statistics
 import subprocess
 import sys
@@ -221,6 +222,7 @@ def main(args: argparse.Namespace) -> int:
                 )
     finally:
         Cache(socket_dir).stop()
+        shutil.rmtree(tmp, ignore_errors=True)
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "device": args.device,

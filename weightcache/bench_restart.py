@@ -228,6 +228,9 @@ def run(args: Any) -> int:
     finally:
         with contextlib.suppress(Exception):
             Cache(socket_dir).stop()
+        shutil.rmtree(socket_dir.parent, ignore_errors=True)
+        if not args.workdir and not args.keep:
+            shutil.rmtree(work, ignore_errors=True)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(_report(args, device, h2d, rows, counts), indent=2))
         print(f"wrote {args.json_out}")
