@@ -125,3 +125,16 @@ def test_dense_bytes_and_strides(make) -> None:  # type: ignore[no-untyped-def]
         assert torch.equal(rebuilt, t)
     if segments.is_dense(t):
         assert stride == t.stride()
+
+
+def test_keeper_side_check_of_gpu_fds_needs_no_cuda() -> None:
+    """The keeper verifies GPU segment fds without CUDA: anything but a VMM handle is refused."""
+    info = SegmentInfo("cuda_vmm", 2 << 20, "GPU-00000000-0000-0000-0000-000000000000")
+    with tempfile.TemporaryFile() as f, pytest.raises(wc.SegmentError, match="expected a CUDA VMM POSIX fd"):
+        segments.verify_fd(f.fileno(), info)
+    fd = os.memfd_create("weightcache")
+    with pytest.raises(wc.SegmentError, match="expected a CUDA VMM POSIX fd"):
+        segments.verify_fd(fd, info)
+    os.close(fd)
+    with pytest.raises(wc.SegmentError, match="cannot be inspected"):
+        segments.verify_fd(10**6, info)

@@ -19,6 +19,16 @@ if TYPE_CHECKING:
     from ..manifest import SegmentInfo
 
 
+def inspect_fd(fd: int) -> tuple[os.stat_result, str]:
+    """``fstat`` and the ``/proc/self/fd`` link of a received fd: what transports check before trusting it."""
+    from ..errors import SegmentError
+
+    try:
+        return os.fstat(fd), os.readlink(f"/proc/self/fd/{fd}")
+    except OSError as exc:
+        raise SegmentError(f"fd {fd} cannot be inspected: {exc}") from exc
+
+
 class Segment(ABC):
     """A region being filled by a publisher. Write tensors at offsets, :meth:`seal`, then export :attr:`fd`."""
 

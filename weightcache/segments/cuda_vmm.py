@@ -26,7 +26,7 @@ from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any, ClassVar
 
 from ..errors import SegmentError
-from .base import Segment, Transport
+from .base import Segment, Transport, inspect_fd
 
 if TYPE_CHECKING:
     import torch
@@ -311,11 +311,7 @@ class CudaVmmTransport(Transport):
 
     @staticmethod
     def verify_fd(fd: int, info: SegmentInfo) -> None:
-        try:
-            st = os.fstat(fd)
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError as exc:
-            raise SegmentError(f"fd {fd} cannot be inspected: {exc}") from exc
+        st, target = inspect_fd(fd)
         if not stat.S_ISCHR(st.st_mode) or target != VMM_FD_TARGET:
             raise SegmentError(
                 f"expected a CUDA VMM POSIX fd (a handle on {VMM_FD_TARGET}) for a GPU segment; fd {fd} is {target!r}"

@@ -19,7 +19,7 @@ import stat
 from typing import TYPE_CHECKING, ClassVar
 
 from ..errors import SegmentError
-from .base import Segment, Transport
+from .base import Segment, Transport, inspect_fd
 
 if TYPE_CHECKING:
     import torch
@@ -113,11 +113,7 @@ class MemfdTransport(Transport):
 
     @staticmethod
     def verify_fd(fd: int, info: SegmentInfo) -> None:
-        try:
-            st = os.fstat(fd)
-            target = os.readlink(f"/proc/self/fd/{fd}")
-        except OSError as exc:
-            raise SegmentError(f"fd {fd} cannot be inspected: {exc}") from exc
+        st, target = inspect_fd(fd)
         if not stat.S_ISREG(st.st_mode) or not target.startswith("/memfd:"):
             raise SegmentError(f"expected a memfd for a CPU segment; fd {fd} is {target!r}")
         try:
