@@ -20,13 +20,12 @@ import torch
 from torch import nn
 
 from . import quant as quant_registry
-from .binding import bind, to_device
+from .binding import bind
 from .cache import Cache, Handle
-from .checkpoint import load_state_dict
+from .checkpoint import apply_transform, load_state_dict
 from .client import ensure_keeper
 from .errors import (
     BindError,
-    CheckpointError,
     EntryNotFound,
     FallbackWarning,
     FingerprintMismatch,
@@ -35,6 +34,7 @@ from .errors import (
     WeightCacheError,
 )
 from .fingerprint import Fingerprint, format_differences, resolve_dtype
+from .loader import StoredTensor, checkpoint_layout
 
 Mode = Literal["off", "daemon", "client"]
 MODES = ("off", "daemon", "client")
@@ -118,10 +118,11 @@ def attach(
                 if spawning is not None:
                     spawning.result()
 
+            layout = checkpoint_layout(checkpoint) if handle is None and dev.type == "cuda" and not transform else None
             if handle is None:
-                if dev.type == "cuda" and transform is None and _stored_as_is(checkpoint, torch_dtype):
+                if layout is not None and _stored_as_is(layout, torch_dtype):
                     # Straight from the files into the segments: no second copy on the device at any time.
-                    handle = cache.put_checkpoint(fingerprint, checkpoint, before_publish=keeper_ready)
+                    handle = cache.put_checkpoint(fingerprint, layout, before_publish=keeper_ready)
                 else:
                     state = load_weights(checkpoint, dev, torch_dtype, transform)
                     keeper_ready()
@@ -155,14 +156,11 @@ def attach(
     return _fallback(from_disk, reason)
 
 
-def _stored_as_is(checkpoint: str | os.PathLike[str], dtype: torch.dtype | None) -> bool:
+def _stored_as_is(layout: list[StoredTensor], dtype: torch.dtype | None) -> bool:
     """Whether loading with ``dtype`` keeps every tensor exactly as the files store it."""
-    if dtype is None:
-        return True
     from .checkpoint import CONVERTIBLE
-    from .loader import checkpoint_layout
 
-    return all(t.dtype == dtype or str(t.dtype) not in CONVERTIBLE for t in checkpoint_layout(checkpoint))
+    return dtype is None or all(t.dtype == dtype or str(t.dtype) not in CONVERTIBLE for t in layout)
 
 
 def load_weights(
@@ -179,16 +177,8 @@ def load_weights(
     if device.type == "cuda":
         from .loader import load_to_device
 
-        state = load_to_device(checkpoint, device, dtype=dtype)
-    else:
-        state = to_device(load_state_dict(checkpoint, dtype=dtype), device)
-    if transform is not None:
-        state = transform(state)
-        if not isinstance(state, dict):
-            raise CheckpointError(
-                f"transform {transform!r} returned {type(state).__name__}; expected a dict of name -> tensor"
-            )
-    return state
+        return apply_transform(load_to_device(checkpoint, device, dtype=dtype), transform)
+    return load_state_dict(checkpoint, dtype=dtype, transform=transform)
 
 
 def _bound(model: nn.Module, handle: Handle, device: torch.device) -> Handle:

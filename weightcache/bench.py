@@ -195,7 +195,6 @@ def main(args: argparse.Namespace) -> int:
     args.sizes = args.sizes or "1,2,8"
     args.tensors = args.tensors or "500"
 
-    from . import keeper as _keeper  # noqa: F401  (fail early if the package is broken)
     from .cache import Cache
     from .client import ensure_keeper
 

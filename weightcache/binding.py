@@ -189,23 +189,3 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     if a.type != b.type:
         return False
     return a.index == b.index or a.index is None or b.index is None
-
-
-def to_device(tensors: dict[str, torch.Tensor], device: torch.device) -> dict[str, torch.Tensor]:
-    """Move a state dict to ``device``, keeping tied entries (same tensor object) tied.
-
-    Copies run in a few threads: sources are usually memory-mapped checkpoint files, and parallel page faults
-    keep the disk busy while earlier tensors are copied to the device.
-    """
-    if device.type == "cpu":
-        return tensors
-    from concurrent.futures import ThreadPoolExecutor
-
-    unique: dict[int, torch.Tensor] = {}
-    for t in tensors.values():
-        unique.setdefault(id(t), t)
-    with ThreadPoolExecutor(max_workers=8) as pool:
-        moved = dict(zip(unique, pool.map(lambda t: t.to(device), unique.values())))
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-    return {name: moved[id(t)] for name, t in tensors.items()}

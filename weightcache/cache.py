@@ -20,7 +20,7 @@ from . import quant as quant_registry
 from . import segments as segment_transports
 from .client import KeeperConnection, ensure_keeper
 from .errors import KeeperError, ManifestError, SegmentError, WeightCacheError
-from .fingerprint import Fingerprint
+from .fingerprint import Fingerprint, resolve_dtype
 from .manifest import Manifest, SegmentInfo, TensorInfo
 from .protocol import close_fds
 from .segments.cuda_vmm import CudaVmmSegment
@@ -41,9 +41,10 @@ Source = Literal["cache", "disk"]
 
 
 def _torch_dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ManifestError(f"dtype {name!r} is not supported by torch {torch.__version__}")
+    try:
+        dtype: torch.dtype = resolve_dtype(name)
+    except ValueError:
+        raise ManifestError(f"dtype {name!r} is not supported by torch {torch.__version__}") from None
     return dtype
 
 
@@ -357,7 +358,7 @@ class Cache:
     def put_checkpoint(
         self,
         fingerprint: Fingerprint,
-        checkpoint: str | os.PathLike[str],
+        checkpoint: str | os.PathLike[str] | list[StoredTensor],
         *,
         before_publish: Callable[[], object] | None = None,
     ) -> Handle:
@@ -365,6 +366,7 @@ class Cache:
         straight into GPU segments: no intermediate copy on the device, so the peak is the weights themselves,
         and segments can be large (few imports per attach). For a ``GPU-<uuid>`` placement.
 
+        ``checkpoint`` may also be its :func:`~weightcache.loader.checkpoint_layout`, when the caller has it.
         ``before_publish`` runs once the segments are filled, before the keeper is contacted (mode daemon
         waits there for the keeper it started while the files were read).
         """
@@ -375,7 +377,7 @@ class Cache:
         transport = segment_transports.transport_for_placement(fingerprint.placement)
         if transport.kind != "cuda_vmm":
             raise SegmentError(f"put_checkpoint streams into GPU segments; {fingerprint.placement} is not a GPU")
-        layout = checkpoint_layout(checkpoint)
+        layout = checkpoint if isinstance(checkpoint, list) else checkpoint_layout(checkpoint)
         if not layout:
             raise WeightCacheError(f"checkpoint {checkpoint} holds no tensors")
         nbytes = [t.nbytes for t in layout]

@@ -220,14 +220,22 @@ def load_state_dict(
                 bar.update(tensor.numel() * tensor.element_size())
     else:
         state = dict(iter_tensors(checkpoint, dtype=dtype))
-    if transform is not None:
-        state = transform(state)
-        if not isinstance(state, dict):
-            raise CheckpointError(
-                f"transform {qualified_name(transform)} returned {type(state).__name__}; "
-                "expected a dict of name -> tensor"
-            )
-    return state
+    return apply_transform(state, transform)
+
+
+def apply_transform(
+    state: dict[str, torch.Tensor],
+    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None,
+) -> dict[str, torch.Tensor]:
+    """``transform(state)``, checked to return a state dict (``state`` itself when there is no transform)."""
+    if transform is None:
+        return state
+    out = transform(state)
+    if not isinstance(out, dict):
+        raise CheckpointError(
+            f"transform {qualified_name(transform)} returned {type(out).__name__}; expected a dict of name -> tensor"
+        )
+    return out
 
 
 def drop_page_cache(checkpoint: str | os.PathLike[str]) -> str:

@@ -369,9 +369,15 @@ def _typed(data: object, key: str, kind: type, optional: bool = False) -> Any:
     return value
 
 
+def is_int(value: object) -> bool:
+    """An int from JSON, not a bool (which Python counts as an int)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def _int(value: object, key: str = "value") -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
+    if not is_int(value):
         raise ManifestError(f"fingerprint field {key!r} must be an integer; found {value!r}")
+    assert isinstance(value, int)
     return value
 
 

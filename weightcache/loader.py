@@ -84,7 +84,7 @@ def checkpoint_layout(checkpoint: str | os.PathLike[str]) -> list[StoredTensor]:
             if not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape):
                 raise CheckpointError(f"{file}: tensor {name!r} has a malformed shape {shape!r}")
             begin, end = info["data_offsets"]  # bounds checked by read_header
-            expected = math.prod(shape) * torch.empty(0, dtype=dtype).element_size()
+            expected = math.prod(shape) * dtype.itemsize
             if expected != end - begin:
                 raise CheckpointError(
                     f"{file}: tensor {name!r} is {dtype} {shape} ({expected} bytes) but its data_offsets span "

@@ -16,7 +16,7 @@ from typing import Any
 import attrs
 
 from .errors import ManifestError
-from .fingerprint import Fingerprint
+from .fingerprint import Fingerprint, is_int
 
 MANIFEST_VERSION = 1
 
@@ -275,7 +275,7 @@ class Manifest:
             if not isinstance(name, str) or not name or name in seen:
                 raise ManifestError(f"tensor {i} has name {name!r}; expected a unique non-empty string")
             seen.add(name)
-            if not _is_int(seg) or not 0 <= seg < len(segments):
+            if not is_int(seg) or not 0 <= seg < len(segments):
                 raise ManifestError(f"tensor {name!r} names segment {seg!r}; the entry has {len(segments)}")
             if not isinstance(dt, str) or dt not in DTYPE_SIZES:
                 raise ManifestError(f"tensor {name!r} has dtype {dt!r}; expected one of {sorted(DTYPE_SIZES)}")
@@ -284,15 +284,15 @@ class Manifest:
                 or not isinstance(stride, list)
                 or len(shape) != len(stride)
                 or len(shape) > MAX_NDIM
-                or not all(_is_int(x) and x >= 0 for x in shape)
-                or not all(_is_int(x) and x >= 0 for x in stride)
+                or not all(is_int(x) and x >= 0 for x in shape)
+                or not all(is_int(x) and x >= 0 for x in stride)
             ):
                 raise ManifestError(
                     f"tensor {name!r} has shape {shape!r} and stride {stride!r}; expected two lists of "
                     f"non-negative integers of equal length (at most {MAX_NDIM})"
                 )
             itemsize = DTYPE_SIZES[dt]
-            if not _is_int(off) or off < 0 or off % itemsize:
+            if not is_int(off) or off < 0 or off % itemsize:
                 raise ManifestError(f"tensor {name!r} has offset {off!r}; expected a multiple of {itemsize}")
             end = off + extent_bytes(shape, stride, itemsize)
             if end > segments[seg].size:
@@ -322,10 +322,6 @@ class Manifest:
             requires_grad=tuple(cols["requires_grad"]),
             digest=tuple(cols["digest"]),
         )
-
-
-def _is_int(value: object) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
 
 
 __all__ = ["DTYPE_SIZES", "MANIFEST_VERSION", "Manifest", "SegmentInfo", "TensorInfo", "extent_bytes"]
