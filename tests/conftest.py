@@ -11,7 +11,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -52,18 +52,31 @@ def keeper_pid(socket_dir: Path) -> int | None:
     return int(text) if text.isdigit() else None
 
 
+def wait_until(condition: Callable[[], bool], timeout: float = 2.0) -> bool:
+    """Poll ``condition`` until it holds or ``timeout`` seconds pass; return its last value. For what the keeper
+    does asynchronously (noticing a closed connection, exiting, removing its socket)."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            return condition()
+        time.sleep(0.01)
+    return True
+
+
+def process_gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    return False
+
+
 def stop_keeper(socket_dir: Path) -> None:
     """Stop whatever keeper serves socket_dir (politely, then SIGKILL)."""
     pid = keeper_pid(socket_dir)
     with contextlib.suppress(wc.WeightCacheError), KeeperConnection.connect(socket_dir) as conn:
         conn.request({"op": "stop"})
-    if pid:
-        for _ in range(100):
-            try:
-                os.kill(pid, 0)
-            except ProcessLookupError:
-                return
-            time.sleep(0.02)
+    if pid and not wait_until(lambda: process_gone(pid)):
         with contextlib.suppress(ProcessLookupError):
             os.kill(pid, signal.SIGKILL)
 

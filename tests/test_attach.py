@@ -5,13 +5,12 @@ from __future__ import annotations
 import os
 import signal
 import subprocess
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import Holder, keeper_pid, run_worker, start_keeper
+from conftest import Holder, keeper_pid, process_gone, run_worker, start_keeper, wait_until
 from models import INPUT_IDS, TinyLM, make_checkpoint, meta_model, reference_output
 from worker import digest
 
@@ -218,11 +217,7 @@ def test_leases_follow_handles(checkpoint: Path, socket_dir: Path) -> None:
     with wc.attach(meta_model(), checkpoint, mode="client", socket_dir=socket_dir):
         assert cache.entries()[0].leases == 2
     handle.close()
-    for _ in range(100):  # the keeper notices closed connections asynchronously
-        if cache.entries()[0].leases == 0:
-            break
-        time.sleep(0.01)
-    assert cache.entries()[0].leases == 0
+    assert wait_until(lambda: cache.entries()[0].leases == 0)  # the keeper notices closed connections async
 
 
 def test_sharded_checkpoint_with_index(tmp_path: Path, socket_dir: Path) -> None:
@@ -295,12 +290,7 @@ def test_after_keeper_sigkill_daemon_mode_starts_a_fresh_keeper(checkpoint: Path
     old = keeper_pid(socket_dir)
     assert old
     os.kill(old, signal.SIGKILL)
-    for _ in range(200):
-        try:
-            os.kill(old, 0)
-        except ProcessLookupError:
-            break
-        time.sleep(0.01)
+    assert wait_until(lambda: process_gone(old))
     assert (socket_dir / "keeper.sock").exists()  # left behind: stale
     with pytest.warns(wc.FallbackWarning, match="stale socket"):
         wc.attach(meta_model(), checkpoint, mode="client", socket_dir=socket_dir)

@@ -9,6 +9,7 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
+from conftest import wait_until
 
 import weightcache as wc
 
@@ -111,10 +112,7 @@ def test_evict_refuses_leased_entries_and_keeps_mapped_memory(cache: wc.Cache, c
 def test_evict_unleased(cache: wc.Cache, checkpoint: Path) -> None:
     fp = wc.Fingerprint.create(checkpoint)
     cache.put(fp, {"w": torch.ones(3)}).close()
-    for _ in range(100):
-        if cache.entries()[0].leases == 0:
-            break
-        __import__("time").sleep(0.01)
+    assert wait_until(lambda: cache.entries()[0].leases == 0)
     assert cache.evict(fp) == [f"{fp.digest}@cpu"]
 
 
@@ -127,11 +125,7 @@ def test_handle_close_keeps_tensors_valid(cache: wc.Cache, checkpoint: Path) -> 
     del handle
     gc.collect()
     assert float(w.sum()) == sum(range(1000))
-    for _ in range(100):  # the keeper sees the closed connection asynchronously
-        if cache.entries()[0].leases == 0:
-            break
-        __import__("time").sleep(0.01)
-    assert cache.entries()[0].leases == 0
+    assert wait_until(lambda: cache.entries()[0].leases == 0)  # the keeper sees the close asynchronously
     again = cache.get(fp)
     assert again is not None and again.leased
     again.close()

@@ -15,7 +15,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import keeper_pid, start_keeper
+from conftest import keeper_pid, start_keeper, wait_until
 
 import weightcache as wc
 from weightcache import protocol
@@ -258,11 +258,7 @@ def test_stop(socket_dir: Path) -> None:
     ensure_keeper(socket_dir)
     pid = keeper_pid(socket_dir)
     wc.Cache(socket_dir).stop()
-    for _ in range(200):
-        if not (socket_dir / "keeper.sock").exists():
-            break
-        __import__("time").sleep(0.01)
-    assert not (socket_dir / "keeper.sock").exists()
+    assert wait_until(lambda: not (socket_dir / "keeper.sock").exists())
     with pytest.raises(wc.KeeperUnavailable):
         KeeperConnection.connect(socket_dir)
     assert pid

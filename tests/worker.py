@@ -48,6 +48,13 @@ def smaps_for_memfd() -> dict[str, int]:
     return totals
 
 
+def touch(model: torch.nn.Module) -> dict[str, int]:
+    """Read every page of every parameter, then report how the weightcache mappings are backed."""
+    for p in model.parameters():
+        float(p.float().sum())
+    return smaps_for_memfd()
+
+
 def attach(spec: dict) -> tuple[torch.nn.Module, wc.Handle, dict]:
     model = meta_model(**model_kwargs(spec["checkpoint"]))
     with warnings.catch_warnings(record=True) as caught:
@@ -87,9 +94,7 @@ def main() -> None:
             return
         info["output"] = run(model)
         if spec.get("touch"):
-            for p in model.parameters():
-                float(p.float().sum())
-            info["smaps"] = smaps_for_memfd()
+            info["smaps"] = touch(model)
         if spec.get("write"):
             with torch.no_grad():
                 model.embed.weight.add_(1.0)
@@ -100,9 +105,7 @@ def main() -> None:
         model, handle, info = attach(spec)
         info["output"] = run(model)
         if spec.get("touch"):
-            for p in model.parameters():
-                float(p.float().sum())
-            info["smaps"] = smaps_for_memfd()
+            info["smaps"] = touch(model)
         if spec.get("release"):
             handle.close()
         print(json.dumps(info), flush=True)
