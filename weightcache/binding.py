@@ -37,26 +37,42 @@ class _Slot:
         self.names: list[str] = []
 
 
-def _slots(model: nn.Module) -> list[_Slot]:
-    slots: dict[int, _Slot] = {}
+# One registration of a tensor: (tensor, is_param, persistent, module, attribute, full name). A tuple, not an
+# object: attach of thousands of tensors pays for every Python object made per tensor.
+_Place = tuple[torch.Tensor, bool, bool, nn.Module, str, str]
+
+
+def _places(model: nn.Module) -> tuple[list[_Place], bool]:
+    """Every parameter and buffer registration, in module order, and whether any tensor is registered twice."""
+    places: list[_Place] = []
+    seen: set[int] = set()
+    count = 0
     for prefix, module in model.named_modules(remove_duplicate=False):
         dot = f"{prefix}." if prefix else ""
         for attr, p in module._parameters.items():
-            if p is None:
-                continue
-            slot = slots.get(id(p))
-            if slot is None:
-                slot = slots[id(p)] = _Slot(p, True, True)
-            slot.places.append((module, attr))
-            slot.names.append(dot + attr)
-        for attr, b in module._buffers.items():
-            if b is None:
-                continue
-            slot = slots.get(id(b))
-            if slot is None:
-                slot = slots[id(b)] = _Slot(b, False, attr not in module._non_persistent_buffers_set)
-            slot.places.append((module, attr))
-            slot.names.append(dot + attr)
+            if p is not None:
+                places.append((p, True, True, module, attr, dot + attr))
+                seen.add(id(p))
+                count += 1
+        if module._buffers:
+            non_persistent = module._non_persistent_buffers_set
+            for attr, b in module._buffers.items():
+                if b is not None:
+                    places.append((b, False, attr not in non_persistent, module, attr, dot + attr))
+                    seen.add(id(b))
+                    count += 1
+    return places, len(seen) < count
+
+
+def _slots(model: nn.Module) -> list[_Slot]:
+    """Group the registrations by tensor object (tied weights share one slot), in first-seen order."""
+    slots: dict[int, _Slot] = {}
+    for tensor, is_param, persistent, module, attr, name in _places(model)[0]:
+        slot = slots.get(id(tensor))
+        if slot is None:
+            slot = slots[id(tensor)] = _Slot(tensor, is_param, persistent)
+        slot.places.append((module, attr))
+        slot.names.append(name)
     return list(slots.values())
 
 
@@ -74,13 +90,15 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
             tensor left on the meta device. The model is left unchanged in that case.
     """
     want_device = torch.device(device) if device is not None else None
+    places, tied = _places(model)
+    if not tied and _bind_untied(places, tensors, want_device):
+        return
+    # Tied weights, or something does not fit: group by tensor object and explain every problem.
     missing: list[str] = []
     computed: list[str] = []  # non-persistent buffers left on meta: checkpoints do not hold them
     mismatched: list[str] = []
     used = 0
     plan: list[tuple[_Slot, torch.Tensor]] = []
-    # The common case (one name per tensor, everything fits) takes a few attribute reads per tensor; the
-    # explanations are built only for what does not fit. Attach of thousands of tensors depends on it.
     for slot in _slots(model):
         names = slot.names
         if len(names) == 1:
@@ -137,16 +155,9 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
             "cannot bind weights into " + type(model).__name__ + ": " + ". ".join(errors) + ". Build the model "
             "with the same architecture, dtype (or pass dtype=) and parallel layout as the weights."
         )
-    make = torch.Tensor._make_subclass
     for slot, tensor in plan:
         if slot.is_param:
-            orig = slot.original
-            # Keep the parameter's class (engines subclass nn.Parameter) without running its constructor, and
-            # its Python attributes (e.g. a weight_loader); the data is the attached tensor, not a copy.
-            cls = type(orig) if isinstance(orig, nn.Parameter) else nn.Parameter
-            new: torch.Tensor = make(cls, tensor, orig.requires_grad and _grad_ok(tensor))
-            if orig.__dict__:
-                new.__dict__.update(orig.__dict__)
+            new = _parameter_like(slot.original, tensor)
             for module, attr in slot.places:
                 module._parameters[attr] = new  # type: ignore[assignment]
         else:
@@ -154,6 +165,62 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
                 module._buffers[attr] = tensor
     # Nothing is left on meta by construction: every slot was bound, or skipped as a materialised
     # non-persistent buffer; slots on meta without data were reported as missing above.
+
+
+_make_subclass = torch.Tensor._make_subclass
+
+
+def _parameter_like(orig: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:
+    """A parameter of ``orig``'s class over ``tensor``'s memory (no copy), with ``orig``'s Python attributes.
+
+    Engines subclass ``nn.Parameter`` and hang attributes on it (e.g. vLLM's ``weight_loader``); the class is
+    kept without running its constructor.
+    """
+    cls = type(orig) if isinstance(orig, nn.Parameter) else nn.Parameter
+    new: torch.Tensor = _make_subclass(cls, tensor, orig.requires_grad and _grad_ok(tensor))
+    if orig.__dict__:
+        new.__dict__.update(orig.__dict__)
+    return new
+
+
+def _bind_untied(places: list[_Place], tensors: Mapping[str, torch.Tensor], want_device: torch.device | None) -> bool:
+    """Bind a model without tied weights in one pass, if everything fits; return False, touching nothing,
+    at the first thing that does not (the caller then explains every problem).
+
+    This is the path of every attach, so it makes no Python object per tensor beyond the new parameter:
+    thousands of tensors must bind in a few milliseconds.
+    """
+    plan: list[tuple[_Place, torch.Tensor]] = []
+    get = tensors.get
+    used = 0
+    for place in places:
+        orig = place[0]
+        tensor = get(place[5])
+        if tensor is None:
+            if place[2] or orig.is_meta:
+                return False  # missing data
+            continue  # a non-persistent buffer the model computed itself (e.g. rotary inv_freq)
+        if (
+            tensor.shape != orig.shape
+            or tensor.dtype != orig.dtype
+            or tensor.is_meta
+            or (
+                want_device is not None
+                and tensor.device != want_device
+                and not _same_device(tensor.device, want_device)
+            )
+        ):
+            return False
+        used += 1
+        plan.append((place, tensor))
+    if used != len(tensors):
+        return False  # names that are not in the model
+    for (orig, is_param, _, module, attr, _), tensor in plan:
+        if is_param:
+            module._parameters[attr] = _parameter_like(orig, tensor)  # type: ignore[assignment]
+        else:
+            module._buffers[attr] = tensor
+    return True
 
 
 def _problems(

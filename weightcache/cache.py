@@ -370,7 +370,7 @@ class Cache:
         ``before_publish`` runs once the segments are filled, before the keeper is contacted (mode daemon
         waits there for the keeper it started while the files were read).
         """
-        from .loader import checkpoint_layout, stream_into
+        from .loader import checkpoint_layout, prefetch_head, stream_into
         from .segments.cuda_vmm import device_index
 
         quant_registry.get(fingerprint.quant).check()
@@ -380,6 +380,7 @@ class Cache:
         layout = checkpoint if isinstance(checkpoint, list) else checkpoint_layout(checkpoint)
         if not layout:
             raise WeightCacheError(f"checkpoint {checkpoint} holds no tensors")
+        prefetch_head(dict.fromkeys(t.file for t in layout))  # the disk reads while the segments are created
         nbytes = [t.nbytes for t in layout]
         placements, sizes = segment_transports.pack(nbytes, transport.alignment, STREAM_SEGMENT_BYTES)
         segs: list[segment_transports.Segment] = []
@@ -520,18 +521,23 @@ def _cut(
     typed: dict[tuple[int, str], torch.Tensor],
     out: dict[str, torch.Tensor],
 ) -> dict[str, torch.Tensor]:
-    itemsizes: dict[tuple[int, str], int] = {}
+    last_seg: object = None
+    last_dt: object = None
+    base = torch.empty(0)
+    itemsize = 1
     for name, seg, off, dt, shape, stride in zip(
         manifest.names, manifest.segment, manifest.offset, manifest.dtype, manifest.shape, manifest.stride
     ):
-        key = (seg, dt)
-        base = typed.get(key)
-        if base is None:
-            if not (isinstance(seg, int) and 0 <= seg < len(bases)):
-                raise ManifestError(f"tensor {name!r} names segment {seg!r}; the entry has {len(bases)}")
-            base = typed[key] = bases[seg].view(_torch_dtype(dt))
-            itemsizes[key] = base.element_size()
-        index, misaligned = divmod(off, itemsizes[key])
+        if seg != last_seg or dt != last_dt:  # consecutive tensors mostly share both: look the base up only then
+            last_seg, last_dt = seg, dt
+            cached = typed.get((seg, dt))
+            if cached is None:
+                if not (isinstance(seg, int) and 0 <= seg < len(bases)):
+                    raise ManifestError(f"tensor {name!r} names segment {seg!r}; the entry has {len(bases)}")
+                cached = typed[(seg, dt)] = bases[seg].view(_torch_dtype(dt))
+            base = cached
+            itemsize = base.element_size()
+        index, misaligned = divmod(off, itemsize)
         if misaligned:
             raise ManifestError(f"tensor {name!r} has offset {off}, not a multiple of its {dt} element size")
         out[name] = base.as_strided(shape, stride, index)  # torch checks the view lies inside the segment

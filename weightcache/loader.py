@@ -10,9 +10,11 @@ dtype, then converted if a ``dtype`` was asked for.
 
 from __future__ import annotations
 
+import contextlib
 import math
 import os
-from collections.abc import Callable
+import threading
+from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import attrs
@@ -26,6 +28,9 @@ CHUNK_BYTES = 16 << 20
 STAGING_BUFFERS = 4
 #: How far ahead of the current chunk the kernel is asked to read.
 PREFETCH_BYTES = 64 << 20
+#: How much of the checkpoint's beginning the kernel is asked to read while a load sets up (pinning staging
+#: buffers, allocating tensors or segments: ~0.1-0.2 s on an H200 host, i.e. a few hundred MB of disk time).
+HEAD_PREFETCH_BYTES = 384 << 20
 
 _SAFETENSORS_DTYPES = {
     "BOOL": torch.bool,
@@ -111,6 +116,7 @@ def load_to_device(
     """
     if device.type != "cuda":
         raise ValueError(f"load_to_device streams to a CUDA device; got {device}")
+    prefetch_head(safetensors_files(checkpoint))
     layout = checkpoint_layout(checkpoint)
     out: dict[str, torch.Tensor] = {}
     for stored in layout:
@@ -122,6 +128,38 @@ def load_to_device(
                 out[name] = t.to(dtype)
     torch.cuda.synchronize(device)
     return out
+
+
+def prefetch_head(files: Iterable[Path], nbytes: int = HEAD_PREFETCH_BYTES) -> threading.Thread:
+    """Ask the kernel, from a background thread, to start reading the first ``nbytes`` of ``files`` (in order).
+
+    A load's set-up (pinning the staging buffers, allocating every tensor or segment on the device) takes a
+    fixed ~0.1-0.2 s; with this the disk reads during it instead of idling, which is most of the difference
+    between a 1 GiB load and the disk's bandwidth. Advice only: errors are ignored, nothing waits for it.
+    """
+    files = list(files)
+
+    def run() -> None:
+        left = nbytes
+        for file in files:
+            if left <= 0:
+                return
+            with contextlib.suppress(OSError):
+                fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
+                try:
+                    size = os.fstat(fd).st_size
+                    pos = 0
+                    while pos < size and left > 0:  # in chunks, so the first bytes are asked for first
+                        n = min(CHUNK_BYTES, size - pos, left)
+                        os.posix_fadvise(fd, pos, n, os.POSIX_FADV_WILLNEED)
+                        pos += n
+                        left -= n
+                finally:
+                    os.close(fd)
+
+    thread = threading.Thread(target=run, name="weightcache-prefetch", daemon=True)
+    thread.start()
+    return thread
 
 
 def stream_into(
