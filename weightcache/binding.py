@@ -215,9 +215,16 @@ def _bind_untied(places: list[_Place], tensors: Mapping[str, torch.Tensor], want
         plan.append((place, tensor))
     if used != len(tensors):
         return False  # names that are not in the model
+    parameter, make = nn.Parameter, _make_subclass
     for (orig, is_param, _, module, attr, _), tensor in plan:
-        if is_param:
-            module._parameters[attr] = _parameter_like(orig, tensor)  # type: ignore[assignment]
+        if is_param:  # _parameter_like, inlined: this loop runs once per tensor of every attach
+            cls = type(orig)
+            if cls is not parameter and not issubclass(cls, parameter):
+                cls = parameter
+            new: torch.Tensor = make(cls, tensor, orig.requires_grad and _grad_ok(tensor))
+            if orig.__dict__:
+                new.__dict__.update(orig.__dict__)
+            module._parameters[attr] = new  # type: ignore[assignment]
         else:
             module._buffers[attr] = tensor
     return True
