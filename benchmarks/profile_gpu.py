@@ -67,7 +67,7 @@ def main() -> None:
     from weightcache import loader
 
     t0 = time.perf_counter()
-    bufs = [torch.empty(loader.CHUNK_BYTES, dtype=torch.uint8).pin_memory() for _ in range(loader.STAGING_BUFFERS)]
+    bufs = torch.empty(loader.STAGING_BUFFERS * loader.CHUNK_BYTES, dtype=torch.uint8).pin_memory()
     print("pin staging buffers ms", round((time.perf_counter() - t0) * 1e3, 1))
     del bufs
     for _ in range(2):
