@@ -74,8 +74,10 @@ def test_bench_runs_small(tmp_path: Path) -> None:
 
 def test_restart_bench_runs_small_on_cpu(tmp_path: Path) -> None:
     report = tmp_path / "restart.json"
-    out = wc_cli("bench", "--restart", "--device", "cpu", "--sizes", "0.01", "--tensors", "40", "--json", str(report))
+    args = ("--sizes", "0.01", "--tensors", "40", "--repeat", "2", "--json", str(report))
+    out = wc_cli("bench", "--restart", "--device", "cpu", *args)
     assert "client attach" in out.stdout and "identical True" in out.stdout
     [row] = json.loads(report.read_text())["results"]
     assert row["sources"] == ["disk", "cache", "cache"] and row["identical"] is True
+    assert row["client_attaches"] == 2 and row["client_attach_ms_min"] <= row["client_attach_ms"]
     assert row["disk_read_gbps"] > 0 and row["off_s"] > 0 and row["client_attach_ms"] > 0

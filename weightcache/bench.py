@@ -29,7 +29,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
     p.add_argument("--sizes", default=None, help="comma-separated sizes in GiB (default 1,2,8)")
     p.add_argument("--tensors", default=None, help="comma-separated tensor counts (default 500)")
-    p.add_argument("--repeat", type=int, default=7, help="attaches timed per size (default 7)")
+    p.add_argument(
+        "--repeat", type=int, default=7, help="attaches timed per size (--restart: fresh client processes; default 7)"
+    )
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
     p.add_argument(

@@ -370,7 +370,7 @@ class Cache:
         ``before_publish`` runs once the segments are filled, before the keeper is contacted (mode daemon
         waits there for the keeper it started while the files were read).
         """
-        from .loader import checkpoint_layout, prefetch_head, stream_into
+        from .loader import checkpoint_layout, pinned_staging, prefetch_head, stream_into
         from .segments.cuda_vmm import device_index
 
         quant_registry.get(fingerprint.quant).check()
@@ -380,6 +380,7 @@ class Cache:
         layout = checkpoint if isinstance(checkpoint, list) else checkpoint_layout(checkpoint)
         if not layout:
             raise WeightCacheError(f"checkpoint {checkpoint} holds no tensors")
+        staging = pinned_staging()  # before the prefetch starts: see pinned_staging
         prefetch_head(dict.fromkeys(t.file for t in layout))  # the disk reads while the segments are created
         nbytes = [t.nbytes for t in layout]
         placements, sizes = segment_transports.pack(nbytes, transport.alignment, STREAM_SEGMENT_BYTES)
@@ -396,7 +397,7 @@ class Cache:
                 assert isinstance(seg, CudaVmmSegment)
                 return seg.destination(p.offset, t.nbytes)
 
-            stream_into(layout, device, destination)
+            stream_into(layout, device, destination, staging=staging)
             for seg in segs:
                 seg.seal()
             if before_publish is not None:
