@@ -285,3 +285,41 @@ def test_wrongly_typed_manifest_columns(socket_dir: Path, keeper: subprocess.Pop
             conn.request({"op": "publish", "manifest": manifest}, [fd])
     os.close(fd)
     assert alive(socket_dir)
+
+
+def test_publishing_an_existing_entry_takes_a_lease(
+    socket_dir: Path, keeper: subprocess.Popen[bytes], checkpoint: Path
+) -> None:
+    """Two clients re-publishing the same entry (after a keeper restart): one entry, two leases, no error."""
+    first_fd, second_fd = _sealed_memfd(512), _sealed_memfd(512)
+    with KeeperConnection.connect(socket_dir) as a, KeeperConnection.connect(socket_dir) as b:
+        assert a.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [first_fd])[0]["created"]
+        assert not b.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [second_fd])[0]["created"]
+        reply, _ = a.request({"op": "list"})
+        [entry] = reply["entries"]
+        assert entry["leases"] == 2 and [h["pid"] for h in entry["holders"]] == [os.getpid()] * 2
+        held = [c for c in reply["clients"] if c["entries"]]
+        assert len(held) == 2 and all(c["entries"] == [entry["key"]] and c["pid"] == os.getpid() for c in held)
+        assert all(c["since"] <= entry["created"] + 1 for c in reply["clients"])
+    os.close(first_fd)
+    os.close(second_fd)
+
+
+def test_budget_parsing() -> None:
+    from weightcache.keeper import Budget, host_memory_bytes, parse_budget, parse_size
+
+    assert parse_size("512") == 512 and parse_size("64K") == 65536 and parse_size("1.5GiB") == 3 << 29
+    assert parse_budget(["8G", "cpu=1M", "GPU-abc=2T"]) == Budget(8 << 30, {"cpu": 1 << 20, "GPU-abc": 2 << 40})
+    assert parse_budget(["GPU-x=4G"]).limit("cpu") is None
+    assert parse_budget(max_fraction=0.5).limit("cpu") == host_memory_bytes() // 2
+    for bad in (["lots"], ["-1G"], ["gpu0=4G"]):
+        with pytest.raises(ValueError, match="expected|positive"):
+            parse_budget(bad)
+    with pytest.raises(ValueError, match=r"\(0, 1\]"):
+        parse_budget(max_fraction=1.5)
+    out = subprocess.run(
+        [sys.executable, "-m", "weightcache", "serve", "--socket-dir", "/tmp/unused", "--max-bytes", "x"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.returncode == 1 and "bad budget: size 'x'" in out.stderr

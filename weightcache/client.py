@@ -21,6 +21,7 @@ from filelock import Timeout as LockTimeout
 from . import protocol
 from ._version import __version__
 from .errors import (
+    BudgetExceeded,
     KeeperError,
     KeeperUnavailable,
     PeerRejected,
@@ -123,24 +124,45 @@ class KeeperConnection:
         return cls(sock, directory, reply)
 
     def request(
-        self, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()
+        self, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (), *, timeout: float | None = None
     ) -> tuple[dict[str, Any], list[int]]:
         """Send one request and return ``(reply, fds)``; the caller owns the returned fds.
 
-        Raises KeeperError carrying the keeper's error code when the reply is not ok, and KeeperUnavailable
-        when the connection breaks.
+        Raises KeeperError carrying the keeper's error code when the reply is not ok (BudgetExceeded for
+        ``over_budget``), and KeeperUnavailable when the connection breaks or no reply starts within
+        ``timeout`` seconds (None: wait as long as it takes).
         """
         try:
             protocol.send_frame(self._sock, message, fds)
-            reply, out = protocol.recv_frame(self._sock, idle_timeout=None)
+            reply, out = protocol.recv_frame(self._sock, idle_timeout=timeout)
         except protocol.PeerClosed as exc:
             raise KeeperUnavailable("the keeper closed the connection (stopped or crashed)") from exc
         except (ProtocolError, OSError) as exc:
             raise KeeperUnavailable(f"lost the connection to the keeper: {exc}") from exc
         if not reply.get("ok"):
             protocol.close_fds(out)
-            raise KeeperError(str(reply.get("message", "keeper refused the request")), str(reply.get("error")))
+            code = str(reply.get("error"))
+            error = BudgetExceeded if code == "over_budget" else KeeperError
+            raise error(str(reply.get("message", "keeper refused the request")), code)
         return reply, out
+
+    def fileno(self) -> int:
+        """The socket's fd (for polling: it turns readable when the keeper closes the connection)."""
+        return self._sock.fileno()
+
+    def peer_closed(self) -> bool:
+        """Whether the keeper closed this connection (or it broke), without blocking or consuming anything.
+
+        The keeper never speaks first, so an idle connection that turns readable was closed by the keeper.
+        """
+        try:
+            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        # EOF, or bytes that the keeper never sends unasked: either way this connection is no lease any more.
+        return True
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

@@ -17,6 +17,9 @@ SOCKET_NAME = "keeper.sock"
 INSTANCE_LOCK_NAME = "keeper.lock"
 SPAWN_LOCK_NAME = "spawn.lock"
 LOG_NAME = "keeper.log"
+#: Written by a keeper that stops on request (``weightcache stop``, SIGTERM), removed by the next one that starts:
+#: clients that lose their keeper spawn a new one only after a crash, never after a deliberate stop.
+STOPPED_NAME = "keeper.stopped"
 #: sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH = 107
 
