@@ -88,6 +88,7 @@ class Handle:
         self._connection = connection
         self._fds = fds or []
         self._socket_dir = connection.socket_dir if connection is not None else None
+        self._explicit = connection.explicit if connection is not None else True
         #: Whether the re-publisher may spawn a keeper for this handle after a crash (Cache(spawn=True)).
         self._respawn = respawn
         if connection is not None and manifest is not None:

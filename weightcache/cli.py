@@ -43,20 +43,25 @@ def _connect(args: argparse.Namespace) -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from . import keeper
+    from .rundir import resolve_group
 
     try:
         budget = keeper.parse_budget(args.max_bytes, args.max_fraction)
     except (ValueError, OSError) as exc:
         raise WeightCacheError(f"bad budget: {exc}") from exc
+    try:
+        group = None if args.allow_group is None else resolve_group(args.allow_group)
+    except ValueError as exc:
+        raise WeightCacheError(f"--allow-group: {exc}") from exc
     if args.detach:
-        keeper.detach_and_serve(args.socket_dir, args.ready_fd, budget)
+        keeper.detach_and_serve(args.socket_dir, args.ready_fd, budget, group)
         return 0
     logging.basicConfig(
         stream=sys.stderr,
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(message)s",
     )
-    keeper.serve(args.socket_dir, ready_fd=args.ready_fd, budget=budget)
+    keeper.serve(args.socket_dir, ready_fd=args.ready_fd, budget=budget, allow_group=group)
     return 0
 
 
@@ -233,6 +238,13 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--max-fraction", type=float, default=None, metavar="F", help="CPU budget as a fraction of host memory"
+    )
+    p.add_argument(
+        "--allow-group",
+        default=None,
+        metavar="GROUP",
+        help="also serve members of GROUP (name or gid): the socket directory becomes group GROUP, mode 2750, the "
+        "socket 0660; members may publish, get, list and inspect, not evict or stop",
     )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_serve)

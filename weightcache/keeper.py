@@ -49,7 +49,14 @@ from .errors import (
 )
 from .manifest import Manifest
 from .protocol import field, peer_credentials, recv_frame, send_frame
-from .rundir import INSTANCE_LOCK_NAME, STOPPED_NAME, ensure_private_dir, resolve_socket_dir, socket_path
+from .rundir import (
+    INSTANCE_LOCK_NAME,
+    STOPPED_NAME,
+    ensure_private_dir,
+    ensure_shared_dir,
+    resolve_socket_dir,
+    socket_path,
+)
 
 log = logging.getLogger("weightcache.keeper")
 
@@ -195,9 +202,11 @@ class RequestError(WeightCacheError):
 class Keeper:
     """The keeper process's state and server loop. Use :func:`serve` to run one."""
 
-    def __init__(self, socket_dir: Path, budget: Budget | None = None) -> None:
+    def __init__(self, socket_dir: Path, budget: Budget | None = None, allow_group: int | None = None) -> None:
         self.socket_dir = socket_dir
         self.budget = budget or Budget()
+        #: A gid whose members may connect besides our own uid (``--allow-group``); they may not evict or stop.
+        self.allow_group = allow_group
         self.max_connections = MAX_CONNECTIONS
         self.started = time.time()
         self.entries: dict[str, Entry] = {}
@@ -216,7 +225,7 @@ class Keeper:
 
     def start(self) -> None:
         """Take the instance lock, bind and listen, then publish the socket atomically (rename)."""
-        ensure_private_dir(self.socket_dir)
+        prepare_dir(self.socket_dir, self.allow_group)
         # Every segment of every entry is an open fd here: take all the fds the system allows us, and admit
         # no more connections than leave room for them.
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -256,7 +265,11 @@ class Keeper:
         old_umask = os.umask(0o177)
         try:
             listener.bind(str(tmp))
-            os.chmod(tmp, 0o600)
+            if self.allow_group is None:
+                os.chmod(tmp, 0o600)
+            else:  # the group connects; the directory (2750) keeps it from touching the socket file itself
+                os.chown(tmp, -1, self.allow_group)
+                os.chmod(tmp, 0o660)
             listener.listen(128)
             # We hold the instance lock, so whatever sits at `final` is a dead keeper's socket: replace it.
             os.replace(tmp, final)
@@ -338,15 +351,17 @@ class Keeper:
         except OSError:
             conn.close()
             return
-        if uid != os.getuid():
+        owner = uid == os.getuid()
+        if not owner and (self.allow_group is None or self.allow_group not in peer_groups(pid, gid)):
             log.warning("refused connection from pid %d uid %d gid %d", pid, uid, gid)
+            allowed = f"uid {os.getuid()}" + (f" and group {self.allow_group}" if self.allow_group is not None else "")
             with contextlib.suppress(OSError):
                 send_frame(
                     conn,
                     {
                         "ok": False,
                         "error": "forbidden",
-                        "message": f"this keeper serves uid {os.getuid()} only; you are uid {uid}",
+                        "message": f"this keeper serves {allowed} only; you are uid {uid} (gid {gid})",
                     },
                 )
             conn.close()
@@ -366,7 +381,7 @@ class Keeper:
             conn.close()
             return
         try:
-            threading.Thread(target=self._serve_connection, args=(cid, conn, pid), daemon=True).start()
+            threading.Thread(target=self._serve_connection, args=(cid, conn, pid, owner), daemon=True).start()
         except RuntimeError as exc:  # thread or pid limit reached: refuse this one, keep serving
             log.warning("cannot start a thread for pid %d: %s", pid, exc)
             with self.lock:
@@ -378,7 +393,7 @@ class Keeper:
 
     # --- one connection ---------------------------------------------------------------------------------
 
-    def _serve_connection(self, cid: int, conn: socket.socket, pid: int) -> None:
+    def _serve_connection(self, cid: int, conn: socket.socket, pid: int, owner: bool) -> None:
         greeted = False
         try:
             while not self._stop.is_set():
@@ -401,6 +416,12 @@ class Keeper:
                     op = message.get("op")
                     if not greeted and op != "hello":
                         raise RequestError("bad_request", f"the first message must be 'hello'; got {op!r}")
+                    if op in OWNER_OPS and not owner:
+                        raise RequestError(
+                            "forbidden",
+                            f"{op!r} is for the keeper's owner (uid {os.getuid()}); members of the allowed group may "
+                            "publish, get, list and inspect. Ask the owner.",
+                        )
                     reply, out_fds = self._handle(cid, pid, op, message, fds)
                     fds = []  # ownership taken by the handler
                     greeted = True
@@ -689,18 +710,41 @@ def _human(n: float) -> str:
 
 
 OPS = ("hello", "publish", "get", "release", "list", "inspect", "evict", "stop")
+#: What only the keeper's own uid may do (not members of an allowed group).
+OWNER_OPS = ("evict", "stop")
+
+
+def peer_groups(pid: int, gid: int) -> set[int]:
+    """The peer's gid (SO_PEERCRED) and its supplementary groups (/proc/<pid>/status)."""
+    groups = {gid}
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Groups:"):
+                groups.update(int(g) for g in line.split()[1:])
+                break
+    return groups
+
+
+def prepare_dir(directory: Path, allow_group: int | None) -> Path:
+    """The keeper's socket directory: private (0700), or shared with ``allow_group`` (2750)."""
+    return ensure_private_dir(directory) if allow_group is None else ensure_shared_dir(directory, allow_group)
 
 
 def serve(
-    socket_dir: str | os.PathLike[str] | None = None, *, ready_fd: int | None = None, budget: Budget | None = None
+    socket_dir: str | os.PathLike[str] | None = None,
+    *,
+    ready_fd: int | None = None,
+    budget: Budget | None = None,
+    allow_group: int | None = None,
 ) -> None:
     """Run a keeper in this process until it is stopped (``weightcache stop``, SIGTERM or SIGINT).
 
     ``ready_fd``, when given, receives ``b"ok\\n"`` once the socket is live, or ``b"error: ...\\n"``.
-    ``budget`` limits the bytes held per placement (see :class:`Budget`); default unlimited.
+    ``budget`` limits the bytes held per placement (see :class:`Budget`); default unlimited. ``allow_group``
+    lets members of that gid connect too, through a shared socket directory (see :mod:`weightcache.rundir`).
     """
     directory = resolve_socket_dir(socket_dir)
-    keeper = Keeper(directory, budget)
+    keeper = Keeper(directory, budget, allow_group)
     try:
         keeper.start()
     except Exception as exc:
@@ -722,9 +766,11 @@ def serve(
         log.info("keeper %d stopped", os.getpid())
 
 
-def detach_and_serve(socket_dir: str | None, ready_fd: int | None, budget: Budget | None = None) -> None:
+def detach_and_serve(
+    socket_dir: str | None, ready_fd: int | None, budget: Budget | None = None, allow_group: int | None = None
+) -> None:
     """Fork into the background (new session, stdio to the log), then :func:`serve`. The caller returns."""
-    directory = ensure_private_dir(resolve_socket_dir(socket_dir))
+    directory = prepare_dir(resolve_socket_dir(socket_dir), allow_group)
     try:
         log_fd = os.open(directory / "keeper.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     except OSError as exc:
@@ -745,7 +791,7 @@ def detach_and_serve(socket_dir: str | None, ready_fd: int | None, budget: Budge
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     try:
-        serve(directory, ready_fd=ready_fd, budget=budget)
+        serve(directory, ready_fd=ready_fd, budget=budget, allow_group=allow_group)
     except KeeperAlreadyRunning as exc:
         log.info("%s", exc)
         os._exit(0)

@@ -190,14 +190,15 @@ class Republisher:
         directory = handle._socket_dir
         manifest = handle.manifest
         assert directory is not None and manifest is not None, "only handles with a lease are watched"
+        explicit = handle._explicit
         try:
-            conn = KeeperConnection.connect(directory)
+            conn = KeeperConnection.connect(directory, explicit=explicit)
         except KeeperUnavailable:
             if not (handle._respawn and directory.is_dir() and not stopped_on_purpose(directory)):
                 raise
             log.info("weightcache: spawning a keeper in %s to re-publish %s", directory, handle.digest[:12])
-            ensure_keeper(directory)
-            conn = KeeperConnection.connect(directory)
+            ensure_keeper(directory, explicit=explicit)
+            conn = KeeperConnection.connect(directory, explicit=explicit)
         try:
             with handle._lock:
                 if handle._closed:
