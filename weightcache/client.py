@@ -203,16 +203,14 @@ def ensure_keeper(
     with contextlib.suppress(KeeperUnavailable):
         KeeperConnection.connect(directory, explicit=explicit).close()
         return directory
-    group = None
-    if os.path.lexists(directory):
-        owner, group = check_socket_dir(directory, explicit=explicit)
-        if owner != os.getuid():
-            raise KeeperUnavailable(
-                f"no keeper serves the shared socket directory {directory}, and only its owner (uid {owner}) can "
-                f"start one: `weightcache serve --allow-group {group} --socket-dir {directory}`"
-            )
-    else:
-        ensure_private_dir(directory)
+    owner, group = check_socket_dir(directory, explicit=explicit) if os.path.lexists(directory) else (os.getuid(), None)
+    if owner != os.getuid():
+        raise KeeperUnavailable(
+            f"no keeper serves the shared socket directory {directory}, and only its owner (uid {owner}) can "
+            f"start one: `weightcache serve --allow-group {group} --socket-dir {directory}`"
+        )
+    if group is None:
+        ensure_private_dir(directory)  # creates it, and checks that we can write there
     try:
         with FileLock(str(directory / SPAWN_LOCK_NAME), timeout=timeout):
             with contextlib.suppress(KeeperUnavailable):
