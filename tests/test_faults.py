@@ -29,6 +29,11 @@ def kill(proc: subprocess.Popen[bytes]) -> None:
     proc.wait(10)
 
 
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
 def entries(socket_dir: Path) -> list[wc.EntryInfo]:
     try:
         return wc.Cache(socket_dir).entries()
@@ -98,7 +103,9 @@ def test_a_stopped_keeper_is_not_respawned_but_a_new_one_gets_the_entries(checkp
         old = keeper_pid(socket_dir)
         wc.Cache(socket_dir).stop()
         assert old and wait_until(lambda: process_gone(old))
+        cpu_before = cpu_seconds(holder.proc.pid)
         assert not wait_until(lambda: keeper_pid(socket_dir) not in (None, old), 3.0), "a stopped keeper came back"
+        assert cpu_seconds(holder.proc.pid) - cpu_before < 0.3, "waiting for a keeper must not spin"
         assert holder.compute()["leased"] is False
         upgraded = start_keeper(socket_dir)
         try:
