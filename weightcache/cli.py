@@ -43,10 +43,11 @@ def _connect(args: argparse.Namespace) -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from . import keeper
+    from .budget import parse_budget
     from .rundir import resolve_group
 
     try:
-        budget = keeper.parse_budget(args.max_bytes, args.max_fraction)
+        budget = parse_budget(args.max_bytes, args.max_fraction)
     except (ValueError, OSError) as exc:
         raise WeightCacheError(f"bad budget: {exc}") from exc
     try:

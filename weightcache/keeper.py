@@ -39,6 +39,7 @@ import attrs
 
 from . import protocol, segments
 from ._version import __version__
+from .budget import Budget, format_bytes
 from .errors import (
     KeeperAlreadyRunning,
     ManifestError,
@@ -69,75 +70,6 @@ MAX_MANIFEST_BYTES = protocol.MAX_PAYLOAD_BYTES - 64 * 1024
 class Lease:
     pid: int
     since: float
-
-
-@attrs.frozen
-class Budget:
-    """How many bytes of segments the keeper may hold per placement.
-
-    ``per_placement`` maps a placement (``"cpu"``, ``"GPU-<uuid>"``) to its limit; ``default`` applies to every
-    other placement (None: unlimited). Built by :func:`parse_budget` from ``weightcache serve`` options.
-    """
-
-    default: int | None = None
-    per_placement: dict[str, int] = attrs.field(factory=dict)
-
-    def limit(self, placement: str) -> int | None:
-        return self.per_placement.get(placement, self.default)
-
-    def to_json(self) -> dict[str, Any]:
-        return {"default": self.default, "per_placement": dict(self.per_placement)}
-
-
-_SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``"512"``, ``"64M"``, ``"40G"``, ``"1.5T"`` (binary units, optional ``iB``/``B``) -> bytes."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1:] if t[-1:] in _SIZE_SUFFIXES else ""
-    number = t[: len(t) - len(unit)]
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"size {text!r}: expected a number with an optional K, M, G or T suffix, e.g. 40G") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise ValueError(f"size {text!r} must be a positive number of bytes")
-    return int(value * _SIZE_SUFFIXES[unit])
-
-
-def host_memory_bytes() -> int:
-    """MemTotal from /proc/meminfo, in bytes (what ``--max-fraction`` applies to on CPU)."""
-    with open("/proc/meminfo") as f:
-        for line in f:
-            if line.startswith("MemTotal:"):
-                return int(line.split()[1]) * 1024
-    raise OSError("/proc/meminfo has no MemTotal line")
-
-
-def parse_budget(max_bytes: list[str] | None = None, max_fraction: float | None = None) -> Budget:
-    """A :class:`Budget` from ``--max-bytes [PLACEMENT=]SIZE`` (repeatable) and ``--max-fraction F``.
-
-    A bare size applies to every placement; ``PLACEMENT=SIZE`` to one (``cpu`` or ``GPU-<uuid>``) and wins over
-    the bare one. ``max_fraction`` caps the CPU placement at that fraction of the host's memory (MemTotal); the
-    keeper never initialises CUDA, so it cannot read a GPU's memory size: give GPUs a size.
-    """
-    default: int | None = None
-    per: dict[str, int] = {}
-    for item in max_bytes or []:
-        placement, sep, size = item.rpartition("=")
-        if sep and not (placement == "cpu" or placement.startswith("GPU-")):
-            raise ValueError(f"--max-bytes {item!r}: expected SIZE or PLACEMENT=SIZE with PLACEMENT cpu or GPU-<uuid>")
-        if sep:
-            per[placement] = parse_size(size)
-        else:
-            default = parse_size(size)
-    if max_fraction is not None:
-        if not 0 < max_fraction <= 1:
-            raise ValueError(f"--max-fraction {max_fraction}: expected a fraction of host memory in (0, 1]")
-        by_fraction = int(host_memory_bytes() * max_fraction)
-        per["cpu"] = min(per.get("cpu", by_fraction), by_fraction)
-    return Budget(default, per)
 
 
 @attrs.define
@@ -567,13 +499,13 @@ class Keeper:
             return []
         leased = sum(e.manifest.total_bytes for e in here if e.leases)
         if leased + needed > limit:
+            need, have, pinned, spare = (format_bytes(n) for n in (needed, limit, leased, held - leased))
             raise RequestError(
                 "over_budget",
-                f"entry {key[:16]}... needs {_human(needed)} on {placement}, but the keeper's budget there is "
-                f"{_human(limit)} and leased entries hold {_human(leased)} of it ({_human(held - leased)} more is "
-                "unleased and could be evicted, which is not enough). Release or evict entries (`weightcache ls`, "
-                "`weightcache evict --force`), publish a smaller model, or restart the keeper with a larger "
-                "`weightcache serve --max-bytes`.",
+                f"entry {key[:16]}... needs {need} on {placement}, but the keeper's budget there is {have} and leased "
+                f"entries hold {pinned} of it ({spare} more is unleased and could be evicted, which is not enough). "
+                "Release or evict entries (`weightcache ls`, `weightcache evict --force`), publish a smaller model, "
+                "or restart the keeper with a larger `weightcache serve --max-bytes`.",
             )
         out: list[Entry] = []
         for e in sorted((e for e in here if not e.leases), key=lambda e: e.last_used):
@@ -699,14 +631,6 @@ class Keeper:
             f"{prefix!r} matches {len(found)} entries ({', '.join(e.key[:20] for e in found)}); give more of the "
             "digest (or the full key digest@placement), or --all",
         )
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"
 
 
 OPS = ("hello", "publish", "get", "release", "list", "inspect", "evict", "stop")
