@@ -100,7 +100,8 @@ class Handle:
 
     @property
     def leased(self) -> bool:
-        """Whether this handle still holds a lease in the keeper."""
+        """Whether this handle holds a lease in the keeper (False from the moment its keeper is found gone until
+        the entry is re-published to a new one)."""
         return self._connection is not None and not self._connection.closed
 
     def verify(self) -> None:

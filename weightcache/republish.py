@@ -29,7 +29,7 @@ from typing import TYPE_CHECKING
 import attrs
 
 from .client import KeeperConnection, ensure_keeper
-from .errors import KeeperUnavailable, WeightCacheError
+from .errors import KeeperError, KeeperUnavailable, WeightCacheError
 from .protocol import close_fds
 from .rundir import STOPPED_NAME
 
@@ -44,7 +44,8 @@ log = logging.getLogger("weightcache.republish")
 FIRST_RETRY_S = 0.05
 #: Longest wait between attempts while no keeper answers (one cheap connect attempt).
 MAX_RETRY_S = 1.0
-#: Longest wait between attempts while a keeper answers but refuses the publish (budget, version).
+#: Longest wait between attempts while a keeper answers but refuses the publish (budget, version), or cannot
+#: be started.
 MAX_REFUSED_RETRY_S = 30.0
 #: Longest wait for the keeper's reply to a re-publication.
 REQUEST_TIMEOUT_S = 30.0
@@ -197,8 +198,11 @@ class Republisher:
             if not (handle._respawn and directory.is_dir() and not stopped_on_purpose(directory)):
                 raise
             log.info("weightcache: spawning a keeper in %s to re-publish %s", directory, handle.digest[:12])
-            ensure_keeper(directory, explicit=explicit)
-            conn = KeeperConnection.connect(directory, explicit=explicit)
+            try:
+                ensure_keeper(directory, explicit=explicit)
+                conn = KeeperConnection.connect(directory, explicit=explicit)
+            except KeeperUnavailable as exc:  # not a keeper that is merely absent: retry rarely, and say why
+                raise KeeperError(f"could not start a keeper: {exc}", "spawn") from exc
         try:
             with handle._lock:
                 if handle._closed:
