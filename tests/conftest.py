@@ -71,6 +71,11 @@ def process_gone(pid: int) -> bool:
     return False
 
 
+def open_fds(pid: int) -> int:
+    """How many fds process ``pid`` holds open."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
 def stop_keeper(socket_dir: Path) -> None:
     """Stop whatever keeper serves socket_dir (politely, then SIGKILL)."""
     pid = keeper_pid(socket_dir)
@@ -105,10 +110,21 @@ def keeper(socket_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
             proc.wait()
 
 
-def start_keeper(socket_dir: Path) -> subprocess.Popen[bytes]:
+def start_keeper(socket_dir: Path, *args: str) -> subprocess.Popen[bytes]:
+    """A foreground keeper (`weightcache serve --socket-dir socket_dir *args`) as a child, once it serves."""
     read_fd, write_fd = os.pipe()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(socket_dir), "--ready-fd", str(write_fd)],
+        [
+            sys.executable,
+            "-m",
+            "weightcache",
+            "serve",
+            "--socket-dir",
+            str(socket_dir),
+            "--ready-fd",
+            str(write_fd),
+            *args,
+        ],
         pass_fds=(write_fd,),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,

@@ -3,11 +3,15 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
 
-from conftest import keeper_pid
+import torch
+from conftest import keeper_pid, start_keeper
+
+import weightcache as wc
 
 
 def wc_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -81,3 +85,17 @@ def test_restart_bench_runs_small_on_cpu(tmp_path: Path) -> None:
     assert row["sources"] == ["disk", "cache", "cache"] and row["identical"] is True
     assert row["client_attaches"] == 2 and row["client_attach_ms_min"] <= row["client_attach_ms"]
     assert row["disk_read_gbps"] > 0 and row["off_s"] > 0 and row["client_attach_ms"] > 0
+
+
+def test_ls_shows_holders_and_budget(checkpoint: Path, socket_dir: Path) -> None:
+    keeper = start_keeper(socket_dir, "--max-bytes", "cpu=1M")
+    try:
+        with wc.Cache(socket_dir).put(wc.Fingerprint.create(checkpoint), {"w": torch.ones(1024)}):
+            table = wc_cli("ls", "--socket-dir", str(socket_dir)).stdout
+            assert "HELD BY (PID SINCE)" in table and f" {os.getpid()} 0s" in table
+            assert "budget  cpu 4.00 KiB of 1.00 MiB" in table
+            shown = wc_cli("inspect", wc.Fingerprint.create(checkpoint).digest, "--socket-dir", str(socket_dir)).stdout
+            assert f"leases     1  pid {os.getpid()} since 0s" in shown
+    finally:
+        keeper.terminate()
+        keeper.wait(10)

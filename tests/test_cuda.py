@@ -124,6 +124,30 @@ def test_keeper_sigkill_leaves_gpu_clients_computing(checkpoint: Path, socket_di
         holder.close()
 
 
+def test_restarted_keeper_gets_gpu_entries_back(checkpoint: Path, socket_dir: Path) -> None:
+    """The CPU test of re-publication (tests/test_faults.py) on a GPU: the holder re-publishes its VMM fds to a
+    new keeper, and a third engine attaches them. Written without a GPU at hand: not yet run."""
+    proc = start_keeper(socket_dir)
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir), "device": "cuda:0"}
+    first = run_worker("attach", {**spec, "mode": "daemon"})
+    holder = Holder({**spec, "mode": "client"})
+    try:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        proc = start_keeper(socket_dir)
+        deadline = time.time() + 15
+        while time.time() < deadline and [e.leases for e in wc.Cache(socket_dir).entries()] != [1]:
+            time.sleep(0.1)
+        assert [e.leases for e in wc.Cache(socket_dir).entries()] == [1]
+        third = run_worker("attach", {**spec, "mode": "client", "strict": True})
+        assert third["source"] == "cache" and third["output"] == first["output"]
+        assert holder.compute() == {"output": first["output"], "leased": True}
+    finally:
+        holder.close()
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_gpu_memory_is_returned_when_the_last_holder_exits(tmp_path: Path, socket_dir: Path) -> None:
     ckpt = make_checkpoint(tmp_path / "big", dim=1024, vocab=32768)  # ~130 MB of fp32 weights
     torch.zeros(1, device="cuda")

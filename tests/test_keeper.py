@@ -231,27 +231,129 @@ def test_keeper_never_loads_torch(socket_dir: Path) -> None:
     assert b"CUDA_VISIBLE_DEVICES=" in env
 
 
+#: Run as another user: ``AS_USER uid gid groups-json action target``. Imports come first: this Python's own
+#: files may not be readable by that user.
+AS_USER = r"""
+import hashlib, json, mmap, os, socket, struct, sys
+import weightcache as wc
+from weightcache.client import KeeperConnection
+uid, gid, groups, action, target = int(sys.argv[1]), int(sys.argv[2]), json.loads(sys.argv[3]), sys.argv[4], sys.argv[5]
+os.setgroups(groups)
+os.setgid(gid)
+os.setuid(uid)
+if action == "raw-hello":  # no client-side checks: only the keeper's stand in the way
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(target)
+    p = json.dumps({"op": "hello", "protocol": 1}).encode()
+    try:
+        s.sendall(b"WC" + bytes([1, 0]) + struct.pack("!I", len(p)) + p)
+    except BrokenPipeError:
+        pass  # the keeper may refuse (and close) before our hello is sent
+    print(s.recv(4096)[8:].decode())
+else:  # attach the one entry through the library, then try what only the owner may do
+    try:
+        conn = KeeperConnection.connect(target)
+    except wc.WeightCacheError as exc:
+        print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+        sys.exit()
+    [entry] = conn.request({"op": "list"})[0]["entries"]
+    reply, fds = conn.request({"op": "get", "digest": entry["digest"], "placement": "cpu"})
+    size = reply["manifest"]["segments"][0]["size"]
+    out = {"sha": hashlib.sha256(mmap.mmap(fds[0], size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)[:]).hexdigest()}
+    for op in ("evict", "stop"):
+        try:
+            conn.request({"op": op, "digest": "*", "all": True, "force": True})
+        except wc.KeeperError as exc:
+            out[op] = exc.code
+    print(json.dumps(out))
+"""
+
+
+def as_user(uid: int, gid: int, groups: list[int], action: str, target: Path) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", AS_USER, str(uid), str(gid), json.dumps(groups), action, str(target)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert out.returncode == 0, out.stderr
+    result: dict = json.loads(out.stdout)
+    return result
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
 def test_other_uid_is_refused(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
     # Open the path on purpose so that only the SO_PEERCRED check stands between the other user and the keeper.
     os.chmod(socket_dir.parent, 0o755)  # mkdtemp made it 0700
     os.chmod(socket_dir, 0o755)
     os.chmod(socket_dir / "keeper.sock", 0o666)
-    code = (
-        "import os, socket, sys, json, struct; os.setgid(65534); os.setuid(65534); "
-        "s = socket.socket(socket.AF_UNIX); s.connect(sys.argv[1]); "
-        "p = json.dumps({'op': 'hello', 'protocol': 1}).encode(); "
-        "s.sendall(b'WC' + bytes([1, 0]) + struct.pack('!I', len(p)) + p); "
-        "print(s.recv(4096)[8:].decode())"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(socket_dir / "keeper.sock")], capture_output=True, text=True, timeout=30
-    )
-    assert out.returncode == 0, out.stderr
-    reply = json.loads(out.stdout)
+    reply = as_user(65534, 65534, [], "raw-hello", socket_dir / "keeper.sock")
     assert reply["ok"] is False and reply["error"] == "forbidden" and "uid 65534" in reply["message"]
     os.chmod(socket_dir, 0o700)
     assert alive(socket_dir)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
+def test_allowed_group_gets_in_and_nobody_else(checkpoint: Path) -> None:
+    """`serve --allow-group`: a member (by a supplementary group) attaches but may not evict or stop; a
+    non-member is kept out by the directory's permissions and, with those opened, by the keeper itself."""
+    base = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    os.chmod(base, 0o711)
+    socket_dir = base / "s"
+    os.mkdir(socket_dir, 0o700)
+    with pytest.raises(RuntimeError, match=r"expected uid 0 gid 4242.*chmod 2750"):
+        start_keeper(socket_dir, "--allow-group", "4242")  # an existing private directory is never loosened
+    os.rmdir(socket_dir)
+    keeper = start_keeper(socket_dir, "--allow-group", "4242")
+    try:
+        st, sock = os.stat(socket_dir), os.stat(socket_dir / "keeper.sock")
+        assert (st.st_gid, stat.S_IMODE(st.st_mode)) == (4242, 0o2750)
+        assert (sock.st_gid, stat.S_IMODE(sock.st_mode)) == (4242, 0o660)
+        content = os.urandom(512)
+        fd = os.memfd_create("weightcache", os.MFD_ALLOW_SEALING)
+        os.write(fd, content)
+        import fcntl
+
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+        with KeeperConnection.connect(socket_dir) as conn:
+            conn.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [fd])
+        os.close(fd)
+        import hashlib
+
+        member = as_user(65534, 65534, [4242], "attach", socket_dir)
+        assert member == {"sha": hashlib.sha256(content).hexdigest(), "evict": "forbidden", "stop": "forbidden"}
+        outsider = as_user(65533, 65533, [], "attach", socket_dir)
+        assert outsider["error"] == "SocketDirError" and "owned by uid 0" in outsider["message"]
+        os.chmod(socket_dir, 0o2755)  # open the path: the keeper's own check must still refuse
+        os.chmod(socket_dir / "keeper.sock", 0o666)
+        reply = as_user(65533, 65533, [], "raw-hello", socket_dir / "keeper.sock")
+        assert reply["error"] == "forbidden" and "serves uid 0 and group 4242 only" in reply["message"]
+        os.chmod(socket_dir, 0o2750)
+        assert keeper.poll() is None and len(wc.Cache(socket_dir).entries()) == 1
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to chown")
+def test_a_shared_directory_is_trusted_only_when_named() -> None:
+    from weightcache.rundir import check_socket_dir
+
+    base = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    shared = base / "s"
+    shared.mkdir()
+    os.chown(shared, 65534, os.getgid())
+    os.chmod(shared, 0o2750)
+    try:
+        with pytest.raises(wc.SocketDirError, match="never as a default location"):
+            check_socket_dir(shared, explicit=False)  # e.g. /tmp/weightcache-<uid> squatted by another user
+        assert check_socket_dir(shared, explicit=True) == (65534, os.getgid())
+        os.chmod(shared, 0o2770)  # group-writable: any member could plant a socket
+        with pytest.raises(wc.SocketDirError, match="expected 2750"):
+            check_socket_dir(shared, explicit=True)
+    finally:
+        shutil.rmtree(base)
 
 
 def test_stop(socket_dir: Path) -> None:
@@ -285,3 +387,32 @@ def test_wrongly_typed_manifest_columns(socket_dir: Path, keeper: subprocess.Pop
             conn.request({"op": "publish", "manifest": manifest}, [fd])
     os.close(fd)
     assert alive(socket_dir)
+
+
+def test_publishing_an_existing_entry_takes_a_lease(
+    socket_dir: Path, keeper: subprocess.Popen[bytes], checkpoint: Path
+) -> None:
+    """Two clients re-publishing the same entry (after a keeper restart): one entry, two leases, no error."""
+    first_fd, second_fd = _sealed_memfd(512), _sealed_memfd(512)
+    with KeeperConnection.connect(socket_dir) as a, KeeperConnection.connect(socket_dir) as b:
+        assert a.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [first_fd])[0]["created"]
+        assert not b.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [second_fd])[0]["created"]
+        reply, _ = a.request({"op": "list"})
+        [entry] = reply["entries"]
+        assert entry["leases"] == 2 and [h["pid"] for h in entry["holders"]] == [os.getpid()] * 2
+        held = [c for c in reply["clients"] if c["entries"]]
+        assert len(held) == 2 and all(c["entries"] == [entry["key"]] and c["pid"] == os.getpid() for c in held)
+        assert all(c["since"] <= entry["created"] + 1 for c in reply["clients"])
+    os.close(first_fd)
+    os.close(second_fd)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a directory to another group")
+def test_spawning_in_own_shared_directory_keeps_it_shared(socket_dir: Path) -> None:
+    first = start_keeper(socket_dir, "--allow-group", "4242")
+    first.terminate()
+    first.wait(10)
+    ensure_keeper(socket_dir)  # e.g. mode daemon, or a client re-publishing after a crash
+    sock = os.stat(socket_dir / "keeper.sock")
+    assert (sock.st_gid, stat.S_IMODE(sock.st_mode)) == (4242, 0o660)
+    assert stat.S_IMODE(os.stat(socket_dir).st_mode) == 0o2750

@@ -20,6 +20,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from weightcache.client import KeeperConnection
+from weightcache.errors import WeightCacheError
+from weightcache.fingerprint import Fingerprint
 
 OPS = ["hello", "publish", "get", "release", "list", "inspect", "evict", "explode", None, 7]
 
@@ -137,4 +139,104 @@ def test_raw_bytes_and_lengths(
 ) -> None:
     socket_dir, proc = fuzz_keeper
     exchange(socket_dir, [frame(raw, 0, length=length)] if length is not None else [raw or b"\0"], [])
+    assert_serving(socket_dir, proc)
+
+
+@pytest.fixture(scope="module")
+def fingerprint_json() -> Iterator[dict]:
+    from models import make_checkpoint
+
+    base = Path(tempfile.mkdtemp(prefix="wc-fuzz-"))
+    yield Fingerprint.create(make_checkpoint(base / "ckpt")).to_json()
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def _valid_manifest(fingerprint: dict, placement: str = "cpu") -> dict:
+    from weightcache.manifest import MANIFEST_VERSION
+
+    return {
+        "version": MANIFEST_VERSION,
+        "fingerprint": json.loads(json.dumps(fingerprint)),  # a deep copy to mutate
+        "segments": [{"kind": "memfd", "size": 512, "placement": placement}],
+        "tensors": {
+            "name": ["w"],
+            "segment": [0],
+            "offset": [0],
+            "dtype": ["float32"],
+            "shape": [[4]],
+            "stride": [[1]],
+            "kind": ["tensor"],
+            "requires_grad": [False],
+            "digest": [None],
+        },
+    }
+
+
+MANIFEST_PATHS = [
+    ("version",),
+    ("fingerprint",),
+    ("fingerprint", "model_path"),
+    ("fingerprint", "placement"),
+    ("segments",),
+    ("segments", 0),
+    ("segments", 0, "size"),
+    ("segments", 0, "kind"),
+    ("tensors",),
+    ("tensors", "name"),
+    ("tensors", "segment", 0),
+    ("tensors", "offset", 0),
+    ("tensors", "dtype", 0),
+    ("tensors", "shape", 0),
+    ("tensors", "stride", 0),
+    ("tensors", "kind", 0),
+    ("tensors", "requires_grad"),
+    ("tensors", "digest", 0),
+]
+
+
+#: What a client can send (the library refuses to encode NaN or infinity).
+finite_json = st.recursive(
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=False, allow_infinity=False)
+    | st.text(max_size=20),
+    lambda inner: st.lists(inner, max_size=4) | st.dictionaries(st.text(max_size=8), inner, max_size=4),
+    max_leaves=12,
+)
+
+
+@settings(max_examples=120, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(path=st.sampled_from(MANIFEST_PATHS), value=finite_json, seal=st.booleans())
+def test_mutated_publish(
+    fuzz_keeper: tuple[Path, subprocess.Popen[bytes]], fingerprint_json: dict, path: tuple, value: object, seal: bool
+) -> None:
+    """A valid publish with one field replaced by anything: refused with an error reply, or (if still valid)
+    published; either way the keeper keeps serving, and every entry it lists has a manifest that parses."""
+    import fcntl
+
+    from weightcache.manifest import Manifest
+
+    socket_dir, proc = fuzz_keeper
+    manifest = _valid_manifest(fingerprint_json)
+    target = manifest
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    fd = os.memfd_create("weightcache", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, 512)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    try:
+        with KeeperConnection.connect(socket_dir) as conn:
+            try:
+                conn.request({"op": "publish", "manifest": manifest}, [fd])
+            except WeightCacheError as exc:
+                assert str(exc)  # an error that says something
+            for entry in conn.request({"op": "list"})[0]["entries"]:
+                shown = conn.request({"op": "inspect", "digest": entry["key"]})[0]
+                Manifest.from_json(shown["manifest"])
+                conn.request({"op": "evict", "digest": entry["key"], "force": True})
+    finally:
+        os.close(fd)
     assert_serving(socket_dir, proc)

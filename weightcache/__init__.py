@@ -12,6 +12,7 @@ from . import quant
 from ._version import __version__
 from .errors import (
     BindError,
+    BudgetExceeded,
     CheckpointError,
     EntryNotFound,
     FallbackWarning,
@@ -58,6 +59,7 @@ def __getattr__(name: str) -> Any:
 
 __all__ = [
     "BindError",
+    "BudgetExceeded",
     "Cache",
     "CheckpointError",
     "EntryInfo",

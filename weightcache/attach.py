@@ -106,13 +106,14 @@ def attach(
     if mode == "daemon":
         with ThreadPoolExecutor(max_workers=1) as pool:
             spawning = None
+            cache = Cache(socket_dir)
+            cache.respawn = True  # mode daemon keeps a keeper running: also after a crash, to re-publish to
             try:
-                cache = Cache(socket_dir)
                 handle = cache.get(fingerprint)
             except KeeperUnavailable:
                 # No keeper, so nothing is cached: start one while the weights load instead of before.
                 spawning = pool.submit(ensure_keeper, socket_dir)
-                cache, handle = Cache(socket_dir), None
+                handle = None
 
             def keeper_ready() -> None:
                 if spawning is not None:

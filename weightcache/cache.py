@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import threading
 from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 from typing import TYPE_CHECKING, Literal
@@ -17,6 +18,7 @@ import attrs
 import torch
 
 from . import quant as quant_registry
+from . import republish
 from . import segments as segment_transports
 from .client import KeeperConnection, ensure_keeper
 from .errors import KeeperError, ManifestError, SegmentError, WeightCacheError
@@ -57,6 +59,11 @@ class Handle:
         fingerprint: the :class:`Fingerprint` of these weights.
         tensors: name -> tensor, in manifest (or checkpoint) order.
         fallback_reason: why mode ``client`` loaded from disk, else None.
+
+    While a cache handle is open it holds its entry's segment fds and a lease. If the keeper goes away, a
+    background thread re-publishes the entry (those fds, no disk read) to the next keeper that serves the same
+    socket directory, and takes the lease again (see :mod:`weightcache.republish`); the tensors are never
+    affected.
     """
 
     def __init__(
@@ -69,14 +76,23 @@ class Handle:
         connection: KeeperConnection | None = None,
         fds: list[int] | None = None,
         fallback_reason: str | None = None,
+        respawn: bool = False,
     ) -> None:
         self.source: Source = source
         self.fingerprint = fingerprint
         self.tensors = tensors
         self.manifest = manifest
         self.fallback_reason = fallback_reason
+        self._lock = threading.RLock()
+        self._closed = False
         self._connection = connection
         self._fds = fds or []
+        self._socket_dir = connection.socket_dir if connection is not None else None
+        self._explicit = connection.explicit if connection is not None else True
+        #: Whether the re-publisher may spawn a keeper for this handle after a crash (Cache(spawn=True)).
+        self._respawn = respawn
+        if connection is not None and manifest is not None:
+            republish.watch(self)
 
     @property
     def digest(self) -> str:
@@ -84,7 +100,8 @@ class Handle:
 
     @property
     def leased(self) -> bool:
-        """Whether this handle still holds a lease in the keeper."""
+        """Whether this handle holds a lease in the keeper (False from the moment its keeper is found gone until
+        the entry is re-published to a new one)."""
         return self._connection is not None and not self._connection.closed
 
     def verify(self) -> None:
@@ -103,11 +120,17 @@ class Handle:
 
     def close(self) -> None:
         """Release the lease and this handle's fds. The tensors stay valid."""
-        if self._connection is not None:
-            self._connection.close()
-            self._connection = None
-        close_fds(self._fds)
-        self._fds = []
+        lock = getattr(self, "_lock", None)
+        if lock is None:  # __init__ did not finish
+            return
+        republish.forget(self)
+        with lock:
+            self._closed = True
+            if self._connection is not None:
+                self._connection.close()
+                self._connection = None
+            close_fds(self._fds)
+            self._fds = []
 
     def __enter__(self) -> Handle:
         return self
@@ -181,11 +204,14 @@ class Cache:
     Args:
         socket_dir: where the keeper's socket lives (default: ``$WEIGHTCACHE_DIR``, ``$XDG_RUNTIME_DIR``,
             ``/tmp/weightcache-<uid>``).
-        spawn: start a detached keeper if none runs (exactly one, even when processes race).
+        spawn: start a detached keeper if none runs (exactly one, even when processes race); and if the keeper
+            crashes while this process holds handles from this cache, start a new one to re-publish them to.
     """
 
     def __init__(self, socket_dir: str | os.PathLike[str] | None = None, *, spawn: bool = False) -> None:
         self.socket_dir = ensure_keeper(socket_dir) if spawn else socket_dir
+        #: Whether handles from this cache may spawn a keeper to re-publish to after a crash.
+        self.respawn = spawn
 
     def _connect(self) -> KeeperConnection:
         return KeeperConnection.connect(self.socket_dir)
@@ -258,7 +284,13 @@ class Cache:
             conn.close()
             raise
         return Handle(
-            source="cache", fingerprint=fingerprint, tensors=tensors, manifest=manifest, connection=conn, fds=fds
+            source="cache",
+            fingerprint=fingerprint,
+            tensors=tensors,
+            manifest=manifest,
+            connection=conn,
+            fds=fds,
+            respawn=self.respawn,
         )
 
     # --- publish ----------------------------------------------------------------------------------------
@@ -352,7 +384,13 @@ class Cache:
             conn.close()
             raise
         return Handle(
-            source="cache", fingerprint=fingerprint, tensors=views, manifest=manifest, connection=conn, fds=fds
+            source="cache",
+            fingerprint=fingerprint,
+            tensors=views,
+            manifest=manifest,
+            connection=conn,
+            fds=fds,
+            respawn=self.respawn,
         )
 
     def put_checkpoint(

@@ -43,16 +43,26 @@ def _connect(args: argparse.Namespace) -> Any:
 
 def cmd_serve(args: argparse.Namespace) -> int:
     from . import keeper
+    from .budget import parse_budget
+    from .rundir import resolve_group
 
+    try:
+        budget = parse_budget(args.max_bytes, args.max_fraction)
+    except (ValueError, OSError) as exc:
+        raise WeightCacheError(f"bad budget: {exc}") from exc
+    try:
+        group = None if args.allow_group is None else resolve_group(args.allow_group)
+    except ValueError as exc:
+        raise WeightCacheError(f"--allow-group: {exc}") from exc
     if args.detach:
-        keeper.detach_and_serve(args.socket_dir, args.ready_fd)
+        keeper.detach_and_serve(args.socket_dir, args.ready_fd, budget, group)
         return 0
     logging.basicConfig(
         stream=sys.stderr,
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(message)s",
     )
-    keeper.serve(args.socket_dir, ready_fd=args.ready_fd)
+    keeper.serve(args.socket_dir, ready_fd=args.ready_fd, budget=budget, allow_group=group)
     return 0
 
 
@@ -64,11 +74,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 0
     k = reply["keeper"]
     print(f"keeper pid {k['pid']}  weightcache {k['version']}  {k['socket_dir']}  up {_human_age(k['uptime_s'])}")
+    budget = k.get("budget") or {}
+    limits = dict(budget.get("per_placement") or {})
+    if budget.get("default") is not None:
+        limits["*"] = budget["default"]
+    if limits:
+        used = k.get("bytes_by_placement") or {}
+        shown = (f"{p} {_human_bytes(used.get(p, 0))} of {_human_bytes(v)}" for p, v in limits.items())
+        print("budget  " + ", ".join(shown))
     entries = reply["entries"]
     if not entries:
         print("(no entries)")
         return 0
-    rows = [("ENTRY", "MODEL", "DEVICE", "SIZE", "TENSORS", "LEASES", "AGE")]
+    now = time.time()
+    rows = [("ENTRY", "MODEL", "DEVICE", "SIZE", "TENSORS", "LEASES", "AGE", "HELD BY (PID SINCE)")]
     for e in entries:
         fp = e["fingerprint"]
         model = e["model"] + (f" [{fp['dtype']}]" if fp.get("dtype") else "")
@@ -83,6 +102,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 str(e["tensors"]),
                 str(e["leases"]),
                 _human_age(e["age_s"]),
+                ", ".join(f"{h['pid']} {_human_age(now - h['since'])}" for h in e["holders"]) or "-",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -103,7 +123,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"model      {entry['model']}  ({fp['model_path']})")
     print(f"placement  {entry['placement']}")
     print(f"size       {_human_bytes(entry['bytes'])} in {entry['segments']} segments, {entry['tensors']} tensors")
-    print(f"leases     {entry['leases']}  " + " ".join(f"pid {h['pid']}" for h in entry["holders"]))
+    now = time.time()
+    holders = ", ".join(f"pid {h['pid']} since {_human_age(now - h['since'])}" for h in entry["holders"])
+    print(f"leases     {entry['leases']}  {holders}")
     for key in ("dtype", "quant", "quant_config_hash", "transform", "engine", "engine_version", "torch_version"):
         print(f"{key:<10} {fp.get(key)}")
     print("parallel   " + (", ".join(f"{a} {r}/{s}" for a, r, s in fp["parallel"]) or "-"))
@@ -208,6 +230,23 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("serve", "run the keeper in the foreground (or --detach)")
     p.add_argument("--detach", action="store_true", help="fork into the background, log to keeper.log")
     p.add_argument("--ready-fd", type=int, default=None, help=argparse.SUPPRESS)
+    p.add_argument(
+        "--max-bytes",
+        action="append",
+        metavar="[PLACEMENT=]SIZE",
+        help="memory budget, e.g. 40G (every placement) or cpu=8G, GPU-<uuid>=60G (one placement; repeatable): "
+        "a publish beyond it evicts unleased entries, least recently used first, or is refused",
+    )
+    p.add_argument(
+        "--max-fraction", type=float, default=None, metavar="F", help="CPU budget as a fraction of host memory"
+    )
+    p.add_argument(
+        "--allow-group",
+        default=None,
+        metavar="GROUP",
+        help="also serve members of GROUP (name or gid): the socket directory becomes group GROUP, mode 2750, the "
+        "socket 0660; members may publish, get, list and inspect, not evict or stop",
+    )
     p.add_argument("-v", "--verbose", action="store_true")
     p.set_defaults(func=cmd_serve)
 

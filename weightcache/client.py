@@ -21,6 +21,7 @@ from filelock import Timeout as LockTimeout
 from . import protocol
 from ._version import __version__
 from .errors import (
+    BudgetExceeded,
     KeeperError,
     KeeperUnavailable,
     PeerRejected,
@@ -31,8 +32,9 @@ from .errors import (
 from .rundir import (
     LOG_NAME,
     SPAWN_LOCK_NAME,
-    check_private_dir,
+    check_socket_dir,
     ensure_private_dir,
+    is_explicit,
     resolve_socket_dir,
     socket_path,
 )
@@ -46,11 +48,13 @@ CONNECT_TIMEOUT_S = 10.0
 class KeeperConnection:
     """One connection to the keeper. Entries got or published over it stay leased until it closes."""
 
-    def __init__(self, sock: socket.socket, socket_dir: Path, hello: dict[str, Any]) -> None:
+    def __init__(self, sock: socket.socket, socket_dir: Path, hello: dict[str, Any], explicit: bool = True) -> None:
         self._sock = sock
         self.socket_dir = socket_dir
         #: The keeper's answer to ``hello``: pid, version, negotiated protocol.
         self.hello = hello
+        #: Whether the socket directory was named by the caller (a shared directory is trusted only then).
+        self.explicit = explicit
 
     @classmethod
     def connect(
@@ -59,12 +63,19 @@ class KeeperConnection:
         *,
         protocol_version: int = protocol.PROTOCOL_VERSION,
         min_protocol_version: int = protocol.MIN_PROTOCOL_VERSION,
+        explicit: bool | None = None,
     ) -> KeeperConnection:
-        """Connect and say hello. Raises KeeperUnavailable when no keeper serves ``socket_dir``."""
+        """Connect and say hello. Raises KeeperUnavailable when no keeper serves ``socket_dir``.
+
+        The keeper must run as our own uid, or, through another user's shared directory that was named
+        explicitly (``explicit``; default: whether ``socket_dir`` or ``$WEIGHTCACHE_DIR`` is given), as that
+        directory's owner (see :mod:`weightcache.rundir`).
+        """
+        explicit = is_explicit(socket_dir) if explicit is None else explicit
         directory = resolve_socket_dir(socket_dir)
         path = socket_path(directory)
         try:
-            check_private_dir(directory)
+            keeper_uid, _ = check_socket_dir(directory, explicit=explicit)
         except SocketDirError as exc:
             if not os.path.lexists(directory):
                 raise KeeperUnavailable(
@@ -88,10 +99,10 @@ class KeeperConnection:
             raise KeeperUnavailable(f"cannot connect to the keeper at {path}: {exc}") from exc
         try:
             _, uid, _ = protocol.peer_credentials(sock)
-            if uid != os.getuid():
+            if uid != keeper_uid:
                 raise PeerRejected(
-                    f"the process serving {path} runs as uid {uid}, not as this user (uid {os.getuid()}); "
-                    "refusing to trust it"
+                    f"the process serving {path} runs as uid {uid}, not as uid {keeper_uid} (this user, or the owner "
+                    "of the shared socket directory); refusing to trust it"
                 )
             protocol.send_frame(
                 sock,
@@ -120,27 +131,48 @@ class KeeperConnection:
             if reply.get("error") == "forbidden":
                 raise PeerRejected(str(reply.get("message")))
             raise KeeperError(str(reply.get("message")), str(reply.get("error")))
-        return cls(sock, directory, reply)
+        return cls(sock, directory, reply, explicit)
 
     def request(
-        self, message: dict[str, Any], fds: list[int] | tuple[int, ...] = ()
+        self, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (), *, timeout: float | None = None
     ) -> tuple[dict[str, Any], list[int]]:
         """Send one request and return ``(reply, fds)``; the caller owns the returned fds.
 
-        Raises KeeperError carrying the keeper's error code when the reply is not ok, and KeeperUnavailable
-        when the connection breaks.
+        Raises KeeperError carrying the keeper's error code when the reply is not ok (BudgetExceeded for
+        ``over_budget``), and KeeperUnavailable when the connection breaks or no reply starts within
+        ``timeout`` seconds (None: wait as long as it takes).
         """
         try:
             protocol.send_frame(self._sock, message, fds)
-            reply, out = protocol.recv_frame(self._sock, idle_timeout=None)
+            reply, out = protocol.recv_frame(self._sock, idle_timeout=timeout)
         except protocol.PeerClosed as exc:
             raise KeeperUnavailable("the keeper closed the connection (stopped or crashed)") from exc
         except (ProtocolError, OSError) as exc:
             raise KeeperUnavailable(f"lost the connection to the keeper: {exc}") from exc
         if not reply.get("ok"):
             protocol.close_fds(out)
-            raise KeeperError(str(reply.get("message", "keeper refused the request")), str(reply.get("error")))
+            code = str(reply.get("error"))
+            error = BudgetExceeded if code == "over_budget" else KeeperError
+            raise error(str(reply.get("message", "keeper refused the request")), code)
         return reply, out
+
+    def fileno(self) -> int:
+        """The socket's fd (for polling: it turns readable when the keeper closes the connection)."""
+        return self._sock.fileno()
+
+    def peer_closed(self) -> bool:
+        """Whether the keeper closed this connection (or it broke), without blocking or consuming anything.
+
+        The keeper never speaks first, so an idle connection that turns readable was closed by the keeper.
+        """
+        try:
+            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
+        except (BlockingIOError, InterruptedError):
+            return False
+        except OSError:
+            return True
+        # EOF, or bytes that the keeper never sends unasked: either way this connection is no lease any more.
+        return True
 
     def close(self) -> None:
         with contextlib.suppress(OSError):
@@ -157,36 +189,47 @@ class KeeperConnection:
         self.close()
 
 
-def ensure_keeper(socket_dir: str | os.PathLike[str] | None = None, *, timeout: float = SPAWN_TIMEOUT_S) -> Path:
+def ensure_keeper(
+    socket_dir: str | os.PathLike[str] | None = None, *, timeout: float = SPAWN_TIMEOUT_S, explicit: bool | None = None
+) -> Path:
     """Make sure a keeper serves ``socket_dir``, spawning a detached one if none does. Returns the directory.
 
     Racing callers serialise on a file lock, so exactly one keeper is started; the keeper's own instance
-    lock backs this up for keepers started by hand.
+    lock backs this up for keepers started by hand. In our own shared directory the keeper is spawned for its
+    group again; in another user's, only that user can start one (KeeperUnavailable says so).
     """
+    explicit = is_explicit(socket_dir) if explicit is None else explicit
     directory = resolve_socket_dir(socket_dir)
     with contextlib.suppress(KeeperUnavailable):
-        KeeperConnection.connect(directory).close()
+        KeeperConnection.connect(directory, explicit=explicit).close()
         return directory
-    ensure_private_dir(directory)
+    owner, group = check_socket_dir(directory, explicit=explicit) if os.path.lexists(directory) else (os.getuid(), None)
+    if owner != os.getuid():
+        raise KeeperUnavailable(
+            f"no keeper serves the shared socket directory {directory}, and only its owner (uid {owner}) can "
+            f"start one: `weightcache serve --allow-group {group} --socket-dir {directory}`"
+        )
+    if group is None:
+        ensure_private_dir(directory)  # creates it, and checks that we can write there
     try:
         with FileLock(str(directory / SPAWN_LOCK_NAME), timeout=timeout):
             with contextlib.suppress(KeeperUnavailable):
-                KeeperConnection.connect(directory).close()
+                KeeperConnection.connect(directory, explicit=explicit).close()
                 return directory
-            _spawn(directory, timeout)
+            _spawn(directory, timeout, group)
     except LockTimeout:
         raise KeeperUnavailable(
             f"waited {timeout:.0f} s for another process to start the keeper in {directory}; see {directory / LOG_NAME}"
         ) from None
-    KeeperConnection.connect(directory).close()
+    KeeperConnection.connect(directory, explicit=explicit).close()
     return directory
 
 
-def _spawn(directory: Path, timeout: float) -> None:
+def _spawn(directory: Path, timeout: float, group: int | None = None) -> None:
     read_fd, write_fd = os.pipe()
     try:
         cmd = [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(directory), "--detach"]
-        cmd += ["--ready-fd", str(write_fd)]
+        cmd += ["--ready-fd", str(write_fd)] + ([] if group is None else ["--allow-group", str(group)])
         env = dict(os.environ)
         # The keeper never needs a GPU: hide them so that nothing it imports can create a CUDA context.
         env["CUDA_VISIBLE_DEVICES"] = ""

@@ -31,6 +31,11 @@ class KeeperError(WeightCacheError):
         self.code = code
 
 
+class BudgetExceeded(KeeperError):
+    """The keeper refused a publish: it does not fit the placement's memory budget even after evicting every
+    unleased entry there (code ``"over_budget"``)."""
+
+
 class ProtocolError(WeightCacheError):
     """A peer sent something that is not a valid weightcache message (bad frame, bad JSON, bad fds)."""
 
@@ -96,6 +101,7 @@ class FallbackWarning(UserWarning):
 
 __all__ = [
     "BindError",
+    "BudgetExceeded",
     "CheckpointError",
     "EntryNotFound",
     "FallbackWarning",

@@ -11,6 +11,11 @@ keeper, and a socket file left by a dead keeper refuses connections and is repla
 
 Bad input never takes the keeper down: a malformed frame closes that one connection, an invalid request gets
 an error reply, and nothing received is unpickled or evaluated.
+
+Memory budgets (``weightcache serve --max-bytes``) are per placement: a publish that would exceed its
+placement's budget first evicts unleased entries there, least recently used first, and is refused
+(``over_budget``) if even that cannot make room. Evicting only closes the keeper's fds; memory that clients
+map stays valid until they let go.
 """
 
 from __future__ import annotations
@@ -34,10 +39,25 @@ import attrs
 
 from . import protocol, segments
 from ._version import __version__
-from .errors import KeeperAlreadyRunning, ManifestError, ProtocolError, SegmentError, WeightCacheError
+from .budget import Budget, format_bytes
+from .errors import (
+    KeeperAlreadyRunning,
+    ManifestError,
+    ProtocolError,
+    SegmentError,
+    SocketDirError,
+    WeightCacheError,
+)
 from .manifest import Manifest
 from .protocol import field, peer_credentials, recv_frame, send_frame
-from .rundir import INSTANCE_LOCK_NAME, ensure_private_dir, resolve_socket_dir, socket_path
+from .rundir import (
+    INSTANCE_LOCK_NAME,
+    STOPPED_NAME,
+    ensure_private_dir,
+    ensure_shared_dir,
+    resolve_socket_dir,
+    socket_path,
+)
 
 log = logging.getLogger("weightcache.keeper")
 
@@ -114,8 +134,11 @@ class RequestError(WeightCacheError):
 class Keeper:
     """The keeper process's state and server loop. Use :func:`serve` to run one."""
 
-    def __init__(self, socket_dir: Path) -> None:
+    def __init__(self, socket_dir: Path, budget: Budget | None = None, allow_group: int | None = None) -> None:
         self.socket_dir = socket_dir
+        self.budget = budget or Budget()
+        #: A gid whose members may connect besides our own uid (``--allow-group``); they may not evict or stop.
+        self.allow_group = allow_group
         self.max_connections = MAX_CONNECTIONS
         self.started = time.time()
         self.entries: dict[str, Entry] = {}
@@ -124,6 +147,8 @@ class Keeper:
         self._wake_r, self._wake_w = os.pipe()
         self._next_conn = 0
         self._connections: dict[int, socket.socket] = {}
+        #: connection id -> (peer pid, connect time)
+        self._peers: dict[int, tuple[int, float]] = {}
         self._lock_fd = -1
         self._listener: socket.socket | None = None
         self._sock_ino: int | None = None
@@ -132,7 +157,7 @@ class Keeper:
 
     def start(self) -> None:
         """Take the instance lock, bind and listen, then publish the socket atomically (rename)."""
-        ensure_private_dir(self.socket_dir)
+        prepare_dir(self.socket_dir, self.allow_group)
         # Every segment of every entry is an open fd here: take all the fds the system allows us, and admit
         # no more connections than leave room for them.
         soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
@@ -153,8 +178,17 @@ class Keeper:
                 f"a keeper (pid {other}) already serves {self.socket_dir}; use it, or stop it first with "
                 f"`weightcache stop --socket-dir {self.socket_dir}`"
             ) from None
-        os.ftruncate(self._lock_fd, 0)
-        os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            os.ftruncate(self._lock_fd, 0)
+            os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(self.socket_dir / STOPPED_NAME)
+        except OSError as exc:
+            self._release_lock()
+            raise SocketDirError(
+                f"cannot write in the socket directory {self.socket_dir}: {exc}. Free space there (or pick "
+                "another socket_dir / $WEIGHTCACHE_DIR) and start the keeper again."
+            ) from exc
         final = socket_path(self.socket_dir)
         tmp = self.socket_dir / f".keeper.{os.getpid()}.sock"
         with contextlib.suppress(FileNotFoundError):
@@ -163,12 +197,25 @@ class Keeper:
         old_umask = os.umask(0o177)
         try:
             listener.bind(str(tmp))
+            if self.allow_group is None:
+                os.chmod(tmp, 0o600)
+            else:  # the group connects; the directory (2750) keeps it from touching the socket file itself
+                os.chown(tmp, -1, self.allow_group)
+                os.chmod(tmp, 0o660)
+            listener.listen(128)
+            # We hold the instance lock, so whatever sits at `final` is a dead keeper's socket: replace it.
+            os.replace(tmp, final)
+        except OSError as exc:
+            listener.close()
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+            self._release_lock()
+            raise SocketDirError(
+                f"cannot create the keeper's socket in {self.socket_dir}: {exc}. Make room there (or pick another "
+                "socket_dir / $WEIGHTCACHE_DIR) and start the keeper again."
+            ) from exc
         finally:
             os.umask(old_umask)
-        os.chmod(tmp, 0o600)
-        listener.listen(128)
-        # We hold the instance lock, so whatever sits at `final` is a dead keeper's socket: replace it.
-        os.replace(tmp, final)
         self._sock_ino = os.stat(final).st_ino
         self._listener = listener
         log.info("keeper %d serving %s (weightcache %s)", os.getpid(), final, __version__)
@@ -179,9 +226,22 @@ class Keeper:
         with contextlib.suppress(OSError):
             os.write(self._wake_w, b"x")
 
+    def _release_lock(self) -> None:
+        if self._lock_fd >= 0:
+            with contextlib.suppress(OSError):
+                os.ftruncate(self._lock_fd, 0)
+            os.close(self._lock_fd)
+            self._lock_fd = -1
+
     def close(self) -> None:
-        """Remove our socket (only if it is still ours), drop all entries and release the instance lock."""
+        """Remove our socket (only if it is still ours), drop all entries and release the instance lock.
+
+        Leaves a ``keeper.stopped`` marker: clients that lose their lease then know the keeper was stopped on
+        purpose (and do not spawn a new one), unlike after a crash.
+        """
         final = socket_path(self.socket_dir)
+        with contextlib.suppress(OSError):
+            (self.socket_dir / STOPPED_NAME).write_text(f"{os.getpid()}\n")
         try:
             if self._sock_ino is not None and os.stat(final).st_ino == self._sock_ino:
                 os.unlink(final)
@@ -197,11 +257,7 @@ class Keeper:
             for entry in self.entries.values():
                 entry.close()
             self.entries.clear()
-        if self._lock_fd >= 0:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._lock_fd, 0)
-            os.close(self._lock_fd)
-            self._lock_fd = -1
+        self._release_lock()
 
     def serve_forever(self) -> None:
         assert self._listener is not None, "call start() first"
@@ -227,15 +283,17 @@ class Keeper:
         except OSError:
             conn.close()
             return
-        if uid != os.getuid():
+        owner = uid == os.getuid()
+        if not owner and (self.allow_group is None or self.allow_group not in peer_groups(pid, gid)):
             log.warning("refused connection from pid %d uid %d gid %d", pid, uid, gid)
+            allowed = f"uid {os.getuid()}" + (f" and group {self.allow_group}" if self.allow_group is not None else "")
             with contextlib.suppress(OSError):
                 send_frame(
                     conn,
                     {
                         "ok": False,
                         "error": "forbidden",
-                        "message": f"this keeper serves uid {os.getuid()} only; you are uid {uid}",
+                        "message": f"this keeper serves {allowed} only; you are uid {uid} (gid {gid})",
                     },
                 )
             conn.close()
@@ -248,24 +306,26 @@ class Keeper:
                 self._next_conn += 1
                 cid = self._next_conn
                 self._connections[cid] = conn
+                self._peers[cid] = (pid, time.time())
         if busy:
             with contextlib.suppress(OSError):
                 send_frame(conn, {"ok": False, "error": "busy", "message": f"over {self.max_connections} connections"})
             conn.close()
             return
         try:
-            threading.Thread(target=self._serve_connection, args=(cid, conn, pid), daemon=True).start()
+            threading.Thread(target=self._serve_connection, args=(cid, conn, pid, owner), daemon=True).start()
         except RuntimeError as exc:  # thread or pid limit reached: refuse this one, keep serving
             log.warning("cannot start a thread for pid %d: %s", pid, exc)
             with self.lock:
                 self._connections.pop(cid, None)
+                self._peers.pop(cid, None)
             with contextlib.suppress(OSError):
                 send_frame(conn, {"ok": False, "error": "busy", "message": f"keeper cannot start a thread: {exc}"})
             conn.close()
 
     # --- one connection ---------------------------------------------------------------------------------
 
-    def _serve_connection(self, cid: int, conn: socket.socket, pid: int) -> None:
+    def _serve_connection(self, cid: int, conn: socket.socket, pid: int, owner: bool) -> None:
         greeted = False
         try:
             while not self._stop.is_set():
@@ -288,6 +348,12 @@ class Keeper:
                     op = message.get("op")
                     if not greeted and op != "hello":
                         raise RequestError("bad_request", f"the first message must be 'hello'; got {op!r}")
+                    if op in OWNER_OPS and not owner:
+                        raise RequestError(
+                            "forbidden",
+                            f"{op!r} is for the keeper's owner (uid {os.getuid()}); members of the allowed group may "
+                            "publish, get, list and inspect. Ask the owner.",
+                        )
                     reply, out_fds = self._handle(cid, pid, op, message, fds)
                     fds = []  # ownership taken by the handler
                     greeted = True
@@ -318,6 +384,7 @@ class Keeper:
         finally:
             with self.lock:
                 self._connections.pop(cid, None)
+                self._peers.pop(cid, None)
                 for entry in self.entries.values():
                     entry.leases.pop(cid, None)
             conn.close()
@@ -383,11 +450,19 @@ class Keeper:
         for fd, info in zip(fds, manifest.segments):
             segments.verify_fd(fd, info)
         digest = manifest.fingerprint.digest
-        key = entry_key(digest, manifest.fingerprint.placement)
+        placement = manifest.fingerprint.placement
+        key = entry_key(digest, placement)
         now = time.time()
+        evicted: list[Entry] = []
         with self.lock:
             existing = self.entries.get(key)
-            if existing is None:
+            if existing is not None:
+                # Idempotent: the same weights published again (a race, or clients re-publishing after a keeper
+                # restart) make the publisher a lease holder of the entry that is already there.
+                existing.last_used = now
+                existing.leases.setdefault(cid, Lease(pid, now))
+            else:
+                evicted = self._make_room(key, placement, manifest.total_bytes)
                 self.entries[key] = Entry(
                     digest=digest,
                     manifest=manifest,
@@ -398,11 +473,49 @@ class Keeper:
                     last_used=now,
                     leases={cid: Lease(pid, now)},
                 )
+        for entry in evicted:
+            log.info(
+                "evicted %s (%d bytes, unleased, least recently used) to make room for %s",
+                entry.key,
+                entry.manifest.total_bytes,
+                key,
+            )
         if existing is not None:
             protocol.close_fds(fds)
             return {"ok": True, "digest": digest, "key": key, "created": False}
         log.info("published %s (%d bytes, %d tensors) from pid %d", key, manifest.total_bytes, len(manifest), pid)
-        return {"ok": True, "digest": digest, "key": key, "created": True}
+        return {"ok": True, "digest": digest, "key": key, "created": True, "evicted": [e.key for e in evicted]}
+
+    def _make_room(self, key: str, placement: str, needed: int) -> list[Entry]:
+        """Evict unleased entries on ``placement``, least recently used first, until ``needed`` more bytes fit
+        its budget; return them (their fds closed). Evicts nothing and raises ``over_budget`` if even evicting
+        every unleased entry there would not be enough. Called with the lock held."""
+        limit = self.budget.limit(placement)
+        if limit is None:
+            return []
+        here = [e for e in self.entries.values() if e.manifest.fingerprint.placement == placement]
+        held = sum(e.manifest.total_bytes for e in here)
+        if held + needed <= limit:
+            return []
+        leased = sum(e.manifest.total_bytes for e in here if e.leases)
+        if leased + needed > limit:
+            need, have, pinned, spare = (format_bytes(n) for n in (needed, limit, leased, held - leased))
+            raise RequestError(
+                "over_budget",
+                f"entry {key[:16]}... needs {need} on {placement}, but the keeper's budget there is {have} and leased "
+                f"entries hold {pinned} of it ({spare} more is unleased and could be evicted, which is not enough). "
+                "Release or evict entries (`weightcache ls`, `weightcache evict --force`), publish a smaller model, "
+                "or restart the keeper with a larger `weightcache serve --max-bytes`.",
+            )
+        out: list[Entry] = []
+        for e in sorted((e for e in here if not e.leases), key=lambda e: e.last_used):
+            if held + needed <= limit:
+                break
+            del self.entries[e.key]
+            e.close()
+            held -= e.manifest.total_bytes
+            out.append(e)
+        return out
 
     def _get(self, cid: int, pid: int, message: dict[str, Any]) -> tuple[dict[str, Any] | bytes, list[int]]:
         digest = field(message, "digest", str)
@@ -440,6 +553,17 @@ class Keeper:
         with self.lock:
             entries = [e.describe(now) for e in self.entries.values()]
             connections = len(self._connections)
+            held: dict[int, list[str]] = {}
+            for e in self.entries.values():
+                for cid in e.leases:
+                    held.setdefault(cid, []).append(e.key)
+            clients = [
+                {"pid": pid, "since": since, "entries": held.get(cid, [])} for cid, (pid, since) in self._peers.items()
+            ]
+            used: dict[str, int] = {}
+            for e in self.entries.values():
+                p = e.manifest.fingerprint.placement
+                used[p] = used.get(p, 0) + e.manifest.total_bytes
         return {
             "ok": True,
             "keeper": {
@@ -450,8 +574,11 @@ class Keeper:
                 "started": self.started,
                 "uptime_s": round(now - self.started, 3),
                 "connections": connections,
+                "budget": self.budget.to_json(),
+                "bytes_by_placement": used,
             },
             "entries": entries,
+            "clients": clients,
         }
 
     def _match(self, prefix: str) -> list[Entry]:
@@ -507,15 +634,41 @@ class Keeper:
 
 
 OPS = ("hello", "publish", "get", "release", "list", "inspect", "evict", "stop")
+#: What only the keeper's own uid may do (not members of an allowed group).
+OWNER_OPS = ("evict", "stop")
 
 
-def serve(socket_dir: str | os.PathLike[str] | None = None, *, ready_fd: int | None = None) -> None:
+def peer_groups(pid: int, gid: int) -> set[int]:
+    """The peer's gid (SO_PEERCRED) and its supplementary groups (/proc/<pid>/status)."""
+    groups = {gid}
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Groups:"):
+                groups.update(int(g) for g in line.split()[1:])
+                break
+    return groups
+
+
+def prepare_dir(directory: Path, allow_group: int | None) -> Path:
+    """The keeper's socket directory: private (0700), or shared with ``allow_group`` (2750)."""
+    return ensure_private_dir(directory) if allow_group is None else ensure_shared_dir(directory, allow_group)
+
+
+def serve(
+    socket_dir: str | os.PathLike[str] | None = None,
+    *,
+    ready_fd: int | None = None,
+    budget: Budget | None = None,
+    allow_group: int | None = None,
+) -> None:
     """Run a keeper in this process until it is stopped (``weightcache stop``, SIGTERM or SIGINT).
 
     ``ready_fd``, when given, receives ``b"ok\\n"`` once the socket is live, or ``b"error: ...\\n"``.
+    ``budget`` limits the bytes held per placement (see :class:`Budget`); default unlimited. ``allow_group``
+    lets members of that gid connect too, through a shared socket directory (see :mod:`weightcache.rundir`).
     """
     directory = resolve_socket_dir(socket_dir)
-    keeper = Keeper(directory)
+    keeper = Keeper(directory, budget, allow_group)
     try:
         keeper.start()
     except Exception as exc:
@@ -537,14 +690,23 @@ def serve(socket_dir: str | os.PathLike[str] | None = None, *, ready_fd: int | N
         log.info("keeper %d stopped", os.getpid())
 
 
-def detach_and_serve(socket_dir: str | None, ready_fd: int | None) -> None:
+def detach_and_serve(
+    socket_dir: str | None, ready_fd: int | None, budget: Budget | None = None, allow_group: int | None = None
+) -> None:
     """Fork into the background (new session, stdio to the log), then :func:`serve`. The caller returns."""
-    directory = ensure_private_dir(resolve_socket_dir(socket_dir))
+    directory = prepare_dir(resolve_socket_dir(socket_dir), allow_group)
+    try:
+        log_fd = os.open(directory / "keeper.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        message = f"cannot open {directory / 'keeper.log'}: {exc}; make room in or fix the socket directory"
+        if ready_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(ready_fd, f"error: {message}\n".encode())
+        raise SocketDirError(message) from exc
     if os.fork() != 0:
         os._exit(0)  # the spawner waits for this intermediate process only; the keeper is re-parented
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDWR)
-    log_fd = os.open(directory / "keeper.log", os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     os.dup2(devnull, 0)
     os.dup2(log_fd, 1)
     os.dup2(log_fd, 2)
@@ -553,7 +715,7 @@ def detach_and_serve(socket_dir: str | None, ready_fd: int | None) -> None:
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     try:
-        serve(directory, ready_fd=ready_fd)
+        serve(directory, ready_fd=ready_fd, budget=budget, allow_group=allow_group)
     except KeeperAlreadyRunning as exc:
         log.info("%s", exc)
         os._exit(0)

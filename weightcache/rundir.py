@@ -3,10 +3,19 @@
 Resolution order: the ``socket_dir`` argument, else ``$WEIGHTCACHE_DIR``, else ``$XDG_RUNTIME_DIR/weightcache``,
 else ``/tmp/weightcache-<uid>``. The directory must be a real directory (not a symlink), owned by this user,
 with no access for group or others (0700); it is created so when missing. The socket inside is 0600.
+
+A keeper shared with one group (``weightcache serve --allow-group GROUP``) uses a *shared* directory instead:
+owned by the keeper's user, group GROUP, mode 2750 (the group may enter and connect, but never create, rename
+or delete anything there, so nobody else can put a socket in the keeper's place; others get nothing). Its
+socket is 0660. A client of another user accepts such a directory only when it was named explicitly (the
+argument or ``$WEIGHTCACHE_DIR``; never a default location, which another user could have squatted), only if
+it is in that group, and only if the keeper serving it runs as the directory's owner: pointing a client there
+means trusting that user with the weights it serves.
 """
 
 from __future__ import annotations
 
+import grp
 import os
 import stat
 from pathlib import Path
@@ -17,6 +26,9 @@ SOCKET_NAME = "keeper.sock"
 INSTANCE_LOCK_NAME = "keeper.lock"
 SPAWN_LOCK_NAME = "spawn.lock"
 LOG_NAME = "keeper.log"
+#: Written by a keeper that stops on request (``weightcache stop``, SIGTERM), removed by the next one that starts:
+#: clients that lose their keeper spawn a new one only after a crash, never after a deliberate stop.
+STOPPED_NAME = "keeper.stopped"
 #: sun_path is 108 bytes on Linux, including the terminating NUL.
 MAX_SOCKET_PATH = 107
 
@@ -59,6 +71,102 @@ def check_private_dir(path: Path) -> None:
             f"socket directory {path} has mode {stat.S_IMODE(st.st_mode):04o}; expected 0700 (private). "
             f"Run: chmod 700 {path}"
         )
+
+
+def is_explicit(socket_dir: str | os.PathLike[str] | None) -> bool:
+    """Whether the socket directory was named by the caller (argument or ``$WEIGHTCACHE_DIR``)."""
+    return socket_dir is not None or bool(os.environ.get("WEIGHTCACHE_DIR"))
+
+
+def resolve_group(group: str | int) -> int:
+    """A group name or number -> gid (numbers need not have a name)."""
+    if isinstance(group, int) or group.isdigit():
+        return int(group)
+    try:
+        return grp.getgrnam(group).gr_gid
+    except KeyError:
+        raise ValueError(f"no group named {group!r} on this host; give a group name from /etc/group or a gid") from None
+
+
+def my_groups() -> set[int]:
+    return {os.getegid(), *os.getgroups()}
+
+
+def check_shared_dir(path: Path, gid: int, owner: int | None = None) -> None:
+    """Raise SocketDirError unless ``path`` is a real directory owned by ``owner`` (default: us), group ``gid``,
+    with no write access for the group and no access at all for others (2750 or stricter)."""
+    owner = os.getuid() if owner is None else owner
+    try:
+        st = os.lstat(path)
+    except OSError as exc:
+        raise SocketDirError(f"cannot inspect socket directory {path}: {exc}") from exc
+    fix = f"Run: chown {owner}:{gid} {path} && chmod 2750 {path}"
+    if stat.S_ISLNK(st.st_mode) or not stat.S_ISDIR(st.st_mode):
+        raise SocketDirError(
+            f"shared socket directory {path} is a symlink or not a directory; expected a real directory"
+        )
+    if st.st_uid != owner or st.st_gid != gid:
+        raise SocketDirError(
+            f"shared socket directory {path} belongs to uid {st.st_uid} gid {st.st_gid}; expected uid {owner} gid "
+            f"{gid}. {fix}"
+        )
+    if st.st_mode & 0o027 or not st.st_mode & 0o010:
+        raise SocketDirError(
+            f"shared socket directory {path} has mode {stat.S_IMODE(st.st_mode):04o}; expected 2750 (the group may "
+            f"enter but not write, others nothing). {fix}"
+        )
+
+
+def ensure_shared_dir(path: Path, gid: int) -> Path:
+    """Create ``path`` as a shared socket directory for group ``gid`` if missing, then check it (the keeper's
+    side of ``--allow-group``). An existing directory is never loosened: it must already be set up so."""
+    if not os.path.lexists(path):
+        ensure_private_dir(path)
+        try:
+            os.chown(path, -1, gid)
+            os.chmod(path, 0o2750)
+        except OSError as exc:
+            raise SocketDirError(
+                f"cannot give socket directory {path} to group {gid}: {exc}. Only members of a group (or root) can "
+                "give it files; pick a group you are in."
+            ) from exc
+    check_shared_dir(path, gid)
+    return path
+
+
+def check_socket_dir(path: Path, *, explicit: bool) -> tuple[int, int | None]:
+    """Check the directory a client is about to connect through: ``(uid its keeper must run as, shared gid)``.
+
+    Our own private directory: ``(our uid, None)``. Our own shared directory: ``(our uid, its gid)``. Another
+    user's shared directory (see the module docstring): ``(that uid, its gid)``, only if ``explicit`` and we
+    are in its group. Anything else raises SocketDirError.
+    """
+    try:
+        check_private_dir(path)
+        return os.getuid(), None
+    except SocketDirError as exc:
+        private_error = exc
+    try:
+        st = os.lstat(path)
+    except OSError:
+        raise private_error from None
+    if not stat.S_ISDIR(st.st_mode):
+        raise private_error
+    if st.st_uid == os.getuid():
+        try:
+            check_shared_dir(path, st.st_gid)
+        except SocketDirError:
+            raise private_error from None
+        return st.st_uid, st.st_gid
+    if st.st_gid not in my_groups():
+        raise private_error
+    if not explicit:
+        raise SocketDirError(
+            f"socket directory {path} is shared by uid {st.st_uid}; a shared directory is used only when named "
+            "explicitly (socket_dir= or $WEIGHTCACHE_DIR), never as a default location"
+        )
+    check_shared_dir(path, st.st_gid, owner=st.st_uid)
+    return st.st_uid, st.st_gid
 
 
 def ensure_private_dir(path: Path) -> Path:

@@ -1,0 +1,392 @@
+"""Fault injection with real processes: keepers and clients SIGKILLed at awkward moments, restarts, races,
+bad checkpoints, full or unwritable socket directories, and long attach/detach runs."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import Holder, keeper_pid, open_fds, process_gone, run_worker, start_keeper, wait_until
+from models import make_checkpoint, meta_model
+
+import weightcache as wc
+
+#: How long a client may take to notice a new keeper and re-publish (it polls at most once a second).
+REPUBLISH_S = 15.0
+
+
+def kill(proc: subprocess.Popen[bytes]) -> None:
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(10)
+
+
+def cpu_seconds(pid: int) -> float:
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime + stime
+
+
+def entries(socket_dir: Path) -> list[wc.EntryInfo]:
+    try:
+        return wc.Cache(socket_dir).entries()
+    except wc.KeeperUnavailable:
+        return []
+
+
+# --- item 1: the cache survives its keeper -----------------------------------------------------------------
+
+
+def test_restarted_keeper_gets_entries_back_from_clients(checkpoint: Path, socket_dir: Path) -> None:
+    """Keeper SIGKILLed under two attached engines; a new keeper starts; both engines re-publish the entry
+    (one creates it, the other becomes a lease holder), and a third engine attaches it from the cache."""
+    keeper = start_keeper(socket_dir)
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir)}
+    publisher = run_worker("attach", {**spec, "mode": "daemon"})
+    holders = [Holder({**spec, "mode": "client"}) for _ in range(2)]
+    try:
+        kill(keeper)
+        for h in holders:  # attached engines never notice
+            assert h.compute()["output"] == publisher["output"]
+        assert entries(socket_dir) == []
+        new_keeper = start_keeper(socket_dir)
+        try:
+            assert wait_until(lambda: [e.leases for e in entries(socket_dir)] == [2], REPUBLISH_S)
+            [entry] = entries(socket_dir)
+            assert entry.digest == publisher["digest"]
+            assert {pid for pid, _ in entry.holders} == {h.info["pid"] for h in holders}
+            third = run_worker("attach", {**spec, "mode": "client", "strict": True})
+            assert third["source"] == "cache" and third["output"] == publisher["output"]
+            for h in holders:
+                assert h.compute() == {"output": publisher["output"], "leased": True}
+        finally:
+            for h in holders:
+                h.close()
+            assert wait_until(lambda: [e.leases for e in entries(socket_dir)] == [0])
+            new_keeper.terminate()
+            new_keeper.wait(10)
+    finally:
+        for h in holders:
+            h.close()
+
+
+def test_daemon_mode_engine_respawns_a_crashed_keeper_and_republishes(checkpoint: Path, socket_dir: Path) -> None:
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir)}
+    holder = Holder({**spec, "mode": "daemon"})
+    try:
+        old = keeper_pid(socket_dir)
+        assert old
+        os.kill(old, signal.SIGKILL)
+        assert wait_until(lambda: process_gone(old))
+        assert wait_until(lambda: [e.leases for e in entries(socket_dir)] == [1], REPUBLISH_S)
+        new = keeper_pid(socket_dir)
+        assert new and new != old
+        third = run_worker("attach", {**spec, "mode": "client", "strict": True})
+        assert third["source"] == "cache" and third["output"] == holder.info["output"]
+    finally:
+        holder.close()
+
+
+def test_a_stopped_keeper_is_not_respawned_but_a_new_one_gets_the_entries(checkpoint: Path, socket_dir: Path) -> None:
+    """`weightcache stop` means stop: engines do not start another keeper. A keeper started later (an upgrade)
+    gets their entries back."""
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir)}
+    holder = Holder({**spec, "mode": "daemon"})
+    try:
+        old = keeper_pid(socket_dir)
+        wc.Cache(socket_dir).stop()
+        assert old and wait_until(lambda: process_gone(old))
+        cpu_before = cpu_seconds(holder.proc.pid)
+        assert not wait_until(lambda: keeper_pid(socket_dir) not in (None, old), 3.0), "a stopped keeper came back"
+        assert cpu_seconds(holder.proc.pid) - cpu_before < 0.3, "waiting for a keeper must not spin"
+        assert holder.compute()["leased"] is False
+        upgraded = start_keeper(socket_dir)
+        try:
+            assert wait_until(lambda: [e.leases for e in entries(socket_dir)] == [1], REPUBLISH_S)
+            assert holder.compute() == {"output": holder.info["output"], "leased": True}
+        finally:
+            holder.close()
+            upgraded.terminate()
+            upgraded.wait(10)
+    finally:
+        holder.close()
+
+
+def test_handle_closed_while_its_keeper_is_gone_is_not_republished(checkpoint: Path, socket_dir: Path) -> None:
+    keeper = start_keeper(socket_dir)
+    cache = wc.Cache(socket_dir)
+    fp = wc.Fingerprint.create(checkpoint)
+    kept = cache.put(fp, {"w": torch.arange(64.0)})
+    dropped = cache.put(wc.Fingerprint.create(checkpoint, extra={"x": 1}), {"w": torch.ones(8)})
+    kill(keeper)
+    assert wait_until(lambda: not kept.leased and not dropped.leased)
+    dropped.close()
+    keeper = start_keeper(socket_dir)
+    try:
+        assert wait_until(lambda: kept.leased, REPUBLISH_S)
+        assert [e.digest for e in cache.entries()] == [fp.digest]
+        assert torch.equal(kept.tensors["w"], torch.arange(64.0))
+        kept.close()
+        assert wait_until(lambda: cache.entries()[0].leases == 0)
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+
+
+# --- item 3: clients killed in the middle of things ----------------------------------------------------------
+
+#: A client that takes a lease on an entry, then starts a publish and stops half-way: its frame header and the
+#: segment fds are sent, half the manifest is not. Prints "sent" and waits to be killed.
+HALF_PUBLISH = r"""
+import fcntl, json, os, struct, sys, time
+from weightcache.client import KeeperConnection
+from weightcache import protocol
+socket_dir, digest, manifest = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+conn = KeeperConnection.connect(socket_dir)
+reply, fds = conn.request({"op": "get", "digest": digest, "placement": "cpu"})
+assert reply["found"]
+fd = os.memfd_create("weightcache", os.MFD_ALLOW_SEALING)
+os.ftruncate(fd, 4096)
+fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+payload = json.dumps({"op": "publish", "manifest": manifest}).encode()
+header = protocol.HEADER.pack(protocol.MAGIC, protocol.WIRE_VERSION, 1, len(payload))
+import socket, array
+fds = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [fd]))]
+conn._sock.sendmsg([header + payload[: len(payload) // 2]], fds)
+print("sent", flush=True)
+time.sleep(600)
+"""
+
+#: A client that asks for an entry and reads only the reply's header (its fds arrive with it), then waits.
+HALF_ATTACH = r"""
+import json, sys, time, socket
+from weightcache.client import KeeperConnection
+from weightcache import protocol
+socket_dir, digest = sys.argv[1], sys.argv[2]
+conn = KeeperConnection.connect(socket_dir)
+protocol.send_frame(conn._sock, {"op": "get", "digest": digest, "placement": "cpu"})
+data, anc, _, _ = conn._sock.recvmsg(protocol.HEADER.size, socket.CMSG_SPACE(64 * 4))
+print("sent" if anc else "no fds", flush=True)
+time.sleep(600)
+"""
+
+
+def _victim(code: str, *args: str) -> subprocess.Popen[str]:
+    proc = subprocess.Popen(
+        [sys.executable, "-c", code, *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert proc.stdout is not None
+    line = proc.stdout.readline().strip()
+    if line != "sent":
+        proc.kill()
+        raise AssertionError(f"victim did not get going: {line!r} {proc.stderr.read() if proc.stderr else ''}")
+    return proc
+
+
+@pytest.mark.parametrize("moment", ["publish", "attach"])
+def test_client_killed_mid_publish_or_attach(checkpoint: Path, socket_dir: Path, moment: str) -> None:
+    keeper = start_keeper(socket_dir)
+    try:
+        cache = wc.Cache(socket_dir)
+        fp = wc.Fingerprint.create(checkpoint)
+        cache.put(fp, {"w": torch.arange(256.0)}).close()
+        assert wait_until(lambda: cache.entries()[0].leases == 0)
+        baseline = open_fds(keeper.pid)
+        other = wc.Fingerprint.create(checkpoint, extra={"half": True})
+        manifest = {
+            "version": 1,
+            "fingerprint": other.to_json(),
+            "segments": [{"kind": "memfd", "size": 4096, "placement": "cpu"}],
+            "tensors": {
+                "name": ["w"], "segment": [0], "offset": [0], "dtype": ["float32"], "shape": [[4]],
+                "stride": [[1]], "kind": ["tensor"], "requires_grad": [False], "digest": [None],
+            },
+        }  # fmt: skip
+        if moment == "publish":
+            victim = _victim(HALF_PUBLISH, str(socket_dir), fp.digest, json.dumps(manifest))
+        else:
+            victim = _victim(HALF_ATTACH, str(socket_dir), fp.digest)
+        [entry] = cache.entries()
+        assert [pid for pid, _ in entry.holders] == [victim.pid], "the victim holds a lease"
+        victim.send_signal(signal.SIGKILL)
+        victim.wait(10)
+        assert wait_until(lambda: cache.entries()[0].leases == 0), "its lease is released"
+        assert [e.digest for e in cache.entries()] == [fp.digest], "a half-published entry never becomes visible"
+        # <=: connections of this test that the keeper was still closing may count in the baseline
+        assert wait_until(lambda: open_fds(keeper.pid) <= baseline), "the keeper closed every fd the victim sent"
+        with cache.get(fp) as handle:  # type: ignore[union-attr]  # and serves everyone else
+            assert torch.equal(handle.tensors["w"], torch.arange(256.0))
+        assert keeper.poll() is None
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+
+
+#: Attaches the entry from 8 threads at once (8 leases), reports the tensors' digests, waits for stdin to close.
+ATTACH_8 = r"""
+import hashlib, json, sys, threading
+import weightcache as wc
+socket_dir, fp = sys.argv[1], wc.Fingerprint.from_json(json.loads(sys.argv[2]))
+cache = wc.Cache(socket_dir)
+handles = [None] * 8
+def one(i):
+    handles[i] = cache.get(fp)
+threads = [threading.Thread(target=one, args=(i,)) for i in range(8)]
+for t in threads: t.start()
+for t in threads: t.join()
+digests = {hashlib.sha256(h.tensors["w"].numpy().tobytes()).hexdigest() for h in handles}
+print(json.dumps({"digests": sorted(digests), "leased": sum(h.leased for h in handles)}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_32_concurrent_attaches(checkpoint: Path, socket_dir: Path) -> None:
+    """Four processes attach with eight threads each, all at once: 32 leases held together, identical data."""
+    keeper = start_keeper(socket_dir)
+    procs: list[subprocess.Popen[str]] = []
+    try:
+        fp = wc.Fingerprint.create(checkpoint)
+        weights = torch.randn(1 << 16, generator=torch.Generator().manual_seed(1))
+        wc.Cache(socket_dir).put(fp, {"w": weights}).close()
+        for _ in range(4):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", ATTACH_8, str(socket_dir), json.dumps(fp.to_json())],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+        expected = hashlib.sha256(weights.numpy().tobytes()).hexdigest()
+        for p in procs:
+            assert p.stdout is not None
+            report = json.loads(p.stdout.readline())
+            assert report == {"digests": [expected], "leased": 8}
+        [entry] = wc.Cache(socket_dir).entries()
+        assert entry.leases == 32 and {pid for pid, _ in entry.holders} == {p.pid for p in procs}
+    finally:
+        for p in procs:
+            if p.stdin:
+                p.stdin.close()
+            p.wait(30)
+        keeper.terminate()
+        keeper.wait(10)
+
+
+# --- item 3: the environment fails --------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to mount a tmpfs")
+def test_full_socket_directory_is_a_clear_error(tmp_path: Path, checkpoint: Path) -> None:
+    full = Path(tempfile.mkdtemp(prefix="wc-full-", dir="/tmp"))
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(full)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        fd = os.open(full / "fill", os.O_WRONLY | os.O_CREAT)
+        with pytest.raises(OSError, match="No space left"):
+            while True:  # fill it up
+                os.write(fd, b"\0" * 4096)
+        os.close(fd)
+        with pytest.raises(wc.KeeperUnavailable, match="cannot write in the socket directory .*No space left"):
+            wc.Cache(full / "s", spawn=True)
+        with pytest.raises(wc.KeeperUnavailable, match="No space left"):
+            wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=full / "s")
+        with pytest.warns(wc.FallbackWarning, match="no keeper"):
+            assert wc.attach(meta_model(), checkpoint, mode="client", socket_dir=full / "s").source == "disk"
+    finally:
+        subprocess.run(["umount", str(full)])
+        shutil.rmtree(full, ignore_errors=True)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
+def test_unwritable_socket_directory_is_a_clear_error(tmp_path: Path) -> None:
+    base = Path(tempfile.mkdtemp(prefix="wc-ro-", dir="/tmp"))
+    os.chmod(base, 0o755)  # root's, not writable by uid 65534
+    code = (  # import first: this Python's own files may not be readable by uid 65534
+        "import os, sys, weightcache as wc, weightcache.client as client\n"
+        "os.setgid(65534); os.setuid(65534)\n"
+        "try:\n    client.ensure_keeper(sys.argv[1])\n"
+        "except wc.SocketDirError as exc:\n    print(exc)\n"
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", code, str(base / "s")], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 0, out.stderr
+        assert "cannot create socket directory" in out.stdout and "Permission denied" in out.stdout
+        assert "Pick a writable socket_dir or set $WEIGHTCACHE_DIR" in out.stdout
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+@pytest.mark.parametrize("damage", ["truncated data", "truncated header", "corrupt header", "absurd header length"])
+def test_damaged_checkpoint_is_a_clear_error_and_publishes_nothing(
+    tmp_path: Path, socket_dir: Path, damage: str
+) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt")
+    file = ckpt / "model.safetensors"
+    data = bytearray(file.read_bytes())
+    if damage == "truncated data":
+        data = data[: len(data) - 1000]
+    elif damage == "truncated header":
+        data = data[:100]
+    elif damage == "corrupt header":
+        data[8:20] = b"\xff" * 12
+    else:
+        data[:8] = (1 << 40).to_bytes(8, "little")
+    file.write_bytes(bytes(data))
+    keeper = start_keeper(socket_dir)
+    try:
+        with pytest.raises(wc.CheckpointError, match=r"model\.safetensors") as info:
+            wc.attach(meta_model(), ckpt, mode="daemon", socket_dir=socket_dir)
+        assert "corrupt" in str(info.value) or "truncated" in str(info.value)
+        assert entries(socket_dir) == [], "nothing is published from a damaged checkpoint"
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_1000_attach_detach_cycles_leak_nothing(checkpoint: Path, socket_dir: Path) -> None:
+    """Neither this process nor the keeper grows in fds, mappings or memory over 1,000 attach/detach cycles."""
+    keeper = start_keeper(socket_dir)
+    try:
+        cache = wc.Cache(socket_dir)
+        fp = wc.Fingerprint.create(checkpoint)
+        cache.put(fp, {f"t{i}": torch.randn(256) for i in range(20)}).close()
+
+        def maps() -> int:
+            return Path("/proc/self/maps").read_text().count("memfd:weightcache")
+
+        def rss_kb(pid: int) -> int:
+            for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1])
+            raise AssertionError("no VmRSS")
+
+        for _ in range(20):  # warm up: caches, threads, allocator pools
+            cache.get(fp).close()  # type: ignore[union-attr]
+        import gc
+
+        gc.collect()
+        before = (open_fds(os.getpid()), maps(), open_fds(keeper.pid), rss_kb(keeper.pid), rss_kb(os.getpid()))
+        for _ in range(1000):
+            handle = cache.get(fp)
+            assert handle is not None
+            float(handle.tensors["t3"].sum())
+            handle.close()
+            del handle
+        gc.collect()
+        assert wait_until(lambda: cache.entries()[0].leases == 0)
+        # the keeper closes its side of each connection asynchronously (the entries() call's too)
+        assert wait_until(lambda: open_fds(keeper.pid) == before[2])
+        after = (open_fds(os.getpid()), maps(), open_fds(keeper.pid), rss_kb(keeper.pid), rss_kb(os.getpid()))
+        assert after[0] == before[0] and after[1] <= before[1] and after[2] == before[2], (before, after)
+        assert after[3] < before[3] + 4096 and after[4] < before[4] + 16384, (before, after)  # KiB
+    finally:
+        keeper.terminate()
+        keeper.wait(10)

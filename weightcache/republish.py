@@ -1,0 +1,255 @@
+"""Keeping the cache across keeper restarts: clients re-publish the entries they hold to a new keeper.
+
+One daemon thread per process, started with the first :class:`~weightcache.cache.Handle` that holds a lease,
+watches every lease connection. When the keeper closes one (it crashed, was stopped or upgraded), the thread
+waits for a keeper to serve the same socket directory again, then publishes the handle's manifest with the
+segment fds the handle still holds (no disk read, no copy: the kernel or driver keeps the memory alive through
+those fds) and so takes the lease again. The keeper treats a publish of an entry it already holds as one more
+lease, so any number of clients may re-publish the same entry.
+
+A new keeper is spawned by this thread only for handles whose :class:`~weightcache.cache.Cache` may spawn
+(``spawn=True``, mode daemon), only after a crash (a keeper stopped on purpose leaves ``keeper.stopped``), and
+only while the socket directory still exists.
+
+This thread must never disturb the engine: it raises into nothing, kills nothing, never touches the memory the
+engine maps, and only logs (logger ``weightcache.republish``) and retries with backoff. It moves only fds, so
+it serves every segment transport alike.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import select
+import threading
+import time
+import weakref
+from typing import TYPE_CHECKING
+
+import attrs
+
+from .client import KeeperConnection, ensure_keeper
+from .errors import KeeperError, KeeperUnavailable, WeightCacheError
+from .protocol import close_fds
+from .rundir import STOPPED_NAME
+
+if TYPE_CHECKING:
+    from pathlib import Path
+
+    from .cache import Handle
+
+log = logging.getLogger("weightcache.republish")
+
+#: First wait before trying again after the keeper went away; doubled each time.
+FIRST_RETRY_S = 0.05
+#: Longest wait between attempts while no keeper answers (one cheap connect attempt).
+MAX_RETRY_S = 1.0
+#: Longest wait between attempts while a keeper answers but refuses the publish (budget, version), or cannot
+#: be started.
+MAX_REFUSED_RETRY_S = 30.0
+#: Longest wait for the keeper's reply to a re-publication.
+REQUEST_TIMEOUT_S = 30.0
+
+
+@attrs.define
+class _Watched:
+    handle: weakref.ref[Handle]
+    lost: bool = False
+    next_try: float = 0.0
+    delay: float = FIRST_RETRY_S
+    last_error: str | None = None
+
+
+def stopped_on_purpose(socket_dir: Path) -> bool:
+    """Whether the last keeper of ``socket_dir`` was stopped on request rather than crashing."""
+    return (socket_dir / STOPPED_NAME).exists()
+
+
+class Republisher:
+    """The per-process watcher of lease connections. Use :func:`watch` and :func:`forget`."""
+
+    def __init__(self) -> None:
+        self._lock = threading.RLock()  # re-entrant: a Handle collected inside this thread forgets itself
+        self._watched: dict[int, _Watched] = {}
+        self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
+        self._thread: threading.Thread | None = None
+
+    def watch(self, handle: Handle) -> None:
+        with self._lock:
+            self._watched[id(handle)] = _Watched(weakref.ref(handle))
+            if self._thread is None:
+                self._thread = threading.Thread(target=self._run, name="weightcache-republish", daemon=True)
+                self._thread.start()
+        self._wake()
+
+    def forget(self, handle: Handle) -> None:
+        with self._lock:
+            w = self._watched.get(id(handle))
+            if w is not None and w.handle() in (handle, None):
+                del self._watched[id(handle)]
+        self._wake()
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except OSError:
+            pass  # the pipe is full: the thread is awake anyway
+
+    # --- the thread -------------------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while True:
+            try:
+                self._once()
+            except Exception:  # a bug here must never reach the engine: log it and keep going
+                log.exception("weightcache: unexpected error while watching keeper leases; continuing")
+                time.sleep(1.0)
+
+    def _once(self) -> None:
+        poller = select.poll()
+        poller.register(self._wake_r, select.POLLIN)
+        watching: dict[int, int] = {}
+        timeout: float | None = None
+        now = time.monotonic()
+        with self._lock:
+            for key, w in list(self._watched.items()):
+                handle = w.handle()
+                if handle is None:
+                    del self._watched[key]
+                elif w.lost:
+                    wait = max(0.0, w.next_try - now)
+                    timeout = wait if timeout is None else min(timeout, wait)
+                else:
+                    conn = handle._connection
+                    if conn is not None and not conn.closed:
+                        fd = conn.fileno()
+                        poller.register(fd, select.POLLIN | select.POLLPRI)
+                        watching[fd] = key
+        events = poller.poll(None if timeout is None else timeout * 1000)
+        for fd, _ in events:
+            if fd == self._wake_r:
+                try:
+                    while os.read(self._wake_r, 4096):
+                        pass
+                except BlockingIOError:
+                    pass
+            elif fd in watching:
+                self._check(watching[fd])
+        self._retry_due()
+
+    def _check(self, key: int) -> None:
+        with self._lock:
+            w = self._watched.get(key)
+            handle = w.handle() if w is not None else None
+        if w is None or handle is None:
+            return
+        with handle._lock:
+            conn = handle._connection
+            if conn is None or not conn.peer_closed():
+                return  # closed by its owner meanwhile, or a spurious wake-up
+            conn.close()
+            handle._connection = None
+        w.lost, w.next_try, w.delay, w.last_error = True, time.monotonic(), FIRST_RETRY_S, None
+        log.warning(
+            "weightcache: the keeper at %s went away; entry %s stays mapped here and will be re-published when a "
+            "keeper serves that directory again",
+            handle._socket_dir,
+            handle.digest[:12],
+        )
+
+    def _retry_due(self) -> None:
+        now = time.monotonic()
+        with self._lock:
+            due = [(k, w) for k, w in self._watched.items() if w.lost and w.next_try <= now]
+        for key, w in due:
+            handle = w.handle()
+            if handle is None:
+                continue
+            try:
+                done = self._republish(handle)
+            except KeeperUnavailable as exc:
+                self._backoff(w, str(exc), MAX_RETRY_S, quiet=True)
+                continue
+            except (WeightCacheError, OSError) as exc:
+                self._backoff(w, f"{type(exc).__name__}: {exc}", MAX_REFUSED_RETRY_S, quiet=False)
+                continue
+            with self._lock:
+                if done and self._watched.get(key) is w:
+                    w.lost = False
+
+    @staticmethod
+    def _backoff(w: _Watched, error: str, ceiling: float, *, quiet: bool) -> None:
+        if error != w.last_error:
+            (log.debug if quiet else log.warning)("weightcache: re-publishing failed (%s); retrying", error)
+        w.last_error = error
+        w.next_try = time.monotonic() + w.delay
+        w.delay = min(ceiling, w.delay * 2)
+
+    @staticmethod
+    def _republish(handle: Handle) -> bool:
+        """Publish ``handle``'s entry to the keeper that now serves its directory; True once leased again."""
+        directory = handle._socket_dir
+        manifest = handle.manifest
+        assert directory is not None and manifest is not None, "only handles with a lease are watched"
+        explicit = handle._explicit
+        try:
+            conn = KeeperConnection.connect(directory, explicit=explicit)
+        except KeeperUnavailable:
+            if not (handle._respawn and directory.is_dir() and not stopped_on_purpose(directory)):
+                raise
+            log.info("weightcache: spawning a keeper in %s to re-publish %s", directory, handle.digest[:12])
+            try:
+                ensure_keeper(directory, explicit=explicit)
+                conn = KeeperConnection.connect(directory, explicit=explicit)
+            except KeeperUnavailable as exc:  # not a keeper that is merely absent: retry rarely, and say why
+                raise KeeperError(f"could not start a keeper: {exc}", "spawn") from exc
+        try:
+            with handle._lock:
+                if handle._closed:
+                    conn.close()
+                    return True
+                fds = [os.dup(fd) for fd in handle._fds]
+            try:
+                reply, _ = conn.request(
+                    {"op": "publish", "manifest": manifest.to_json()}, fds, timeout=REQUEST_TIMEOUT_S
+                )
+            finally:
+                close_fds(fds)
+        except BaseException:
+            conn.close()
+            raise
+        with handle._lock:
+            if handle._closed:
+                conn.close()  # closed while we published: the lease goes with this connection
+                return True
+            handle._connection = conn
+        log.info(
+            "weightcache: re-published %s to the keeper (pid %s) at %s (%s)",
+            handle.digest[:12],
+            conn.hello.get("pid"),
+            directory,
+            "new entry" if reply.get("created") else "already there; lease taken",
+        )
+        return True
+
+
+_republisher = Republisher()
+
+
+def _after_fork() -> None:
+    # The thread does not exist in a forked child; the child starts its own when it holds a handle.
+    global _republisher
+    _republisher = Republisher()
+
+
+os.register_at_fork(after_in_child=_after_fork)
+
+
+def watch(handle: Handle) -> None:
+    """Re-publish ``handle``'s entry whenever its keeper goes away, for as long as the handle is open."""
+    _republisher.watch(handle)
+
+
+def forget(handle: Handle) -> None:
+    """Stop watching ``handle`` (it is being closed)."""
+    _republisher.forget(handle)
