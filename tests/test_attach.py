@@ -336,3 +336,22 @@ def test_client_falls_back_from_a_broken_entry(checkpoint: Path, socket_dir: Pat
     with pytest.raises(wc.BindError):  # binding a wrong entry is a hard error, never silent
         wc.attach(model, checkpoint, mode="client", socket_dir=socket_dir)
     assert model.embed.weight.is_meta
+
+
+def test_daemon_over_budget_runs_from_disk_or_raises(checkpoint: Path, socket_dir: Path) -> None:
+    """A keeper whose memory budget cannot hold the weights: mode daemon warns and runs on its own copy (the
+    same output), publishes nothing, and the keeper keeps serving; with strict=True it raises."""
+    proc = start_keeper(socket_dir, "--max-bytes", "4K")
+    try:
+        model = meta_model()
+        with pytest.warns(wc.FallbackWarning, match="refused to publish.*budget"):
+            handle = wc.attach(model, checkpoint, mode="daemon", socket_dir=socket_dir)
+        assert handle.source == "disk" and "--max-bytes" in (handle.fallback_reason or "")
+        assert output_digest(model) == digest(reference_output(checkpoint))
+        assert wc.Cache(socket_dir).entries() == []
+        with pytest.raises(wc.BudgetExceeded, match="budget"):
+            wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir, strict=True)
+        assert proc.poll() is None and wc.Cache(socket_dir).entries() == []
+    finally:
+        proc.terminate()
+        proc.wait(10)

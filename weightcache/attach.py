@@ -26,6 +26,7 @@ from .checkpoint import apply_transform, load_state_dict
 from .client import ensure_keeper
 from .errors import (
     BindError,
+    BudgetExceeded,
     EntryNotFound,
     FallbackWarning,
     FingerprintMismatch,
@@ -72,7 +73,8 @@ def attach(
             its name and a hash of its code are part of the fingerprint (see
             :func:`weightcache.fingerprint.transform_identity`; functions it calls are not covered).
         strict: in mode client, raise KeeperUnavailable, EntryNotFound or FingerprintMismatch instead of
-            falling back to disk.
+            falling back to disk; in mode daemon, raise BudgetExceeded when the keeper's memory budget refuses
+            the weights (without it, the engine warns and loads them again into its own memory).
         socket_dir: the keeper's socket directory (default: see :mod:`weightcache.rundir`).
 
     Returns:
@@ -121,15 +123,21 @@ def attach(
 
             layout = checkpoint_layout(checkpoint) if handle is None and dev.type == "cuda" and not transform else None
             if handle is None:
-                if layout is not None and _stored_as_is(layout, torch_dtype):
-                    # Straight from the files into the segments: no second copy on the device at any time.
-                    handle = cache.put_checkpoint(fingerprint, layout, before_publish=keeper_ready)
-                else:
-                    state = load_weights(checkpoint, dev, torch_dtype, transform)
-                    keeper_ready()
-                    # consume: each tensor is freed once copied into its segment, so publishing needs one
-                    # segment of extra memory, not a second copy of the model.
-                    handle = cache.put(fingerprint, state, consume=True)
+                try:
+                    if layout is not None and _stored_as_is(layout, torch_dtype):
+                        # Straight from the files into the segments: no second copy on the device at any time.
+                        handle = cache.put_checkpoint(fingerprint, layout, before_publish=keeper_ready)
+                    else:
+                        state = load_weights(checkpoint, dev, torch_dtype, transform)
+                        keeper_ready()
+                        # consume: each tensor is freed once copied into its segment, so publishing needs one
+                        # segment of extra memory, not a second copy of the model.
+                        handle = cache.put(fingerprint, state, consume=True)
+                except BudgetExceeded as exc:
+                    if strict:
+                        raise
+                    # The refused segments are freed with what they held: the engine loads again, privately.
+                    return _fallback(from_disk, f"the keeper refused to publish the weights: {exc}")
         return _bound(model, handle, dev)
 
     # mode == "client"
