@@ -219,3 +219,17 @@ def test_budget_refuses_what_cannot_fit_and_evicts_nothing(socket_dir: Path, che
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+def test_a_dropped_handle_releases_its_lease(cache: wc.Cache, checkpoint: Path) -> None:
+    """A handle its owner drops without closing is collected at once and its lease released: the thread that
+    watches leases for re-publication must not keep it alive while it waits."""
+    fp = wc.Fingerprint.create(checkpoint)
+    kept = cache.put(fp, {"w": torch.ones(16)})
+    dropped = cache.get(fp)
+    assert dropped is not None
+    assert wait_until(lambda: cache.entries()[0].leases == 2)
+    del dropped
+    gc.collect()
+    assert wait_until(lambda: cache.entries()[0].leases == 1), "the dropped handle still holds its lease"
+    kept.close()

@@ -18,6 +18,7 @@ it serves every segment transport alike.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import os
 import select
@@ -73,6 +74,7 @@ class Republisher:
         self._watched: dict[int, _Watched] = {}
         self._wake_r, self._wake_w = os.pipe2(os.O_NONBLOCK | os.O_CLOEXEC)
         self._thread: threading.Thread | None = None
+        self._stopping = False
 
     def watch(self, handle: Handle) -> None:
         with self._lock:
@@ -89,6 +91,17 @@ class Republisher:
                 del self._watched[id(handle)]
         self._wake()
 
+    def stop(self, timeout: float = 2.0) -> None:
+        """End the thread; called at interpreter exit. A daemon thread still running while Python finalises is
+        killed wherever it is, and when that is inside native code (e.g. a tensor freed with the last Handle),
+        the process aborts ("terminate called without an active exception") instead of exiting."""
+        with self._lock:
+            self._stopping = True
+            thread = self._thread
+        self._wake()
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+
     def _wake(self) -> None:
         try:
             os.write(self._wake_w, b"x")
@@ -98,7 +111,7 @@ class Republisher:
     # --- the thread -------------------------------------------------------------------------------------
 
     def _run(self) -> None:
-        while True:
+        while not self._stopping:
             try:
                 self._once()
             except Exception:  # a bug here must never reach the engine: log it and keep going
@@ -125,6 +138,9 @@ class Republisher:
                         fd = conn.fileno()
                         poller.register(fd, select.POLLIN | select.POLLPRI)
                         watching[fd] = key
+            # Hold no handle while waiting: one its owner dropped must be collected (and its lease released)
+            # now, in the owner's thread, not when this thread next wakes up.
+            handle = conn = None
         events = poller.poll(None if timeout is None else timeout * 1000)
         for fd, _ in events:
             if fd == self._wake_r:
@@ -133,9 +149,10 @@ class Republisher:
                         pass
                 except BlockingIOError:
                     pass
-            elif fd in watching:
+            elif fd in watching and not self._stopping:
                 self._check(watching[fd])
-        self._retry_due()
+        if not self._stopping:
+            self._retry_due()
 
     def _check(self, key: int) -> None:
         with self._lock:
@@ -243,6 +260,11 @@ def _after_fork() -> None:
 
 
 os.register_at_fork(after_in_child=_after_fork)
+
+
+@atexit.register
+def _stop_at_exit() -> None:
+    _republisher.stop()
 
 
 def watch(handle: Handle) -> None:
