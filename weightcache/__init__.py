@@ -11,8 +11,11 @@ from typing import TYPE_CHECKING, Any
 from . import quant
 from ._version import __version__
 from .errors import (
+    BackendConfigError,
+    BackendError,
     BindError,
     CheckpointError,
+    EngineNotInstalled,
     EntryNotFound,
     FallbackWarning,
     FingerprintMismatch,
@@ -57,9 +60,12 @@ def __getattr__(name: str) -> Any:
 
 
 __all__ = [
+    "BackendConfigError",
+    "BackendError",
     "BindError",
     "Cache",
     "CheckpointError",
+    "EngineNotInstalled",
     "EntryInfo",
     "EntryNotFound",
     "FallbackWarning",
