@@ -51,12 +51,16 @@ LOAD_FORMAT = "weightcache"
 #: depends on its config (block-wise or per-tensor) and is handled separately; anything else is refused.
 QUANT_METHODS: dict[str, str] = {
     "awq": "awq",
+    "auto_awq": "awq",
     "awq_marlin": "awq",
     "gptq": "gptq",
+    "auto_gptq": "gptq",
     "gptq_marlin": "gptq",
     "gptq_marlin_24": "marlin",
     "marlin": "marlin",
 }
+#: vLLM's FP8 methods: block-wise when the config carries ``weight_block_size``, else per-tensor or per-channel.
+FP8_METHODS = ("fp8", "fp8_per_block", "fp8_per_tensor", "fp8_per_channel", "fbgemm_fp8")
 
 #: Quant method classes whose ``process_weights_after_loading`` vLLM re-runs in full even under
 #: ``weights_already_processed()`` (they declare support because their transforms are repeatable from the
@@ -89,7 +93,7 @@ class VllmBackend(Backend):
         if not isinstance(method, str):
             raise TypeError(f"vllm adapter: expected a vLLM QuantizationConfig or None; found {engine_quant!r}")
         config: dict[str, Any] = {"engine_method": method, "config": _json_attributes(engine_quant)}
-        if method == "fp8":
+        if method in FP8_METHODS:
             block = getattr(engine_quant, "weight_block_size", None)
             if block:
                 config["weight_block_size"] = [int(b) for b in block]
@@ -97,9 +101,10 @@ class VllmBackend(Backend):
             return QuantSpec("fp8_per_tensor", config)
         strategy = QUANT_METHODS.get(method)
         if strategy is None:
+            mapped = ", ".join(sorted([*FP8_METHODS, *QUANT_METHODS]))
             raise UnsupportedQuantError(
                 f"vLLM quantization method {method!r} has no weightcache strategy, so its post-processed weights "
-                f"cannot be shared safely (mapped methods: fp8, {', '.join(sorted(QUANT_METHODS))}). Use another "
+                f"cannot be shared safely (mapped methods: {mapped}). Use another "
                 "load format for this model, or add a strategy (weightcache.quant.register) after checking it "
                 "with `weightcache parity`."
             )
@@ -431,6 +436,7 @@ def _json_attributes(obj: object) -> dict[str, Any]:
 
 
 __all__ = [
+    "FP8_METHODS",
     "LOAD_FORMAT",
     "QUANT_METHODS",
     "RERUN_METHODS",
