@@ -1,4 +1,4 @@
-"""The ``weightcache`` command: serve | load | ls | inspect | evict | stop | bench.
+"""The ``weightcache`` command: serve | load | ls | inspect | evict | stop | parity | bench.
 
 Keeper commands (serve, ls, inspect, evict, stop) do not import torch, so they answer in milliseconds.
 """
@@ -187,6 +187,24 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_parity(args: argparse.Namespace) -> int:
+    from .parity import compare, read_table
+
+    left, right = read_table(args.left), read_table(args.right)
+    differences = compare(left, right)
+    if args.json:
+        print(json.dumps({"tensors": len(left), "identical": not differences, "differences": differences}, indent=2))
+    elif differences:
+        print(f"{len(differences)} differences between {args.left} and {args.right}:")
+        for line in differences[: args.limit]:
+            print(f"  {line}")
+        if len(differences) > args.limit:
+            print(f"  ... and {len(differences) - args.limit} more (--limit)")
+    else:
+        print(f"identical: {len(left)} tensors (name, shape, dtype, stride, kind, bytes)")
+    return 1 if differences else 0
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
@@ -239,6 +257,18 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("stop", "stop the keeper (attached clients keep working)")
     p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser(
+        "parity",
+        help="diff two tensor tables (a disk-loaded and a cache-attached model), tensor by tensor",
+        description="Diff two tensor tables written by weightcache.parity.write_table(): name, shape, dtype, "
+        "stride, kind and SHA-256 of the bytes. Exit status 0: identical; 1: they differ.",
+    )
+    p.add_argument("left", help="table of the disk-loaded model (JSON)")
+    p.add_argument("right", help="table of the cache-attached model (JSON)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--limit", type=int, default=40, help="differences to list (default 40)")
+    p.set_defaults(func=cmd_parity)
 
     p = add("bench", "measure attach time (see docs/benchmarks.md)")
     from .bench import add_arguments

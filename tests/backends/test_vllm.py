@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from conftest import require_engine
+from engines import require_engine
 
 require_engine("vllm")
 

@@ -18,9 +18,10 @@ from __future__ import annotations
 import abc
 import importlib
 import importlib.util
+import json
 import os
 import warnings
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -28,16 +29,19 @@ import attrs
 
 from ..errors import (
     BackendConfigError,
+    BindError,
     EngineNotInstalled,
     EntryNotFound,
     FallbackWarning,
     FingerprintMismatch,
     KeeperUnavailable,
+    UnsupportedQuantError,
     WeightCacheError,
 )
 
 if TYPE_CHECKING:
     import torch
+    from torch import nn
 
     from ..cache import Handle
     from ..fingerprint import Fingerprint
@@ -153,6 +157,73 @@ class Backend(abc.ABC):
         return f"<{type(self).__name__} {self.name!r} ({'available' if self.available() else 'not installed'})>"
 
 
+#: Engine quantization methods (``QuantizationConfig.get_name()`` in vLLM and SGLang) and the weightcache
+#: strategy for each. ``fp8``
+#: depends on its config (block-wise or per-tensor) and is handled separately; anything else is refused.
+QUANT_METHODS: dict[str, str] = {
+    "awq": "awq",
+    "auto_awq": "awq",
+    "awq_marlin": "awq",
+    "gptq": "gptq",
+    "auto_gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "gptq_marlin_24": "marlin",
+    "marlin": "marlin",
+}
+#: FP8 methods: block-wise when the config carries ``weight_block_size``, else per-tensor or per-channel.
+FP8_METHODS = ("fp8", "fp8_per_block", "fp8_per_tensor", "fp8_per_channel", "fbgemm_fp8")
+
+
+def quant_spec_from_config(engine: str, engine_quant: object) -> QuantSpec:
+    """Map an engine's quantization config object (vLLM's or SGLang's ``QuantizationConfig``, with
+    ``get_name()``; None: unquantized) to a weightcache strategy.
+
+    FP8 is block-wise (``fp8_block``) when the config carries ``weight_block_size``, else per-tensor (refused by
+    its strategy). The config hashed into the fingerprint holds the engine's method name, the block size, and
+    every plain-JSON attribute of the config object. Raises UnsupportedQuantError for unmapped methods.
+    """
+    if engine_quant is None:
+        return QuantSpec("none")
+    get_name = getattr(engine_quant, "get_name", None)
+    method = get_name() if callable(get_name) else None
+    if not isinstance(method, str):
+        raise TypeError(f"{engine} adapter: expected a QuantizationConfig or None; found {engine_quant!r}")
+    config: dict[str, Any] = {"engine_method": method, "config": _json_attributes(engine_quant)}
+    if method in FP8_METHODS:
+        block = getattr(engine_quant, "weight_block_size", None)
+        if block:
+            config["weight_block_size"] = [int(b) for b in block]
+            return QuantSpec("fp8_block", config)
+        return QuantSpec("fp8_per_tensor", config)
+    strategy = QUANT_METHODS.get(method)
+    if strategy is None:
+        mapped = ", ".join(sorted([*FP8_METHODS, *QUANT_METHODS]))
+        raise UnsupportedQuantError(
+            f"{engine} quantization method {method!r} has no weightcache strategy, so its post-processed weights "
+            f"cannot be shared safely (mapped methods: {mapped}). Load this model without weightcache, or add a "
+            "strategy (weightcache.quant.register) after checking it with `weightcache parity`."
+        )
+    return QuantSpec(strategy, config)
+
+
+def plain_json(value: object) -> Any:
+    """``value`` if it is plain JSON, else None: reprs of objects can hold addresses, which differ per process."""
+    try:
+        return json.loads(json.dumps(value, sort_keys=True))
+    except (TypeError, ValueError):
+        return None
+
+
+def _json_attributes(obj: object) -> dict[str, Any]:
+    """The attributes of a config object that are plain JSON (the rest cannot be compared across processes)."""
+    out = {}
+    for key, value in sorted(vars(obj).items()):
+        plain = plain_json(value)
+        if plain is not None or value is None:
+            out[key] = plain
+    return out
+
+
 # --- the cache half of modes daemon and client --------------------------------------------------------------
 
 
@@ -215,13 +286,90 @@ def entry_bytes(fingerprint: Fingerprint, options: LoaderOptions) -> int:
     return 0
 
 
+# --- binding an engine's published state into its meta model ------------------------------------------------
+
+
+def own_tensors(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters and buffers ``module`` itself registers (not its children's), by full name."""
+    dot = f"{prefix}." if prefix else ""
+    for attr, p in module._parameters.items():
+        if p is not None:
+            yield dot + attr, p
+    for attr, b in module._buffers.items():
+        if b is not None:
+            yield dot + attr, b
+
+
+def adopt_published_layout(model: nn.Module, handle: Handle) -> None:
+    """Make a model built on meta hold exactly the tensors that were published, before binding them.
+
+    Post-processing may replace a parameter by one of another shape or dtype (e.g. a transposed or re-scaled
+    FP8 weight), register new ones, or drop some. The published tensors are that result, so their layout
+    wins: a meta placeholder is re-made with the published shape and dtype (keeping its Parameter class and
+    attributes), a published name the model lacks is registered on its module, and a model tensor that was
+    not published (and is not tied to one that was) is removed.
+    """
+    import torch
+    from torch import nn
+
+    manifest = handle.manifest
+    kinds = dict(zip(manifest.names, manifest.kind)) if manifest is not None else {}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    present: dict[str, torch.Tensor] = {}
+    owners: dict[int, list[str]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, tensor in own_tensors(module, prefix):
+            present[name] = tensor
+            owners.setdefault(id(tensor), []).append(name)
+    published = handle.tensors
+    for name, tensor in published.items():
+        current = present.get(name)
+        module_name, _, leaf = name.rpartition(".")
+        module = modules.get(module_name)
+        if module is None:
+            raise BindError(f"published tensor {name!r} has no module {module_name!r} in {type(model).__name__}")
+        if current is not None and current.shape == tensor.shape and current.dtype == tensor.dtype:
+            continue
+        if current is not None and not current.is_meta:
+            continue  # materialised (e.g. a computed buffer): bind reports any mismatch
+        placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        if current is not None and leaf in module._parameters:
+            new = torch.Tensor._make_subclass(type(current), placeholder, False)
+            new.__dict__.update(current.__dict__)
+            for alias in owners.get(id(current), [name]):
+                alias_module, _, alias_leaf = alias.rpartition(".")
+                modules[alias_module]._parameters[alias_leaf] = new
+        elif current is not None:
+            for alias in owners.get(id(current), [name]):
+                alias_module, _, alias_leaf = alias.rpartition(".")
+                modules[alias_module]._buffers[alias_leaf] = placeholder
+        elif kinds.get(name) == "parameter":
+            module.register_parameter(leaf, nn.Parameter(placeholder, requires_grad=False))
+        else:
+            module.register_buffer(leaf, placeholder)
+    for name, tensor in present.items():
+        if not tensor.is_meta or any(alias in published for alias in owners.get(id(tensor), [])):
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        module = modules[module_name]
+        # Dropped by post-processing where the weights were made: the engine does not read it afterwards.
+        module._parameters.pop(leaf, None)
+        module._buffers.pop(leaf, None)
+
+
 __all__ = [
     "ENGINE_MODES",
+    "FP8_METHODS",
+    "QUANT_METHODS",
     "Backend",
     "EngineMode",
     "LoaderOptions",
     "QuantSpec",
+    "adopt_published_layout",
     "entry_bytes",
     "fetch",
+    "own_tensors",
+    "plain_json",
     "publish",
+    "quant_spec_from_config",
 ]

@@ -37,8 +37,18 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
-from ..errors import BindError, UnsupportedQuantError
-from .base import Backend, LoaderOptions, QuantSpec, entry_bytes, fetch, publish
+from .base import (
+    Backend,
+    LoaderOptions,
+    QuantSpec,
+    adopt_published_layout,
+    entry_bytes,
+    fetch,
+    own_tensors,
+    plain_json,
+    publish,
+    quant_spec_from_config,
+)
 
 if TYPE_CHECKING:
     from ..cache import Handle
@@ -46,21 +56,6 @@ if TYPE_CHECKING:
 
 #: The load format the loader is registered under.
 LOAD_FORMAT = "weightcache"
-
-#: vLLM quantization methods (``QuantizationConfig.get_name()``) and the weightcache strategy for each. ``fp8``
-#: depends on its config (block-wise or per-tensor) and is handled separately; anything else is refused.
-QUANT_METHODS: dict[str, str] = {
-    "awq": "awq",
-    "auto_awq": "awq",
-    "awq_marlin": "awq",
-    "gptq": "gptq",
-    "auto_gptq": "gptq",
-    "gptq_marlin": "gptq",
-    "gptq_marlin_24": "marlin",
-    "marlin": "marlin",
-}
-#: vLLM's FP8 methods: block-wise when the config carries ``weight_block_size``, else per-tensor or per-channel.
-FP8_METHODS = ("fp8", "fp8_per_block", "fp8_per_tensor", "fp8_per_channel", "fbgemm_fp8")
 
 #: Quant method classes whose ``process_weights_after_loading`` vLLM re-runs in full even under
 #: ``weights_already_processed()`` (they declare support because their transforms are repeatable from the
@@ -81,34 +76,9 @@ class VllmBackend(Backend):
     )
 
     def quant(self, engine_quant: object) -> QuantSpec:
-        """Map a vLLM ``QuantizationConfig`` (``vllm_config.quant_config``; None: unquantized) to a strategy.
-
-        The config hashed into the fingerprint holds vLLM's method name, its block size for FP8, and the
-        checkpoint's ``quantization_config`` when the object carries one.
-        """
-        if engine_quant is None:
-            return QuantSpec("none")
-        get_name = getattr(engine_quant, "get_name", None)
-        method = get_name() if callable(get_name) else None
-        if not isinstance(method, str):
-            raise TypeError(f"vllm adapter: expected a vLLM QuantizationConfig or None; found {engine_quant!r}")
-        config: dict[str, Any] = {"engine_method": method, "config": _json_attributes(engine_quant)}
-        if method in FP8_METHODS:
-            block = getattr(engine_quant, "weight_block_size", None)
-            if block:
-                config["weight_block_size"] = [int(b) for b in block]
-                return QuantSpec("fp8_block", config)
-            return QuantSpec("fp8_per_tensor", config)
-        strategy = QUANT_METHODS.get(method)
-        if strategy is None:
-            mapped = ", ".join(sorted([*FP8_METHODS, *QUANT_METHODS]))
-            raise UnsupportedQuantError(
-                f"vLLM quantization method {method!r} has no weightcache strategy, so its post-processed weights "
-                f"cannot be shared safely (mapped methods: {mapped}). Use another "
-                "load format for this model, or add a strategy (weightcache.quant.register) after checking it "
-                "with `weightcache parity`."
-            )
-        return QuantSpec(strategy, config)
+        """Map a vLLM ``QuantizationConfig`` (``vllm_config.quant_config``; None: unquantized) to a strategy
+        (see :func:`~weightcache.backends.base.quant_spec_from_config`)."""
+        return quant_spec_from_config("vLLM", engine_quant)
 
     def loader_class(self) -> type:
         """The vLLM ``BaseModelLoader`` subclass (built on first use: it needs vLLM)."""
@@ -193,7 +163,7 @@ def model_identity(vllm_config: Any, model_config: Any) -> dict[str, Any]:
         "revision": model_config.revision,
         "dtype": str(model_config.dtype),
         "quantization": model_config.quantization,
-        "hf_overrides": _plain(getattr(model_config, "hf_overrides", None)),
+        "hf_overrides": plain_json(getattr(model_config, "hf_overrides", None)),
         "load_device": None if load.device is None else str(load.device),
         "platform": str(current_platform.device_type),
         "linear_backend": str(getattr(getattr(vllm_config, "kernel_config", None), "linear_backend", "auto")),
@@ -202,16 +172,6 @@ def model_identity(vllm_config: Any, model_config: Any) -> dict[str, Any]:
 
 
 # --- the state that is published and bound -------------------------------------------------------------------
-
-
-def _own_tensors(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
-    dot = f"{prefix}." if prefix else ""
-    for attr, p in module._parameters.items():
-        if p is not None:
-            yield dot + attr, p
-    for attr, b in module._buffers.items():
-        if b is not None:
-            yield dot + attr, b
 
 
 def loaded_rerun_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
@@ -223,7 +183,7 @@ def loaded_rerun_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
     for prefix, module in model.named_modules():
         method = getattr(module, "quant_method", None)
         if type(method).__name__ in RERUN_METHODS:
-            for name, tensor in _own_tensors(module, prefix):
+            for name, tensor in own_tensors(module, prefix):
                 out[name] = tensor.detach()
     return out
 
@@ -235,60 +195,6 @@ def shareable_state(model: nn.Module, loaded: Mapping[str, torch.Tensor]) -> dic
     for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
         state[name] = loaded.get(name, tensor)
     return state
-
-
-def adopt_published_layout(model: nn.Module, handle: Handle) -> None:
-    """Make a model built on meta hold exactly the tensors that were published, before binding them.
-
-    Post-processing may replace a parameter by one of another shape or dtype (e.g. a transposed or re-scaled
-    FP8 weight), register new ones, or drop some. The published tensors are that result, so their layout
-    wins: a meta placeholder is re-made with the published shape and dtype (keeping its Parameter class and
-    attributes), a published name the model lacks is registered on its module, and a model tensor that was
-    not published (and is not tied to one that was) is removed.
-    """
-    manifest = handle.manifest
-    kinds = dict(zip(manifest.names, manifest.kind)) if manifest is not None else {}
-    modules = dict(model.named_modules(remove_duplicate=False))
-    present: dict[str, torch.Tensor] = {}
-    owners: dict[int, list[str]] = {}
-    for prefix, module in model.named_modules(remove_duplicate=False):
-        for name, tensor in _own_tensors(module, prefix):
-            present[name] = tensor
-            owners.setdefault(id(tensor), []).append(name)
-    published = handle.tensors
-    for name, tensor in published.items():
-        current = present.get(name)
-        module_name, _, leaf = name.rpartition(".")
-        module = modules.get(module_name)
-        if module is None:
-            raise BindError(f"published tensor {name!r} has no module {module_name!r} in {type(model).__name__}")
-        if current is not None and current.shape == tensor.shape and current.dtype == tensor.dtype:
-            continue
-        if current is not None and not current.is_meta:
-            continue  # materialised (e.g. a computed buffer): bind reports any mismatch
-        placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
-        if current is not None and leaf in module._parameters:
-            new = torch.Tensor._make_subclass(type(current), placeholder, False)
-            new.__dict__.update(current.__dict__)
-            for alias in owners.get(id(current), [name]):
-                alias_module, _, alias_leaf = alias.rpartition(".")
-                modules[alias_module]._parameters[alias_leaf] = new
-        elif current is not None:
-            for alias in owners.get(id(current), [name]):
-                alias_module, _, alias_leaf = alias.rpartition(".")
-                modules[alias_module]._buffers[alias_leaf] = placeholder
-        elif kinds.get(name) == "parameter":
-            module.register_parameter(leaf, nn.Parameter(placeholder, requires_grad=False))
-        else:
-            module.register_buffer(leaf, placeholder)
-    for name, tensor in present.items():
-        if not tensor.is_meta or any(alias in published for alias in owners.get(id(tensor), [])):
-            continue
-        module_name, _, leaf = name.rpartition(".")
-        module = modules[module_name]
-        # Dropped by post-processing where the weights were made: vLLM does not read it afterwards.
-        module._parameters.pop(leaf, None)
-        module._buffers.pop(leaf, None)
 
 
 # --- the loader -----------------------------------------------------------------------------------------------
@@ -417,31 +323,10 @@ def _build_loader_class(backend: VllmBackend) -> type:
     return WeightCacheModelLoader
 
 
-def _plain(value: object) -> Any:
-    """``value`` if it is plain JSON, else None: reprs of objects can hold addresses, which differ per process."""
-    try:
-        return json.loads(json.dumps(value, sort_keys=True))
-    except (TypeError, ValueError):
-        return None
-
-
-def _json_attributes(obj: object) -> dict[str, Any]:
-    """The attributes of a config object that are plain JSON (the rest cannot be compared across processes)."""
-    out = {}
-    for key, value in sorted(vars(obj).items()):
-        plain = _plain(value)
-        if plain is not None or value is None:
-            out[key] = plain
-    return out
-
-
 __all__ = [
-    "FP8_METHODS",
     "LOAD_FORMAT",
-    "QUANT_METHODS",
     "RERUN_METHODS",
     "VllmBackend",
-    "adopt_published_layout",
     "loaded_rerun_tensors",
     "model_identity",
     "parallel_layout",

@@ -1,4 +1,4 @@
-"""Engine adapter tests run in each engine's own virtual environment (`make test-engines`).
+"""Helpers for the engine adapter tests, which run in each engine's own virtual environment (`make test-engines`).
 
 In an environment without the engine they are skipped, unless WEIGHTCACHE_ENGINE_TESTS names the engine (the
 Makefile sets it), in which case a missing engine is a failure: CI must never pass by skipping them.
