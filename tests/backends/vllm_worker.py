@@ -1,7 +1,7 @@
 """Run one vLLM engine in this process and print a JSON line: greedy token ids and how the weights came.
 
 Usage: python vllm_worker.py '<json spec>'; spec keys: model, load_format, extra (model_loader_extra_config),
-evict (drop the checkpoint from the page cache first), max_tokens.
+evict (drop the checkpoint from the page cache first), max_tokens, table (write the model's parity table there).
 """
 
 from __future__ import annotations
@@ -46,6 +46,13 @@ def main() -> None:
         "resident_after_load": after_load,
         "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "weightcache" in str(w.message)],
     }
+    if spec.get("table"):
+        from functools import partial
+
+        from weightcache import parity
+
+        # In the worker that holds the model (this process, or vLLM's engine process with multiprocessing on).
+        llm.apply_model(partial(parity.write_table, path=spec["table"], load_format=spec.get("load_format")))
     if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
         # The engine runs in this process: ask its loader what vLLM's memory accounting would be told.
         from vllm.model_executor.model_loader import get_model_loader
