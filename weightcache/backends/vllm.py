@@ -30,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -37,6 +38,7 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from .._version import __version__
 from .base import (
     Backend,
     LoaderOptions,
@@ -134,8 +136,23 @@ _LOADER_CLASS: type | None = None
 
 
 def register() -> None:
-    """The ``vllm.general_plugins`` entry point: make ``--load-format weightcache`` available."""
-    VllmBackend().register_loader()
+    """The ``vllm.general_plugins`` entry point: make ``--load-format weightcache`` available.
+
+    vLLM runs it in every process of every engine, whether or not it uses this load format, so a failure here
+    (e.g. a vLLM release whose loader API moved) is logged, not raised: engines that do not ask for weightcache
+    keep working, and one that does is told the load format is unknown, after this warning.
+    """
+    try:
+        VllmBackend().register_loader()
+    except Exception as exc:
+        logging.getLogger(__name__).warning(
+            "weightcache could not register --load-format %s with this vLLM (%s: %s); weightcache %s supports "
+            "the loader API of vLLM 0.32",
+            LOAD_FORMAT,
+            type(exc).__name__,
+            exc,
+            __version__,
+        )
 
 
 def parallel_layout() -> dict[str, tuple[int, int]]:
