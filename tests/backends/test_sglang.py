@@ -152,3 +152,27 @@ def test_quant_configs_map_to_strategies_and_refusals_raise() -> None:
     w8a8 = get_quantization_config("w8a8_int8").from_config({})
     with pytest.raises(wc.UnsupportedQuantError, match="'w8a8_int8' has no weightcache strategy"):
         backend.check_quant(w8a8)
+
+
+def test_refused_quant_raises_before_anything_is_loaded(tiny_llama: Path, tmp_path: Path) -> None:
+    import torch
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+
+    sys.path.insert(0, str(HERE / "sglang_shims"))  # SGLang's model registry imports it (see sglang_worker.py)
+    model_config = ModelConfig(model_path=str(tiny_llama), dtype="float16")
+    model_config.quantization = "awq"  # as if the checkpoint were AWQ-quantized
+    model_config.dtype = torch.float16
+    model_config.hf_config.quantization_config = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "zero_point": True,
+    }
+    socket_dir = tmp_path / "never"
+    for mode in ("daemon", "client"):
+        loader = WeightCacheLoader.configure(mode=mode, socket_dir=socket_dir)(LoadConfig(load_format="auto"))
+        with pytest.raises(wc.UnsupportedQuantError, match="'awq' cannot be shared"):
+            loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+    assert not socket_dir.exists()  # no keeper was started, nothing was read

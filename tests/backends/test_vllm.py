@@ -90,12 +90,15 @@ def test_greedy_tokens_identical_from_disk_daemon_and_client(
     tables = parity.read_table(disk_table), parity.read_table(client_table)
     assert len(tables[0]) > 10 and parity.compare(*tables) == []
 
-    # Through the plugin entry point in vLLM's own engine process (multiprocessing on).
+    # Through the plugin entry point in vLLM's own engine process (multiprocessing on); mode daemon finds the
+    # entry and attaches it like a client: nothing is read or published again.
     spawned = run_vllm(
-        {"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": {**options, "mode": "client", "strict": True}},
+        {"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}, "evict": True},
         multiprocessing=True,
     )
     assert spawned["tokens"] == disk["tokens"]
+    assert spawned["resident_after_load"] < 0.05, spawned
+    assert [e.digest for e in wc.Cache(socket_dir).entries()] == [entry.digest]
 
 
 def test_client_without_keeper_falls_back_to_disk_with_a_warning(tiny_llama: Path, socket_dir: Path) -> None:
