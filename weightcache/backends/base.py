@@ -29,6 +29,7 @@ import attrs
 
 from ..errors import (
     BackendConfigError,
+    BackendError,
     BindError,
     EngineNotInstalled,
     EntryNotFound,
@@ -252,8 +253,10 @@ def fetch(fingerprint: Fingerprint, options: LoaderOptions) -> Handle | None:
         if options.strict:
             raise
         reason, diffs = f"no keeper is available ({exc})", []
-    except WeightCacheError as exc:
-        if options.strict or isinstance(exc, (EngineNotInstalled, BackendConfigError)):
+    except (UnsupportedQuantError, BindError, BackendError):
+        raise  # not the cache's fault: loading from disk would not make these go away
+    except WeightCacheError as exc:  # a broken entry, an insecure socket dir, a keeper error...
+        if options.strict:
             raise
         reason, diffs = f"the cache could not serve this request ({type(exc).__name__}: {exc})", []
     if options.strict:
