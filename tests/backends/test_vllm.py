@@ -180,3 +180,22 @@ def test_refused_quant_raises_before_anything_is_loaded(tiny_llama: Path, tmp_pa
         with pytest.raises(wc.UnsupportedQuantError, match="'gptq' cannot be shared"):
             loader.load_model(vllm_config=config, model_config=config.model_config)
     assert not socket_dir.exists()  # no keeper was started, nothing was read
+
+
+def test_parity_command_drives_vllm(tiny_llama: Path, tmp_path: Path) -> None:
+    engine_args = ["dtype=float32", "max_model_len=128", "enforce_eager=true"]
+    out = subprocess.run(
+        [sys.executable, "-m", "weightcache", "parity", "--engine", "vllm", "--model", str(tiny_llama), "--json"]
+        + [f"--engine-arg={a}" for a in engine_args]
+        + ["--workdir", str(tmp_path / "parity")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),  # multiprocessing on: vLLM's default
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["identical"] and report["tensors"] > 10
+    assert report["differences"] == {"daemon": [], "client": []}
+    assert len({tuple(t) for t in report["tokens"].values()}) == 1 and len(report["tokens"]["disk"]) == 16
+    assert not list((tmp_path / "parity" / "keeper").glob("*.sock"))  # its private keeper was stopped

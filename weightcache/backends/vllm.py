@@ -340,6 +340,56 @@ def _build_loader_class(backend: VllmBackend) -> type:
     return WeightCacheModelLoader
 
 
+# --- parity: one engine start that records its model's tensor table (weightcache parity --engine vllm) ---------
+
+
+def record_run(
+    model: str,
+    table: str | os.PathLike[str],
+    *,
+    load_format: str,
+    extra: Mapping[str, object] | None,
+    engine_args: Mapping[str, Any],
+    prompt: list[int],
+    max_tokens: int,
+) -> list[int]:
+    """Start vLLM on ``model``, write the tensor table of the model it runs, and return greedy token ids for
+    ``prompt`` (``skip_tokenizer_init``: token ids in, token ids out)."""
+    from functools import partial
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from .. import parity
+
+    llm = LLM(
+        model=model,
+        load_format=load_format,
+        model_loader_extra_config=dict(extra or {}),
+        skip_tokenizer_init=True,
+        **dict(engine_args),
+    )
+    llm.apply_model(partial(parity.write_table, path=str(table), load_format=load_format, extra=dict(extra or {})))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+def _record_main(argv: list[str]) -> None:
+    """``python -m weightcache.backends.vllm SPEC_JSON``: one :func:`record_run`, its tokens on the last line."""
+    spec = json.loads(argv[0])
+    tokens = record_run(
+        spec["model"],
+        spec["table"],
+        load_format=spec["load_format"],
+        extra=spec.get("extra"),
+        engine_args=spec.get("engine_args", {}),
+        prompt=spec["prompt"],
+        max_tokens=spec["max_tokens"],
+    )
+    print("WEIGHTCACHE-TOKENS " + json.dumps(tokens), flush=True)
+
+
 __all__ = [
     "LOAD_FORMAT",
     "RERUN_METHODS",
@@ -347,6 +397,12 @@ __all__ = [
     "loaded_rerun_tensors",
     "model_identity",
     "parallel_layout",
+    "record_run",
     "register",
     "shareable_state",
 ]
+
+if __name__ == "__main__":
+    import sys
+
+    _record_main(sys.argv[1:])
