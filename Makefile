@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - a model loaded from disk once, then a restarted engine attaching it from the cache
-#   make test   - lint, type check and the test suite
+#   make test   - lint, type check, the test suite, and the engine adapter tests (test-engines)
 # Both create .venv on first use. Where no NVIDIA GPU is present, the CPU build of PyTorch is installed
 # (TORCH_SPEC), so nothing ever downloads a multi-GB CUDA build by accident.
 
@@ -14,7 +14,13 @@ else
 TORCH_SPEC ?= torch==2.13.0
 endif
 
-.PHONY: demo test lint bench clean
+# The engine adapters are tested against the real engines, each in its own venv (they pin other PyTorch releases
+# than .venv): .ci/engine-env says what goes in and why. Built once, then only refreshed when that script changes.
+VLLM_VENV ?= .venv-vllm
+SGLANG_VENV ?= .venv-sglang
+ENGINES ?= vllm sglang
+
+.PHONY: demo test test-engines lint bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -33,9 +39,23 @@ lint: $(BIN)/.installed
 
 test: lint
 	$(BIN)/python -m pytest
+	$(MAKE) test-engines
+
+$(VLLM_VENV)/.installed: .ci/engine-env .ci/requirements-of pyproject.toml
+	PYTHON=$(PYTHON) .ci/engine-env vllm $(VLLM_VENV)
+	touch $@
+
+$(SGLANG_VENV)/.installed: .ci/engine-env pyproject.toml
+	PYTHON=$(PYTHON) .ci/engine-env sglang $(SGLANG_VENV)
+	touch $@
+
+# WEIGHTCACHE_ENGINE_TESTS turns "engine not installed" from a skip into a failure.
+test-engines: $(foreach e,$(ENGINES),$($(shell echo $(e) | tr a-z A-Z)_VENV)/.installed)
+	$(foreach e,$(ENGINES),WEIGHTCACHE_ENGINE_TESTS=$(e) $($(shell echo $(e) | tr a-z A-Z)_VENV)/bin/python -m pytest \
+		-p no:cacheprovider tests/backends/test_$(e).py &&) true
 
 bench: $(BIN)/.installed
 	$(BIN)/weightcache bench --sizes 1,2,8 --tensors 500 --json bench-results/cpu-attach.json
 
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache

@@ -6,14 +6,19 @@ load on first use, so that the keeper and the CLI's keeper commands start withou
 
 from __future__ import annotations
 
+import sys
+import types
 from typing import TYPE_CHECKING, Any
 
 from . import quant
 from ._version import __version__
 from .errors import (
+    BackendConfigError,
+    BackendError,
     BindError,
     BudgetExceeded,
     CheckpointError,
+    EngineNotInstalled,
     EntryNotFound,
     FallbackWarning,
     FingerprintMismatch,
@@ -57,11 +62,28 @@ def __getattr__(name: str) -> Any:
     return value
 
 
+class _Package(types.ModuleType):
+    """Keeps ``weightcache.attach`` the function when the submodule of the same name is first imported directly
+    (``from weightcache.attach import ...``): the import system then binds the submodule on the package, which
+    would shadow the function for everyone after."""
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        if isinstance(value, types.ModuleType) and _LAZY.get(name) == name and value.__name__ == f"{__name__}.{name}":
+            value = getattr(value, name)
+        super().__setattr__(name, value)
+
+
+sys.modules[__name__].__class__ = _Package
+
+
 __all__ = [
+    "BackendConfigError",
+    "BackendError",
     "BindError",
     "BudgetExceeded",
     "Cache",
     "CheckpointError",
+    "EngineNotInstalled",
     "EntryInfo",
     "EntryNotFound",
     "FallbackWarning",

@@ -145,7 +145,7 @@ def attach(
         cache = Cache(socket_dir)
         handle = cache.get(fingerprint)
         if handle is None:
-            reason, diffs = _why_missing(cache, fingerprint)
+            reason, diffs = why_missing(cache, fingerprint)
     except KeeperUnavailable as exc:
         if strict:
             raise
@@ -204,7 +204,7 @@ def _fallback(from_disk: Callable[[str], Handle], reason: str) -> Handle:
     return from_disk(reason)
 
 
-def _why_missing(cache: Cache, fingerprint: Fingerprint) -> tuple[str, list[tuple[str, object, object]]]:
+def why_missing(cache: Cache, fingerprint: Fingerprint) -> tuple[str, list[tuple[str, object, object]]]:
     """Explain a miss: the closest cached entry of the same checkpoint and placement, and how it differs."""
     same_model = [
         e

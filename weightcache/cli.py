@@ -1,4 +1,4 @@
-"""The ``weightcache`` command: serve | load | ls | inspect | evict | stop | bench.
+"""The ``weightcache`` command: serve | load | ls | inspect | evict | stop | parity | bench.
 
 Keeper commands (serve, ls, inspect, evict, stop) do not import torch, so they answer in milliseconds.
 """
@@ -12,6 +12,8 @@ import sys
 import time
 from collections.abc import Sequence
 from typing import Any
+
+import attrs
 
 from ._version import __version__
 from .errors import KeeperError, WeightCacheError
@@ -209,6 +211,66 @@ def cmd_load(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_parity(args: argparse.Namespace) -> int:
+    from .parity import compare, read_table
+
+    if args.engine:
+        return _engine_parity(args)
+    if len(args.tables) != 2:
+        raise WeightCacheError("parity needs two tables (LEFT RIGHT), or --engine ENGINE --model MODEL")
+    left, right = read_table(args.tables[0]), read_table(args.tables[1])
+    differences = compare(left, right)
+    if args.json:
+        print(json.dumps({"tensors": len(left), "identical": not differences, "differences": differences}, indent=2))
+    elif differences:
+        print(f"{len(differences)} differences between {args.tables[0]} and {args.tables[1]}:")
+        _print_limited(differences, args.limit)
+    else:
+        print(f"identical: {len(left)} tensors (name, shape, dtype, stride, kind, bytes)")
+    return 1 if differences else 0
+
+
+def _print_limited(lines: list[str], limit: int) -> None:
+    for line in lines[:limit]:
+        print(f"  {line}")
+    if len(lines) > limit:
+        print(f"  ... and {len(lines) - limit} more (--limit)")
+
+
+def _engine_parity(args: argparse.Namespace) -> int:
+    import tempfile
+
+    from .parity import engine_parity
+
+    if args.tables or not args.model:
+        raise WeightCacheError("with --engine, give the model with --model and no table files")
+    engine_args: dict[str, Any] = {}
+    for item in args.engine_arg:
+        key, sep, value = item.partition("=")
+        if not sep:
+            raise WeightCacheError(f"--engine-arg takes KEY=VALUE (JSON values, or plain strings); found {item!r}")
+        try:
+            engine_args[key] = json.loads(value)
+        except ValueError:
+            engine_args[key] = value
+    prompt = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else None
+    workdir = args.workdir or tempfile.mkdtemp(prefix="weightcache-parity-")
+    result = engine_parity(args.engine, args.model, workdir, engine_args=engine_args, prompt=prompt)
+    if args.json:
+        print(json.dumps({"identical": result.identical, **attrs.asdict(result), "workdir": str(workdir)}, indent=2))
+        return 0 if result.identical else 1
+    for name, tokens in result.tokens.items():
+        print(f"{name:7} greedy tokens {tokens}")
+    for name, differences in result.differences.items():
+        if differences:
+            print(f"{name} vs disk: {len(differences)} differences:")
+            _print_limited(differences, args.limit)
+        else:
+            print(f"{name} vs disk: identical, {result.tensors} tensors (name, shape, dtype, stride, kind, bytes)")
+    print(f"{'identical' if result.identical else 'DIFFERENT'}; tables in {workdir}")
+    return 0 if result.identical else 1
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
@@ -278,6 +340,30 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("stop", "stop the keeper (attached clients keep working)")
     p.set_defaults(func=cmd_stop)
+
+    p = sub.add_parser(
+        "parity",
+        help="does a cache-attached model equal the disk-loaded one, tensor by tensor?",
+        description="Diff two tensor tables written by weightcache.parity.write_table() (name, shape, dtype, "
+        "stride, kind and SHA-256 of the bytes), or, with --engine vllm --model MODEL, run the engine three "
+        "times (its own disk load, weightcache daemon, weightcache client in a new process) and compare their "
+        "tables and greedy tokens. Exit status 0: identical; 1: they differ.",
+    )
+    p.add_argument("tables", nargs="*", help="LEFT RIGHT: tables of the disk-loaded and the attached model")
+    p.add_argument("--engine", choices=["vllm"], help="drive this engine instead of reading tables")
+    p.add_argument("--model", help="with --engine: the model (checkpoint directory or hub name)")
+    p.add_argument(
+        "--engine-arg",
+        action="append",
+        default=[],
+        metavar="KEY=VALUE",
+        help="with --engine: an engine argument, e.g. dtype=bfloat16, quantization=fp8, tensor_parallel_size=2",
+    )
+    p.add_argument("--prompt-ids", help="with --engine: comma-separated prompt token ids for the greedy run")
+    p.add_argument("--workdir", help="with --engine: where the tables and the private keeper go (default: a temp dir)")
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.add_argument("--limit", type=int, default=40, help="differences to list (default 40)")
+    p.set_defaults(func=cmd_parity)
 
     p = add("bench", "measure attach time (see docs/benchmarks.md)")
     from .bench import add_arguments

@@ -92,6 +92,21 @@ class BindError(WeightCacheError):
     was left on the meta device."""
 
 
+# --- engine adapters ----------------------------------------------------------------------------------------
+
+
+class BackendError(WeightCacheError):
+    """An engine adapter (see :mod:`weightcache.backends`) cannot be used as configured."""
+
+
+class EngineNotInstalled(BackendError, ImportError):
+    """The adapter's engine (vLLM, SGLang, ...) is not importable in this environment."""
+
+
+class BackendConfigError(BackendError, ValueError):
+    """An adapter option is unknown or has a wrong value (e.g. in vLLM's --model-loader-extra-config)."""
+
+
 # --- warnings -----------------------------------------------------------------------------------------------
 
 
@@ -100,9 +115,12 @@ class FallbackWarning(UserWarning):
 
 
 __all__ = [
+    "BackendConfigError",
+    "BackendError",
     "BindError",
     "BudgetExceeded",
     "CheckpointError",
+    "EngineNotInstalled",
     "EntryNotFound",
     "FallbackWarning",
     "FingerprintMismatch",

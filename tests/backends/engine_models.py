@@ -1,0 +1,83 @@
+"""A tiny random Llama checkpoint, generated at test time, for the engine adapter tests (vLLM, SGLang).
+
+CPU attention in vLLM needs head_dim >= 32. The vocabulary is large enough that the checkpoint spans many pages,
+so page-cache residency tells a load that read the weights from one that only read headers.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import mmap
+import os
+from pathlib import Path
+
+PROMPT = [1, 5, 9, 200, 31, 7, 4000]
+
+
+def make_tiny_llama(directory: str | os.PathLike[str], *, seed: int = 0) -> Path:
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    path = Path(directory)
+    torch.manual_seed(seed)
+    config = LlamaConfig(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    model = LlamaForCausalLM(config).to(torch.float32)
+    with torch.no_grad():  # random norms too, so that every tensor matters
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
+def weight_files(checkpoint: str | os.PathLike[str]) -> list[Path]:
+    return sorted(Path(checkpoint).glob("*.safetensors"))
+
+
+def evict_from_page_cache(checkpoint: str | os.PathLike[str]) -> None:
+    """posix_fadvise(DONTNEED) per file: this checkpoint only, never the machine's whole page cache."""
+    for f in weight_files(checkpoint):
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+
+
+def resident_fraction(checkpoint: str | os.PathLike[str]) -> float:
+    """Fraction of the checkpoint's pages in the page cache (mincore), over all its safetensors files."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    libc.mmap.restype = ctypes.c_void_p
+    libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
+    libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+    libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_char_p]
+    page = mmap.PAGESIZE
+    resident = total = 0
+    for f in weight_files(checkpoint):
+        size = f.stat().st_size
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr in (None, ctypes.c_void_p(-1).value):
+                raise OSError(ctypes.get_errno(), "mmap failed")
+            pages = (size + page - 1) // page
+            vec = ctypes.create_string_buffer(pages)
+            if libc.mincore(ctypes.c_void_p(addr), size, vec) != 0:
+                raise OSError(ctypes.get_errno(), "mincore failed")
+            libc.munmap(ctypes.c_void_p(addr), size)
+        finally:
+            os.close(fd)
+        resident += sum(b & 1 for b in vec.raw)
+        total += pages
+    return resident / total if total else 0.0

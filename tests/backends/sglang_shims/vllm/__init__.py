@@ -1,0 +1,1 @@
+"""Test-only stand-in: see _custom_ops.py."""

@@ -1,0 +1,82 @@
+"""Load a model through SGLang's loader layer in this process and write its tensor table (weightcache.parity).
+
+SGLang cannot run an engine on this CPU, but its loader layer runs in-process: a gloo process group of one,
+model-parallel initialisation, then get_model_loader(LoadConfig(...)).load_model(model_config=...,
+device_config=DeviceConfig("cpu")), as SGLang's own weight-cache daemon does it.
+
+Usage: python sglang_worker.py '<json spec>'; spec keys: model, table (output path), loader ("default" or
+"weightcache"), options (weightcache loader options), evict. Prints one RESULT line.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import sys
+import warnings
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path.insert(0, HERE)
+sys.path.insert(0, os.path.join(HERE, "sglang_shims"))
+
+from engine_models import evict_from_page_cache, resident_fraction  # noqa: E402
+
+
+def init_sglang(model: str) -> object:
+    from sglang.srt.configs.model_config import ModelConfig
+    from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
+    from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
+    from sglang.srt.layers.moe import initialize_moe_config
+    from sglang.srt.runtime_context import SpawnRanks, publish
+    from sglang.srt.server_args import ServerArgs
+
+    server_args = ServerArgs(model_path=model, device="cpu", dtype="float32", skip_tokenizer_init=True)
+    publish(server_args, role="weight_cache_daemon", ranks=SpawnRanks(world_rank=0, gpu_id=0))
+    initialize_moe_config()
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    init_distributed_environment(
+        world_size=1, rank=0, distributed_init_method=f"tcp://127.0.0.1:{port}", local_rank=0, backend="gloo"
+    )
+    initialize_model_parallel()
+    model_config = ModelConfig(model_path=model, dtype="float32")
+    initialize_dp_attention(server_args)
+    init_dp_gathered_buffer(model_config)
+    return model_config
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    if spec.get("evict"):
+        evict_from_page_cache(spec["model"])
+    model_config = init_sglang(spec["model"])
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import get_model_loader
+
+    from weightcache import parity
+    from weightcache.backends.sglang import WeightCacheLoader
+
+    if spec["loader"] == "weightcache":
+        load_config = LoadConfig(load_format=WeightCacheLoader, model_loader_extra_config=spec.get("options", {}))
+    else:
+        load_config = LoadConfig(load_format="auto")
+    loader = get_model_loader(load_config, model_config)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        model = loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+    parity.write_table(model, spec["table"], loader=type(loader).__name__)
+    result = {
+        "loader": type(loader).__name__,
+        "source": getattr(loader, "source", "disk"),
+        "preloaded_weights_bytes": loader.preloaded_weights_bytes,
+        "resident_after_load": resident_fraction(spec["model"]),
+        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "weightcache" in str(w.message)],
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

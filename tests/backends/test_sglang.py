@@ -1,0 +1,178 @@
+"""The SGLang adapter against the real `sglang` package, at its loader layer (SGLang cannot run an engine on
+this CPU): the model WeightCacheLoader attaches, as daemon and as client in a new process, equals what SGLang's
+own DefaultModelLoader loads, tensor by tensor (weightcache parity: name, shape, dtype, stride, bytes).
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from engines import require_engine
+
+require_engine("sglang")
+
+import weightcache as wc  # noqa: E402
+from weightcache import parity  # noqa: E402
+from weightcache.backends.sglang import SglangBackend, WeightCacheLoader  # noqa: E402
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+from engine_models import make_tiny_llama  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def run_sglang(spec: dict, timeout: float = 300) -> dict:
+    out = subprocess.run(
+        [sys.executable, str(HERE / "sglang_worker.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+    )
+    results = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not results:
+        raise AssertionError(f"SGLang worker failed ({out.returncode}):\n{out.stderr[-6000:]}\n{out.stdout[-2000:]}")
+    return json.loads(results[-1].removeprefix("RESULT "))
+
+
+def cli_parity(left: Path, right: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "weightcache", "parity", str(left), str(right)], capture_output=True, text=True
+    )
+
+
+def test_attached_model_equals_sglangs_own_load_tensor_by_tensor(
+    tiny_llama: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    options = {"socket_dir": str(socket_dir)}
+    disk = run_sglang({"model": str(tiny_llama), "table": str(tmp_path / "disk.json"), "loader": "default"})
+    assert disk["loader"] == "DefaultModelLoader" and disk["resident_after_load"] > 0.9
+
+    daemon = run_sglang(
+        {
+            "model": str(tiny_llama),
+            "table": str(tmp_path / "daemon.json"),
+            "loader": "weightcache",
+            "options": {**options, "mode": "daemon"},
+        }
+    )
+    assert daemon["source"] == "cache"
+    [entry] = wc.Cache(socket_dir).entries()
+    assert entry.fingerprint.engine == "sglang"
+    axes = {axis for axis, _, _ in entry.fingerprint.parallel}
+    assert {"tp", "pp", "ep", "attn_dp"} <= axes
+    assert ("tp", 0, 1) in entry.fingerprint.parallel
+    assert daemon["preloaded_weights_bytes"] == entry.bytes  # SGLang's memory accounting counts the mapping
+
+    client = run_sglang(
+        {
+            "model": str(tiny_llama),
+            "table": str(tmp_path / "client.json"),
+            "loader": "weightcache",
+            "options": {**options, "mode": "client", "strict": True},
+            "evict": True,
+        }
+    )
+    assert client["source"] == "cache" and client["warnings"] == []
+    assert client["resident_after_load"] < 0.05, client  # only the header was read, for the fingerprint
+
+    disk_table = parity.read_table(tmp_path / "disk.json")
+    assert len(disk_table) == 17 and "model.layers.1.self_attn.rotary_emb.cos_sin_cache" in disk_table
+    for name in ("daemon", "client"):
+        assert parity.compare(disk_table, parity.read_table(tmp_path / f"{name}.json")) == []
+        result = cli_parity(tmp_path / "disk.json", tmp_path / f"{name}.json")
+        assert result.returncode == 0 and "identical" in result.stdout, result.stdout + result.stderr
+
+
+def test_parity_reports_a_different_checkpoint(tiny_llama: Path, tmp_path: Path) -> None:
+    other = make_tiny_llama(tmp_path / "other", seed=1)
+    run_sglang({"model": str(tiny_llama), "table": str(tmp_path / "a.json"), "loader": "default"})
+    run_sglang({"model": str(other), "table": str(tmp_path / "b.json"), "loader": "default"})
+    result = cli_parity(tmp_path / "a.json", tmp_path / "b.json")
+    assert result.returncode == 1
+    assert "model.layers.0.self_attn.qkv_proj.weight: sha256" in result.stdout
+
+
+def test_client_without_keeper_falls_back_to_sglangs_own_load(
+    tiny_llama: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    result = run_sglang(
+        {
+            "model": str(tiny_llama),
+            "table": str(tmp_path / "fallback.json"),
+            "loader": "weightcache",
+            "options": {"socket_dir": str(socket_dir), "mode": "client"},
+        }
+    )
+    assert result["source"] == "disk" and result["preloaded_weights_bytes"] == 0
+    assert len(result["warnings"]) == 1 and "no keeper" in result["warnings"][0]
+    assert not socket_dir.exists()
+
+
+# --- in this process: options and quantization (no model is loaded) ---------------------------------------------
+
+
+def test_options_come_from_extra_config_or_configure() -> None:
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.model_loader.loader import get_model_loader
+
+    loader = get_model_loader(LoadConfig(load_format=WeightCacheLoader, model_loader_extra_config={"mode": "client"}))
+    assert isinstance(loader, WeightCacheLoader) and loader.options.mode == "client"
+    configured = WeightCacheLoader.configure(mode="client", strict=True, socket_dir="/tmp/s")
+    loader = get_model_loader(LoadConfig(load_format=configured))
+    assert loader.options == wc.backends.LoaderOptions(mode="client", socket_dir="/tmp/s", strict=True)
+    with pytest.raises(wc.BackendConfigError, match="unknown key"):
+        get_model_loader(LoadConfig(load_format=WeightCacheLoader, model_loader_extra_config={"mod": "client"}))
+    with pytest.raises(wc.BackendConfigError, match="mode must be one of"):
+        WeightCacheLoader.configure(mode="off")
+
+
+def test_quant_configs_map_to_strategies_and_refusals_raise() -> None:
+    from sglang.srt.layers.quantization import get_quantization_config
+
+    backend = SglangBackend()
+    fp8 = get_quantization_config("fp8")
+    block = backend.check_quant(fp8(is_checkpoint_fp8_serialized=True, weight_block_size=[128, 128]))
+    assert block.method == "fp8_block"
+    with pytest.raises(wc.UnsupportedQuantError, match="fp8_per_tensor"):
+        backend.check_quant(fp8(is_checkpoint_fp8_serialized=True))
+    awq = get_quantization_config("awq").from_config({"bits": 4, "group_size": 128, "zero_point": True})
+    with pytest.raises(wc.UnsupportedQuantError, match="'awq' cannot be shared"):
+        backend.check_quant(awq)
+    w8a8 = get_quantization_config("w8a8_int8").from_config({})
+    with pytest.raises(wc.UnsupportedQuantError, match="'w8a8_int8' has no weightcache strategy"):
+        backend.check_quant(w8a8)
+
+
+def test_refused_quant_raises_before_anything_is_loaded(tiny_llama: Path, tmp_path: Path) -> None:
+    import torch
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+
+    sys.path.insert(0, str(HERE / "sglang_shims"))  # SGLang's model registry imports it (see sglang_worker.py)
+    model_config = ModelConfig(model_path=str(tiny_llama), dtype="float16")
+    model_config.quantization = "awq"  # as if the checkpoint were AWQ-quantized
+    model_config.dtype = torch.float16
+    model_config.hf_config.quantization_config = {
+        "quant_method": "awq",
+        "bits": 4,
+        "group_size": 128,
+        "zero_point": True,
+    }
+    socket_dir = tmp_path / "never"
+    for mode in ("daemon", "client"):
+        loader = WeightCacheLoader.configure(mode=mode, socket_dir=socket_dir)(LoadConfig(load_format="auto"))
+        with pytest.raises(wc.UnsupportedQuantError, match="'awq' cannot be shared"):
+            loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+    assert not socket_dir.exists()  # no keeper was started, nothing was read

