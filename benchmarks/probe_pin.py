@@ -18,7 +18,7 @@ f = Path(sys.argv[1]); how = sys.argv[2]
 torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
 nbytes = loader.STAGING_BUFFERS * loader.CHUNK_BYTES
 if how == "prefetching":
-    drop_page_cache(f.parent)
+    drop_page_cache(f.parent, system=True)
     loader.prefetch_head([f])
 t0 = time.perf_counter()
 if how == "register":

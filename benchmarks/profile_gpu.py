@@ -71,7 +71,7 @@ def main() -> None:
     print("pin staging buffers ms", round((time.perf_counter() - t0) * 1e3, 1))
     del bufs
     for _ in range(2):
-        drop_page_cache(ckpt)
+        drop_page_cache(ckpt, system=True)
         pr = cProfile.Profile()
         pr.enable()
         t0 = time.perf_counter()
@@ -86,7 +86,7 @@ def main() -> None:
 
     cache = wc.Cache(sock, spawn=True)
     model_fp = wc.Fingerprint.create(ckpt, device="cuda:0")
-    drop_page_cache(ckpt)
+    drop_page_cache(ckpt, system=True)
     t0 = time.perf_counter()
     state = loader.load_to_device(ckpt, torch.device("cuda:0"))
     t1 = time.perf_counter()

@@ -42,7 +42,7 @@ def main() -> None:
     write_checkpoint(ckpt, layout(int(gib * 2**30), n, 2), "bfloat16", False)
     sock = work / "s"
     for mode in ("off", "daemon"):
-        drop_page_cache(ckpt)
+        drop_page_cache(ckpt, system=True)
         out = subprocess.run([sys.executable, "-c", ENGINE, str(ckpt), str(sock), mode], capture_output=True, text=True)
         print(out.stdout[-9000:], out.stderr[-3000:], flush=True)
     import weightcache as wc

@@ -83,7 +83,7 @@ def _bar(total: int, desc: str, enabled: bool) -> Any:
 
 def disk_read_gbps(path: Path) -> float:
     """Sequential read of every file with 64 MiB reads, page cache dropped."""
-    drop_page_cache(path)
+    drop_page_cache(path, system=True)
     buf = bytearray(64 << 20)
     total = 0
     t0 = time.perf_counter()
@@ -191,9 +191,9 @@ def run(args: Any) -> int:
                 total = write_checkpoint(ckpt, shapes, args.dtype, progress)
                 disk = disk_read_gbps(ckpt)
                 spec = {"checkpoint": str(ckpt), "device": device, "dtype": args.dtype, "socket_dir": str(socket_dir)}
-                dropped = drop_page_cache(ckpt)
+                dropped = drop_page_cache(ckpt, system=True)
                 off = _run_engine({**spec, "mode": "off"})
-                drop_page_cache(ckpt)
+                drop_page_cache(ckpt, system=True)
                 first = _run_engine({**spec, "mode": "daemon"})
                 # several fresh client processes: one attach is a few ms, so host noise matters
                 clients = [_run_engine({**spec, "mode": "client"}) for _ in range(max(1, args.repeat))]

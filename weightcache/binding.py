@@ -117,17 +117,7 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
             (missing if slot.persistent else computed).append(" = ".join(names))
             continue
         orig = slot.original
-        if (
-            tensor.shape != orig.shape
-            or tensor.dtype != orig.dtype
-            or tensor.is_meta
-            or (
-                want_device is not None
-                and tensor.device != want_device
-                and not _same_device(tensor.device, want_device)
-            )
-            or len(names) > 1
-        ):
+        if len(names) > 1 or _misfits(tensor, orig, want_device):
             problems = _problems(tensor, orig, want_device, source_name, names, tensors)
             if problems:
                 mismatched.append(f"{source_name}: " + "; ".join(problems))
@@ -200,16 +190,7 @@ def _bind_untied(places: list[_Place], tensors: Mapping[str, torch.Tensor], want
             if place[2] or orig.is_meta:
                 return False  # missing data
             continue  # a non-persistent buffer the model computed itself (e.g. rotary inv_freq)
-        if (
-            tensor.shape != orig.shape
-            or tensor.dtype != orig.dtype
-            or tensor.is_meta
-            or (
-                want_device is not None
-                and tensor.device != want_device
-                and not _same_device(tensor.device, want_device)
-            )
-        ):
+        if _misfits(tensor, orig, want_device):
             return False
         used += 1
         plan.append((place, tensor))
@@ -228,6 +209,16 @@ def _bind_untied(places: list[_Place], tensors: Mapping[str, torch.Tensor], want
         else:
             module._buffers[attr] = tensor
     return True
+
+
+def _misfits(tensor: torch.Tensor, orig: torch.Tensor, want_device: torch.device | None) -> bool:
+    """Whether ``tensor`` cannot stand in for ``orig`` (shape, dtype, meta, device); :func:`_problems` says why."""
+    return (
+        tensor.shape != orig.shape
+        or tensor.dtype != orig.dtype
+        or tensor.is_meta
+        or (want_device is not None and tensor.device != want_device and not _same_device(tensor.device, want_device))
+    )
 
 
 def _problems(

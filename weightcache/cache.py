@@ -283,6 +283,17 @@ class Cache:
             close_fds(fds)
             conn.close()
             raise
+        return self._attached(fingerprint, manifest, tensors, conn, fds)
+
+    def _attached(
+        self,
+        fingerprint: Fingerprint,
+        manifest: Manifest,
+        tensors: dict[str, torch.Tensor],
+        conn: KeeperConnection,
+        fds: list[int],
+    ) -> Handle:
+        """The Handle of an entry this process now maps: it owns the lease connection and the fds."""
         return Handle(
             source="cache",
             fingerprint=fingerprint,
@@ -383,15 +394,7 @@ class Cache:
             close_fds(fds)
             conn.close()
             raise
-        return Handle(
-            source="cache",
-            fingerprint=fingerprint,
-            tensors=views,
-            manifest=manifest,
-            connection=conn,
-            fds=fds,
-            respawn=self.respawn,
-        )
+        return self._attached(fingerprint, manifest, views, conn, fds)
 
     def put_checkpoint(
         self,

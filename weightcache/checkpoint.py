@@ -238,11 +238,13 @@ def apply_transform(
     return out
 
 
-def drop_page_cache(checkpoint: str | os.PathLike[str]) -> str:
+def drop_page_cache(checkpoint: str | os.PathLike[str], *, system: bool = False) -> str:
     """Evict the checkpoint's files from the page cache, so that the next load really reads the disk.
 
-    Per file with ``posix_fadvise(DONTNEED)`` (any user; clean pages only, hence the fsync), plus the global
-    ``/proc/sys/vm/drop_caches`` when running as root. Returns which methods were used.
+    Per file with ``posix_fadvise(DONTNEED)`` (any user; clean pages only, hence the fsync). With ``system``,
+    also the machine's whole page cache through ``/proc/sys/vm/drop_caches`` when running as root: a cold start
+    after a reboot, libraries included (the restart benchmark does this); it affects every process on the
+    machine. Returns which methods were used.
     """
     for f in safetensors_files(checkpoint):
         fd = os.open(f, os.O_RDONLY)
@@ -251,6 +253,8 @@ def drop_page_cache(checkpoint: str | os.PathLike[str]) -> str:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    if not system:
+        return "fadvise"
     try:
         os.sync()
         with open("/proc/sys/vm/drop_caches", "w") as knob:

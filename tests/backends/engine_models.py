@@ -11,6 +11,8 @@ import mmap
 import os
 from pathlib import Path
 
+from weightcache.checkpoint import drop_page_cache
+
 PROMPT = [1, 5, 9, 200, 31, 7, 4000]
 
 
@@ -45,14 +47,8 @@ def weight_files(checkpoint: str | os.PathLike[str]) -> list[Path]:
 
 
 def evict_from_page_cache(checkpoint: str | os.PathLike[str]) -> None:
-    """posix_fadvise(DONTNEED) per file: this checkpoint only, never the machine's whole page cache."""
-    for f in weight_files(checkpoint):
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
+    """This checkpoint's pages only, never the machine's whole page cache (other processes share it)."""
+    drop_page_cache(checkpoint)
 
 
 def resident_fraction(checkpoint: str | os.PathLike[str]) -> float:
