@@ -154,8 +154,47 @@ class Backend(abc.ABC):
         quant_registry.get(spec.method).check(spec.config)
         return spec
 
+    def make_fingerprint(
+        self,
+        checkpoint: str,
+        *,
+        dtype: object,
+        engine_quant: object,
+        parallel: Mapping[str, tuple[int, int]],
+        device: torch.device | str,
+        identity: Mapping[str, Any],
+    ) -> Fingerprint:
+        """The fingerprint of weights this engine loads from ``checkpoint``: the quantization is checked first
+        (UnsupportedQuantError before anything is read), ``identity`` (the engine's model config, as plain JSON)
+        is recorded under the adapter's name, and the engine's name and version are the producer."""
+        from ..fingerprint import Fingerprint
+
+        spec = self.check_quant(engine_quant)
+        return Fingerprint.create(
+            checkpoint,
+            dtype=dtype,
+            quant=spec.method,
+            quant_config=spec.config,
+            parallel=parallel,
+            device=device_spec(device),
+            extra={self.name: dict(identity)},
+            engine=self.name,
+            engine_version=self.version(),
+        )
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} ({'available' if self.available() else 'not installed'})>"
+
+
+def device_spec(device: torch.device | str) -> str:
+    """``"cpu"`` or ``"cuda:N"`` for a torch device (an index-less CUDA device is the current one)."""
+    import torch
+
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        index = dev.index if dev.index is not None else torch.cuda.current_device()
+        return f"cuda:{index}"
+    return dev.type
 
 
 #: Engine quantization methods (``QuantizationConfig.get_name()`` in vLLM and SGLang) and the weightcache

@@ -83,19 +83,13 @@ class SglangBackend(Backend):
 
         Raises UnsupportedQuantError for a refused quantization method before anything is read.
         """
-        from ..fingerprint import Fingerprint
-
-        spec = self.check_quant(self.quant_config(model_config, load_config))
-        return Fingerprint.create(
+        return self.make_fingerprint(
             self.checkpoint_dir(model_config, load_config),
             dtype=model_config.dtype,
-            quant=spec.method,
-            quant_config=spec.config,
+            engine_quant=self.quant_config(model_config, load_config),
             parallel=parallel_layout(),
-            device=_device_spec(device),
-            extra={"sglang": model_identity(model_config, load_config)},
-            engine=self.name,
-            engine_version=self.version(),
+            device=device,
+            identity=model_identity(model_config, load_config),
         )
 
     def checkpoint_dir(self, model_config: Any, load_config: Any) -> str:
@@ -140,13 +134,6 @@ def model_identity(model_config: Any, load_config: Any) -> dict[str, Any]:
         "quantization": model_config.quantization,
         "load_device": plain_json(getattr(load_config, "device", None)),
     }
-
-
-def _device_spec(device: torch.device) -> str:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return f"cuda:{index}"
-    return device.type
 
 
 def _disk_load_config(load_config: Any) -> Any:

@@ -105,19 +105,13 @@ class VllmBackend(Backend):
 
         Raises UnsupportedQuantError for a refused quantization method before anything is read.
         """
-        from ..fingerprint import Fingerprint
-
-        spec = self.check_quant(vllm_config.quant_config)
-        return Fingerprint.create(
+        return self.make_fingerprint(
             self.checkpoint_dir(vllm_config, model_config),
             dtype=model_config.dtype,
-            quant=spec.method,
-            quant_config=spec.config,
+            engine_quant=vllm_config.quant_config,
             parallel=parallel_layout(),
-            device=_device_spec(device),
-            extra={"vllm": model_identity(vllm_config, model_config)},
-            engine=self.name,
-            engine_version=self.version(),
+            device=device,
+            identity=model_identity(vllm_config, model_config),
         )
 
     def checkpoint_dir(self, vllm_config: Any, model_config: Any) -> str:
@@ -220,13 +214,6 @@ def shareable_state(model: nn.Module, loaded: Mapping[str, torch.Tensor]) -> dic
 def _disk_load_config(load_config: Any) -> Any:
     """vLLM's LoadConfig for its own loader: load format auto, none of weightcache's options."""
     return dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
-
-
-def _device_spec(device: torch.device) -> str:
-    if device.type == "cuda":
-        index = device.index if device.index is not None else torch.cuda.current_device()
-        return f"cuda:{index}"
-    return device.type
 
 
 def _target_device(vllm_config: Any, load_config: Any) -> torch.device:
