@@ -156,7 +156,14 @@ def test_adopt_published_layout_takes_the_published_shapes(socket_dir: Path, che
         "1.weight": torch.ones(3),
         "1.bias": torch.zeros(3),
     }  # 0.bias dropped
-    fp = wc.Fingerprint.create(checkpoint, device="cpu", engine="toy", engine_version="1")
+    fp = wc.Fingerprint.create(
+        checkpoint,
+        device="cpu",
+        quant="fp8_block",  # only quantized weights change layout in post-processing
+        quant_config={"weight_block_size": [128, 128]},
+        engine="toy",
+        engine_version="1",
+    )
     with wc.Cache(socket_dir, spawn=True).put(fp, published) as handle:
         adopt_published_layout(model, handle)
         wc.bind(model, handle.tensors, device="cpu")
@@ -164,3 +171,16 @@ def test_adopt_published_layout_takes_the_published_shapes(socket_dir: Path, che
         assert torch.equal(model[0].weight_scale, published["0.weight_scale"])
         assert set(dict(model.named_parameters())) == {"0.weight", "1.weight", "1.bias"}  # 0.bias was dropped
         assert set(dict(model.named_buffers())) == {"0.weight_scale"}
+
+
+def test_adopt_published_layout_refuses_new_shapes_for_unquantized_weights(socket_dir: Path, checkpoint: Path) -> None:
+    """Unquantized post-processing never changes a layout: a published tensor of another shape means the entry
+    was made under a setting the fingerprint misses (e.g. another expert-parallel layout), never adopted."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 3)
+    published = {"weight": torch.zeros(4, 3), "bias": torch.zeros(3)}
+    fp = wc.Fingerprint.create(checkpoint, device="cpu", engine="toy", engine_version="1")
+    with wc.Cache(socket_dir, spawn=True).put(fp, published) as handle:
+        with pytest.raises(wc.BindError, match=r"weight: published \(4, 3\).*model \(3, 4\).*evict"):
+            adopt_published_layout(model, handle)
+        assert model.weight.shape == (3, 4) and model.weight.is_meta  # untouched

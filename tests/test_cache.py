@@ -199,6 +199,25 @@ def test_budget_evicts_unleased_entries_least_recently_used_first(socket_dir: Pa
         proc.wait(10)
 
 
+def test_budget_counts_a_lease_ending_as_use(socket_dir: Path, checkpoint: Path) -> None:
+    """An entry held until a moment ago is recent, however long ago it was published: LRU by last use."""
+    proc = start_keeper(socket_dir, "--max-bytes", "cpu=12K")
+    try:
+        cache = wc.Cache(socket_dir)
+        fps = [wc.Fingerprint.create(checkpoint, extra={"i": i}) for i in range(4)]
+        held = cache.put(fps[0], _entry_state(0))  # published first, held while the others come and go
+        for i in (1, 2):
+            cache.put(fps[i], _entry_state(i)).close()
+        held.close()
+        assert wait_until(lambda: all(e.leases == 0 for e in cache.entries()))
+        with cache.put(fps[3], _entry_state(3)):
+            kept = {e.digest for e in cache.entries()}
+        assert kept == {fps[0].digest, fps[2].digest, fps[3].digest}, "entry 1 was the least recently used"
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
 def test_budget_refuses_what_cannot_fit_and_evicts_nothing(socket_dir: Path, checkpoint: Path) -> None:
     proc = start_keeper(socket_dir, "--max-bytes", "8K")
     try:

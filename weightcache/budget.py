@@ -76,7 +76,8 @@ def parse_budget(max_bytes: list[str] | None = None, max_fraction: float | None 
         if not 0 < max_fraction <= 1:
             raise ValueError(f"--max-fraction {max_fraction}: expected a fraction of host memory in (0, 1]")
         by_fraction = int(host_memory_bytes() * max_fraction)
-        per["cpu"] = min(per.get("cpu", by_fraction), by_fraction)
+        cpu = per.get("cpu", default)  # what --max-bytes gave the CPU, if anything: the fraction only lowers it
+        per["cpu"] = by_fraction if cpu is None else min(cpu, by_fraction)
     return Budget(default, per)
 
 

@@ -209,7 +209,10 @@ class Cache:
     """
 
     def __init__(self, socket_dir: str | os.PathLike[str] | None = None, *, spawn: bool = False) -> None:
-        self.socket_dir = ensure_keeper(socket_dir) if spawn else socket_dir
+        if spawn:
+            ensure_keeper(socket_dir)
+        # As given (None: the default location): whether the caller named it decides how much it is trusted.
+        self.socket_dir = socket_dir
         #: Whether handles from this cache may spawn a keeper to re-publish to after a crash.
         self.respawn = spawn
 

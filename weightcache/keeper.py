@@ -385,8 +385,10 @@ class Keeper:
             with self.lock:
                 self._connections.pop(cid, None)
                 self._peers.pop(cid, None)
+                ended = time.time()
                 for entry in self.entries.values():
-                    entry.leases.pop(cid, None)
+                    if entry.leases.pop(cid, None) is not None:
+                        entry.last_used = ended  # held until now: recently used, for the LRU order
             conn.close()
 
     def _handle(

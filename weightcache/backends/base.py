@@ -21,7 +21,7 @@ import importlib.util
 import json
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from types import ModuleType
 from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
@@ -160,13 +160,14 @@ class Backend(abc.ABC):
         *,
         dtype: object,
         engine_quant: object,
-        parallel: Mapping[str, tuple[int, int]],
+        parallel: Callable[[], Mapping[str, tuple[int, int]]],
         device: torch.device | str,
         identity: Mapping[str, Any],
     ) -> Fingerprint:
         """The fingerprint of weights this engine loads from ``checkpoint``: the quantization is checked first
-        (UnsupportedQuantError before anything is read), ``identity`` (the engine's model config, as plain JSON)
-        is recorded under the adapter's name, and the engine's name and version are the producer."""
+        (UnsupportedQuantError before anything is read or asked of the engine, hence ``parallel`` is a function
+        that reads this rank's layout), ``identity`` (the engine's model config, as plain JSON) is recorded under
+        the adapter's name, and the engine's name and version are the producer."""
         from ..fingerprint import Fingerprint
 
         spec = self.check_quant(engine_quant)
@@ -175,7 +176,7 @@ class Backend(abc.ABC):
             dtype=dtype,
             quant=spec.method,
             quant_config=spec.config,
-            parallel=parallel,
+            parallel=parallel(),
             device=device_spec(device),
             extra={self.name: dict(identity)},
             engine=self.name,
@@ -277,11 +278,10 @@ def fetch(fingerprint: Fingerprint, options: LoaderOptions) -> Handle | None:
     """
     from ..attach import why_missing
     from ..cache import Cache
-    from ..client import ensure_keeper
 
     if options.mode == "daemon":
-        cache = Cache(ensure_keeper(options.socket_dir))
-        return cache.get(fingerprint)
+        # spawn: a keeper now, and a handle of mode daemon re-spawns a crashed one to re-publish to, hit or miss
+        return Cache(options.socket_dir, spawn=True).get(fingerprint)
     try:
         cache = Cache(options.socket_dir)
         handle = cache.get(fingerprint)
@@ -322,6 +322,11 @@ def entry_bytes(fingerprint: Fingerprint, options: LoaderOptions) -> int:
         entries = Cache(options.socket_dir).entries()
     except KeeperUnavailable:
         return 0
+    except WeightCacheError as exc:  # asked before loading: the load itself falls back (or raises if strict)
+        if options.strict:
+            raise
+        warnings.warn(f"weightcache: cannot size the cached entry ({type(exc).__name__}: {exc})", stacklevel=2)
+        return 0
     for entry in entries:
         if entry.digest == fingerprint.digest and entry.placement == fingerprint.placement:
             return entry.bytes
@@ -350,9 +355,17 @@ def adopt_published_layout(model: nn.Module, handle: Handle) -> None:
     wins: a meta placeholder is re-made with the published shape and dtype (keeping its Parameter class and
     attributes), a published name the model lacks is registered on its module, and a model tensor that was
     not published (and is not tied to one that was) is removed.
+
+    Only quantized weights change layout in post-processing: for ``quant == "none"`` a published tensor whose
+    shape or dtype differs from the model's is a BindError, never adopted. Such a difference means the entry
+    was made under a setting the fingerprint does not capture (e.g. another expert-parallel layout), and
+    adopting it would serve wrong weights.
     """
     import torch
     from torch import nn
+
+    may_relayout = handle.fingerprint.quant != "none"
+    refused: list[str] = []
 
     manifest = handle.manifest
     kinds = dict(zip(manifest.names, manifest.kind)) if manifest is not None else {}
@@ -364,6 +377,26 @@ def adopt_published_layout(model: nn.Module, handle: Handle) -> None:
             present[name] = tensor
             owners.setdefault(id(tensor), []).append(name)
     published = handle.tensors
+    if not may_relayout:  # checked before anything changes: a refusal leaves the model as it was
+        for name, tensor in published.items():
+            current = present.get(name)
+            if (
+                current is not None
+                and current.is_meta
+                and (current.shape != tensor.shape or current.dtype != tensor.dtype)
+            ):
+                refused.append(
+                    f"{name}: published {tuple(tensor.shape)} {tensor.dtype}, model {tuple(current.shape)} "
+                    f"{current.dtype}"
+                )
+    if refused:
+        raise BindError(
+            f"the cached entry {handle.digest[:12]} does not fit this {type(model).__name__}: "
+            + "; ".join(refused[:8])
+            + (f" and {len(refused) - 8} more" if len(refused) > 8 else "")
+            + ". Unquantized weights never change shape in post-processing, so the entry was made under a "
+            "setting its fingerprint does not record; evict it (`weightcache evict`) and report the setting."
+        )
     for name, tensor in published.items():
         current = present.get(name)
         module_name, _, leaf = name.rpartition(".")

@@ -59,6 +59,20 @@ PARALLEL_AXES: dict[str, tuple[str, str]] = {
     "attn_cp": ("attn_cp_rank", "attn_cp_size"),
 }
 
+#: Axes every rank must know: without them all ranks would share one fingerprint.
+REQUIRED_AXES = ("tp", "pp")
+#: ServerArgs fields that change the post-processed weights (MoE kernel layout, shared-expert fusion into the
+#: expert tensors, redundant experts).
+SERVER_FIELDS = (
+    "moe_runner_backend",
+    "moe_a2a_backend",
+    "disable_shared_experts_fusion",
+    "enable_eplb",
+    "ep_num_redundant_experts",
+)
+#: Environment variables that change what the loader produces.
+PROCESSING_ENV = ("SGLANG_EMBEDDINGS_SPARSE_HEAD",)
+
 
 class SglangBackend(Backend):
     """SGLang (``sglang``)."""
@@ -87,7 +101,7 @@ class SglangBackend(Backend):
             self.checkpoint_dir(model_config, load_config),
             dtype=model_config.dtype,
             engine_quant=self.quant_config(model_config, load_config),
-            parallel=parallel_layout(),
+            parallel=parallel_layout,
             device=device,
             identity=model_identity(model_config, load_config),
         )
@@ -117,7 +131,14 @@ def parallel_layout() -> dict[str, tuple[int, int]]:
     for axis, (rank_attr, size_attr) in PARALLEL_AXES.items():
         try:
             rank, size = int(getattr(parallel, rank_attr)), int(getattr(parallel, size_attr))
-        except Exception:  # SGLang raises its own errors for widths not derivable in this process
+        except Exception as exc:  # SGLang raises its own errors for widths not derivable in this process
+            if axis in REQUIRED_AXES:
+                # Without them every rank would get the same fingerprint and attach rank 0's shard.
+                raise BackendError(
+                    f"SGLang's parallel context does not tell this process's {axis} rank and size "
+                    f"({type(exc).__name__}: {exc}); weightcache needs them to tell shards apart. Initialise "
+                    "model parallelism (as SGLang's scheduler does) before loading the model."
+                ) from exc
             continue
         layout[axis] = (rank, size)
     return layout
@@ -133,7 +154,23 @@ def model_identity(model_config: Any, load_config: Any) -> dict[str, Any]:
         "dtype": str(model_config.dtype),
         "quantization": model_config.quantization,
         "load_device": plain_json(getattr(load_config, "device", None)),
+        # which MTP draft layer this loader keeps (and renames to layer 0): same shapes, other weights
+        "draft_model_idx": plain_json(getattr(load_config, "draft_model_idx", None)),
+        "server": _server_settings(),
+        "env": {name: os.environ.get(name) for name in PROCESSING_ENV},
     }
+
+
+def _server_settings() -> dict[str, Any]:
+    """Server settings that change post-processed weights (MoE kernels, shared-expert fusion, expert layout),
+    when SGLang has published them in this process (None where it has not)."""
+    try:
+        from sglang.srt.runtime_context import get_server_args
+
+        args = get_server_args()
+    except Exception:  # not set up in this process (e.g. the loader layer used on its own)
+        return {}
+    return {f: plain_json(getattr(args, f, None)) for f in SERVER_FIELDS}
 
 
 def _disk_load_config(load_config: Any) -> Any:
@@ -221,6 +258,7 @@ class WeightCacheLoader:
             self.source = "disk"
             model: nn.Module = self._disk_loader().load_model(model_config=model_config, device_config=device_config)
             return model
+        published_here = handle is None
         if handle is None:  # mode daemon, a miss: SGLang loads and post-processes, then we publish
             loaded = self._disk_loader().load_model(model_config=model_config, device_config=device_config)
             state = shareable_state(loaded)
@@ -233,7 +271,9 @@ class WeightCacheLoader:
             handle.close()
             raise
         assert handle.manifest is not None
-        self.preloaded_weights_bytes = handle.manifest.total_bytes
+        # SGLang adds this to a memory baseline sampled before load_model: only an entry that was resident then
+        # counts; segments this call created were allocated after the sample and are already in its measure.
+        self.preloaded_weights_bytes = 0 if published_here else handle.manifest.total_bytes
         self.handle, self.source = handle, "cache"
         model.__dict__["weightcache_handle"] = handle  # the lease lives as long as the model
         return model

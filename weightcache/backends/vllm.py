@@ -65,7 +65,28 @@ LOAD_FORMAT = "weightcache"
 RERUN_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
 
 #: Environment variables that change what vLLM's post-processing produces; their values join the fingerprint.
-PROCESSING_ENV = ("VLLM_XPU_FORCE_N_CONTIG_WEIGHT", "VLLM_ZENTORCH_WEIGHT_PREPACK", "VLLM_CPU_SGL_KERNEL")
+PROCESSING_ENV = (
+    "VLLM_XPU_FORCE_N_CONTIG_WEIGHT",
+    "VLLM_ZENTORCH_WEIGHT_PREPACK",
+    "VLLM_CPU_SGL_KERNEL",
+    # the FP8 MoE and GEMM backend choice, which decides the layout (and scale format) post-processing leaves
+    "VLLM_USE_DEEP_GEMM",
+    "VLLM_MOE_USE_DEEP_GEMM",
+    "VLLM_USE_DEEP_GEMM_E8M0",
+    "VLLM_ROCM_USE_AITER",
+    "VLLM_ROCM_USE_AITER_MOE",
+    "VLLM_ROCM_USE_AITER_LINEAR",
+)
+#: ParallelConfig fields that change how experts are sharded, beyond the process groups' ranks and sizes (vLLM
+#: creates its EP group for every MoE model, whether experts are sharded by EP or by TP).
+EXPERT_LAYOUT_FIELDS = (
+    "enable_expert_parallel",
+    "enable_eplb",
+    "expert_placement_strategy",
+    "num_redundant_experts",
+)
+#: KernelConfig fields that pick the kernels post-processing prepares weights for.
+KERNEL_FIELDS = ("linear_backend", "moe_backend")
 
 
 class VllmBackend(Backend):
@@ -109,7 +130,7 @@ class VllmBackend(Backend):
             self.checkpoint_dir(vllm_config, model_config),
             dtype=model_config.dtype,
             engine_quant=vllm_config.quant_config,
-            parallel=parallel_layout(),
+            parallel=parallel_layout,
             device=device,
             identity=model_identity(vllm_config, model_config),
         )
@@ -168,6 +189,7 @@ def model_identity(vllm_config: Any, model_config: Any) -> dict[str, Any]:
 
     hf_config = json.loads(model_config.hf_config.to_json_string(use_diff=False))
     load = vllm_config.load_config
+    kernels = getattr(vllm_config, "kernel_config", None)
     return {
         "hf_config": hf_config,
         "model": str(model_config.model),
@@ -177,9 +199,18 @@ def model_identity(vllm_config: Any, model_config: Any) -> dict[str, Any]:
         "hf_overrides": plain_json(getattr(model_config, "hf_overrides", None)),
         "load_device": None if load.device is None else str(load.device),
         "platform": str(current_platform.device_type),
-        "linear_backend": str(getattr(getattr(vllm_config, "kernel_config", None), "linear_backend", "auto")),
+        "kernels": {f: plain_json(getattr(kernels, f, None)) for f in KERNEL_FIELDS},
+        "experts": _expert_layout(vllm_config.parallel_config),
         "env": {name: str(getattr(envs, name, os.environ.get(name))) for name in PROCESSING_ENV},
     }
+
+
+def _expert_layout(parallel_config: Any) -> dict[str, Any]:
+    out = {f: plain_json(getattr(parallel_config, f, None)) for f in EXPERT_LAYOUT_FIELDS}
+    eplb = getattr(parallel_config, "eplb_config", None)
+    if eplb is not None and out["num_redundant_experts"] is None:
+        out["num_redundant_experts"] = plain_json(getattr(eplb, "num_redundant_experts", None))
+    return out
 
 
 # --- the state that is published and bound -------------------------------------------------------------------
