@@ -76,6 +76,48 @@ def open_fds(pid: int) -> int:
     return len(os.listdir(f"/proc/{pid}/fd"))
 
 
+def sealed_memfd(size: int, seal: bool = True) -> int:
+    """A memfd of ``size`` bytes, sealed against write, shrink and grow as publishers seal theirs (or not)."""
+    import fcntl
+
+    fd = os.memfd_create("weightcache", os.MFD_ALLOW_SEALING)
+    os.ftruncate(fd, size)
+    if seal:
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    return fd
+
+
+def one_tensor_manifest(
+    fingerprint: dict,
+    *,
+    size: int = 512,
+    offset: int = 0,
+    placement: str = "cpu",
+    name: str = "w",
+    kind: str = "tensor",
+    requires_grad: bool = False,
+) -> dict:
+    """A manifest as the wire carries it: one float32 tensor of 4 elements in one memfd segment."""
+    from weightcache.manifest import MANIFEST_VERSION
+
+    return {
+        "version": MANIFEST_VERSION,
+        "fingerprint": fingerprint,
+        "segments": [{"kind": "memfd", "size": size, "placement": placement}],
+        "tensors": {
+            "name": [name],
+            "segment": [0],
+            "offset": [offset],
+            "dtype": ["float32"],
+            "shape": [[4]],
+            "stride": [[1]],
+            "kind": [kind],
+            "requires_grad": [requires_grad],
+            "digest": [None],
+        },
+    }
+
+
 def stop_keeper(socket_dir: Path) -> None:
     """Stop whatever keeper serves socket_dir (politely, then SIGKILL)."""
     pid = keeper_pid(socket_dir)

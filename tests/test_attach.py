@@ -10,7 +10,16 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Holder, keeper_pid, process_gone, run_worker, start_keeper, wait_until
+from conftest import (
+    Holder,
+    keeper_pid,
+    one_tensor_manifest,
+    process_gone,
+    run_worker,
+    sealed_memfd,
+    start_keeper,
+    wait_until,
+)
 from models import INPUT_IDS, TinyLM, make_checkpoint, meta_model, reference_output
 from worker import digest
 
@@ -305,30 +314,11 @@ def test_after_keeper_sigkill_daemon_mode_starts_a_fresh_keeper(checkpoint: Path
 def test_client_falls_back_from_a_broken_entry(checkpoint: Path, socket_dir: Path, keeper: object) -> None:
     """A same-user peer publishes an entry under the right fingerprint whose manifest does not fit its
     segment: client mode must load from disk with a warning, not crash."""
-    import fcntl
-
     from weightcache.client import KeeperConnection
 
     fp = wc.Fingerprint.create(checkpoint)
-    fd = os.memfd_create("weightcache", os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, 1024)
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-    manifest = {
-        "version": 1,
-        "fingerprint": fp.to_json(),
-        "segments": [{"kind": "memfd", "size": 1024, "placement": "cpu"}],
-        "tensors": {
-            "name": ["embed.weight"],
-            "segment": [0],
-            "offset": [0],
-            "dtype": ["float32"],
-            "shape": [[4]],
-            "stride": [[1]],
-            "kind": ["parameter"],
-            "requires_grad": [True],
-            "digest": [None],
-        },
-    }
+    fd = sealed_memfd(1024)
+    manifest = one_tensor_manifest(fp.to_json(), size=1024, name="embed.weight", kind="parameter", requires_grad=True)
     with KeeperConnection.connect(socket_dir) as conn:
         conn.request({"op": "publish", "manifest": manifest}, [fd])
     os.close(fd)

@@ -15,12 +15,11 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import keeper_pid, start_keeper, wait_until
+from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, start_keeper, wait_until
 
 import weightcache as wc
 from weightcache import protocol
 from weightcache.client import KeeperConnection, ensure_keeper
-from weightcache.manifest import MANIFEST_VERSION
 
 
 def alive(socket_dir: Path) -> bool:
@@ -146,33 +145,7 @@ def test_error_replies_say_what_is_wrong(socket_dir: Path, keeper: subprocess.Po
 
 
 def _manifest(checkpoint: Path, size: int, offset: int = 0) -> dict:
-    fp = wc.Fingerprint.create(checkpoint)
-    return {
-        "version": MANIFEST_VERSION,
-        "fingerprint": fp.to_json(),
-        "segments": [{"kind": "memfd", "size": size, "placement": "cpu"}],
-        "tensors": {
-            "name": ["w"],
-            "segment": [0],
-            "offset": [offset],
-            "dtype": ["float32"],
-            "shape": [[4]],
-            "stride": [[1]],
-            "kind": ["tensor"],
-            "requires_grad": [False],
-            "digest": [None],
-        },
-    }
-
-
-def _sealed_memfd(size: int, seal: bool = True) -> int:
-    import fcntl
-
-    fd = os.memfd_create("weightcache", os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, size)
-    if seal:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
-    return fd
+    return one_tensor_manifest(wc.Fingerprint.create(checkpoint).to_json(), size=size, offset=offset)
 
 
 def test_publish_checks_fds_and_manifest(socket_dir: Path, keeper: subprocess.Popen[bytes], checkpoint: Path) -> None:
@@ -181,10 +154,10 @@ def test_publish_checks_fds_and_manifest(socket_dir: Path, keeper: subprocess.Po
             os.ftruncate(f.fileno(), 512)
             with pytest.raises(wc.KeeperError, match="expected a memfd"):
                 conn.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [f.fileno()])
-        unsealed = _sealed_memfd(512, seal=False)
+        unsealed = sealed_memfd(512, seal=False)
         with pytest.raises(wc.KeeperError, match="not sealed"):
             conn.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [unsealed])
-        sealed = _sealed_memfd(512)
+        sealed = sealed_memfd(512)
         with pytest.raises(wc.KeeperError, match="1 segments but 2 fds"):
             conn.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [sealed, sealed])
         with pytest.raises(wc.KeeperError, match="1 segments but 0 fds"):
@@ -378,7 +351,7 @@ def test_before_hello_frames_are_small(socket_dir: Path, keeper: subprocess.Pope
 def test_wrongly_typed_manifest_columns(socket_dir: Path, keeper: subprocess.Popen[bytes], checkpoint: Path) -> None:
     manifest = _manifest(checkpoint, 512)
     manifest["tensors"]["dtype"] = [["x"]]
-    fd = _sealed_memfd(512)
+    fd = sealed_memfd(512)
     with KeeperConnection.connect(socket_dir) as conn:
         with pytest.raises(wc.KeeperError, match="dtype"):
             conn.request({"op": "publish", "manifest": manifest}, [fd])
@@ -393,7 +366,7 @@ def test_publishing_an_existing_entry_takes_a_lease(
     socket_dir: Path, keeper: subprocess.Popen[bytes], checkpoint: Path
 ) -> None:
     """Two clients re-publishing the same entry (after a keeper restart): one entry, two leases, no error."""
-    first_fd, second_fd = _sealed_memfd(512), _sealed_memfd(512)
+    first_fd, second_fd = sealed_memfd(512), sealed_memfd(512)
     with KeeperConnection.connect(socket_dir) as a, KeeperConnection.connect(socket_dir) as b:
         assert a.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [first_fd])[0]["created"]
         assert not b.request({"op": "publish", "manifest": _manifest(checkpoint, 512)}, [second_fd])[0]["created"]

@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import start_keeper, stop_keeper
+from conftest import one_tensor_manifest, sealed_memfd, start_keeper, stop_keeper
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -152,24 +152,8 @@ def fingerprint_json() -> Iterator[dict]:
 
 
 def _valid_manifest(fingerprint: dict, placement: str = "cpu") -> dict:
-    from weightcache.manifest import MANIFEST_VERSION
-
-    return {
-        "version": MANIFEST_VERSION,
-        "fingerprint": json.loads(json.dumps(fingerprint)),  # a deep copy to mutate
-        "segments": [{"kind": "memfd", "size": 512, "placement": placement}],
-        "tensors": {
-            "name": ["w"],
-            "segment": [0],
-            "offset": [0],
-            "dtype": ["float32"],
-            "shape": [[4]],
-            "stride": [[1]],
-            "kind": ["tensor"],
-            "requires_grad": [False],
-            "digest": [None],
-        },
-    }
+    # a deep copy of the fingerprint, to mutate
+    return one_tensor_manifest(json.loads(json.dumps(fingerprint)), placement=placement)
 
 
 MANIFEST_PATHS = [
@@ -213,7 +197,6 @@ def test_mutated_publish(
 ) -> None:
     """A valid publish with one field replaced by anything: refused with an error reply, or (if still valid)
     published; either way the keeper keeps serving, and every entry it lists has a manifest that parses."""
-    import fcntl
 
     from weightcache.manifest import Manifest
 
@@ -223,10 +206,7 @@ def test_mutated_publish(
     for key in path[:-1]:
         target = target[key]
     target[path[-1]] = value
-    fd = os.memfd_create("weightcache", os.MFD_ALLOW_SEALING)
-    os.ftruncate(fd, 512)
-    if seal:
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    fd = sealed_memfd(512, seal)
     try:
         with KeeperConnection.connect(socket_dir) as conn:
             try:
