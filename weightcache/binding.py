@@ -64,10 +64,10 @@ def _places(model: nn.Module) -> tuple[list[_Place], bool]:
     return places, len(seen) < count
 
 
-def _slots(model: nn.Module) -> list[_Slot]:
+def _slots(places: list[_Place]) -> list[_Slot]:
     """Group the registrations by tensor object (tied weights share one slot), in first-seen order."""
     slots: dict[int, _Slot] = {}
-    for tensor, is_param, persistent, module, attr, name in _places(model)[0]:
+    for tensor, is_param, persistent, module, attr, name in places:
         slot = slots.get(id(tensor))
         if slot is None:
             slot = slots[id(tensor)] = _Slot(tensor, is_param, persistent)
@@ -99,7 +99,7 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
     mismatched: list[str] = []
     used = 0
     plan: list[tuple[_Slot, torch.Tensor]] = []
-    for slot in _slots(model):
+    for slot in _slots(places):
         names = slot.names
         if len(names) == 1:
             source_name = names[0]
@@ -123,7 +123,7 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
                 mismatched.append(f"{source_name}: " + "; ".join(problems))
                 continue
         plan.append((slot, tensor))
-    unexpected = sorted(set(tensors) - {n for slot in _slots(model) for n in slot.names}) if used < len(tensors) else []
+    unexpected = sorted(set(tensors) - {place[5] for place in places}) if used < len(tensors) else []
     errors = []
     if missing:
         errors.append(f"{len(missing)} model tensors have no data: {_listing(missing)}")
@@ -196,15 +196,9 @@ def _bind_untied(places: list[_Place], tensors: Mapping[str, torch.Tensor], want
         plan.append((place, tensor))
     if used != len(tensors):
         return False  # names that are not in the model
-    parameter, make = nn.Parameter, _make_subclass
     for (orig, is_param, _, module, attr, _), tensor in plan:
-        if is_param:  # _parameter_like, inlined: this loop runs once per tensor of every attach
-            cls = type(orig)
-            if cls is not parameter and not issubclass(cls, parameter):
-                cls = parameter
-            new: torch.Tensor = make(cls, tensor, orig.requires_grad and _grad_ok(tensor))
-            if orig.__dict__:
-                new.__dict__.update(orig.__dict__)
+        if is_param:
+            new = _parameter_like(orig, tensor)
             module._parameters[attr] = new  # type: ignore[assignment]
         else:
             module._buffers[attr] = tensor
