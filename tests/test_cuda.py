@@ -126,7 +126,7 @@ def test_keeper_sigkill_leaves_gpu_clients_computing(checkpoint: Path, socket_di
 
 def test_restarted_keeper_gets_gpu_entries_back(checkpoint: Path, socket_dir: Path) -> None:
     """The CPU test of re-publication (tests/test_faults.py) on a GPU: the holder re-publishes its VMM fds to a
-    new keeper, and a third engine attaches them. Written without a GPU at hand: not yet run."""
+    new keeper, and a third engine attaches them."""
     proc = start_keeper(socket_dir)
     spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir), "device": "cuda:0"}
     first = run_worker("attach", {**spec, "mode": "daemon"})
