@@ -54,6 +54,7 @@ def attach(
     transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
     strict: bool = False,
     socket_dir: str | os.PathLike[str] | None = None,
+    progress: bool | None = None,
 ) -> Handle:
     """Bind the weights of ``checkpoint`` into ``model`` and return a :class:`Handle` (a context manager).
 
@@ -76,6 +77,8 @@ def attach(
             falling back to disk; in mode daemon, raise BudgetExceeded when the keeper's memory budget refuses
             the weights (without it, the engine warns and loads them again into its own memory).
         socket_dir: the keeper's socket directory (default: see :mod:`weightcache.rundir`).
+        progress: show a bar of the bytes read on stderr while loading from disk. None (default): only when
+            stderr is a terminal and the checkpoint is at least 1 GiB; True/False: always/never.
 
     Returns:
         A Handle with ``source`` ("cache" or "disk"), ``fingerprint`` and ``tensors``. Close it (or leave the
@@ -96,7 +99,7 @@ def attach(
     )
 
     def from_disk(reason: str | None = None) -> Handle:
-        state = load_weights(checkpoint, dev, torch_dtype, transform)
+        state = load_weights(checkpoint, dev, torch_dtype, transform, progress)
         bind(model, state, device=dev)
         return Handle(source="disk", fingerprint=fingerprint, tensors=state, fallback_reason=reason)
 
@@ -126,9 +129,11 @@ def attach(
                 try:
                     if layout is not None and _stored_as_is(layout, torch_dtype):
                         # Straight from the files into the segments: no second copy on the device at any time.
-                        handle = cache.put_checkpoint(fingerprint, layout, before_publish=keeper_ready)
+                        handle = cache.put_checkpoint(
+                            fingerprint, layout, before_publish=keeper_ready, progress=progress
+                        )
                     else:
-                        state = load_weights(checkpoint, dev, torch_dtype, transform)
+                        state = load_weights(checkpoint, dev, torch_dtype, transform, progress)
                         keeper_ready()
                         # consume: each tensor is freed once copied into its segment, so publishing needs one
                         # segment of extra memory, not a second copy of the model.
@@ -177,17 +182,23 @@ def load_weights(
     device: torch.device,
     dtype: torch.dtype | None,
     transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None,
+    progress: bool | None = False,
 ) -> dict[str, torch.Tensor]:
     """The checkpoint as a state dict on ``device``, converted to ``dtype``, with ``transform`` applied there.
 
     CPU: the files are memory-mapped (pages are read when first touched). CUDA: they are streamed with large
-    sequential reads through pinned buffers (:mod:`weightcache.loader`).
+    sequential reads through pinned buffers (:mod:`weightcache.loader`). ``progress``: see :func:`attach`.
     """
     if device.type == "cuda":
+        from .checkpoint import safetensors_files
         from .loader import load_to_device
+        from .progress import byte_bar, wanted
 
-        return apply_transform(load_to_device(checkpoint, device, dtype=dtype), transform)
-    return load_state_dict(checkpoint, dtype=dtype, transform=transform)
+        total = sum(f.stat().st_size for f in safetensors_files(checkpoint)) if progress is not False else 0
+        with byte_bar(total, "loading checkpoint", wanted(progress, total)) as update:
+            state = load_to_device(checkpoint, device, dtype=dtype, progress=update)
+        return apply_transform(state, transform)
+    return load_state_dict(checkpoint, dtype=dtype, transform=transform, progress=progress)
 
 
 def _bound(model: nn.Module, handle: Handle, device: torch.device) -> Handle:

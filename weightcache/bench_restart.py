@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from .checkpoint import drop_page_cache
+from .progress import byte_bar
 
 #: Checkpoint shards are at most this big, like the files real checkpoints ship in.
 SHARD_BYTES = 4 << 30
@@ -52,33 +53,25 @@ def write_checkpoint(path: Path, shapes: list[int], dtype_name: str, progress: b
         shards[-1].append(i)
         used += numel * itemsize
     total = sum(shapes) * itemsize
-    bar = _bar(total, "writing checkpoint", progress)
-    weight_map = {}
-    gen = torch.Generator().manual_seed(0)
-    for k, members in enumerate(shards):
-        name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        part = {}
-        for i in members:
-            # random bits, cheap to make: a random base row repeated, offset by the tensor index
-            base = torch.randint(-1000, 1000, (min(shapes[i], 1 << 20),), generator=gen, dtype=torch.int16)
-            t = base.repeat(-(-shapes[i] // base.numel()))[: shapes[i]].add_(i % 97)
-            part[f"w{i}"] = t.view(dtype) if itemsize == 2 else t.to(dtype)
-        save_file(part, str(path / name))
-        weight_map.update(dict.fromkeys(part, name))
-        bar(sum(shapes[i] for i in members) * itemsize)
-        del part
+    with byte_bar(total, "writing checkpoint", progress) as update:
+        weight_map = {}
+        gen = torch.Generator().manual_seed(0)
+        for k, members in enumerate(shards):
+            name = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
+            part = {}
+            for i in members:
+                # random bits, cheap to make: a random base row repeated, offset by the tensor index
+                base = torch.randint(-1000, 1000, (min(shapes[i], 1 << 20),), generator=gen, dtype=torch.int16)
+                t = base.repeat(-(-shapes[i] // base.numel()))[: shapes[i]].add_(i % 97)
+                part[f"w{i}"] = t.view(dtype) if itemsize == 2 else t.to(dtype)
+            save_file(part, str(path / name))
+            weight_map.update(dict.fromkeys(part, name))
+            if update is not None:
+                update(sum(shapes[i] for i in members) * itemsize)
+            del part
     (path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
     (path / "config.json").write_text(json.dumps({"architectures": ["Synthetic"], "shapes": shapes}))
     return total
-
-
-def _bar(total: int, desc: str, enabled: bool) -> Any:
-    if not enabled:
-        return lambda n: None
-    from tqdm import tqdm
-
-    bar = tqdm(total=total, unit="B", unit_scale=True, desc=desc, leave=False)
-    return bar.update
 
 
 def disk_read_gbps(path: Path) -> float:

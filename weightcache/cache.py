@@ -405,6 +405,7 @@ class Cache:
         checkpoint: str | os.PathLike[str] | list[StoredTensor],
         *,
         before_publish: Callable[[], object] | None = None,
+        progress: bool | None = False,
     ) -> Handle:
         """Publish a safetensors checkpoint as stored (no dtype conversion, no transform) by streaming its files
         straight into GPU segments: no intermediate copy on the device, so the peak is the weights themselves,
@@ -412,9 +413,11 @@ class Cache:
 
         ``checkpoint`` may also be its :func:`~weightcache.loader.checkpoint_layout`, when the caller has it.
         ``before_publish`` runs once the segments are filled, before the keeper is contacted (mode daemon
-        waits there for the keeper it started while the files were read).
+        waits there for the keeper it started while the files were read). ``progress``: a bar of the bytes
+        streamed, on stderr (None: only on a terminal and for at least 1 GiB; see :mod:`weightcache.progress`).
         """
         from .loader import checkpoint_layout, pinned_staging, prefetch_head, stream_into
+        from .progress import byte_bar, wanted
         from .segments.cuda_vmm import device_index
 
         quant_registry.get(fingerprint.quant).check()
@@ -441,7 +444,9 @@ class Cache:
                 assert isinstance(seg, CudaVmmSegment)
                 return seg.destination(p.offset, t.nbytes)
 
-            stream_into(layout, device, destination, staging=staging)
+            total = sum(nbytes)
+            with byte_bar(total, "loading checkpoint into the cache", wanted(progress, total)) as update:
+                stream_into(layout, device, destination, update, staging)
             for seg in segs:
                 seg.seal()
             if before_publish is not None:

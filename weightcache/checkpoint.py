@@ -206,20 +206,22 @@ def load_state_dict(
     *,
     dtype: torch.dtype | None = None,
     transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-    progress: bool = False,
+    progress: bool | None = False,
 ) -> dict[str, torch.Tensor]:
-    """Load the whole checkpoint into a CPU state dict, convert it to ``dtype`` and apply ``transform``."""
-    if progress:
-        from tqdm import tqdm
+    """Load the whole checkpoint into a CPU state dict, convert it to ``dtype`` and apply ``transform``.
 
-        total = sum(f.stat().st_size for f in safetensors_files(checkpoint))
-        state: dict[str, torch.Tensor] = {}
-        with tqdm(total=total, unit="B", unit_scale=True, desc="loading checkpoint") as bar:
-            for name, tensor in iter_tensors(checkpoint, dtype=dtype):
-                state[name] = tensor
-                bar.update(tensor.numel() * tensor.element_size())
-    else:
-        state = dict(iter_tensors(checkpoint, dtype=dtype))
+    ``progress``: show a bar of the bytes read on stderr (None: only on a terminal and for a checkpoint of at
+    least 1 GiB; see :mod:`weightcache.progress`).
+    """
+    from .progress import byte_bar, wanted
+
+    total = sum(f.stat().st_size for f in safetensors_files(checkpoint)) if progress is not False else 0
+    state: dict[str, torch.Tensor] = {}
+    with byte_bar(total, "loading checkpoint", wanted(progress, total)) as update:
+        for name, tensor in iter_tensors(checkpoint, dtype=dtype):
+            state[name] = tensor
+            if update is not None:
+                update(tensor.numel() * tensor.element_size())
     return apply_transform(state, transform)
 
 

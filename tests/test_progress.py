@@ -1,0 +1,45 @@
+"""Progress bars on long loads: shown when asked for (or on a terminal for big loads), never otherwise."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+from models import meta_model
+
+import weightcache as wc
+from weightcache import progress
+
+
+@pytest.mark.parametrize(("setting", "shown"), [(True, True), (False, False), (None, False)])
+def test_attach_shows_a_bar_only_when_wanted(
+    checkpoint: Path, socket_dir: Path, capsys: pytest.CaptureFixture[str], setting: bool | None, shown: bool
+) -> None:
+    # None: stderr is captured (not a terminal) and the checkpoint is tiny, so no bar.
+    with wc.attach(meta_model(), checkpoint, mode="off", socket_dir=socket_dir, progress=setting) as handle:
+        assert handle.source == "disk"
+    err = capsys.readouterr().err
+    assert ("loading checkpoint" in err) is shown, err
+
+
+def test_auto_needs_a_terminal_and_a_big_load(monkeypatch: pytest.MonkeyPatch) -> None:
+    class Tty:
+        def isatty(self) -> bool:
+            return True
+
+    assert progress.wanted(True, 0) and not progress.wanted(False, 1 << 40)
+    assert not progress.wanted(None, progress.AUTO_MIN_BYTES)  # pytest's stderr is no terminal
+    monkeypatch.setattr("sys.stderr", Tty())
+    assert progress.wanted(None, progress.AUTO_MIN_BYTES)
+    assert not progress.wanted(None, progress.AUTO_MIN_BYTES - 1)
+
+
+def test_the_bar_counts_bytes_in_binary_units(capsys: pytest.CaptureFixture[str]) -> None:
+    with progress.byte_bar(3 << 20, "reading", True) as update:
+        assert update is not None
+        update(1 << 20)
+        update(2 << 20)
+    err = capsys.readouterr().err
+    assert "reading" in err and "/3.00M " in err, err  # 3 MiB: unit_divisor 1024
+    with progress.byte_bar(10, "reading", False) as update:
+        assert update is None

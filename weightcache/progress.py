@@ -1,0 +1,35 @@
+"""Progress bars for long loads: a tqdm bar of bytes on stderr.
+
+``progress=None`` (the default of :func:`weightcache.attach`) shows a bar only when it helps: stderr is a
+terminal and the load is at least :data:`AUTO_MIN_BYTES`. ``True`` and ``False`` force it on or off.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Callable, Iterator
+
+#: Loads smaller than this finish in about a second from a fast disk: no bar unless asked for.
+AUTO_MIN_BYTES = 1 << 30
+
+
+def wanted(progress: bool | None, total_bytes: int) -> bool:
+    """Whether to show a bar for a load of ``total_bytes`` (see the module docstring)."""
+    if progress is None:
+        return total_bytes >= AUTO_MIN_BYTES and sys.stderr.isatty()
+    return bool(progress)
+
+
+@contextlib.contextmanager
+def byte_bar(total_bytes: int, desc: str, enabled: bool) -> Iterator[Callable[[int], None] | None]:
+    """A bar counting bytes up to ``total_bytes``; yields its update function, or None when not ``enabled``."""
+    if not enabled:
+        yield None
+        return
+    from tqdm import tqdm
+
+    with tqdm(
+        total=total_bytes, unit="B", unit_scale=True, unit_divisor=1024, desc=desc, leave=False, file=sys.stderr
+    ) as bar:
+        yield bar.update
