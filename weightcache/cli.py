@@ -1,4 +1,4 @@
-"""The ``weightcache`` command: serve | load | ls | inspect | evict | stop | parity | bench.
+"""The ``weightcache`` command: serve | load | ls | inspect | evict | stop | parity | doctor | bench.
 
 Keeper commands (serve, ls, inspect, evict, stop) do not import torch, so they answer in milliseconds.
 """
@@ -271,6 +271,17 @@ def _engine_parity(args: argparse.Namespace) -> int:
     return 0 if result.identical else 1
 
 
+def cmd_doctor(args: argparse.Namespace) -> int:
+    from . import doctor
+
+    checks = doctor.run(args.socket_dir)
+    if args.json:
+        print(json.dumps([c.to_json() for c in checks], indent=2))
+        return 1 if any(c.status == "fail" for c in checks) else 0
+    print(f"weightcache doctor: weightcache {__version__}")
+    return doctor.report(checks)
+
+
 def cmd_bench(args: argparse.Namespace) -> int:
     from .bench import main as bench_main
 
@@ -364,6 +375,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.add_argument("--limit", type=int, default=40, help="differences to list (default 40)")
     p.set_defaults(func=cmd_parity)
+
+    p = add(
+        "doctor",
+        "check the environment: platform, memfd and fd passing, the socket directory, the keeper, CUDA VMM on "
+        "each GPU, the engines; says what is wrong and what to do (exit status 1 when a check fails)",
+    )
+    p.add_argument("--json", action="store_true", help="machine-readable output")
+    p.set_defaults(func=cmd_doctor)
 
     p = add("bench", "measure attach time (see docs/benchmarks.md)")
     from .bench import add_arguments

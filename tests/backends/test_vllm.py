@@ -131,6 +131,18 @@ def test_the_entry_point_registers_the_load_format() -> None:
     assert loader_for(None).options.mode == "daemon"
 
 
+def test_doctor_finds_vllm_and_the_registered_plugin(socket_dir: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "weightcache", "doctor", "--json", "--socket-dir", str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    engines = {c["name"]: c for c in json.loads(out.stdout)}["engines"]
+    assert engines["status"] == "ok", engines
+    assert "vllm 0.32.0" in engines["detail"] and "--load-format weightcache registered" in engines["detail"]
+
+
 @pytest.mark.parametrize(
     ("extra", "message"),
     [

