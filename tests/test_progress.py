@@ -43,3 +43,17 @@ def test_the_bar_counts_bytes_in_binary_units(capsys: pytest.CaptureFixture[str]
     assert "reading" in err and "/3.00M " in err, err  # 3 MiB: unit_divisor 1024
     with progress.byte_bar(10, "reading", False) as update:
         assert update is None
+
+
+@pytest.mark.cuda
+@pytest.mark.parametrize("mode", ["off", "daemon"])
+def test_gpu_loads_show_a_bar(
+    checkpoint: Path, socket_dir: Path, capsys: pytest.CaptureFixture[str], mode: str
+) -> None:
+    # off: streamed through pinned buffers into tensors; daemon: streamed straight into VMM segments.
+    with wc.attach(
+        meta_model(), checkpoint, mode=mode, device="cuda:0", socket_dir=socket_dir, progress=True
+    ) as handle:
+        assert handle.source in ("disk", "cache")
+    err = capsys.readouterr().err
+    assert "loading checkpoint" in err, err
