@@ -1,6 +1,6 @@
 # Two commands do all set-up on a fresh machine:
 #   make demo   - a model loaded from disk once, then a restarted engine attaching it from the cache
-#   make test   - lint, type check, the test suite, and the engine adapter tests (test-engines)
+#   make test   - lint, type check, the docs site (strict), the test suite, and the engine adapter tests
 # Both create .venv on first use. Where no NVIDIA GPU is present, the CPU build of PyTorch is installed
 # (TORCH_SPEC), so nothing ever downloads a multi-GB CUDA build by accident.
 
@@ -20,7 +20,7 @@ VLLM_VENV ?= .venv-vllm
 SGLANG_VENV ?= .venv-sglang
 ENGINES ?= vllm sglang
 
-.PHONY: demo test test-engines lint bench clean
+.PHONY: demo test test-engines lint docs bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -37,7 +37,12 @@ lint: $(BIN)/.installed
 	$(BIN)/ruff format --check weightcache tests examples benchmarks
 	$(BIN)/mypy
 
-test: lint
+# The documentation site, built strictly: a broken link, a missing page or snippet, or a docstring that griffe
+# cannot read fails the build. The API reference is read from this tree's sources (mkdocs.yml: paths).
+docs: $(BIN)/.installed
+	$(BIN)/mkdocs build --strict --site-dir site
+
+test: lint docs
 	$(BIN)/python -m pytest
 	$(MAKE) test-engines
 
@@ -58,4 +63,4 @@ bench: $(BIN)/.installed
 	$(BIN)/weightcache bench --sizes 1,2,8 --tensors 500 --json bench-results/cpu-attach.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache
+	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache site

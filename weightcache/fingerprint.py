@@ -202,7 +202,8 @@ class Fingerprint:
             device: ``"cpu"`` or ``"cuda:N"``; the device kind and compute capability join the identity,
                 the GPU UUID becomes the placement.
             extra: further identity fields (JSON-serialisable), e.g. an engine's model config.
-            engine, engine_version: the producer of the weights; adapters set these.
+            engine: the name of the producer of the weights (default ``"torch"``); adapters set it.
+            engine_version: the producer's version (default: torch's version); adapters set it.
         """
         import torch
 

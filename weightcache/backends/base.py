@@ -272,7 +272,7 @@ def fetch(fingerprint: Fingerprint, options: LoaderOptions) -> Handle | None:
     """The attached entry for ``fingerprint``, or None when the engine must load from disk.
 
     Mode daemon ensures a keeper runs (spawning one) and returns None on a miss: the caller loads, then
-    :func:`publish` es. Mode client never starts a keeper; on a miss it warns with a FallbackWarning that says
+    publishes with :func:`publish`. Mode client never starts a keeper; on a miss it warns with a FallbackWarning that says
     why and returns None (the caller loads from disk and publishes nothing), or with ``strict`` raises
     KeeperUnavailable, EntryNotFound or FingerprintMismatch.
     """
