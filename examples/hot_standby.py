@@ -52,6 +52,7 @@ def say(**event: Any) -> None:
 def engine(role: str, checkpoint: str, socket_dir: str, device: str, threads: str) -> None:
     """One engine process. primary: lead at once, serve. standby: attach and warm, then wait to lead.
     cold / disk: a restarted engine (mode client / off) that leads as soon as it starts."""
+    t_start = time.monotonic()  # Python has started and imported torch and weightcache
     torch.set_num_threads(int(threads))
     dev = torch.device(device)
     leader = wc.Leadership(LEADERSHIP, socket_dir=socket_dir)
@@ -70,10 +71,20 @@ def engine(role: str, checkpoint: str, socket_dir: str, device: str, threads: st
     else:  # attach first (mode daemon starts the keeper, whose directory holds the lock), then lead
         mode = {"primary": "daemon", "cold": "client", "disk": "off"}[role]
         handle = wc.attach(model, checkpoint, mode=mode, device=dev, strict=True, socket_dir=socket_dir)  # type: ignore[arg-type]
+        t_attached = time.monotonic()
         leader.acquire()
         t_acquired = time.monotonic()
         output = run(model, x)
-        say(event="leader", t_acquired=t_acquired, t_result=time.monotonic(), output=output, source=handle.source)
+        t_result = time.monotonic()
+        say(
+            event="leader",
+            source=handle.source,
+            output=output,
+            t_start=t_start,
+            t_attached=t_attached,
+            t_acquired=t_acquired,
+            t_result=t_result,
+        )
     while True:  # serve until killed, holding the lease (the handle) and the leadership
         run(model, x)
         time.sleep(0.01)
@@ -151,6 +162,11 @@ def repetition(checkpoint: Path, socket_dir: Path, device: str, threads: int, di
             engines.append(leader)
             first = leader.event("leader")
             out[key] = (first["t_result"] - t_kill) * 1e3
+            out[f"{role}_phases_ms"] = {  # where a restart's time goes
+                "python_and_imports": (first["t_start"] - t_kill) * 1e3,
+                "weights": (first["t_attached"] - first["t_start"]) * 1e3,
+                "lead_and_forward": (first["t_result"] - first["t_attached"]) * 1e3,
+            }
             out["outputs"][role] = first["output"]
             out[f"{role}_source"] = first["source"]
         return out
@@ -219,6 +235,11 @@ def main() -> int:
     }
     if not args.no_disk:
         result["disk_ms"] = summary([r["disk_ms"] for r in runs])
+    for role in ("cold", "disk") if not args.no_disk else ("cold",):
+        phases = runs[0][f"{role}_phases_ms"]
+        result[f"{role}_phases_median_ms"] = {
+            k: statistics.median(r[f"{role}_phases_ms"][k] for r in runs) for k in phases
+        }
     if args.json:
         print(json.dumps(result))
     else:
@@ -236,6 +257,11 @@ def main() -> int:
         for label, key in rows:
             s = result[key]
             print(f"{label:<38}{s['median']:>7.1f} ms{s['min']:>7.1f} ms{s['max']:>7.1f} ms")
+        for role in ("cold", "disk") if not args.no_disk else ("cold",):
+            phases = ", ".join(
+                f"{k.replace('_', ' ')} {v:.0f} ms" for k, v in result[f"{role}_phases_median_ms"].items()
+            )
+            print(f"{role} restart, median phases: {phases}")
         print(f"outputs identical: {result['outputs_identical']}; the standby served: {result['standby_served']}")
     ok = result["outputs_identical"] and result["standby_served"] and result["entry_resident_after_kill"]
     return 0 if ok else 1
