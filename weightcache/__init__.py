@@ -36,6 +36,7 @@ from .errors import (
 )
 from .fingerprint import Fingerprint
 from .manifest import Manifest
+from .standby import Leadership
 
 if TYPE_CHECKING:
     from .attach import attach
@@ -93,6 +94,7 @@ __all__ = [
     "KeeperAlreadyRunning",
     "KeeperError",
     "KeeperUnavailable",
+    "Leadership",
     "Manifest",
     "ManifestError",
     "PeerRejected",
