@@ -45,6 +45,8 @@ def test_load_ls_inspect_evict_stop(checkpoint: Path, socket_dir: Path) -> None:
     assert "evicted" in wc_cli("evict", entry["digest"][:8], *sd).stdout
     assert json.loads(wc_cli("ls", "--json", *sd).stdout)["entries"] == []
     assert "nothing to evict" in wc_cli("evict", "--all", *sd).stdout
+    both = wc_cli("evict", "--all", "abc", *sd, check=False)
+    assert both.returncode == 2 and "found both 'abc' and --all" in both.stderr
 
     assert "stopping" in wc_cli("stop", *sd).stdout
 

@@ -79,6 +79,23 @@ def test_unsafe_socket_dirs_are_refused() -> None:
     shutil.rmtree(base)
 
 
+def test_the_longest_socket_dir_that_passes_the_length_check_works() -> None:
+    """The keeper binds a temporary name before renaming it to keeper.sock: that name must fit wherever the
+    final one does (a socket path of exactly 107 bytes)."""
+    from weightcache.rundir import MAX_SOCKET_PATH, SOCKET_NAME
+
+    base = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    longest = base / ("d" * (MAX_SOCKET_PATH - len(f"{base}/") - len(f"/{SOCKET_NAME}")))
+    assert len(str(longest / SOCKET_NAME)) == MAX_SOCKET_PATH
+    try:
+        ensure_keeper(longest)
+        with KeeperConnection.connect(longest) as conn:
+            assert conn.hello["ok"]
+    finally:
+        subprocess.run([sys.executable, "-m", "weightcache", "stop", "--socket-dir", str(longest)], capture_output=True)
+        shutil.rmtree(base, ignore_errors=True)
+
+
 def test_protocol_version_mismatch_is_a_clear_error(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
     with pytest.raises(wc.ProtocolVersionError, match="speaks protocol 1..1, the client speaks 7..9"):
         KeeperConnection.connect(socket_dir, protocol_version=9, min_protocol_version=7)

@@ -141,8 +141,9 @@ def cmd_inspect(args: argparse.Namespace) -> int:
 
 
 def cmd_evict(args: argparse.Namespace) -> int:
-    if not args.digest and not args.all:
-        print("weightcache evict: give a digest (prefix) or --all", file=sys.stderr)
+    if bool(args.digest) == bool(args.all):
+        found = f"both {args.digest!r} and --all" if args.all else "neither"
+        print(f"weightcache evict: give a digest (prefix) or --all; found {found}", file=sys.stderr)
         return 2
     with _connect(args) as conn:
         request = {"op": "evict", "digest": "*" if args.all else args.digest, "force": args.force, "all": args.all}

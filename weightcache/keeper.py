@@ -190,7 +190,9 @@ class Keeper:
                 "another socket_dir / $WEIGHTCACHE_DIR) and start the keeper again."
             ) from exc
         final = socket_path(self.socket_dir)
-        tmp = self.socket_dir / f".keeper.{os.getpid()}.sock"
+        # Bound under a temporary name, then renamed into place. The name is no longer than SOCKET_NAME, so every
+        # directory that passes ensure_private_dir's length check can hold it (at most 10 bytes: pid <= 2**22).
+        tmp = self.socket_dir / f".k{os.getpid():x}.s"
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)

@@ -272,8 +272,8 @@ def fetch(fingerprint: Fingerprint, options: LoaderOptions) -> Handle | None:
     """The attached entry for ``fingerprint``, or None when the engine must load from disk.
 
     Mode daemon ensures a keeper runs (spawning one) and returns None on a miss: the caller loads, then
-    publishes with :func:`publish`. Mode client never starts a keeper; on a miss it warns with a FallbackWarning that says
-    why and returns None (the caller loads from disk and publishes nothing), or with ``strict`` raises
+    publishes with :func:`publish`. Mode client never starts a keeper; on a miss it warns with a FallbackWarning
+    that says why and returns None (the caller loads from disk and publishes nothing), or with ``strict`` raises
     KeeperUnavailable, EntryNotFound or FingerprintMismatch.
     """
     from ..attach import why_missing
