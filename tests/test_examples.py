@@ -58,6 +58,25 @@ def run_example(name: str, tmp: Path, *args: str, timeout: float = 600) -> dict[
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
+def test_demo_shows_disk_and_attach_side_by_side(tmp: Path) -> None:
+    """`make demo` (examples/demo.py): three engine processes; the restart attaches; outputs identical."""
+    out = subprocess.run(
+        [sys.executable, str(EXAMPLES / "demo.py"), "--size-mib", "32"],
+        capture_output=True,
+        text=True,
+        timeout=600,
+        env={**os.environ, "TMPDIR": str(tmp)},
+    )
+    assert out.returncode == 0, f"demo failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
+    rows = {line[:2]: line.split() for line in out.stdout.splitlines() if line[:2] in ("1.", "2.", "3.")}
+    assert rows["1."][-2] == "disk" and rows["2."][-2] == "cache" and rows["3."][-2] == "cache", out.stdout
+    assert len({r[-1] for r in rows.values()}) == 1, "the three engines' outputs differ"
+    assert "side by side: load from disk" in out.stdout and "attach from the cache" in out.stdout
+    assert "outputs identical: True" in out.stdout
+    assert list(tmp.iterdir()) == [], "the demo left temporary files behind"
+    assert wait_until(lambda: processes_mentioning(str(tmp)) == [], timeout=10), "the demo's keeper survived"
+
+
 def test_two_engines_share_one_copy(tmp: Path) -> None:
     r = run_example("two_engines.py", tmp, "--size-mib", "32")
     weights = r["weight_bytes"]
