@@ -14,12 +14,10 @@ import shlex
 from pathlib import Path
 from typing import Any
 
-import pytest
+import yaml  # PyYAML comes with the docs tools (the dev extra)
 
 from weightcache.budget import parse_budget
 from weightcache.cli import build_parser
-
-yaml = pytest.importorskip("yaml")  # PyYAML comes with the docs tools (the dev extra)
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 
@@ -94,7 +92,7 @@ def test_daemonset_runs_a_real_serve_command_on_a_host_directory() -> None:
 
 def test_engine_pods_use_their_node_keeper() -> None:
     keeper_spec, keeper = keeper_pod()
-    keeper_args = parse_weightcache(keeper["command"])
+    keeper_args = parse_weightcache(keeper["command"] + keeper.get("args", []))
     deployment = load_yaml("engine-deployment.yaml")
     pod = deployment["spec"]["template"]["spec"]
     [engine] = pod["containers"]

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -26,6 +28,13 @@ def test_no_keeper_is_a_warning_with_what_to_do(socket_dir: Path) -> None:
     assert not socket_dir.exists(), "doctor must not create the socket directory"
     if not cuda_available():
         assert checks["cuda"]["status"] == "skip"
+
+
+def test_a_socket_dir_under_missing_parents_is_fine(socket_dir: Path) -> None:
+    nested = socket_dir / "a" / "b"  # ensure_private_dir creates the parents too
+    rc, checks = doctor(nested)
+    assert rc == 0 and checks["socket dir"]["status"] == "ok", checks["socket dir"]
+    assert not socket_dir.exists()
 
 
 def test_a_running_keeper_is_reported(socket_dir: Path, keeper: object) -> None:
@@ -67,3 +76,16 @@ def test_every_gpu_passes_the_vmm_round_trip(socket_dir: Path) -> None:
     for i in range(torch.cuda.device_count()):
         gpu = checks[f"cuda:{i}"]
         assert gpu["status"] == "ok" and "mapped read-only" in gpu["detail"], gpu
+
+
+@pytest.mark.cuda
+def test_writable_gpu_mappings_are_a_warning(socket_dir: Path) -> None:
+    out = subprocess.run(
+        [sys.executable, "-m", "weightcache", "doctor", "--json", "--socket-dir", str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env={**os.environ, "WEIGHTCACHE_CUDA_WRITABLE": "1"},
+    )
+    gpu = {c["name"]: c for c in json.loads(out.stdout)}["cuda:0"]
+    assert gpu["status"] == "warn" and "read-WRITE (WEIGHTCACHE_CUDA_WRITABLE is set)" in gpu["detail"], gpu

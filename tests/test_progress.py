@@ -27,11 +27,31 @@ def test_auto_needs_a_terminal_and_a_big_load(monkeypatch: pytest.MonkeyPatch) -
         def isatty(self) -> bool:
             return True
 
+    class Pipe:
+        def isatty(self) -> bool:
+            return False
+
     assert progress.wanted(True, 0) and not progress.wanted(False, 1 << 40)
-    assert not progress.wanted(None, progress.AUTO_MIN_BYTES)  # pytest's stderr is no terminal
+    monkeypatch.setattr("sys.stderr", Pipe())
+    assert not progress.wanted(None, progress.AUTO_MIN_BYTES)
+    monkeypatch.setattr("sys.stderr", None)  # started with stderr closed (2>&-)
+    assert not progress.wanted(None, progress.AUTO_MIN_BYTES)
     monkeypatch.setattr("sys.stderr", Tty())
     assert progress.wanted(None, progress.AUTO_MIN_BYTES)
     assert not progress.wanted(None, progress.AUTO_MIN_BYTES - 1)
+
+
+def test_loads_count_the_bytes_stored_in_the_files(checkpoint: Path) -> None:
+    """The CPU bar counts what is read, not what a dtype conversion makes of it (which would pass 100 %)."""
+    import torch
+
+    from weightcache.checkpoint import iter_tensors, safetensors_files
+
+    stored = sum(t.numel() * t.element_size() for _, t in iter_tensors(checkpoint))
+    counted: list[int] = []
+    converted = dict(iter_tensors(checkpoint, dtype=torch.float64, progress=counted.append))
+    assert sum(counted) == stored < sum(t.numel() * t.element_size() for t in converted.values())
+    assert stored <= sum(f.stat().st_size for f in safetensors_files(checkpoint))  # the bar's total
 
 
 def test_the_bar_counts_bytes_in_binary_units(capsys: pytest.CaptureFixture[str]) -> None:

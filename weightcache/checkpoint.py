@@ -175,12 +175,16 @@ def read_model_config(checkpoint: str | os.PathLike[str]) -> dict[str, object]:
 
 
 def iter_tensors(
-    checkpoint: str | os.PathLike[str], *, dtype: torch.dtype | None = None
+    checkpoint: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    progress: Callable[[int], object] | None = None,
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(name, tensor)`` for every tensor of the checkpoint, on CPU, one at a time.
 
     Floating point tensors (float16, bfloat16, float32, float64) are converted to ``dtype`` when it is given;
-    integer, boolean and FP8 tensors (quantized weights) are not.
+    integer, boolean and FP8 tensors (quantized weights) are not. ``progress``, when given, is called with the
+    bytes each tensor takes in the file (before any conversion).
     """
     from safetensors import SafetensorError, safe_open
 
@@ -194,6 +198,8 @@ def iter_tensors(
                         raise CheckpointError(f"tensor {name!r} is in both {seen[name].name} and {file.name}")
                     seen[name] = file
                     tensor = f.get_tensor(name)
+                    if progress is not None:
+                        progress(tensor.numel() * tensor.element_size())
                     if dtype is not None and tensor.dtype != dtype and str(tensor.dtype) in CONVERTIBLE:
                         tensor = tensor.to(dtype)
                     yield name, tensor
@@ -218,10 +224,8 @@ def load_state_dict(
     total = sum(f.stat().st_size for f in safetensors_files(checkpoint)) if progress is not False else 0
     state: dict[str, torch.Tensor] = {}
     with byte_bar(total, "loading checkpoint", wanted(progress, total)) as update:
-        for name, tensor in iter_tensors(checkpoint, dtype=dtype):
+        for name, tensor in iter_tensors(checkpoint, dtype=dtype, progress=update):
             state[name] = tensor
-            if update is not None:
-                update(tensor.numel() * tensor.element_size())
     return apply_transform(state, transform)
 
 

@@ -80,17 +80,26 @@ def _version(dist: str) -> str | None:
 
 
 def _versions() -> Iterator[Check]:
+    """weightcache's own requirements (from its installed metadata), each found and recent enough."""
+    from packaging.requirements import Requirement
+
     found = {"weightcache": __version__}
-    missing = []
-    for dist in ("torch", "safetensors", "attrs", "filelock", "tqdm", "numpy"):
-        v = _version(dist)
+    problems = []
+    for text in metadata.requires("weightcache") or []:
+        req = Requirement(text)
+        if req.marker is not None and not req.marker.evaluate({"extra": ""}):
+            continue  # an optional extra (cuda, test, dev, docs)
+        v = _version(req.name)
         if v is None:
-            missing.append(dist)
+            problems.append(f"{req.name} missing")
+        elif not req.specifier.contains(v, prereleases=True):
+            problems.append(f"{req.name} {v} (needs {req.specifier})")
         else:
-            found[dist] = v
+            found[req.name] = v
     detail = ", ".join(f"{k} {v}" for k, v in found.items())
-    if missing:
-        yield Check("versions", "fail", f"{detail}; missing: {', '.join(missing)}", f"pip install {' '.join(missing)}")
+    if problems:
+        fix = "pip install " + " ".join(f"'{p.split()[0]}'" for p in problems) + " (or reinstall weightcache)"
+        yield Check("versions", "fail", f"{detail}; {'; '.join(problems)}", fix)
     else:
         yield Check("versions", "ok", detail)
 
@@ -98,6 +107,7 @@ def _versions() -> Iterator[Check]:
 def _memfd() -> Iterator[Check]:
     import mmap
 
+    from .manifest import SegmentInfo
     from .segments.memfd import MemfdSegment, MemfdTransport
 
     size = mmap.PAGESIZE
@@ -112,14 +122,9 @@ def _memfd() -> Iterator[Check]:
         else:
             yield Check("memfd", "fail", "a sealed memfd could still be written", "use a Linux kernel >= 3.17")
             return
-        from .manifest import SegmentInfo
-
-        MemfdTransport.verify_fd(segment.fd, SegmentInfo("memfd", size, "cpu"))
-        view = mmap.mmap(segment.fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
-        try:
-            ok = view[:11] == b"weightcache"
-        finally:
-            view.close()
+        mapped = MemfdTransport().map(segment.fd, SegmentInfo("memfd", size, "cpu"))  # verifies, then maps
+        ok = bytes(mapped[:11].tolist()) == b"weightcache"
+        del mapped
     finally:
         segment.close()
     if ok:
@@ -165,6 +170,8 @@ def _socket_dir(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
         return
     if not os.path.lexists(directory):
         parent = directory.parent
+        while not parent.exists() and parent != parent.parent:  # the keeper creates missing parents too
+            parent = parent.parent
         if os.access(parent, os.W_OK | os.X_OK):
             yield Check(
                 "socket dir",
@@ -175,7 +182,8 @@ def _socket_dir(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
             yield Check(
                 "socket dir",
                 "fail",
-                f"{directory} ({how}) does not exist and {parent} is not writable by uid {os.getuid()}",
+                f"{directory} ({how}) does not exist and cannot be created: {parent} is not writable by uid "
+                f"{os.getuid()}",
                 "set $WEIGHTCACHE_DIR (or --socket-dir) to a directory you can create",
             )
         return
@@ -283,13 +291,21 @@ def _cuda() -> Iterator[Check]:
         f"cuda-bindings {_version('cuda-bindings') or _version('cuda-python')}",
     )
     for index in range(torch.cuda.device_count()):
-        yield _gpu(index, cu)
+        try:
+            yield _gpu(index, cu)
+        except Exception as exc:  # out of memory, exclusive-process mode...: report it, check the next GPU
+            yield Check(
+                f"cuda:{index}",
+                "fail",
+                f"a VMM segment could not be created, exported or mapped: {type(exc).__name__}: {exc}",
+                "free memory on this GPU, or check its compute mode (nvidia-smi -q -d COMPUTE)",
+            )
 
 
 def _gpu(index: int, cu: Any) -> Check:
     import torch
 
-    from .segments.cuda_vmm import CudaVmmSegment, CudaVmmTransport, placement_of
+    from .segments.cuda_vmm import CudaVmmSegment, CudaVmmTransport, placement_of, read_only_mappings
 
     name = f"cuda:{index}"
     props = torch.cuda.get_device_properties(index)
@@ -320,7 +336,7 @@ def _gpu(index: int, cu: Any) -> Check:
         segment.seal()
         info = SegmentInfo("cuda_vmm", segment.size, placement)
         CudaVmmTransport.verify_fd(segment.fd, info)
-        mapped = CudaVmmTransport().map(segment.fd, info)
+        mapped, read_only = CudaVmmTransport().map_checked(segment.fd, info)
         ok = bool(torch.equal(mapped[:8].cpu(), torch.arange(8, dtype=torch.uint8)))
         del mapped
     finally:
@@ -328,12 +344,23 @@ def _gpu(index: int, cu: Any) -> Check:
     free, total = torch.cuda.mem_get_info(index)
     if not ok:
         return Check(name, "fail", f"{label}: a VMM segment mapped back did not hold the bytes written to it")
-    return Check(
-        name,
-        "ok",
-        f"{label}: VMM segment exported as a POSIX fd and mapped read-only; "
-        f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free",
-    )
+    memory = f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
+    if not read_only:
+        why = (
+            "WEIGHTCACHE_CUDA_WRITABLE is set"
+            if not read_only_mappings()
+            else "the driver refused read-only access (cuMemSetAccess PROT_READ)"
+        )
+        return Check(
+            name,
+            "warn",
+            f"{label}: VMM segment exported as a POSIX fd and mapped, but read-WRITE ({why}): an engine writing "
+            f"its weights would change them for every engine; {memory}",
+            "unset WEIGHTCACHE_CUDA_WRITABLE"
+            if not read_only_mappings()
+            else "update the NVIDIA driver; until then engines must not write their weights",
+        )
+    return Check(name, "ok", f"{label}: VMM segment exported as a POSIX fd and mapped read-only; {memory}")
 
 
 def _engines() -> Iterator[Check]:

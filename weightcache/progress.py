@@ -17,7 +17,8 @@ AUTO_MIN_BYTES = 1 << 30
 def wanted(progress: bool | None, total_bytes: int) -> bool:
     """Whether to show a bar for a load of ``total_bytes`` (see the module docstring)."""
     if progress is None:
-        return total_bytes >= AUTO_MIN_BYTES and sys.stderr.isatty()
+        stream = sys.stderr  # None when the process was started with stderr closed
+        return total_bytes >= AUTO_MIN_BYTES and stream is not None and stream.isatty()
     return bool(progress)
 
 

@@ -292,6 +292,12 @@ class CudaVmmTransport(Transport):
         return CudaVmmSegment(size, placement)
 
     def map(self, fd: int, info: SegmentInfo) -> torch.Tensor:
+        return self.map_checked(fd, info)[0]
+
+    def map_checked(self, fd: int, info: SegmentInfo) -> tuple[torch.Tensor, bool]:
+        """:meth:`map`, also saying whether the mapping is read-only (False when ``WEIGHTCACHE_CUDA_WRITABLE``
+        asked for writable mappings, or the driver refused read-only access and the segment was mapped
+        read-write instead)."""
         import torch
 
         cu = _driver()
@@ -304,10 +310,10 @@ class CudaVmmTransport(Transport):
                 "cuMemImportFromShareableHandle",
             )
             try:
-                ptr, _read_only = _map(handle, info.size, index, read_only=read_only_mappings())
+                ptr, read_only = _map(handle, info.size, index, read_only=read_only_mappings())
             finally:
                 cu.cuMemRelease(handle)  # the mapping holds the memory from here on
-            return torch.as_tensor(_Mapping(ptr, info.size, index), device=f"cuda:{index}")
+            return torch.as_tensor(_Mapping(ptr, info.size, index), device=f"cuda:{index}"), read_only
 
     @staticmethod
     def verify_fd(fd: int, info: SegmentInfo) -> None:
