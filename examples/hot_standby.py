@@ -210,8 +210,10 @@ def main() -> int:
             runs.append(repetition(checkpoint, socket_dir, args.device, args.threads, not args.no_disk))
             keeper_pids.add(wc.Cache(socket_dir).keeper_info()["pid"])
     finally:
+        # --wait: the keeper writes into socket_dir until it exits, so remove the directory only then
         subprocess.run(
-            [sys.executable, "-m", "weightcache", "stop", "--socket-dir", str(socket_dir)], capture_output=True
+            [sys.executable, "-m", "weightcache", "stop", "--wait", "--socket-dir", str(socket_dir)],
+            capture_output=True,
         )
         shutil.rmtree(work, ignore_errors=True)
 

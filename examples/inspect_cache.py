@@ -236,7 +236,7 @@ def main() -> int:
     try:
         published = publish(work / "checkpoint", socket_dir, args.device) if not args.socket_dir else None
         out = subprocess.run(
-            [sys.executable, __file__, "--research", str(socket_dir)], stdout=subprocess.PIPE, text=True
+            [sys.executable, __file__, "--research", str(socket_dir)], stdout=subprocess.PIPE, text=True, timeout=300
         )
         if out.returncode != 0:
             return out.returncode
@@ -244,8 +244,10 @@ def main() -> int:
         result["published"] = published
     finally:
         if not args.socket_dir:
+            # --wait: the keeper writes into socket_dir until it exits, so remove the directory only then
             subprocess.run(
-                [sys.executable, "-m", "weightcache", "stop", "--socket-dir", str(socket_dir)], capture_output=True
+                [sys.executable, "-m", "weightcache", "stop", "--wait", "--socket-dir", str(socket_dir)],
+                capture_output=True,
             )
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
