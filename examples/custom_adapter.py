@@ -201,10 +201,13 @@ def main() -> int:
     try:
         for mode in ("daemon", "client"):  # each a fresh engine process
             cmd = [sys.executable, __file__, "--serve", str(checkpoint), mode, str(socket_dir)]
-            runs.append(json.loads(subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True).stdout))
+            out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, timeout=300)
+            runs.append(json.loads(out.stdout))
     finally:
+        # --wait: the keeper writes into socket_dir until it exits, so remove the directory only then
         subprocess.run(
-            [sys.executable, "-m", "weightcache", "stop", "--socket-dir", str(socket_dir)], capture_output=True
+            [sys.executable, "-m", "weightcache", "stop", "--wait", "--socket-dir", str(socket_dir)],
+            capture_output=True,
         )
         shutil.rmtree(work, ignore_errors=True)
     result = {"runs": runs, "outputs_identical": runs[0]["output"] == runs[1]["output"]}

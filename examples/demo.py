@@ -110,6 +110,7 @@ def main() -> int:
             [sys.executable, __file__, "--engine", str(checkpoint), mode, str(socket_dir)],
             capture_output=True,
             text=True,
+            timeout=600,
         )
         if out.returncode != 0:
             raise SystemExit(f"engine in mode {mode} failed:\n{out.stderr}")
@@ -148,8 +149,10 @@ def main() -> int:
         return 0 if same and restart["source"] == "cache" else 1
     finally:
         if not args.keep:
+            # --wait: the keeper writes into socket_dir until it exits, so remove the directory only then
             subprocess.run(
-                [sys.executable, "-m", "weightcache", "stop", "--socket-dir", str(socket_dir)], capture_output=True
+                [sys.executable, "-m", "weightcache", "stop", "--wait", "--socket-dir", str(socket_dir)],
+                capture_output=True,
             )
             shutil.rmtree(work, ignore_errors=True)
         else:

@@ -16,7 +16,8 @@ For comparison, in the same run:
 
 Each repetition uses a fresh primary and standby. The weights stay resident throughout: the keeper is a
 detached process (spawned by the first primary, in its own session) and the standby holds a lease. The keeper
-and its socket directory live in a temporary directory, removed at the end.
+and its socket directory live in a temporary directory, removed at the end. Engines end when this script does,
+however it ends: each exits when its stdin, a pipe from this script, closes.
 
     python examples/hot_standby.py [--device cpu|cuda:N] [--size-mib 64] [--repeat 3] [--threads 1] [--no-disk] [--json]
 """
@@ -32,6 +33,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -49,10 +51,22 @@ def say(**event: Any) -> None:
     print(json.dumps(event), flush=True)
 
 
+def exit_with_parent() -> None:
+    """End this process as soon as the script that started it is gone (its end of our stdin closes), whatever
+    the engine is doing then: serving, or blocked in the kernel in Leadership.acquire()."""
+
+    def watch() -> None:
+        sys.stdin.read()  # the parent never writes: this returns at EOF
+        os._exit(0)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
 def engine(role: str, checkpoint: str, socket_dir: str, device: str, threads: str) -> None:
     """One engine process. primary: lead at once, serve. standby: attach and warm, then wait to lead.
     cold / disk: a restarted engine (mode client / off) that leads as soon as it starts."""
     t_start = time.monotonic()  # Python has started and imported torch and weightcache
+    exit_with_parent()
     torch.set_num_threads(int(threads))
     dev = torch.device(device)
     leader = wc.Leadership(LEADERSHIP, socket_dir=socket_dir)
@@ -85,7 +99,7 @@ def engine(role: str, checkpoint: str, socket_dir: str, device: str, threads: st
             t_acquired=t_acquired,
             t_result=t_result,
         )
-    while True:  # serve until killed, holding the lease (the handle) and the leadership
+    while True:  # serve until killed (or the parent is gone), holding the lease (the handle) and the leadership
         run(model, x)
         time.sleep(0.01)
 
@@ -94,7 +108,8 @@ class Engine:
     def __init__(self, role: str, checkpoint: Path, socket_dir: Path, device: str, threads: int) -> None:
         self.role = role
         cmd = [sys.executable, __file__, "--engine", role, str(checkpoint), str(socket_dir), device, str(threads)]
-        self.proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, text=True)
+        # stdin: a pipe that closes when this script ends, however it ends (see exit_with_parent)
+        self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
 
     def event(self, expected: str) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -109,6 +124,8 @@ class Engine:
         if self.proc.poll() is None:
             os.kill(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
+        if self.proc.stdin is not None:
+            self.proc.stdin.close()
 
 
 def wait_blocked(leadership: wc.Leadership, pid: int, timeout: float = 60.0) -> None:
@@ -118,6 +135,11 @@ def wait_blocked(leadership: wc.Leadership, pid: int, timeout: float = 60.0) -> 
         if time.monotonic() > deadline:
             raise SystemExit(f"the standby (pid {pid}) never blocked on the leadership lock")
         time.sleep(0.005)
+
+
+def resident(socket_dir: Path) -> list[tuple[str, int]]:
+    """The entries the keeper holds: digest and bytes of each."""
+    return sorted((e.digest, e.bytes) for e in wc.Cache(socket_dir).entries())
 
 
 def repetition(checkpoint: Path, socket_dir: Path, device: str, threads: int, disk: bool) -> dict[str, Any]:
@@ -133,6 +155,7 @@ def repetition(checkpoint: Path, socket_dir: Path, device: str, threads: int, di
         warm = standby.event("warm")
         wait_blocked(observer, standby.proc.pid)
         assert observer.holder() == primary.proc.pid
+        before = resident(socket_dir)
 
         t_kill = time.monotonic()
         primary.kill()
@@ -147,7 +170,7 @@ def repetition(checkpoint: Path, socket_dir: Path, device: str, threads: int, di
             "primary_source": served["source"],
             "standby_source": warm["source"],
             "outputs": {"primary": served["output"], "standby_warm": warm["output"], "standby": took["output"]},
-            "entry_resident_after_kill": any(e.leases >= 1 for e in wc.Cache(socket_dir).entries()),
+            "entry_resident_after_kill": bool(before) and resident(socket_dir) == before,  # same entries, same sizes
             "new_leader_is_standby": observer.holder() == standby.proc.pid,
         }
 
@@ -210,8 +233,10 @@ def main() -> int:
             runs.append(repetition(checkpoint, socket_dir, args.device, args.threads, not args.no_disk))
             keeper_pids.add(wc.Cache(socket_dir).keeper_info()["pid"])
     finally:
+        # --wait: the keeper writes into socket_dir until it exits, so remove the directory only then
         subprocess.run(
-            [sys.executable, "-m", "weightcache", "stop", "--socket-dir", str(socket_dir)], capture_output=True
+            [sys.executable, "-m", "weightcache", "stop", "--wait", "--socket-dir", str(socket_dir)],
+            capture_output=True,
         )
         shutil.rmtree(work, ignore_errors=True)
 

@@ -181,8 +181,10 @@ def main() -> int:
     finally:
         for e in engines:
             e.stop()
+        # --wait: the keeper writes into socket_dir until it exits, so remove the directory only then
         subprocess.run(
-            [sys.executable, "-m", "weightcache", "stop", "--socket-dir", str(socket_dir)], capture_output=True
+            [sys.executable, "-m", "weightcache", "stop", "--wait", "--socket-dir", str(socket_dir)],
+            capture_output=True,
         )
         shutil.rmtree(work, ignore_errors=True)
 

@@ -13,6 +13,7 @@ import torch
 from conftest import keeper_pid, start_keeper
 
 import weightcache as wc
+from weightcache.client import ensure_keeper
 
 
 def wc_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -49,6 +50,35 @@ def test_load_ls_inspect_evict_stop(checkpoint: Path, socket_dir: Path) -> None:
     assert both.returncode == 2 and "found both 'abc' and --all" in both.stderr
 
     assert "stopping" in wc_cli("stop", *sd).stdout
+
+
+def exited(pid: int) -> bool:
+    """Whether process ``pid`` has exited: gone, or a zombie its new parent (init) has not reaped yet."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return True
+    return stat.rpartition(")")[2].split()[0] in ("Z", "X")
+
+
+def test_stop_wait_returns_once_the_keeper_has_exited(socket_dir: Path) -> None:
+    """`stop --wait` returns after the detached keeper's last write into its socket directory, so a script may
+    remove the directory at once."""
+    ensure_keeper(socket_dir)
+    pid = keeper_pid(socket_dir)
+    assert pid is not None
+    out = wc_cli("stop", "--wait", "--socket-dir", str(socket_dir))
+    assert out.stdout.splitlines() == [f"keeper pid {pid} stopping", f"keeper pid {pid} stopped"]
+    assert exited(pid)  # no waiting here: --wait did it
+    assert (socket_dir / "keeper.stopped").read_text() == f"{pid}\n"
+    assert (socket_dir / "keeper.log").read_text().rstrip().endswith(f"keeper {pid} stopped")
+
+
+def test_stop_wait_sees_an_unreaped_keeper_exit(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
+    """A foreground keeper whose parent has not reaped it yet (a zombie) has exited: --wait does not hang on it."""
+    out = wc_cli("stop", "--wait", "--timeout", "20", "--socket-dir", str(socket_dir))
+    assert out.stdout.splitlines()[-1] == f"keeper pid {keeper.pid} stopped"
+    assert keeper.wait(5) == 0
 
 
 def test_errors_are_one_clear_line(socket_dir: Path, checkpoint: Path) -> None:

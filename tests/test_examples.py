@@ -7,9 +7,11 @@ docs/benchmarks.md); only that the times were measured.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -40,6 +42,12 @@ def tmp() -> Iterator[Path]:
     """A short temporary directory (the keeper's socket path must fit in 107 bytes), for the example's TMPDIR."""
     path = Path(tempfile.mkdtemp(prefix="wc-ex-", dir="/tmp"))
     yield path
+    # After a failure or a timeout (which kills only the example's own process), its engines and its detached
+    # keeper may still run: end them, so a failed test leaves no load behind.
+    for pid in processes_mentioning(str(path)):
+        if pid != os.getpid():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
     shutil.rmtree(path, ignore_errors=True)
 
 
@@ -53,8 +61,9 @@ def run_example(name: str, tmp: Path, *args: str, timeout: float = 600) -> dict[
         env={**os.environ, "TMPDIR": str(tmp)},
     )
     assert out.returncode == 0, f"{name} failed ({out.returncode}):\n{out.stdout[-2000:]}\n{out.stderr[-4000:]}"
-    assert list(tmp.iterdir()) == [], "the example left temporary files behind"
+    # Processes first: a keeper or engine still running could still write into tmp.
     assert wait_until(lambda: processes_mentioning(str(tmp)) == [], timeout=10), "a keeper or engine survived"
+    assert list(tmp.iterdir()) == [], "the example left temporary files behind"
     return json.loads(out.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
 
 
@@ -73,8 +82,8 @@ def test_demo_shows_disk_and_attach_side_by_side(tmp: Path) -> None:
     assert len({r[-1] for r in rows.values()}) == 1, "the three engines' outputs differ"
     assert "side by side: load from disk" in out.stdout and "attach from the cache" in out.stdout
     assert "outputs identical: True" in out.stdout
-    assert list(tmp.iterdir()) == [], "the demo left temporary files behind"
     assert wait_until(lambda: processes_mentioning(str(tmp)) == [], timeout=10), "the demo's keeper survived"
+    assert list(tmp.iterdir()) == [], "the demo left temporary files behind"
 
 
 def test_two_engines_share_one_copy(tmp: Path) -> None:

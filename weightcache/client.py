@@ -156,6 +156,11 @@ class KeeperConnection:
             raise error(str(reply.get("message", "keeper refused the request")), code)
         return reply, out
 
+    @property
+    def peer_pid(self) -> int:
+        """The keeper's pid as this process's pid namespace sees it (SO_PEERCRED; 0 when it is not visible)."""
+        return protocol.peer_credentials(self._sock)[0]
+
     def fileno(self) -> int:
         """The socket's fd (for polling: it turns readable when the keeper closes the connection)."""
         return self._sock.fileno()
