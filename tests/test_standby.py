@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import select
+import shutil
 import signal
+import stat
 import subprocess
 import sys
+import tempfile
 import textwrap
 import time
 from collections.abc import Callable, Iterator
@@ -14,7 +18,7 @@ from pathlib import Path
 from typing import NoReturn
 
 import pytest
-from conftest import wait_until
+from conftest import process_gone, wait_until
 
 import weightcache as wc
 from weightcache.rundir import ensure_private_dir
@@ -183,6 +187,119 @@ def test_the_lock_is_not_inherited_by_exec(lock_dir: Path) -> None:
         finally:
             child.kill()
             child.wait(10)
+
+
+def test_a_waiter_on_a_deleted_lock_file_does_not_lead_beside_the_new_holder(
+    lock_dir: Path, contender: Callable[..., Contender]
+) -> None:
+    first = wc.Leadership("m", socket_dir=lock_dir)
+    assert first.try_acquire()
+    waiter = contender(lock_dir)
+    assert wait_until(lambda: first.waiters() == [waiter.pid], timeout=30)
+    os.unlink(first.path)  # unsupported while a leader lives (see Leadership); here: what the waiter does then
+    new = wc.Leadership("m", socket_dir=lock_dir)
+    assert new.try_acquire()  # a new file, so a new lock: it leads
+    assert new.holder() == os.getpid()
+    first.release()
+    # The waiter wakes with the lock of a file nobody can open any more; it must see that, open the file that
+    # is there now and wait behind its holder, not report leadership beside it.
+    assert wait_until(lambda: new.waiters() == [waiter.pid], timeout=10)
+    assert waiter.quiet_for(0.2)
+    new.release()
+    assert waiter.outcome()[0] == "leader"
+    assert new.holder() == waiter.pid
+
+
+def test_a_forked_child_does_not_keep_the_lock(
+    lock_dir: Path, spawn: Callable[[str], Contender], contender: Callable[..., Contender]
+) -> None:
+    leader = spawn(
+        f"""
+        import os, sys, time
+        from weightcache.standby import Leadership
+        leader = Leadership("m", socket_dir={str(lock_dir)!r})
+        assert leader.acquire()
+        worker = os.fork()  # as multiprocessing's fork start method does: no exec
+        if worker == 0:
+            time.sleep(60)
+            os._exit(0)
+        print(worker, flush=True)
+        sys.stdin.read()
+        """
+    )
+    worker = int(leader.line())
+    try:
+        observer = wc.Leadership("m", socket_dir=lock_dir)
+        lock_file = str(observer.path)
+        # The worker closed its copy of the fd; that did not unlock the leader's open file, nor erase its pid.
+        assert wait_until(
+            lambda: all(os.readlink(f"/proc/{worker}/fd/{fd}") != lock_file for fd in os.listdir(f"/proc/{worker}/fd"))
+        )
+        assert observer.holder() == leader.pid and observer.try_acquire() is False
+        assert observer.path.read_text() == f"{leader.pid}\n"
+        waiter = contender(lock_dir)
+        assert wait_until(lambda: observer.waiters() == [waiter.pid], timeout=30)
+        os.kill(leader.pid, signal.SIGKILL)
+        assert waiter.outcome()[0] == "leader"  # while the worker lives on
+        assert not process_gone(worker)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(worker, signal.SIGKILL)
+
+
+def test_a_lock_file_or_directory_others_can_use_is_refused(lock_dir: Path, tmp_path: Path) -> None:
+    (lock_dir / "leader-m.lock").touch(0o644)
+    with pytest.raises(wc.SocketDirError, match=r"mode 0644.*Run: chmod 600 "):
+        wc.Leadership("m", socket_dir=lock_dir).acquire()  # refused, not a wait that may never end
+    os.chmod(lock_dir / "leader-m.lock", 0o600)
+    assert wc.Leadership("m", socket_dir=lock_dir).try_acquire()
+    # path=: others must not be able to delete the file and create their own, unless the directory is sticky.
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    with pytest.raises(wc.SocketDirError, match=r"mode 0777\).*delete and recreate.*chmod go-w"):
+        wc.Leadership(path=shared / "l.lock").try_acquire()
+    os.chmod(shared, 0o1777)  # like /tmp
+    with wc.Leadership(path=shared / "l.lock") as leader:
+        assert leader.held
+    assert stat.S_IMODE(os.stat(shared / "l.lock").st_mode) == 0o600
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="needs root, to run a process as another user")
+def test_another_user_cannot_hold_the_lock(spawn: Callable[[str], Contender]) -> None:
+    nobody = 65534
+    directory = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    try:
+        os.chmod(directory, 0o755)  # others may enter, as in a shared socket directory
+        path = directory / "l.lock"
+        os.close(os.open(path, os.O_CREAT | os.O_WRONLY, 0o644))
+        os.chmod(path, 0o644)
+        intruder = f"""
+            import fcntl, os, sys
+            os.setgroups([])
+            os.setgid({nobody})
+            os.setuid({nobody})
+            try:
+                fd = os.open({str(path)!r}, os.O_RDONLY)
+            except PermissionError:
+                print("denied", flush=True)
+                sys.exit()
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            print("holding", flush=True)
+            sys.stdin.read()
+            """
+        # A read-only fd is enough for flock: with a 0644 file another user holds the lock as long as it likes.
+        holder = spawn(intruder)
+        assert holder.line() == "holding\n"
+        with pytest.raises(wc.SocketDirError, match=rf"mode 0644.*Run: chmod 600 {path}"):
+            wc.Leadership(path=path).try_acquire()  # refused (acquire() would have waited forever)
+        holder.finish()
+        os.chmod(path, 0o600)
+        assert spawn(intruder).line() == "denied\n"  # a 0600 file cannot be opened by another user at all
+        with wc.Leadership(path=path) as leader:
+            assert leader.held
+    finally:
+        shutil.rmtree(directory, ignore_errors=True)
 
 
 def test_clear_errors(socket_dir: Path, tmp_path: Path) -> None:
