@@ -29,6 +29,7 @@ import weakref
 from pathlib import Path
 
 from .errors import SocketDirError
+from .pidlock import close_lock_file, open_lock_file, write_pid
 from .rundir import check_socket_dir, is_explicit, resolve_socket_dir
 
 #: Lock file name inside the socket directory: ``leader-<name>.lock``.
@@ -134,10 +135,7 @@ class Leadership:
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
             _holding.discard(self)
-            if self._pid == os.getpid():  # a forked copy must not erase the leader's pid
-                with contextlib.suppress(OSError):
-                    os.ftruncate(fd, 0)  # the holder's pid, written on acquiring, no longer applies
-            os.close(fd)  # closing the last fd of the open file releases the flock
+            close_lock_file(fd, clear=self._pid == os.getpid())  # a forked copy must not erase the leader's pid
 
     def _forget(self) -> None:
         """In a forked child: close our copy of the fd. The parent's lock stays (see _close_in_child)."""
@@ -227,8 +225,7 @@ class Leadership:
         self._pid = os.getpid()
         _holding.add(self)
         with contextlib.suppress(OSError):  # for people reading the file; holder() asks the kernel instead
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            write_pid(fd)
         return True
 
     def _open(self) -> int:
@@ -243,7 +240,7 @@ class Leadership:
         else:
             self._check_directory(directory)
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = open_lock_file(self.path)
         except OSError as exc:
             why = "it is a symlink" if exc.errno == errno.ELOOP else str(exc)
             raise SocketDirError(f"cannot open the leadership lock file {self.path}: {why}") from exc
