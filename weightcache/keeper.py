@@ -49,6 +49,7 @@ from .errors import (
     WeightCacheError,
 )
 from .manifest import Manifest
+from .pidlock import close_lock_file, open_lock_file, write_pid
 from .protocol import field, peer_credentials, recv_frame, send_frame
 from .rundir import (
     INSTANCE_LOCK_NAME,
@@ -167,7 +168,7 @@ class Keeper:
         soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
         self.max_connections = max(16, min(MAX_CONNECTIONS, soft // 4))
         lock_path = self.socket_dir / INSTANCE_LOCK_NAME
-        self._lock_fd = os.open(lock_path, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC | os.O_NOFOLLOW, 0o600)
+        self._lock_fd = open_lock_file(lock_path)
         try:
             fcntl.flock(self._lock_fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -179,8 +180,7 @@ class Keeper:
                 f"`weightcache stop --socket-dir {self.socket_dir}`"
             ) from None
         try:
-            os.ftruncate(self._lock_fd, 0)
-            os.pwrite(self._lock_fd, f"{os.getpid()}\n".encode(), 0)
+            write_pid(self._lock_fd)
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(self.socket_dir / STOPPED_NAME)
         except OSError as exc:
@@ -230,9 +230,7 @@ class Keeper:
 
     def _release_lock(self) -> None:
         if self._lock_fd >= 0:
-            with contextlib.suppress(OSError):
-                os.ftruncate(self._lock_fd, 0)
-            os.close(self._lock_fd)
+            close_lock_file(self._lock_fd)
             self._lock_fd = -1
 
     def close(self) -> None:

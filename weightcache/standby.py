@@ -25,14 +25,36 @@ import fcntl
 import os
 import re
 import stat
+import weakref
 from pathlib import Path
 
 from .errors import SocketDirError
+from .pidlock import close_lock_file, open_lock_file, write_pid
 from .rundir import check_socket_dir, is_explicit, resolve_socket_dir
 
 #: Lock file name inside the socket directory: ``leader-<name>.lock``.
 LOCK_PREFIX = "leader-"
 _NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,99}")
+#: How often one acquire re-opens a lock file that was replaced while it waited, before it gives up.
+_MAX_REOPEN = 100
+
+#: Leadership objects that hold their lock, so a forked child can drop its copies (see _close_in_child).
+_holding: weakref.WeakSet[Leadership] = weakref.WeakSet()
+
+
+def _close_in_child() -> None:
+    """After fork: close the child's copies of the lock fds without unlocking them.
+
+    A ``flock`` belongs to the open file description, which parent and child share after fork: the kernel frees
+    it only when every fd on it is closed. A child that kept its copy would keep the lock after its parent died
+    (a SIGKILLed leader whose worker lives on), and the standby would never lead. Closing one copy does not
+    unlock the others, so the parent still leads; ``LOCK_UN`` would unlock them all, so it is never used here.
+    """
+    for leadership in list(_holding):
+        leadership._forget()
+
+
+os.register_at_fork(after_in_child=_close_in_child)
 
 
 class Leadership:
@@ -44,8 +66,10 @@ class Leadership:
         socket_dir: the keeper's socket directory, where the lock file lives (default: the keeper's default
             directory, see :mod:`weightcache.rundir`). It must exist and be private (or the keeper's shared
             directory, for its owner): a lock file others can open is a lock others can hold.
-        path: the lock file itself, instead of one in ``socket_dir``. Its directory must exist; the file is
-            created (0600) if missing and must then be a regular file owned by this user.
+        path: the lock file itself, instead of one in ``socket_dir``. Its directory must exist, belong to this
+            user or root, and be writable by nobody else unless it is sticky (like ``/tmp``): whoever can delete
+            the file can make a second leader. The file is created (0600) if missing and must then be a regular
+            file owned by this user that group and others cannot open (``flock`` works on a read-only fd).
 
     Raises:
         SocketDirError: the directory is missing, insecure, or the lock file cannot be used (at the first
@@ -53,8 +77,14 @@ class Leadership:
         ValueError: ``name`` is not a plain name, or both ``socket_dir`` and ``path`` are given.
 
     The lock belongs to this object's open file: a second ``Leadership`` in the same process is a competitor
-    like any other process. Children started with ``exec`` do not inherit it (the fd is close-on-exec); a
-    child forked without exec shares it and keeps it held until both have exited or released it.
+    like any other process. Children do not keep it: one started with ``exec`` does not inherit the fd
+    (close-on-exec), and one forked without exec (``os.fork``, multiprocessing's fork) closes its copy at once,
+    so when the leader dies its standby takes over even while such children live. (A fork from C code that
+    skips Python's fork hooks keeps the copy.)
+
+    Deleting or replacing the lock file of a live leader is not supported: a process that opens the new file
+    leads too. Only the owner of the socket directory can do so there; this module never deletes it. A waiter
+    that wakes on a file that was deleted or replaced while it waited opens the current file and waits again.
     """
 
     def __init__(
@@ -79,6 +109,7 @@ class Leadership:
             self.path = resolve_socket_dir(socket_dir) / f"{LOCK_PREFIX}{name}.lock"
         self._in_socket_dir = path is None
         self._fd = -1
+        self._pid = -1  # the process that took the lock: only it writes the file
 
     # --- the lock ----------------------------------------------------------------------------------------
 
@@ -103,9 +134,16 @@ class Leadership:
         """Give the leadership up (a waiter takes it at once). Does nothing when not held."""
         if self._fd >= 0:
             fd, self._fd = self._fd, -1
+            _holding.discard(self)
+            close_lock_file(fd, clear=self._pid == os.getpid())  # a forked copy must not erase the leader's pid
+
+    def _forget(self) -> None:
+        """In a forked child: close our copy of the fd. The parent's lock stays (see _close_in_child)."""
+        if self._fd >= 0:
+            fd, self._fd = self._fd, -1
+            _holding.discard(self)
             with contextlib.suppress(OSError):
-                os.ftruncate(fd, 0)  # the holder's pid, written on acquiring, no longer applies
-            os.close(fd)  # closing the last fd of the open file releases the flock
+                os.close(fd)
 
     close = release
 
@@ -158,19 +196,36 @@ class Leadership:
     def _lock(self, *, block: bool) -> bool:
         if self._fd >= 0:
             raise RuntimeError(f"{self!r} is already held by this object; release it before acquiring it again")
-        fd = self._open()
-        try:
-            fcntl.flock(fd, fcntl.LOCK_EX if block else fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except BlockingIOError:
+        for _ in range(_MAX_REOPEN):
+            fd = self._open()
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX if block else fcntl.LOCK_EX | fcntl.LOCK_NB)
+                locked = os.fstat(fd)
+                try:
+                    current = os.stat(self.path, follow_symlinks=False)
+                except FileNotFoundError:
+                    current = None
+            except BlockingIOError:
+                os.close(fd)
+                return False
+            except BaseException:
+                os.close(fd)
+                raise
+            if current is not None and (current.st_dev, current.st_ino) == (locked.st_dev, locked.st_ino):
+                break
+            # The file was deleted or replaced while we waited: our lock is on an inode nobody else will open,
+            # and whoever opened the new file may lead. Compete for the file that is there now.
             os.close(fd)
-            return False
-        except BaseException:
-            os.close(fd)
-            raise
+        else:
+            raise SocketDirError(
+                f"leadership lock file {self.path} was replaced {_MAX_REOPEN} times while this process waited for it; "
+                "something keeps deleting it. Only Leadership may touch its lock file: stop whatever removes it."
+            )
         self._fd = fd
+        self._pid = os.getpid()
+        _holding.add(self)
         with contextlib.suppress(OSError):  # for people reading the file; holder() asks the kernel instead
-            os.ftruncate(fd, 0)
-            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+            write_pid(fd)
         return True
 
     def _open(self) -> int:
@@ -182,10 +237,10 @@ class Leadership:
                     "keeper first (`weightcache serve`, or mode='daemon'), or give Leadership(path=...)"
                 )
             check_socket_dir(directory, explicit=is_explicit(self._socket_dir))
-        elif not directory.is_dir():
-            raise SocketDirError(f"cannot take leadership {self.name!r}: directory {directory} does not exist")
+        else:
+            self._check_directory(directory)
         try:
-            fd = os.open(self.path, os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+            fd = open_lock_file(self.path)
         except OSError as exc:
             why = "it is a symlink" if exc.errno == errno.ELOOP else str(exc)
             raise SocketDirError(f"cannot open the leadership lock file {self.path}: {why}") from exc
@@ -197,7 +252,33 @@ class Leadership:
                 f"{stat.S_IMODE(st.st_mode):04o}); another user could hold the lock forever. Remove it, or give "
                 "Leadership a path in a private directory."
             )
+        if st.st_mode & 0o077:
+            os.close(fd)
+            raise SocketDirError(
+                f"leadership lock file {self.path} has mode {stat.S_IMODE(st.st_mode):04o}; expected 0600: a user who "
+                f"can open it, even read-only, can hold the lock forever. Run: chmod 600 {self.path} (if another "
+                "user may have opened it already, stop the processes that use this leadership and remove the file "
+                "instead: a new one is created 0600)"
+            )
         return fd
+
+    def _check_directory(self, directory: Path) -> None:
+        """The directory of an explicit ``path``: nobody but us (or root) may delete or replace the lock file."""
+        try:
+            st = os.stat(directory)
+        except OSError as exc:
+            why = "does not exist" if isinstance(exc, FileNotFoundError) else f"cannot be inspected: {exc}"
+            raise SocketDirError(f"cannot take leadership {self.name!r}: directory {directory} {why}") from None
+        if not stat.S_ISDIR(st.st_mode):
+            raise SocketDirError(f"cannot take leadership {self.name!r}: {directory} is not a directory")
+        sticky = bool(st.st_mode & stat.S_ISVTX)
+        if st.st_uid not in (os.getuid(), 0) or (st.st_mode & 0o022 and not sticky):
+            raise SocketDirError(
+                f"cannot take leadership {self.name!r}: directory {directory} (uid {st.st_uid}, mode "
+                f"{stat.S_IMODE(st.st_mode):04o}) lets another user delete and recreate the lock file, and so lead "
+                f"too. Expected a directory of this user or root that only its owner can write (or a sticky one, "
+                f"like /tmp). Run: chmod go-w {directory}, or give a path in a private directory."
+            )
 
 
 __all__ = ["LOCK_PREFIX", "Leadership"]
