@@ -30,6 +30,16 @@ def test_no_keeper_is_a_warning_with_what_to_do(socket_dir: Path) -> None:
         assert checks["cuda"]["status"] == "skip"
 
 
+def test_versions_of_a_source_tree_that_is_not_installed_are_a_warning() -> None:
+    from weightcache import doctor
+
+    [check] = doctor._versions("weightcache-not-installed-here")
+    assert check.status == "warn" and "without being installed" in check.detail, check
+    assert check.fix is not None and check.fix.startswith("pip install -e ")
+    [installed] = doctor._versions()
+    assert installed.status == "ok" and "torch " in installed.detail and "packaging " in installed.detail, installed
+
+
 def test_a_socket_dir_under_missing_parents_is_fine(socket_dir: Path) -> None:
     nested = socket_dir / "a" / "b"  # ensure_private_dir creates the parents too
     rc, checks = doctor(nested)

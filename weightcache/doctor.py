@@ -79,13 +79,25 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _versions() -> Iterator[Check]:
+def _versions(dist: str = "weightcache") -> Iterator[Check]:
     """weightcache's own requirements (from its installed metadata), each found and recent enough."""
     from packaging.requirements import Requirement
 
     found = {"weightcache": __version__}
+    try:
+        requirements = metadata.requires(dist) or []
+    except metadata.PackageNotFoundError:
+        where = Path(__file__).resolve().parent.parent
+        yield Check(
+            "versions",
+            "warn",
+            f"weightcache {__version__} is imported from {where} without being installed, so its requirements "
+            f"cannot be checked (torch {_version('torch')})",
+            f"pip install -e {where}",
+        )
+        return
     problems = []
-    for text in metadata.requires("weightcache") or []:
+    for text in requirements:
         req = Requirement(text)
         if req.marker is not None and not req.marker.evaluate({"extra": ""}):
             continue  # an optional extra (cuda, test, dev, docs)
