@@ -451,7 +451,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="machine-readable output")
     p.set_defaults(func=cmd_doctor)
 
-    p = add("bench", "measure attach time (see docs/benchmarks.md)")
+    # No --socket-dir: the benchmark always runs a private keeper in a temporary directory.
+    p = sub.add_parser("bench", help="measure attach time (see docs/benchmarks.md)", description="measure attach time")
     from .bench import add_arguments
 
     add_arguments(p)
