@@ -14,6 +14,7 @@ It prints the time each took and checks that all three compute bitwise-identical
 from __future__ import annotations
 
 import argparse
+import contextlib
 import hashlib
 import json
 import shutil
@@ -24,54 +25,20 @@ import time
 from pathlib import Path
 
 import torch
-from torch import nn
+from toymodel import make_checkpoint, meta_model
 
+import weightcache as wc
 from weightcache.checkpoint import drop_page_cache
 
+#: Width of the model's residual MLP blocks (examples/toymodel.py): big enough that reading it takes visible time.
 HIDDEN = 2048
-
-
-class MLPModel(nn.Module):
-    """A stack of residual MLP blocks: big enough that reading it takes visible time."""
-
-    def __init__(self, layers: int, hidden: int = HIDDEN) -> None:
-        super().__init__()
-        self.layers = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(hidden), nn.Linear(hidden, 4 * hidden), nn.GELU(), nn.Linear(4 * hidden, hidden))
-            for _ in range(layers)
-        )
-        self.out = nn.Linear(hidden, 16)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for layer in self.layers:
-            x = x + layer(x)
-        return self.out(x)
-
-
-def layers_for(size_mib: int) -> int:
-    per_layer = (2 * 4 * HIDDEN * HIDDEN + 7 * HIDDEN) * 2  # bf16 bytes
-    return max(1, round(size_mib * 2**20 / per_layer))
-
-
-def make_checkpoint(path: Path, layers: int) -> None:
-    from safetensors.torch import save_file
-
-    torch.manual_seed(0)
-    model = MLPModel(layers).to(torch.bfloat16)
-    path.mkdir(parents=True, exist_ok=True)
-    save_file(model.state_dict(), str(path / "model.safetensors"))
-    (path / "config.json").write_text(json.dumps({"architectures": ["MLPModel"], "layers": layers}))
 
 
 def engine(checkpoint: str, mode: str, socket_dir: str) -> None:
     """One engine start: build on meta, attach, run one forward pass. Prints a JSON line."""
-    import weightcache as wc
-
     torch.set_num_threads(1)
-    layers = json.loads((Path(checkpoint) / "config.json").read_text())["layers"]
     t0 = time.perf_counter()
-    with torch.device("meta"):
-        model = MLPModel(layers).to(torch.bfloat16)
+    model = meta_model(checkpoint)
     handle = wc.attach(model, checkpoint, mode=mode, socket_dir=socket_dir)  # type: ignore[arg-type]
     t1 = time.perf_counter()
     torch.manual_seed(1)
@@ -101,9 +68,9 @@ def main() -> int:
 
     work = Path(tempfile.mkdtemp(prefix="wc-demo-"))
     checkpoint, socket_dir = work / "checkpoint", work / "sock"
-    layers = layers_for(args.size_mib)
-    print(f"writing a {args.size_mib} MiB bf16 checkpoint ({layers} MLP blocks) to {checkpoint} ...", flush=True)
-    make_checkpoint(checkpoint, layers)
+    print(f"writing a {args.size_mib} MiB bf16 checkpoint to {checkpoint} ...", flush=True)
+    layers = make_checkpoint(checkpoint, args.size_mib, HIDDEN)
+    print(f"  {layers} MLP blocks of width {HIDDEN}", flush=True)
 
     def start(mode: str) -> dict[str, object]:
         out = subprocess.run(
@@ -149,11 +116,9 @@ def main() -> int:
         return 0 if same and restart["source"] == "cache" else 1
     finally:
         if not args.keep:
-            # --wait: the keeper writes into socket_dir until it exits, so remove the directory only then
-            subprocess.run(
-                [sys.executable, "-m", "weightcache", "stop", "--wait", "--socket-dir", str(socket_dir)],
-                capture_output=True,
-            )
+            # wait: the keeper writes into socket_dir until it exits, so remove the directory only then
+            with contextlib.suppress(wc.WeightCacheError):  # no keeper (any more): nothing to stop
+                wc.Cache(socket_dir).stop(wait=30)
             shutil.rmtree(work, ignore_errors=True)
         else:
             print(f"\nkeeper left running: weightcache ls --socket-dir {socket_dir}")

@@ -25,6 +25,7 @@ however it ends: each exits when its stdin, a pipe from this script, closes.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -233,11 +234,9 @@ def main() -> int:
             runs.append(repetition(checkpoint, socket_dir, args.device, args.threads, not args.no_disk))
             keeper_pids.add(wc.Cache(socket_dir).keeper_info()["pid"])
     finally:
-        # --wait: the keeper writes into socket_dir until it exits, so remove the directory only then
-        subprocess.run(
-            [sys.executable, "-m", "weightcache", "stop", "--wait", "--socket-dir", str(socket_dir)],
-            capture_output=True,
-        )
+        # wait: the keeper writes into socket_dir until it exits, so remove the directory only then
+        with contextlib.suppress(wc.WeightCacheError):  # no keeper (any more): nothing to stop
+            wc.Cache(socket_dir).stop(wait=30)
         shutil.rmtree(work, ignore_errors=True)
 
     outputs = {o for r in runs for o in r["outputs"].values()}

@@ -268,11 +268,9 @@ def main() -> int:
         result["published"] = published
     finally:
         if not args.socket_dir:
-            # --wait: the keeper writes into socket_dir until it exits, so remove the directory only then
-            subprocess.run(
-                [sys.executable, "-m", "weightcache", "stop", "--wait", "--socket-dir", str(socket_dir)],
-                capture_output=True,
-            )
+            # wait: the keeper writes into socket_dir until it exits, so remove the directory only then
+            with contextlib.suppress(wc.WeightCacheError):  # no keeper (any more): nothing to stop
+                wc.Cache(socket_dir).stop(wait=30)
         shutil.rmtree(work, ignore_errors=True)
     if args.json:
         print(json.dumps(result))

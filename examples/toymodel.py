@@ -1,6 +1,6 @@
 """The small model the multi-process examples share: residual MLP blocks, saved as a bf16 safetensors checkpoint.
 
-Not an example itself: two_engines.py and hot_standby.py import it (each engine process builds it on meta).
+Not an example itself: demo.py, two_engines.py and hot_standby.py import it (each engine process builds it on meta).
 """
 
 from __future__ import annotations

@@ -19,6 +19,7 @@ live in a temporary directory, removed at the end: the user's own keeper is neve
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
@@ -30,6 +31,8 @@ from typing import Any
 
 import torch
 from toymodel import make_checkpoint, meta_model, request, run, weight_bytes
+
+import weightcache as wc
 
 MEMFD = "/memfd:weightcache"
 
@@ -70,8 +73,6 @@ def weight_mappings(pid: int) -> dict[str, Any]:
 def engine(checkpoint: str, mode: str, socket_dir: str, device: str) -> None:
     """One engine process: build on meta, attach in ``mode``, answer a request, then serve one request per
     line on stdin. Reports JSON lines on stdout."""
-    import weightcache as wc
-
     dev = torch.device(device)
     model = meta_model(checkpoint)
     x = request(checkpoint, dev)
@@ -181,11 +182,9 @@ def main() -> int:
     finally:
         for e in engines:
             e.stop()
-        # --wait: the keeper writes into socket_dir until it exits, so remove the directory only then
-        subprocess.run(
-            [sys.executable, "-m", "weightcache", "stop", "--wait", "--socket-dir", str(socket_dir)],
-            capture_output=True,
-        )
+        # wait: the keeper writes into socket_dir until it exits, so remove the directory only then
+        with contextlib.suppress(wc.WeightCacheError):  # no keeper (any more): nothing to stop
+            wc.Cache(socket_dir).stop(wait=30)
         shutil.rmtree(work, ignore_errors=True)
 
     if args.json:

@@ -74,6 +74,15 @@ def test_stop_wait_returns_once_the_keeper_has_exited(socket_dir: Path) -> None:
     assert (socket_dir / "keeper.log").read_text().rstrip().endswith(f"keeper {pid} stopped")
 
 
+def test_cache_stop_waits_the_same_way(socket_dir: Path) -> None:
+    """`Cache.stop(wait=...)`, the Python side of `stop --wait` (one implementation: client.stop_keeper)."""
+    ensure_keeper(socket_dir)
+    pid = keeper_pid(socket_dir)
+    assert wc.Cache(socket_dir).stop(wait=30) == pid
+    assert pid is not None and exited(pid)
+    assert (socket_dir / "keeper.log").read_text().rstrip().endswith(f"keeper {pid} stopped")
+
+
 def test_stop_wait_sees_an_unreaped_keeper_exit(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
     """A foreground keeper whose parent has not reaped it yet (a zombie) has exited: --wait does not hang on it."""
     out = wc_cli("stop", "--wait", "--timeout", "20", "--socket-dir", str(socket_dir))

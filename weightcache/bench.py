@@ -222,7 +222,7 @@ def main(args: argparse.Namespace) -> int:
                     flush=True,
                 )
     finally:
-        Cache(socket_dir).stop()
+        Cache(socket_dir).stop(wait=30)  # it writes into socket_dir until it exits
         shutil.rmtree(tmp, ignore_errors=True)
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),

@@ -227,7 +227,7 @@ def run(args: Any) -> int:
                     shutil.rmtree(ckpt, ignore_errors=True)
     finally:
         with contextlib.suppress(Exception):
-            Cache(socket_dir).stop()
+            Cache(socket_dir).stop(wait=30)  # it writes into socket_dir until it exits
         shutil.rmtree(socket_dir.parent, ignore_errors=True)
         if not args.workdir and not args.keep:
             shutil.rmtree(work, ignore_errors=True)

@@ -250,10 +250,16 @@ class Cache:
             reply, _ = conn.request({"op": "evict", "digest": digest, "force": force})
         return [str(k) for k in reply["evicted"]]
 
-    def stop(self) -> None:
-        """Ask the keeper to exit. Attached clients keep working; unleased entries are freed."""
-        with self._connect() as conn:
-            conn.request({"op": "stop"})
+    def stop(self, *, wait: float | None = None) -> int:
+        """Ask the keeper to exit; returns its pid. Attached clients keep working; unleased entries are freed.
+
+        With ``wait`` (seconds), return only once the keeper process has exited (it replies first, then frees its
+        entries and writes into its socket directory): do this before removing that directory. KeeperError
+        (code ``"timeout"``) if it still runs after ``wait``.
+        """
+        from .client import stop_keeper
+
+        return stop_keeper(self._connect(), wait=wait)
 
     # --- attach -----------------------------------------------------------------------------------------
 

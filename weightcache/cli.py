@@ -6,11 +6,8 @@ Keeper commands (serve, ls, inspect, evict, stop) do not import torch, so they a
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import logging
-import os
-import select
 import sys
 import time
 from collections.abc import Sequence
@@ -163,6 +160,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
+    from .client import stop_keeper
     from .errors import KeeperUnavailable
 
     try:
@@ -170,66 +168,14 @@ def cmd_stop(args: argparse.Namespace) -> int:
     except KeeperUnavailable as exc:
         print(f"no keeper to stop: {exc}", file=sys.stderr)
         return 1
-    with conn:
-        # Opened while the keeper still serves this connection, so the pid cannot have been reused yet.
-        keeper_exit = _Exit(conn.peer_pid) if args.wait else None
-        reply, _ = conn.request({"op": "stop"})
-    print(f"keeper pid {reply['pid']} stopping", flush=True)
-    if keeper_exit is None:
-        return 0
-    # The keeper replies before it closes its entries and writes keeper.stopped and its last log line: a
-    # caller about to remove the socket directory must wait for the process itself to end.
-    with contextlib.closing(keeper_exit):
-        exited = keeper_exit.wait(args.timeout)
-    if not exited:
-        print(
-            f"weightcache stop: keeper pid {reply['pid']} still runs {args.timeout:g} s after it was asked to stop; "
-            f"see keeper.log in its socket directory, or end it with `kill {reply['pid']}`",
-            file=sys.stderr,
-        )
-        return 1
-    print(f"keeper pid {reply['pid']} stopped")
+    pid = stop_keeper(
+        conn,
+        wait=args.timeout if args.wait else None,
+        stopping=lambda pid: print(f"keeper pid {pid} stopping", flush=True),
+    )
+    if args.wait:
+        print(f"keeper pid {pid} stopped")
     return 0
-
-
-class _Exit:
-    """The exit of process ``pid``, to wait for: through a pidfd (readable once the process has exited, reaped or
-    not), or, where the kernel has none (before Linux 5.3), by polling the pid."""
-
-    def __init__(self, pid: int) -> None:
-        if pid <= 0:  # SO_PEERCRED gives 0 for a process outside our pid namespace
-            raise WeightCacheError(
-                "--wait: the keeper runs in another pid namespace, so its exit cannot be seen from here; stop it "
-                "without --wait"
-            )
-        self.pid, self.fd, self.gone = pid, -1, False
-        try:
-            self.fd = os.pidfd_open(pid)
-        except ProcessLookupError:
-            self.gone = True
-        except OSError:
-            pass
-
-    def wait(self, timeout: float) -> bool:
-        """Whether the process has exited within ``timeout`` seconds."""
-        if self.gone:
-            return True
-        if self.fd >= 0:
-            return bool(select.select([self.fd], [], [], timeout)[0])
-        deadline = time.monotonic() + timeout
-        while True:
-            try:
-                os.kill(self.pid, 0)
-            except ProcessLookupError:
-                return True
-            if time.monotonic() >= deadline:
-                return False
-            time.sleep(0.01)
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
 
 
 def cmd_load(args: argparse.Namespace) -> int:

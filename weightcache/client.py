@@ -12,6 +12,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -28,6 +29,7 @@ from .errors import (
     ProtocolError,
     ProtocolVersionError,
     SocketDirError,
+    WeightCacheError,
 )
 from .rundir import (
     LOG_NAME,
@@ -192,6 +194,82 @@ class KeeperConnection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def stop_keeper(
+    conn: KeeperConnection, *, wait: float | None = None, stopping: Callable[[int], object] | None = None
+) -> int:
+    """Ask the keeper behind ``conn`` to exit, close ``conn``, and return the keeper's pid.
+
+    The keeper replies before it frees its entries and writes ``keeper.stopped`` and its last log line: with
+    ``wait`` (seconds), return only once the keeper process has exited, as a caller about to remove the socket
+    directory must; KeeperError (code ``"timeout"``) if it still runs then. ``stopping(pid)`` is called when the
+    keeper has accepted the request, before the wait.
+    """
+    keeper_exit = None
+    try:
+        # Opened while the keeper still serves this connection, so its pid cannot have been reused yet.
+        keeper_exit = _ProcessExit(conn.peer_pid) if wait is not None else None
+        reply, _ = conn.request({"op": "stop"})
+    except BaseException:
+        if keeper_exit is not None:
+            keeper_exit.close()
+        raise
+    finally:
+        conn.close()
+    pid = int(reply["pid"])
+    if stopping is not None:
+        stopping(pid)
+    if keeper_exit is None or wait is None:
+        return pid
+    with contextlib.closing(keeper_exit):
+        if not keeper_exit.wait(wait):
+            raise KeeperError(
+                f"keeper pid {pid} still runs {wait:g} s after it was asked to stop; see keeper.log in its socket "
+                f"directory, or end it with `kill {pid}`",
+                "timeout",
+            )
+    return pid
+
+
+class _ProcessExit:
+    """The exit of process ``pid``, to wait for: through a pidfd (readable once the process has exited, reaped or
+    not), or, where the kernel has none (before Linux 5.3), by polling the pid."""
+
+    def __init__(self, pid: int) -> None:
+        if pid <= 0:  # SO_PEERCRED gives 0 for a process outside our pid namespace
+            raise WeightCacheError(
+                "the keeper runs in another pid namespace, so its exit cannot be seen from here; stop it without "
+                "waiting"
+            )
+        self.pid, self.fd, self.gone = pid, -1, False
+        try:
+            self.fd = os.pidfd_open(pid)
+        except ProcessLookupError:
+            self.gone = True
+        except OSError:
+            pass
+
+    def wait(self, timeout: float) -> bool:
+        """Whether the process has exited within ``timeout`` seconds."""
+        if self.gone:
+            return True
+        if self.fd >= 0:
+            return bool(select.select([self.fd], [], [], timeout)[0])
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                os.kill(self.pid, 0)
+            except ProcessLookupError:
+                return True
+            if time.monotonic() >= deadline:
+                return False
+            time.sleep(0.01)
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            os.close(self.fd)
+            self.fd = -1
 
 
 def ensure_keeper(
