@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Holder, run_worker, start_keeper
+from conftest import Holder, run_worker, start_keeper, wait_until
 from models import make_checkpoint
 
 import weightcache as wc
@@ -135,10 +135,7 @@ def test_restarted_keeper_gets_gpu_entries_back(checkpoint: Path, socket_dir: Pa
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
         proc = start_keeper(socket_dir)
-        deadline = time.time() + 15
-        while time.time() < deadline and [e.leases for e in wc.Cache(socket_dir).entries()] != [1]:
-            time.sleep(0.1)
-        assert [e.leases for e in wc.Cache(socket_dir).entries()] == [1]
+        assert wait_until(lambda: [e.leases for e in wc.Cache(socket_dir).entries()] == [1], timeout=15)
         third = run_worker("attach", {**spec, "mode": "client", "strict": True})
         assert third["source"] == "cache" and third["output"] == first["output"]
         assert holder.compute() == {"output": first["output"], "leased": True}
@@ -165,9 +162,7 @@ def test_gpu_memory_is_returned_when_the_last_holder_exits(tmp_path: Path, socke
     time.sleep(0.5)
     assert used_gib() - baseline >= 0.9 * size_gib
     holder.close()  # last holder gone: the driver frees the memory
-    deadline = time.time() + 10
-    while time.time() < deadline and used_gib() - baseline > 0.05:
-        time.sleep(0.1)
+    wait_until(lambda: used_gib() - baseline <= 0.05, timeout=10)
     assert used_gib() - baseline <= 0.05, f"{used_gib() - baseline:.3f} GiB not returned"
 
 
