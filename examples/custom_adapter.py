@@ -6,15 +6,16 @@ linear layer (``process_weights_after_loading``: the weight is replaced by its t
 under another name), as real engines repack weights for their kernels. Its ``load_format`` lets a loader in.
 
 ``ToyEngineBackend`` is the adapter: a :class:`weightcache.backends.Backend` subclass, registered with
-``weightcache.backends.register``, whose loader does what the vLLM and SGLang adapters do: compute the
-fingerprint, ``fetch`` the entry, on a miss in mode daemon run the engine's own loader and ``publish`` its
-post-processed weights, then build the model on meta, ``adopt_published_layout`` and ``bind``.
+``weightcache.backends.register``. Like the vLLM and SGLang adapters it implements only the hooks: how the
+engine builds its model (``build_model``, on the meta device) and how it loads and post-processes it from disk
+(``load_from_disk``). ``Backend.load_model`` owns the rest: modes, fallbacks, publishing with bounded memory,
+binding the published layout into the meta model.
 
 Two engine processes run: the first in mode daemon (loads, fuses, post-processes, publishes), the second in
 mode client (attaches the post-processed weights: its loader and post-processing never run). Their outputs are
 identical. The keeper lives in a temporary socket directory, removed at the end.
 
-    python examples/custom_adapter.py [--json]
+    python examples/custom_adapter.py [--json] [--device cuda:0]
 """
 
 from __future__ import annotations
@@ -31,20 +32,14 @@ from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 
 import weightcache as wc
 from weightcache import backends
-from weightcache.backends.base import (
-    Backend,
-    LoaderOptions,
-    QuantSpec,
-    adopt_published_layout,
-    fetch,
-    publish,
-    quant_spec_from_config,
-)
+from weightcache.backends import Backend, LoaderOptions, QuantSpec
+from weightcache.backends.base import quant_spec_from_config
 
 # --- the engine (not weightcache's code: it knows nothing about caching) -------------------------------------
 
@@ -81,8 +76,9 @@ class ToyEngine:
 
     __version__ = "0.1.0"
 
-    def __init__(self, checkpoint: str, load_format: Any = "default") -> None:
+    def __init__(self, checkpoint: str, load_format: Any = "default", device: str = "cpu") -> None:
         self.checkpoint = checkpoint
+        self.device = torch.device(device)
         self.config = json.loads((Path(checkpoint) / "config.json").read_text())
         self.post_processed = 0  # how many layers this process post-processed
         loader = DefaultLoader() if load_format == "default" else load_format
@@ -95,12 +91,13 @@ class ToyEngine:
 
 class DefaultLoader:
     def load_model(self, engine: ToyEngine) -> ToyModel:
-        raw = load_file(str(Path(engine.checkpoint) / "model.safetensors"))
         state = {}
-        for i in range(engine.config["layers"]):  # fuse q, k, v into one matrix
-            p = f"layers.{i}"
-            state[f"{p}.qkv.weight"] = torch.cat([raw[f"{p}.{n}_proj.weight"] for n in "qkv"])
-            state[f"{p}.o.weight"] = raw[f"{p}.o_proj.weight"]
+        with safe_open(str(Path(engine.checkpoint) / "model.safetensors"), framework="pt") as f:
+            for i in range(engine.config["layers"]):  # fuse q, k, v into one matrix, on the host, layer by layer
+                p = f"layers.{i}"
+                qkv = torch.cat([f.get_tensor(f"{p}.{n}_proj.weight") for n in "qkv"])
+                state[f"{p}.qkv.weight"] = qkv.to(engine.device)
+                state[f"{p}.o.weight"] = f.get_tensor(f"{p}.o_proj.weight").to(engine.device)
         model = engine.build()
         model.load_state_dict(state, assign=True)
         for module in model.modules():
@@ -125,9 +122,16 @@ class ToyEngineBackend(Backend):
     def quant(self, engine_quant: object) -> QuantSpec:
         return quant_spec_from_config("ToyEngine", engine_quant)  # None: unquantized
 
+    # The two hooks every adapter implements; the context is whatever the engine hands its loader.
+    def build_model(self, engine: ToyEngine) -> nn.Module:
+        return engine.build()  # called on the meta device
+
+    def load_from_disk(self, engine: ToyEngine) -> nn.Module:
+        return DefaultLoader().load_model(engine)  # the engine's own load and post-processing
+
 
 class WeightCacheLoader:
-    """What the engine gets as its load_format: the cache half of modes daemon and client."""
+    """What the engine gets as its load_format: the engine's side of the adapter."""
 
     def __init__(self, options: LoaderOptions) -> None:
         self.options = options
@@ -135,26 +139,18 @@ class WeightCacheLoader:
         self.source = "disk"
         self.handle: wc.Handle | None = None
 
-    def load_model(self, engine: ToyEngine) -> ToyModel:
+    def load_model(self, engine: ToyEngine) -> nn.Module:
         fingerprint = self.backend.make_fingerprint(
             engine.checkpoint,
             dtype=torch.float32,
             engine_quant=None,  # the engine's quantization config: checked before anything loads
             parallel=lambda: {"tp": (0, 1)},
-            device="cpu",
+            device=engine.device,
             identity=engine.config,  # the engine's model config joins the fingerprint
         )
-        handle = fetch(fingerprint, self.options)
-        if handle is None and self.options.mode == "client":  # a miss: fetch warned why; the engine loads alone
-            return DefaultLoader().load_model(engine)
-        if handle is None:  # mode daemon, a miss: the engine loads and post-processes, then we publish
-            handle = publish(fingerprint, DefaultLoader().load_model(engine).state_dict(), self.options)
-        model = engine.build()
-        adopt_published_layout(model, handle)  # the meta model takes the post-processed layout (weight_t)
-        wc.bind(model, handle.tensors, device="cpu")
-        model.__dict__["weightcache_handle"] = self.handle = handle  # the lease lives as long as the model
-        self.source = handle.source
-        return model
+        loaded = self.backend.load_model(engine, fingerprint=fingerprint, device=engine.device, options=self.options)
+        self.handle, self.source = loaded.handle, loaded.source
+        return loaded.model
 
 
 # --- running it: two engine processes ----------------------------------------------------------------------------
@@ -169,13 +165,13 @@ def make_checkpoint(path: Path, dim: int = 256, layers: int = 4) -> None:
     (path / "config.json").write_text(json.dumps({"architectures": ["ToyModel"], "dim": dim, "layers": layers}))
 
 
-def serve(checkpoint: str, mode: str, socket_dir: str) -> dict[str, Any]:
+def serve(checkpoint: str, mode: str, socket_dir: str, device: str = "cpu") -> dict[str, Any]:
     """One engine start with the adapter as its loader, and one request."""
     loader = WeightCacheLoader(LoaderOptions.parse({"mode": mode, "socket_dir": socket_dir}, where="serve"))
-    engine = ToyEngine(checkpoint, load_format=loader)
-    x = torch.randn(2, 8, engine.config["dim"], generator=torch.Generator().manual_seed(1))
+    engine = ToyEngine(checkpoint, load_format=loader, device=device)
+    x = torch.randn(2, 8, engine.config["dim"], generator=torch.Generator().manual_seed(1)).to(device)
     with torch.no_grad():
-        out = engine.model(x)
+        out = engine.model(x).cpu()
     return {
         "mode": mode,
         "source": loader.source,
@@ -191,9 +187,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--json", action="store_true", help="print one JSON object of results")
     parser.add_argument("--serve", nargs=3, metavar=("CKPT", "MODE", "SOCKET_DIR"), help=argparse.SUPPRESS)
+    parser.add_argument("--device", default="cpu", help="where the engine runs (cpu, cuda:0, ...); default cpu")
     args = parser.parse_args()
     if args.serve:
-        print(json.dumps(serve(*args.serve)))
+        print(json.dumps(serve(*args.serve, device=args.device)))
         return 0
     work = Path(tempfile.mkdtemp(prefix="wc-adapter-"))
     checkpoint, socket_dir = work / "checkpoint", work / "sock"
@@ -201,7 +198,7 @@ def main() -> int:
     runs = []
     try:
         for mode in ("daemon", "client"):  # each a fresh engine process
-            cmd = [sys.executable, __file__, "--serve", str(checkpoint), mode, str(socket_dir)]
+            cmd = [sys.executable, __file__, "--serve", str(checkpoint), mode, str(socket_dir), "--device", args.device]
             out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, text=True, timeout=300)
             runs.append(json.loads(out.stdout))
     finally:

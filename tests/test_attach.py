@@ -334,7 +334,7 @@ def test_daemon_over_budget_runs_from_disk_or_raises(checkpoint: Path, socket_di
     proc = start_keeper(socket_dir, "--max-bytes", "4K")
     try:
         model = meta_model()
-        with pytest.warns(wc.FallbackWarning, match="refused to publish.*budget"):
+        with pytest.warns(wc.FallbackWarning, match=r"publishing the loaded weights failed \(BudgetExceeded.*budget"):
             handle = wc.attach(model, checkpoint, mode="daemon", socket_dir=socket_dir)
         assert handle.source == "disk" and "--max-bytes" in (handle.fallback_reason or "")
         assert output_digest(model) == digest(reference_output(checkpoint))

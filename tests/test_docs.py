@@ -59,27 +59,22 @@ def test_every_keeper_error_code_is_in_troubleshooting() -> None:
 
 
 def fallback_reasons() -> list[str]:
-    """The constant start of each reason a FallbackWarning can give (attach and the engine adapters)."""
+    """The constant start of each reason a FallbackWarning can give: weightcache/pipeline.py decides them all."""
     reasons = []
-    for path in (ROOT / "weightcache" / "attach.py", ROOT / "weightcache" / "backends" / "base.py"):
-        tree = ast.parse(path.read_text())
-        for node in ast.walk(tree):
-            texts: list[ast.expr] = []
-            if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_fallback":
-                texts = node.args[1:2]
-            elif isinstance(node, ast.Assign) and any(
-                isinstance(t, ast.Tuple) and getattr(t.elts[0], "id", None) == "reason" for t in node.targets
-            ):
-                texts = [node.value.elts[0]] if isinstance(node.value, ast.Tuple) else []
-            elif isinstance(node, ast.FunctionDef) and node.name == "why_missing":
-                texts = [
-                    r.value.elts[0]
-                    for r in ast.walk(node)
-                    if isinstance(r, ast.Return) and isinstance(r.value, ast.Tuple)
-                ]
-            for text in texts:
-                if isinstance(text, ast.JoinedStr) and isinstance(text.values[0], ast.Constant):
-                    reasons.append(str(text.values[0].value))
+    tree = ast.parse((ROOT / "weightcache" / "pipeline.py").read_text())
+    for node in ast.walk(tree):
+        texts: list[ast.expr] = []
+        if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "_fallback":
+            texts = node.args
+        elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "reason" for t in node.targets):
+            texts = [node.value]
+        elif isinstance(node, ast.FunctionDef) and node.name == "why_missing":
+            texts = [
+                r.value.elts[0] for r in ast.walk(node) if isinstance(r, ast.Return) and isinstance(r.value, ast.Tuple)
+            ]
+        for text in texts:
+            if isinstance(text, ast.JoinedStr) and isinstance(text.values[0], ast.Constant):
+                reasons.append(str(text.values[0].value))
     return reasons
 
 

@@ -296,8 +296,11 @@ def test_full_socket_directory_is_a_clear_error(tmp_path: Path, checkpoint: Path
         os.close(fd)
         with pytest.raises(wc.KeeperUnavailable, match="cannot write in the socket directory .*No space left"):
             wc.Cache(full / "s", spawn=True)
+        # mode daemon starts an engine anyway (from disk, saying why); strict raises
+        with pytest.warns(wc.FallbackWarning, match=r"\(KeeperUnavailable: .*No space left"):
+            assert wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=full / "s").source == "disk"
         with pytest.raises(wc.KeeperUnavailable, match="No space left"):
-            wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=full / "s")
+            wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=full / "s", strict=True)
         with pytest.warns(wc.FallbackWarning, match="no keeper"):
             assert wc.attach(meta_model(), checkpoint, mode="client", socket_dir=full / "s").source == "disk"
     finally:

@@ -57,6 +57,12 @@ def touch(model: torch.nn.Module) -> dict[str, int]:
 
 def attach(spec: dict) -> tuple[torch.nn.Module, wc.Handle, dict]:
     model = meta_model(**model_kwargs(spec["checkpoint"]))
+    if spec.get("fsize_limit"):
+        # A real allocation failure for shared memory: a memfd cannot grow past RLIMIT_FSIZE (EFBIG; Python
+        # ignores SIGXFSZ), so segments fail while the checkpoint still reads.
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize_limit"], resource.RLIM_INFINITY))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
@@ -79,6 +85,7 @@ def attach(spec: dict) -> tuple[torch.nn.Module, wc.Handle, dict]:
         "attach_ms": elapsed * 1e3,
         "warnings": [str(w.message) for w in caught if issubclass(w.category, wc.FallbackWarning)],
         "fallback_reason": handle.fallback_reason,
+        "read_disk": handle.read_disk,
         "pid": os.getpid(),
     }
     return model, handle, info

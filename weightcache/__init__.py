@@ -6,8 +6,6 @@ load on first use, so that the keeper and the CLI's keeper commands start withou
 
 from __future__ import annotations
 
-import sys
-import types
 from typing import TYPE_CHECKING, Any
 
 from . import quant
@@ -39,16 +37,20 @@ from .manifest import Manifest
 from .standby import Leadership
 
 if TYPE_CHECKING:
-    from .attach import attach
+    from .api import attach, preload
     from .binding import bind
-    from .cache import Cache, EntryInfo, Handle
+    from .cache import Cache, EntryInfo
+    from .handle import Handle
 
+# Names that need torch, imported on first use (PEP 562): the keeper and the CLI's keeper commands import this
+# package without importing torch. No submodule is named like one of these, so none can shadow it.
 _LAZY = {
-    "attach": "attach",
+    "attach": "api",
+    "preload": "api",
     "bind": "binding",
     "Cache": "cache",
     "EntryInfo": "cache",
-    "Handle": "cache",
+    "Handle": "handle",
 }
 
 
@@ -63,18 +65,8 @@ def __getattr__(name: str) -> Any:
     return value
 
 
-class _Package(types.ModuleType):
-    """Keeps ``weightcache.attach`` the function when the submodule of the same name is first imported directly
-    (``from weightcache.attach import ...``): the import system then binds the submodule on the package, which
-    would shadow the function for everyone after."""
-
-    def __setattr__(self, name: str, value: Any) -> None:
-        if isinstance(value, types.ModuleType) and _LAZY.get(name) == name and value.__name__ == f"{__name__}.{name}":
-            value = getattr(value, name)
-        super().__setattr__(name, value)
-
-
-sys.modules[__name__].__class__ = _Package
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_LAZY))
 
 
 __all__ = [
@@ -107,5 +99,6 @@ __all__ = [
     "__version__",
     "attach",
     "bind",
+    "preload",
     "quant",
 ]

@@ -179,41 +179,32 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from .cache import Cache
-    from .checkpoint import load_state_dict
-    from .fingerprint import Fingerprint, resolve_dtype
+    from .api import preload
 
     try:
         quant_config = json.loads(args.quant_config) if args.quant_config else None
-        dtype = resolve_dtype(args.dtype)
     except ValueError as exc:
-        raise WeightCacheError(f"bad argument: {exc}") from exc
-    fp = Fingerprint.create(
-        args.checkpoint, dtype=args.dtype, quant=args.quant, quant_config=quant_config, device=args.device
+        raise WeightCacheError(f"bad argument: --quant-config is not JSON: {exc}") from exc
+    t0 = time.perf_counter()
+    handle = preload(
+        args.checkpoint,
+        device=args.device,
+        dtype=args.dtype,
+        quant=args.quant,
+        quant_config=quant_config,
+        socket_dir=args.socket_dir,
+        progress=None,
+        digests=not args.no_digests,
+        max_segment_bytes=args.max_segment_bytes,
     )
-    from . import quant
-
-    quant.get(args.quant).check(quant_config)
-    cache = Cache(args.socket_dir, spawn=True)
-    handle = cache.get(fp)
-    if handle is not None:
-        handle.close()
+    seconds = time.perf_counter() - t0
+    fp = handle.fingerprint
+    size, count = handle.nbytes, len(handle.tensors)
+    handle.close()
+    if not handle.read_disk:
         print(f"already cached: {fp.digest[:12]}  {fp.describe()}")
         return 0
-    t0 = time.perf_counter()
-    state = load_state_dict(args.checkpoint, dtype=dtype, progress=sys.stderr.isatty())
-    t1 = time.perf_counter()
-    handle = cache.put(
-        fp, state, digests=False if args.no_digests else None, max_segment_bytes=args.max_segment_bytes, consume=True
-    )
-    t2 = time.perf_counter()
-    assert handle.manifest is not None
-    size = handle.manifest.total_bytes
-    handle.close()
-    print(
-        f"published {fp.digest[:12]}  {fp.describe()}\n"
-        f"  {len(handle.tensors)} tensors, {_human_bytes(size)}: read {t1 - t0:.2f} s, publish {t2 - t1:.2f} s"
-    )
+    print(f"published {fp.digest[:12]}  {fp.describe()}\n  {count} tensors, {_human_bytes(size)} in {seconds:.2f} s")
     return 0
 
 

@@ -132,6 +132,30 @@ def load_to_device(
     return out
 
 
+def load_weights(
+    checkpoint: str | os.PathLike[str],
+    device: torch.device,
+    dtype: torch.dtype | None = None,
+    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    progress: bool | None = False,
+) -> dict[str, torch.Tensor]:
+    """The checkpoint as a state dict on ``device``, converted to ``dtype``, with ``transform`` applied there.
+
+    CPU: the files are memory-mapped (pages are read when first touched). CUDA: they are streamed with large
+    sequential reads through pinned buffers (:func:`load_to_device`). ``progress``: a bar of the bytes read on
+    stderr (None: only on a terminal and for at least 1 GiB; see :mod:`weightcache.progress`).
+    """
+    from .checkpoint import apply_transform, load_state_dict
+    from .progress import byte_bar, wanted
+
+    if device.type == "cuda":
+        total = sum(f.stat().st_size for f in safetensors_files(checkpoint)) if progress is not False else 0
+        with byte_bar(total, "loading checkpoint", wanted(progress, total)) as update:
+            state = load_to_device(checkpoint, device, dtype=dtype, progress=update)
+        return apply_transform(state, transform)
+    return load_state_dict(checkpoint, dtype=dtype, transform=transform, progress=progress)
+
+
 def pinned_staging() -> torch.Tensor:
     """The page-locked host buffer that :func:`stream_into` reads through (``STAGING_BUFFERS`` chunks).
 

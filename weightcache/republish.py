@@ -1,13 +1,13 @@
 """Keeping the cache across keeper restarts: clients re-publish the entries they hold to a new keeper.
 
-One daemon thread per process, started with the first :class:`~weightcache.cache.Handle` that holds a lease,
-watches every lease connection. When the keeper closes one (it crashed, was stopped or upgraded), the thread
-waits for a keeper to serve the same socket directory again, then publishes the handle's manifest with the
-segment fds the handle still holds (no disk read, no copy: the kernel or driver keeps the memory alive through
-those fds) and so takes the lease again. The keeper treats a publish of an entry it already holds as one more
-lease, so any number of clients may re-publish the same entry.
+One daemon thread per process, started with the first :class:`~weightcache.lease.Lease` (what an attached
+:class:`~weightcache.handle.Handle` holds), watches every lease connection. When the keeper closes one (it
+crashed, was stopped or upgraded), the thread waits for a keeper to serve the same socket directory again, then
+publishes the lease's manifest with the segment fds the lease still holds (no disk read, no copy: the kernel or
+driver keeps the memory alive through those fds) and so takes the lease again. The keeper treats a publish of an
+entry it already holds as one more lease, so any number of clients may re-publish the same entry.
 
-A new keeper is spawned by this thread only for handles whose :class:`~weightcache.cache.Cache` may spawn
+A new keeper is spawned by this thread only for leases whose :class:`~weightcache.cache.Cache` may spawn
 (``spawn=True``, mode daemon), only after a crash (a keeper stopped on purpose leaves ``keeper.stopped``), and
 only while the socket directory still exists.
 
@@ -37,7 +37,7 @@ from .rundir import STOPPED_NAME
 if TYPE_CHECKING:
     from pathlib import Path
 
-    from .cache import Handle
+    from .lease import Lease
 
 log = logging.getLogger("weightcache.republish")
 
@@ -54,7 +54,7 @@ REQUEST_TIMEOUT_S = 30.0
 
 @attrs.define
 class _Watched:
-    handle: weakref.ref[Handle]
+    lease: weakref.ref[Lease]
     lost: bool = False
     next_try: float = 0.0
     delay: float = FIRST_RETRY_S
@@ -76,19 +76,19 @@ class Republisher:
         self._thread: threading.Thread | None = None
         self._stopping = False
 
-    def watch(self, handle: Handle) -> None:
+    def watch(self, lease: Lease) -> None:
         with self._lock:
-            self._watched[id(handle)] = _Watched(weakref.ref(handle))
+            self._watched[id(lease)] = _Watched(weakref.ref(lease))
             if self._thread is None:
                 self._thread = threading.Thread(target=self._run, name="weightcache-republish", daemon=True)
                 self._thread.start()
         self._wake()
 
-    def forget(self, handle: Handle) -> None:
+    def forget(self, lease: Lease) -> None:
         with self._lock:
-            w = self._watched.get(id(handle))
-            if w is not None and w.handle() in (handle, None):
-                del self._watched[id(handle)]
+            w = self._watched.get(id(lease))
+            if w is not None and w.lease() in (lease, None):
+                del self._watched[id(lease)]
         self._wake()
 
     def stop(self, timeout: float = 2.0) -> None:
@@ -126,21 +126,20 @@ class Republisher:
         now = time.monotonic()
         with self._lock:
             for key, w in list(self._watched.items()):
-                handle = w.handle()
-                if handle is None:
+                lease = w.lease()
+                if lease is None:
                     del self._watched[key]
                 elif w.lost:
                     wait = max(0.0, w.next_try - now)
                     timeout = wait if timeout is None else min(timeout, wait)
                 else:
-                    conn = handle._connection
-                    if conn is not None and not conn.closed:
-                        fd = conn.fileno()
+                    fd = lease.fileno()
+                    if fd is not None:
                         poller.register(fd, select.POLLIN | select.POLLPRI)
                         watching[fd] = key
-            # Hold no handle while waiting: one its owner dropped must be collected (and its lease released)
-            # now, in the owner's thread, not when this thread next wakes up.
-            handle = conn = None
+            # Hold no lease while waiting: one its owner dropped must be collected (and released) now, in the
+            # owner's thread, not when this thread next wakes up.
+            lease = None
         events = poller.poll(None if timeout is None else timeout * 1000)
         for fd, _ in events:
             if fd == self._wake_r:
@@ -157,21 +156,17 @@ class Republisher:
     def _check(self, key: int) -> None:
         with self._lock:
             w = self._watched.get(key)
-            handle = w.handle() if w is not None else None
-        if w is None or handle is None:
+            lease = w.lease() if w is not None else None
+        if w is None or lease is None:
             return
-        with handle._lock:
-            conn = handle._connection
-            if conn is None or not conn.peer_closed():
-                return  # closed by its owner meanwhile, or a spurious wake-up
-            conn.close()
-            handle._connection = None
+        if not lease.check_lost():
+            return  # closed by its owner meanwhile, or a spurious wake-up
         w.lost, w.next_try, w.delay, w.last_error = True, time.monotonic(), FIRST_RETRY_S, None
         log.warning(
             "weightcache: the keeper at %s went away; entry %s stays mapped here and will be re-published when a "
             "keeper serves that directory again",
-            handle._socket_dir,
-            handle.digest[:12],
+            lease.socket_dir,
+            lease.digest[:12],
         )
 
     def _retry_due(self) -> None:
@@ -179,11 +174,11 @@ class Republisher:
         with self._lock:
             due = [(k, w) for k, w in self._watched.items() if w.lost and w.next_try <= now]
         for key, w in due:
-            handle = w.handle()
-            if handle is None:
+            lease = w.lease()
+            if lease is None:
                 continue
             try:
-                done = self._republish(handle)
+                done = self._republish(lease)
             except KeeperUnavailable as exc:
                 self._backoff(w, str(exc), MAX_RETRY_S, quiet=True)
                 continue
@@ -203,46 +198,39 @@ class Republisher:
         w.delay = min(ceiling, w.delay * 2)
 
     @staticmethod
-    def _republish(handle: Handle) -> bool:
-        """Publish ``handle``'s entry to the keeper that now serves its directory; True once leased again."""
-        directory = handle._socket_dir
-        manifest = handle.manifest
-        assert directory is not None and manifest is not None, "only handles with a lease are watched"
-        explicit = handle._explicit
+    def _republish(lease: Lease) -> bool:
+        """Publish ``lease``'s entry to the keeper that now serves its directory; True once leased again."""
+        directory = lease.socket_dir
         try:
-            conn = KeeperConnection.connect(directory, explicit=explicit)
+            conn = KeeperConnection.connect(directory, explicit=lease.explicit)
         except KeeperUnavailable:
-            if not (handle._respawn and directory.is_dir() and not stopped_on_purpose(directory)):
+            if not (lease.respawn and directory.is_dir() and not stopped_on_purpose(directory)):
                 raise
-            log.info("weightcache: spawning a keeper in %s to re-publish %s", directory, handle.digest[:12])
+            log.info("weightcache: spawning a keeper in %s to re-publish %s", directory, lease.digest[:12])
             try:
-                ensure_keeper(directory, explicit=explicit)
-                conn = KeeperConnection.connect(directory, explicit=explicit)
+                ensure_keeper(directory, explicit=lease.explicit)
+                conn = KeeperConnection.connect(directory, explicit=lease.explicit)
             except KeeperUnavailable as exc:  # not a keeper that is merely absent: retry rarely, and say why
                 raise KeeperError(f"could not start a keeper: {exc}", "spawn") from exc
         try:
-            with handle._lock:
-                if handle._closed:
-                    conn.close()
-                    return True
-                fds = [os.dup(fd) for fd in handle._fds]
+            fds = lease.dup_fds()
+            if fds is None:  # closed by its owner meanwhile
+                conn.close()
+                return True
             try:
                 reply, _ = conn.request(
-                    {"op": "publish", "manifest": manifest.to_json()}, fds, timeout=REQUEST_TIMEOUT_S
+                    {"op": "publish", "manifest": lease.manifest.to_json()}, fds, timeout=REQUEST_TIMEOUT_S
                 )
             finally:
                 close_fds(fds)
         except BaseException:
             conn.close()
             raise
-        with handle._lock:
-            if handle._closed:
-                conn.close()  # closed while we published: the lease goes with this connection
-                return True
-            handle._connection = conn
+        if not lease.renew(conn):
+            return True  # closed while we published: the lease went with that connection
         log.info(
             "weightcache: re-published %s to the keeper (pid %s) at %s (%s)",
-            handle.digest[:12],
+            lease.digest[:12],
             conn.hello.get("pid"),
             directory,
             "new entry" if reply.get("created") else "already there; lease taken",
@@ -267,11 +255,11 @@ def _stop_at_exit() -> None:
     _republisher.stop()
 
 
-def watch(handle: Handle) -> None:
-    """Re-publish ``handle``'s entry whenever its keeper goes away, for as long as the handle is open."""
-    _republisher.watch(handle)
+def watch(lease: Lease) -> None:
+    """Re-publish ``lease``'s entry whenever its keeper goes away, for as long as the lease is open."""
+    _republisher.watch(lease)
 
 
-def forget(handle: Handle) -> None:
-    """Stop watching ``handle`` (it is being closed)."""
-    _republisher.forget(handle)
+def forget(lease: Lease) -> None:
+    """Stop watching ``lease`` (it is being closed)."""
+    _republisher.forget(lease)

@@ -5,7 +5,8 @@ model-parallel initialisation, then get_model_loader(LoadConfig(...)).load_model
 device_config=DeviceConfig("cpu")), as SGLang's own weight-cache daemon does it.
 
 Usage: python sglang_worker.py '<json spec>'; spec keys: model, table (output path), loader ("default" or
-"weightcache"), options (weightcache loader options), evict. Prints one RESULT line.
+"weightcache"), options (weightcache loader options), evict, fsize_limit (RLIMIT_FSIZE in bytes: memfd
+segments fail). Prints one RESULT line.
 """
 
 from __future__ import annotations
@@ -64,6 +65,12 @@ def main() -> None:
     else:
         load_config = LoadConfig(load_format="auto")
     loader = get_model_loader(load_config, model_config)
+    if spec.get("fsize_limit"):
+        # A real allocation failure for shared memory: a memfd cannot grow past RLIMIT_FSIZE (EFBIG; Python
+        # ignores SIGXFSZ), so every segment this process creates fails, while reading the checkpoint works.
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize_limit"], resource.RLIM_INFINITY))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         model = loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))

@@ -24,6 +24,7 @@ from weightcache.backends.vllm import LOAD_FORMAT, VllmBackend  # noqa: E402
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
+from conftest import start_keeper  # noqa: E402
 from engine_models import make_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -110,6 +111,35 @@ def test_client_without_keeper_falls_back_to_disk_with_a_warning(tiny_llama: Pat
     assert not socket_dir.exists()  # mode client never starts a keeper
     disk = run_vllm({"model": str(tiny_llama), "load_format": "auto"})
     assert fallback["tokens"] == disk["tokens"]
+
+
+@pytest.mark.parametrize("failure", ["budget", "allocation"])
+def test_publish_failure_after_the_load_serves_the_loaded_weights(
+    tiny_llama: Path, socket_dir: Path, failure: str
+) -> None:
+    """Mode daemon loads, post-processes, then cannot publish: the engine starts on what it loaded, and says why."""
+    spec: dict[str, Any] = {"model": str(tiny_llama), "load_format": LOAD_FORMAT}
+    spec["extra"] = {"socket_dir": str(socket_dir), "mode": "daemon"}
+    if failure == "budget":
+        keeper = start_keeper(socket_dir, "--max-bytes", "64K")  # far less than the model
+        expected = "BudgetExceeded"
+    else:
+        keeper = start_keeper(socket_dir)
+        spec["fsize_limit"] = 1 << 16  # no memfd segment can grow past 64 KiB
+        expected = "SegmentError"
+    try:
+        result = run_vllm(spec)
+        assert len(result["warnings"]) == 1, result
+        assert "FallbackWarning" in result["warnings"][0] and expected in result["warnings"][0]
+        assert "serving the weights loaded from disk without the cache" in result["warnings"][0]
+        assert wc.Cache(socket_dir).entries() == []  # nothing half-published stays behind
+        disk = run_vllm({"model": str(tiny_llama), "load_format": "auto"})
+        assert result["tokens"] == disk["tokens"]
+        with pytest.raises(AssertionError, match=expected):  # strict: the engine does not start
+            run_vllm({**spec, "extra": {**spec["extra"], "strict": True}})
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
 
 
 # --- in this process: options, quantization mapping, refusals (no engine run) ---------------------------------

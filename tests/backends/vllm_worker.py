@@ -1,7 +1,8 @@
 """Run one vLLM engine in this process and print a JSON line: greedy token ids and how the weights came.
 
 Usage: python vllm_worker.py '<json spec>'; spec keys: model, load_format, extra (model_loader_extra_config),
-evict (drop the checkpoint from the page cache first), max_tokens, table (write the model's parity table there).
+evict (drop the checkpoint from the page cache first), fsize_limit (RLIMIT_FSIZE in bytes: memfd segments
+fail), max_tokens, table (write the model's parity table there).
 """
 
 from __future__ import annotations
@@ -25,6 +26,12 @@ def main() -> None:
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
 
+    if spec.get("fsize_limit"):
+        # A real allocation failure for shared memory: a memfd cannot grow past RLIMIT_FSIZE (EFBIG; Python
+        # ignores SIGXFSZ), so every segment this process creates fails, while reading the checkpoint works.
+        import resource
+
+        resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize_limit"], resource.RLIM_INFINITY))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         llm = LLM(

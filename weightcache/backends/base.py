@@ -1,13 +1,19 @@
-"""The engine adapter interface: what every backend (vLLM, SGLang, plain torch, yours) provides, and the cache
-half of modes daemon and client that they all share.
+"""The engine adapter interface: a template that owns the sequence of an engine's load, and the hooks each
+engine fills in.
 
 An adapter translates between an engine and weightcache, nothing more:
 
 - which engine it is and which version runs (:meth:`Backend.version`: part of every fingerprint);
 - how the engine describes quantization, mapped to a :mod:`weightcache.quant` strategy (:meth:`Backend.quant`),
   checked in both modes before anything is loaded;
-- where the engine lets a loader in (a loader class, a plugin entry point): that part is engine-specific and
-  lives in the adapter's own module, built from :func:`fetch` and :func:`publish` below.
+- four hooks of the load itself: build the engine's model on the meta device (:meth:`Backend.build_model`),
+  load and post-process it from disk with the engine's own loader (:meth:`Backend.load_from_disk`), the tensors
+  to share (:meth:`Backend.shareable_state`), and fix-ups after binding (:meth:`Backend.after_bind`).
+
+:meth:`Backend.load_model` runs the sequence through :mod:`weightcache.pipeline`, the one mode engine: modes,
+fallbacks, keeper spawning, the bounded-memory publish and the warnings are never written in an adapter. Where
+the engine lets a loader in (a loader class, a plugin entry point) is engine-specific and lives in the
+adapter's own module; it calls :meth:`Backend.load_model`.
 
 This module must not import any engine: adapters import theirs lazily, so that ``weightcache.backends`` works
 (and lists every adapter) where no engine is installed.
@@ -21,31 +27,28 @@ import importlib.util
 import json
 import os
 import warnings
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from types import ModuleType
-from typing import TYPE_CHECKING, Any, ClassVar, Literal
+from typing import Any, ClassVar, Literal
 
 import attrs
+import torch
+from torch import nn
 
+from .. import quant as quant_registry
+from ..binding import bind
+from ..cache import Cache
 from ..errors import (
     BackendConfigError,
-    BackendError,
     BindError,
     EngineNotInstalled,
-    EntryNotFound,
-    FallbackWarning,
-    FingerprintMismatch,
     KeeperUnavailable,
     UnsupportedQuantError,
     WeightCacheError,
 )
-
-if TYPE_CHECKING:
-    import torch
-    from torch import nn
-
-    from ..cache import Handle
-    from ..fingerprint import Fingerprint
+from ..fingerprint import Fingerprint
+from ..handle import Handle
+from ..pipeline import Request, Steps, run
 
 EngineMode = Literal["daemon", "client"]
 ENGINE_MODES: tuple[EngineMode, ...] = ("daemon", "client")
@@ -148,8 +151,6 @@ class Backend(abc.ABC):
     def check_quant(self, engine_quant: object) -> QuantSpec:
         """:meth:`quant`, then the strategy's check: raises UnsupportedQuantError for refused methods. Adapters
         call it on both sides (publish and attach) before anything is loaded."""
-        from .. import quant as quant_registry
-
         spec = self.quant(engine_quant)
         quant_registry.get(spec.method).check(spec.config)
         return spec
@@ -168,8 +169,6 @@ class Backend(abc.ABC):
         (UnsupportedQuantError before anything is read or asked of the engine, hence ``parallel`` is a function
         that reads this rank's layout), ``identity`` (the engine's model config, as plain JSON) is recorded under
         the adapter's name, and the engine's name and version are the producer."""
-        from ..fingerprint import Fingerprint
-
         spec = self.check_quant(engine_quant)
         return Fingerprint.create(
             checkpoint,
@@ -183,13 +182,124 @@ class Backend(abc.ABC):
             engine_version=self.version(),
         )
 
+    # --- the load: one sequence, four hooks --------------------------------------------------------------
+
+    def load_model(
+        self, context: Any, *, fingerprint: Fingerprint, device: torch.device | str, options: LoaderOptions
+    ) -> Loaded:
+        """Give the engine its model, with weights from the cache or from disk, in ``options.mode``.
+
+        The sequence is :func:`weightcache.pipeline.run`'s; this method only connects it to the hooks below.
+        ``context`` is whatever the engine's loader was given (configs, prefixes): it is passed to every hook
+        and never looked at here. On a cache hit (and after publishing) the model comes from
+        :meth:`build_model`, takes the published layout, has the tensors bound and :meth:`after_bind` run; when
+        the engine loads from disk without the cache (mode client's fallback) its own model is returned as is.
+        """
+        steps = _EngineSteps(self, context, torch.device(device))
+        request = Request(fingerprint, options.mode, options.strict, options.socket_dir)
+        model = run(request, steps)
+        return Loaded(model=model, handle=steps.handle, source=steps.source)
+
+    @abc.abstractmethod
+    def build_model(self, context: Any) -> nn.Module:
+        """The engine's model for ``context``, built on the meta device (no weights): what tensors are bound
+        into on a cache hit."""
+
+    @abc.abstractmethod
+    def load_from_disk(self, context: Any) -> nn.Module:
+        """The engine's own load: read, shard, quantize and post-process the weights; return the model as the
+        engine would run it."""
+
+    def published_state(self, context: Any) -> dict[str, torch.Tensor]:
+        """What mode daemon publishes after a miss: :meth:`load_from_disk`, then :meth:`shareable_state` of that
+        model. The model is dropped before this returns, so that publishing releases the loaded copy as it goes
+        (the peak stays the weights plus one segment); an override must keep it that way."""
+        return self.shareable_state(self.load_from_disk(context), context)
+
+    def shareable_state(self, model: nn.Module, context: Any) -> dict[str, torch.Tensor]:
+        """The tensors to publish from a post-processed model: every parameter and buffer (tied ones once).
+        Raise BackendError when post-processing left state that a client cannot re-create from tensors."""
+        return dict([*model.named_parameters(), *model.named_buffers()])
+
+    def after_bind(self, model: nn.Module, handle: Handle, context: Any) -> None:
+        """Re-create Python-side state after the published tensors were bound into :meth:`build_model`'s model
+        (views engines keep as plain attributes, kernel handles). Default: nothing."""
+        return None
+
+    def cached_bytes(self, fingerprint: Fingerprint, options: LoaderOptions) -> int:
+        """Bytes of the keeper's entry for ``fingerprint`` (0 when no keeper runs or it holds no such entry): the
+        memory an engine attaching it will map rather than allocate, for engines that size caches first."""
+        try:
+            entries = Cache(options.socket_dir).entries()
+        except KeeperUnavailable:
+            return 0
+        except WeightCacheError as exc:  # asked before loading: the load itself falls back (or raises if strict)
+            if options.strict:
+                raise
+            warnings.warn(f"weightcache: cannot size the cached entry ({type(exc).__name__}: {exc})", stacklevel=2)
+            return 0
+        for entry in entries:
+            if entry.digest == fingerprint.digest and entry.placement == fingerprint.placement:
+                return entry.bytes
+        return 0
+
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} ({'available' if self.available() else 'not installed'})>"
 
 
+@attrs.frozen
+class Loaded:
+    """What :meth:`Backend.load_model` gives an engine's loader.
+
+    Attributes:
+        model: the model to run.
+        handle: the Handle of the weights it runs on (None when the engine loaded from disk by itself); the
+            model keeps it alive (``model.weightcache_handle``), and with it the lease.
+        source: ``"cache"`` or ``"disk"``.
+    """
+
+    model: nn.Module
+    handle: Handle | None
+    source: str
+
+    @property
+    def preloaded_bytes(self) -> int:
+        """Bytes of weights that were already resident before this load (a cache hit), else 0."""
+        if self.handle is None or self.handle.read_disk or self.handle.manifest is None:
+            return 0
+        return self.handle.manifest.total_bytes
+
+
+class _EngineSteps(Steps[nn.Module]):
+    """:meth:`Backend.load_model`'s steps: the hooks of one backend, for one load."""
+
+    def __init__(self, backend: Backend, context: Any, device: torch.device) -> None:
+        self.backend = backend
+        self.context = context
+        self.device = device
+        self.handle: Handle | None = None
+        self.source = "disk"
+
+    def load_state(self) -> MutableMapping[str, torch.Tensor]:
+        return self.backend.published_state(self.context)
+
+    def serve_disk(self, reason: str | None) -> nn.Module:
+        self.handle, self.source = None, "disk"
+        return self.backend.load_from_disk(self.context)
+
+    def serve(self, handle: Handle) -> nn.Module:
+        with torch.device("meta"):
+            model = self.backend.build_model(self.context)
+        adopt_published_layout(model, handle)
+        bind(model, handle.tensors, device=self.device)
+        self.backend.after_bind(model, handle, self.context)
+        model.__dict__["weightcache_handle"] = handle  # the lease lives as long as the model
+        self.handle, self.source = handle, handle.source
+        return model
+
+
 def device_spec(device: torch.device | str) -> str:
     """``"cpu"`` or ``"cuda:N"`` for a torch device (an index-less CUDA device is the current one)."""
-    import torch
 
     dev = torch.device(device)
     if dev.type == "cuda":
@@ -265,74 +375,6 @@ def _json_attributes(obj: object) -> dict[str, Any]:
     return out
 
 
-# --- the cache half of modes daemon and client --------------------------------------------------------------
-
-
-def fetch(fingerprint: Fingerprint, options: LoaderOptions) -> Handle | None:
-    """The attached entry for ``fingerprint``, or None when the engine must load from disk.
-
-    Mode daemon ensures a keeper runs (spawning one) and returns None on a miss: the caller loads, then
-    publishes with :func:`publish`. Mode client never starts a keeper; on a miss it warns with a FallbackWarning
-    that says why and returns None (the caller loads from disk and publishes nothing), or with ``strict`` raises
-    KeeperUnavailable, EntryNotFound or FingerprintMismatch.
-    """
-    from ..attach import why_missing
-    from ..cache import Cache
-
-    if options.mode == "daemon":
-        # spawn: a keeper now, and a handle of mode daemon re-spawns a crashed one to re-publish to, hit or miss
-        return Cache(options.socket_dir, spawn=True).get(fingerprint)
-    try:
-        cache = Cache(options.socket_dir)
-        handle = cache.get(fingerprint)
-        if handle is not None:
-            return handle
-        reason, diffs = why_missing(cache, fingerprint)
-    except KeeperUnavailable as exc:
-        if options.strict:
-            raise
-        reason, diffs = f"no keeper is available ({exc})", []
-    except (UnsupportedQuantError, BindError, BackendError):
-        raise  # not the cache's fault: loading from disk would not make these go away
-    except WeightCacheError as exc:  # a broken entry, an insecure socket dir, a keeper error...
-        if options.strict:
-            raise
-        reason, diffs = f"the cache could not serve this request ({type(exc).__name__}: {exc})", []
-    if options.strict:
-        if diffs:
-            raise FingerprintMismatch(reason, tuple(diffs))
-        raise EntryNotFound(reason)
-    warnings.warn(f"weightcache: loading from disk: {reason}", FallbackWarning, stacklevel=2)
-    return None
-
-
-def publish(fingerprint: Fingerprint, tensors: Mapping[str, torch.Tensor], options: LoaderOptions) -> Handle:
-    """Publish a post-processed state dict (mode daemon, after a miss) and return the attached Handle."""
-    from ..cache import Cache
-
-    return Cache(options.socket_dir, spawn=True).put(fingerprint, tensors)
-
-
-def entry_bytes(fingerprint: Fingerprint, options: LoaderOptions) -> int:
-    """Bytes of the keeper's entry for ``fingerprint`` (0 when no keeper runs or it holds no such entry): the
-    memory an engine attaching it will map rather than allocate."""
-    from ..cache import Cache
-
-    try:
-        entries = Cache(options.socket_dir).entries()
-    except KeeperUnavailable:
-        return 0
-    except WeightCacheError as exc:  # asked before loading: the load itself falls back (or raises if strict)
-        if options.strict:
-            raise
-        warnings.warn(f"weightcache: cannot size the cached entry ({type(exc).__name__}: {exc})", stacklevel=2)
-        return 0
-    for entry in entries:
-        if entry.digest == fingerprint.digest and entry.placement == fingerprint.placement:
-            return entry.bytes
-    return 0
-
-
 # --- binding an engine's published state into its meta model ------------------------------------------------
 
 
@@ -361,9 +403,6 @@ def adopt_published_layout(model: nn.Module, handle: Handle) -> None:
     was made under a setting the fingerprint does not capture (e.g. another expert-parallel layout), and
     adopting it would serve wrong weights.
     """
-    import torch
-    from torch import nn
-
     may_relayout = handle.fingerprint.quant != "none"
     refused: list[str] = []
 
@@ -440,11 +479,9 @@ __all__ = [
     "EngineMode",
     "LoaderOptions",
     "QuantSpec",
+    "Loaded",
     "adopt_published_layout",
-    "entry_bytes",
-    "fetch",
     "own_tensors",
     "plain_json",
-    "publish",
     "quant_spec_from_config",
 ]

@@ -28,24 +28,16 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import attrs
 import torch
 from torch import nn
 
 from ..errors import BackendError
-from .base import (
-    Backend,
-    LoaderOptions,
-    QuantSpec,
-    adopt_published_layout,
-    fetch,
-    plain_json,
-    publish,
-    quant_spec_from_config,
-)
+from .base import Backend, LoaderOptions, QuantSpec, plain_json, quant_spec_from_config
 
 if TYPE_CHECKING:
-    from ..cache import Handle
     from ..fingerprint import Fingerprint
+    from ..handle import Handle
 
 #: SGLang's parallel widths (``runtime_context.get_parallel()``) that decide which shard a rank holds, as
 #: fingerprint axis -> (rank attribute, size attribute).
@@ -116,6 +108,47 @@ class SglangBackend(Backend):
             model_config.model_path, model_config.revision, True
         )
         return str(folder)
+
+    # --- the hooks of the load (the sequence is Backend.load_model's) -------------------------------------
+
+    def build_model(self, context: SglangLoad) -> nn.Module:
+        """SGLang's model for this config, on the meta device (the template enters it)."""
+        from sglang.srt.model_loader.loader import _initialize_model
+
+        quant_config = self.quant_config(context.model_config, context.load_config)
+        with _engine_dtype(context.model_config.dtype):
+            model: nn.Module = _initialize_model(context.model_config, context.load_config, quant_config)
+        return model
+
+    def load_from_disk(self, context: SglangLoad) -> nn.Module:
+        """SGLang's own ``DefaultModelLoader`` (load format auto): read, shard, quantize, post-process."""
+        from sglang.srt.model_loader.loader import DefaultModelLoader
+
+        model: nn.Module = DefaultModelLoader(_disk_load_config(context.load_config)).load_model(
+            model_config=context.model_config, device_config=context.device_config
+        )
+        return model
+
+    def shareable_state(self, model: nn.Module, context: SglangLoad) -> dict[str, torch.Tensor]:
+        """:func:`shareable_state`."""
+        return shareable_state(model)
+
+    def after_bind(self, model: nn.Module, handle: Handle, context: SglangLoad) -> None:
+        """Views some modules keep of their weights as plain attributes still point at meta storage; SGLang's own
+        weight-cache loader knows which, and rebuilds them."""
+        from sglang.srt.weight_cache.ipc_loader import IpcModelLoader
+
+        IpcModelLoader._rebuild_stale_views(model)
+        model.eval()
+
+
+@attrs.frozen
+class SglangLoad:
+    """The context of one SGLang load, handed to every hook."""
+
+    model_config: Any
+    load_config: Any
+    device_config: Any
 
 
 def parallel_layout() -> dict[str, tuple[int, int]]:
@@ -242,62 +275,27 @@ class WeightCacheLoader:
         LoaderOptions.parse(options, where="WeightCacheLoader.configure()")
         return type(f"{cls.__name__}[{mode}]", (cls,), {"options_override": options})
 
-    def _disk_loader(self) -> Any:
+    def download_model(self, model_config: Any) -> None:
         from sglang.srt.model_loader.loader import DefaultModelLoader
 
-        return DefaultModelLoader(_disk_load_config(self.load_config))
-
-    def download_model(self, model_config: Any) -> None:
-        self._disk_loader().download_model(model_config)
+        DefaultModelLoader(_disk_load_config(self.load_config)).download_model(model_config)
 
     def load_model(self, *, model_config: Any, device_config: Any) -> nn.Module:
         device = torch.device(device_config.device)
         fingerprint = self.backend.fingerprint(model_config, self.load_config, device)  # quant refused here, first
-        handle = fetch(fingerprint, self.options)
-        if handle is None and self.options.mode == "client":
-            self.source = "disk"
-            model: nn.Module = self._disk_loader().load_model(model_config=model_config, device_config=device_config)
-            return model
-        published_here = handle is None
-        if handle is None:  # mode daemon, a miss: SGLang loads and post-processes, then we publish
-            loaded = self._disk_loader().load_model(model_config=model_config, device_config=device_config)
-            state = shareable_state(loaded)
-            del loaded
-            handle = publish(fingerprint, state, self.options)
-            del state
-        try:
-            model = self._attached(model_config, handle, device)
-        except BaseException:
-            handle.close()
-            raise
-        assert handle.manifest is not None
+        context = SglangLoad(model_config, self.load_config, device_config)
+        loaded = self.backend.load_model(context, fingerprint=fingerprint, device=device, options=self.options)
         # SGLang adds this to a memory baseline sampled before load_model: only an entry that was resident then
         # counts; segments this call created were allocated after the sample and are already in its measure.
-        self.preloaded_weights_bytes = 0 if published_here else handle.manifest.total_bytes
-        self.handle, self.source = handle, "cache"
-        model.__dict__["weightcache_handle"] = handle  # the lease lives as long as the model
-        return model
-
-    def _attached(self, model_config: Any, handle: Handle, device: torch.device) -> nn.Module:
-        from sglang.srt.model_loader.loader import _initialize_model
-        from sglang.srt.weight_cache.ipc_loader import IpcModelLoader
-
-        from ..binding import bind
-
-        quant_config = self.backend.quant_config(model_config, self.load_config)
-        with _engine_dtype(model_config.dtype), torch.device("meta"):
-            model: nn.Module = _initialize_model(model_config, self.load_config, quant_config)
-        adopt_published_layout(model, handle)
-        bind(model, handle.tensors, device=device)
-        # Views some modules keep of their weights as plain attributes still point at meta storage; SGLang's own
-        # weight-cache loader knows which, and rebuilds them.
-        IpcModelLoader._rebuild_stale_views(model)
-        return model.eval()
+        self.preloaded_weights_bytes = loaded.preloaded_bytes
+        self.handle, self.source = loaded.handle, loaded.source
+        return loaded.model
 
 
 __all__ = [
     "PARALLEL_AXES",
     "SglangBackend",
+    "SglangLoad",
     "WeightCacheLoader",
     "model_identity",
     "parallel_layout",

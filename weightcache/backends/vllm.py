@@ -35,26 +35,16 @@ import os
 from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
 
+import attrs
 import torch
 from torch import nn
 
 from .._version import __version__
-from .base import (
-    Backend,
-    LoaderOptions,
-    QuantSpec,
-    adopt_published_layout,
-    entry_bytes,
-    fetch,
-    own_tensors,
-    plain_json,
-    publish,
-    quant_spec_from_config,
-)
+from .base import Backend, LoaderOptions, QuantSpec, own_tensors, plain_json, quant_spec_from_config
 
 if TYPE_CHECKING:
-    from ..cache import Handle
     from ..fingerprint import Fingerprint
+    from ..handle import Handle
 
 #: The load format the loader is registered under.
 LOAD_FORMAT = "weightcache"
@@ -145,6 +135,60 @@ class VllmBackend(Backend):
             model_config.model, None, model_config.revision, True, None
         )
         return str(folder)
+
+    # --- the hooks of the load (the sequence is Backend.load_model's) -------------------------------------
+
+    def build_model(self, context: VllmLoad) -> nn.Module:
+        """vLLM's model for this config, on the meta device (the template enters it)."""
+        from vllm.model_executor.model_loader.utils import initialize_model
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        with set_default_torch_dtype(context.model_config.dtype):
+            model: nn.Module = initialize_model(
+                vllm_config=context.vllm_config, model_config=context.model_config, prefix=context.prefix
+            )
+        return model
+
+    def load_from_disk(self, context: VllmLoad) -> nn.Module:
+        """vLLM's own disk load (load format auto): read, shard, quantize, post-process."""
+        from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
+
+        model: nn.Module = DefaultModelLoader(context.disk_load_config).load_model(
+            vllm_config=context.vllm_config, model_config=context.model_config, prefix=context.prefix
+        )
+        return model
+
+    def published_state(self, context: VllmLoad) -> dict[str, torch.Tensor]:
+        """vLLM's own disk load in a scratch model, whose post-processed tensors are published, except for the
+        layers vLLM re-processes on attach (:data:`RERUN_METHODS`), published as loaded."""
+        disk = _capturing_loader(context.disk_load_config)
+        with _scratch_registrations(context.vllm_config):
+            model = disk.load_model(
+                vllm_config=context.vllm_config, model_config=context.model_config, prefix=context.prefix
+            )
+            return shareable_state(model, disk.loaded)
+
+    def after_bind(self, model: nn.Module, handle: Handle, context: VllmLoad) -> None:
+        """vLLM's ``process_weights_after_loading`` under ``weights_already_processed()``: only Python-side
+        state is re-created (and :data:`RERUN_METHODS` layers re-packed from their loaded tensors)."""
+        from vllm.model_executor.model_loader.utils import process_weights_after_loading
+        from vllm.model_executor.utils import weights_already_processed
+        from vllm.utils.torch_utils import set_default_torch_dtype
+
+        with set_default_torch_dtype(context.model_config.dtype), weights_already_processed():
+            process_weights_after_loading(model, context.model_config, context.device)
+        model.eval()
+
+
+@attrs.frozen
+class VllmLoad:
+    """The context of one vLLM load, handed to every hook."""
+
+    vllm_config: Any
+    model_config: Any
+    prefix: str
+    device: torch.device
+    disk_load_config: Any
 
 
 _LOADER_CLASS: type | None = None
@@ -268,21 +312,23 @@ def _scratch_registrations(vllm_config: Any) -> Iterator[None]:
             compilation.static_all_moe_layers[:] = moe_layers
 
 
-def _build_loader_class(backend: VllmBackend) -> type:
-    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+def _capturing_loader(load_config: Any) -> Any:
+    """vLLM's own disk loader, keeping the re-processed layers' tensors as loaded (``.loaded``)."""
     from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
-    from vllm.model_executor.model_loader.utils import initialize_model, process_weights_after_loading
-    from vllm.model_executor.utils import weights_already_processed
-    from vllm.utils.torch_utils import set_default_torch_dtype
 
     class _CapturingLoader(DefaultModelLoader):  # type: ignore[misc]
-        """vLLM's own disk loader, keeping the re-processed layers' tensors as loaded."""
-
         loaded: dict[str, torch.Tensor]
 
         def load_weights(self, model: nn.Module, model_config: Any) -> None:
             super().load_weights(model, model_config)
             self.loaded = loaded_rerun_tensors(model)
+
+    return _CapturingLoader(load_config)
+
+
+def _build_loader_class(backend: VllmBackend) -> type:
+    from vllm.model_executor.model_loader.base_loader import BaseModelLoader
+    from vllm.model_executor.model_loader.default_loader import DefaultModelLoader
 
     class WeightCacheModelLoader(BaseModelLoader):  # type: ignore[misc]
         """vLLM model loader for ``--load-format weightcache`` (see :mod:`weightcache.backends.vllm`)."""
@@ -310,50 +356,15 @@ def _build_loader_class(backend: VllmBackend) -> type:
             without them, exactly as if the weights had been loaded into its own memory."""
             device = _target_device(vllm_config, self.load_config)
             fingerprint = backend.fingerprint(vllm_config, vllm_config.model_config, device)
-            return entry_bytes(fingerprint, self.options)
+            return backend.cached_bytes(fingerprint, self.options)
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
             device = _target_device(vllm_config, self.load_config)
             fingerprint = backend.fingerprint(vllm_config, model_config, device)  # quant refused here, first
-            handle = fetch(fingerprint, self.options)
-            if handle is None and self.options.mode == "client":
-                self.source = "disk"
-                model: nn.Module = DefaultModelLoader(self.disk_load_config).load_model(
-                    vllm_config=vllm_config, model_config=model_config, prefix=prefix
-                )
-                return model
-            if handle is None:  # mode daemon, a miss: vLLM loads and post-processes, then we publish
-                disk = _CapturingLoader(self.disk_load_config)
-                with _scratch_registrations(vllm_config):
-                    loaded_model = disk.load_model(vllm_config=vllm_config, model_config=model_config, prefix=prefix)
-                    state = shareable_state(loaded_model, disk.loaded)
-                    del loaded_model, disk
-                handle = publish(fingerprint, state, self.options)
-                del state
-            try:
-                model = self._attached(vllm_config, model_config, prefix, handle, device)
-            except BaseException:
-                handle.close()
-                raise
-            self.handle, self.source = handle, "cache"
-            model.__dict__["weightcache_handle"] = handle  # the lease lives as long as the model
-            return model
-
-        def _attached(
-            self, vllm_config: Any, model_config: Any, prefix: str, handle: Handle, device: torch.device
-        ) -> nn.Module:
-            from ..binding import bind
-
-            with set_default_torch_dtype(model_config.dtype):
-                with torch.device("meta"):
-                    model: nn.Module = initialize_model(
-                        vllm_config=vllm_config, model_config=model_config, prefix=prefix
-                    )
-                adopt_published_layout(model, handle)
-                bind(model, handle.tensors, device=device)
-                with weights_already_processed():
-                    process_weights_after_loading(model, model_config, device)
-            return model.eval()
+            context = VllmLoad(vllm_config, model_config, prefix, device, self.disk_load_config)
+            loaded = backend.load_model(context, fingerprint=fingerprint, device=device, options=self.options)
+            self.handle, self.source = loaded.handle, loaded.source
+            return loaded.model
 
     return WeightCacheModelLoader
 
@@ -412,6 +423,7 @@ __all__ = [
     "LOAD_FORMAT",
     "RERUN_METHODS",
     "VllmBackend",
+    "VllmLoad",
     "loaded_rerun_tensors",
     "model_identity",
     "parallel_layout",

@@ -38,6 +38,7 @@ class Segment(ABC):
         self.size = size
         self.placement = placement
         self._fd = -1
+        self._sealed = False
 
     @abstractmethod
     def write(self, offset: int, tensor: torch.Tensor) -> None:
@@ -46,6 +47,11 @@ class Segment(ABC):
     @abstractmethod
     def seal(self) -> None:
         """Finish writing. After this the contents never change and :attr:`fd` can be shared."""
+
+    @property
+    def sealed(self) -> bool:
+        """Whether :meth:`seal` has run: the contents are final."""
+        return self._sealed
 
     @property
     def fd(self) -> int:

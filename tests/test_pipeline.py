@@ -1,0 +1,242 @@
+"""The one mode engine (weightcache.pipeline) as every entry point meets it: attach, `weightcache load`
+(weightcache.preload), the backend template (the torch adapter and the custom-adapter example).
+
+The engine adapters' own runs of the same cases are in tests/backends/ (make test-engines).
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+import subprocess
+import sys
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from conftest import run_worker, start_keeper
+from models import INPUT_IDS, TinyLM, meta_model, model_kwargs, reference_output
+
+import weightcache as wc
+from weightcache import backends
+from weightcache.backends import LoaderOptions
+from weightcache.backends.torch import ModuleLoad
+from weightcache.pipeline import MODES
+from weightcache.publish import pack_state
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_attach_daemon_serves_the_loaded_weights_when_the_budget_refuses_them(
+    checkpoint: Path, socket_dir: Path
+) -> None:
+    keeper = start_keeper(socket_dir, "--max-bytes", "4K")
+    try:
+        model = meta_model(**model_kwargs(checkpoint))
+        with pytest.warns(wc.FallbackWarning, match=r"publishing the loaded weights failed \(BudgetExceeded"):
+            handle = wc.attach(model, checkpoint, mode="daemon", socket_dir=socket_dir)
+        assert handle.source == "disk" and handle.read_disk and "BudgetExceeded" in (handle.fallback_reason or "")
+        assert not handle.leased and handle.manifest is None
+        with torch.no_grad():
+            assert torch.equal(model(INPUT_IDS), reference_output(checkpoint))
+        assert wc.Cache(socket_dir).entries() == []
+        with pytest.raises(wc.BudgetExceeded):
+            wc.attach(
+                meta_model(**model_kwargs(checkpoint)), checkpoint, mode="daemon", socket_dir=socket_dir, strict=True
+            )
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_attach_daemon_serves_the_loaded_weights_when_segments_cannot_be_allocated(
+    checkpoint: Path, socket_dir: Path
+) -> None:
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir), "mode": "daemon", "fsize_limit": 4096}
+    result = run_worker("attach", spec)
+    assert result["source"] == "disk" and result["read_disk"]
+    assert len(result["warnings"]) == 1 and "SegmentError" in result["warnings"][0], result
+    assert result["output"] == run_worker("attach", {**spec, "mode": "off", "fsize_limit": 0})["output"]
+    assert wc.Cache(socket_dir).entries() == []  # the keeper was started (spawned while loading), holds nothing
+    strict = run_worker("attach", {**spec, "strict": True})
+    assert strict["error"] == "SegmentError"
+
+
+PARTIAL_PACK = """
+import resource, sys, torch
+from weightcache.fingerprint import Fingerprint
+from weightcache.pipeline import MODES
+from weightcache.publish import pack_state
+torch.manual_seed(0)
+state = {f"t{i}": torch.randn(n) for i, n in enumerate([1024, 1024, 1 << 16, 1024])}
+originals = {k: v.clone() for k, v in state.items()}
+fp = Fingerprint.create(sys.argv[1], device="cpu")
+# one tensor per segment; the third segment (256 KiB) cannot grow past RLIMIT_FSIZE, the first two can
+resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 16, resource.RLIM_INFINITY))
+try:
+    pack_state(fp, state, consume=True, max_segment_bytes=4096)
+except Exception as exc:
+    print(type(exc).__name__)
+print(sorted(state) == sorted(originals), all(torch.equal(state[k], originals[k]) for k in originals))
+"""
+
+
+def test_a_pack_that_fails_part_way_puts_the_moved_tensors_back(checkpoint: Path) -> None:
+    out = subprocess.run([sys.executable, "-c", PARTIAL_PACK, str(checkpoint)], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert out.stdout.split() == ["SegmentError", "True", "True"]
+
+
+def test_consume_releases_each_tensor_once_packed(checkpoint: Path) -> None:
+    state = {f"t{i}": torch.randn(256) for i in range(4)}
+    packed = pack_state(wc.Fingerprint.create(checkpoint, device="cpu"), state, consume=True, max_segment_bytes=1024)
+    try:
+        assert state == {} and len(packed.segments) == 4
+        assert all(d is not None for d in packed.manifest.digest)
+    finally:
+        packed.close()
+
+
+def test_the_custom_adapter_serves_the_loaded_weights_when_the_budget_refuses_them(
+    tmp_path: Path, socket_dir: Path
+) -> None:
+    example = ROOT / "examples" / "custom_adapter.py"
+    sys.path.insert(0, str(example.parent))
+    try:
+        import custom_adapter
+    finally:
+        sys.path.remove(str(example.parent))
+    checkpoint = tmp_path / "toy"
+    custom_adapter.make_checkpoint(checkpoint)
+    reference = custom_adapter.serve(str(checkpoint), "client", str(tmp_path / "no-keeper"))  # disk: no keeper
+    keeper = start_keeper(socket_dir, "--max-bytes", "4K")
+    try:
+        out = subprocess.run(
+            [sys.executable, str(example), "--serve", str(checkpoint), "daemon", str(socket_dir)],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stderr
+        result = json.loads(out.stdout)
+        assert result["source"] == "disk" and result["output"] == reference["output"]
+        assert "FallbackWarning" in out.stderr and "BudgetExceeded" in out.stderr
+        assert wc.Cache(socket_dir).entries() == []
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def entry_digests(handle: wc.Handle) -> list[tuple[str, str | None]]:
+    assert handle.manifest is not None
+    return list(zip(handle.manifest.names, handle.manifest.digest))
+
+
+def test_attach_load_and_an_adapter_publish_the_same_entry(checkpoint: Path, tmp_path: Path) -> None:
+    """The same weights published three ways: same entry digest, same per-tensor digests, same verify()."""
+    dirs = {name: tmp_path / name for name in ("attach", "load", "adapter")}
+    handles: dict[str, wc.Handle] = {}
+    try:
+        handles["attach"] = wc.attach(
+            meta_model(**model_kwargs(checkpoint)), checkpoint, mode="daemon", socket_dir=dirs["attach"]
+        )
+        out = subprocess.run(
+            [sys.executable, "-m", "weightcache", "load", str(checkpoint), "--socket-dir", str(dirs["load"])],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert out.returncode == 0 and out.stdout.startswith("published "), out.stdout + out.stderr
+        handles["load"] = wc.Cache(dirs["load"]).get(handles["attach"].fingerprint)  # type: ignore[assignment]
+        kw = model_kwargs(checkpoint)
+        loaded = backends.get("torch").load_model(
+            ModuleLoad(lambda: TinyLM(**kw), checkpoint),
+            fingerprint=wc.Fingerprint.create(checkpoint, device="cpu"),
+            device="cpu",
+            options=LoaderOptions(mode="daemon", socket_dir=str(dirs["adapter"])),
+        )
+        assert loaded.handle is not None
+        handles["adapter"] = loaded.handle
+        digests = {name: h.digest for name, h in handles.items()}
+        assert len(set(digests.values())) == 1, digests
+        # The adapter publishes every tensor of the model it loaded, computed buffers included; attach and load
+        # publish the checkpoint's. Every tensor they share has the same digest, and every digest is recorded.
+        by_name = {name: dict(entry_digests(h)) for name, h in handles.items()}
+        assert by_name["attach"] == by_name["load"]
+        assert all(d is not None for names in by_name.values() for d in names.values())
+        shared = set(by_name["attach"]) & set(by_name["adapter"])
+        assert len(shared) >= len(by_name["attach"]) - 1  # the tied head is published under one of its names
+        assert all(by_name["attach"][n] == by_name["adapter"][n] for n in shared)
+        for handle in handles.values():
+            handle.verify()
+            name = handle.manifest.names[0]  # type: ignore[union-attr]
+            with torch.no_grad():
+                handle.tensors[name].view(-1)[0] += 1  # this process's private page of the shared mapping
+            with pytest.raises(wc.WeightCacheError, match=f"1 tensors differ from what was published: {name}"):
+                handle.verify()
+    finally:
+        for handle in handles.values():
+            handle.close()
+        for directory in dirs.values():
+            if directory.exists():
+                with warnings.catch_warnings():
+                    warnings.simplefilter("ignore")
+                    try:
+                        wc.Cache(directory).stop(wait=10)
+                    except wc.WeightCacheError:
+                        pass
+
+
+def test_preload_is_mode_daemon_without_a_model(checkpoint: Path, socket_dir: Path) -> None:
+    first = wc.preload(checkpoint, socket_dir=socket_dir)
+    assert first.source == "cache" and first.read_disk
+    first.close()
+    again = wc.preload(checkpoint, socket_dir=socket_dir)  # already cached: nothing read
+    assert again.source == "cache" and not again.read_disk and again.digest == first.digest
+    again.close()
+    model = meta_model(**model_kwargs(checkpoint))
+    with wc.attach(model, checkpoint, mode="client", socket_dir=socket_dir, strict=True) as handle:
+        assert handle.digest == first.digest and not handle.read_disk
+        with torch.no_grad():
+            assert torch.equal(model(INPUT_IDS), reference_output(checkpoint))
+
+
+def test_each_start_logs_one_line(checkpoint: Path, socket_dir: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="weightcache")
+    wc.attach(meta_model(**model_kwargs(checkpoint)), checkpoint, mode="daemon", socket_dir=socket_dir).close()
+    wc.attach(meta_model(**model_kwargs(checkpoint)), checkpoint, mode="client", socket_dir=socket_dir).close()
+    lines = [r.getMessage() for r in caplog.records if r.name == "weightcache"]
+    assert len(lines) == 2, lines
+    assert lines[0].startswith("weightcache: miss, published (mode daemon)") and " MiB in " in lines[0]
+    assert lines[1].startswith("weightcache: hit (mode client)")
+
+
+def test_a_bad_mode_names_the_modes(checkpoint: Path) -> None:
+    with pytest.raises(ValueError, match="mode must be one of off, daemon, client; found 'deamon'"):
+        wc.attach(meta_model(**model_kwargs(checkpoint)), checkpoint, mode="deamon")  # type: ignore[arg-type]
+
+
+def test_no_module_but_the_pipeline_decides_modes_or_warns_of_fallbacks() -> None:
+    """Deciding a mode (comparing a mode with "off", "daemon" or "client") and warning of a fallback (a warning of
+    category FallbackWarning) happen in weightcache/pipeline.py alone; no example warns of a fallback either."""
+    offenders = []
+    for path in [*(ROOT / "weightcache").rglob("*.py"), *(ROOT / "examples").glob("*.py")]:
+        if path.name == "pipeline.py" and path.parent.name == "weightcache":
+            continue
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.Call) and getattr(node.func, "attr", getattr(node.func, "id", "")) == "warn":
+                arguments = [*node.args, *(k.value for k in node.keywords)]
+                if any(getattr(a, "id", getattr(a, "attr", None)) == "FallbackWarning" for a in arguments):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} warns of a fallback")
+            if isinstance(node, ast.Compare):
+                values = [node.left, *node.comparators]
+                names_a_mode = any("mode" in ast.unparse(v) for v in values if not isinstance(v, ast.Constant))
+                in_library = path.is_relative_to(ROOT / "weightcache")  # examples may pick a mode's options
+                if (
+                    in_library
+                    and names_a_mode
+                    and any(isinstance(v, ast.Constant) and v.value in MODES for v in values)
+                ):
+                    offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} decides a mode")
+    assert offenders == []

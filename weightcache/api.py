@@ -1,0 +1,179 @@
+"""``attach()``: give a ``torch.nn.Module`` its weights from the host cache, or from disk, by mode.
+
+The modes themselves (off, daemon, client, fallbacks, publishing) are :mod:`weightcache.pipeline`'s; this
+module only says what attaching to a plain module means: the weights are the checkpoint's tensors (converted,
+transformed), and serving them is binding them into the model.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Callable, Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .binding import bind
+from .fingerprint import Fingerprint, resolve_dtype
+from .handle import Handle
+from .loader import StoredTensor, checkpoint_layout, load_weights
+from .pipeline import Mode, Request, Steps, check_mode, run
+from .publish import stored_as_is
+
+Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
+
+
+def attach(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    *,
+    mode: Mode = "off",
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    quant: str = "none",
+    quant_config: Mapping[str, Any] | None = None,
+    parallel: Mapping[str, tuple[int, int]] | None = None,
+    transform: Transform | None = None,
+    strict: bool = False,
+    socket_dir: str | os.PathLike[str] | None = None,
+    progress: bool | None = None,
+) -> Handle:
+    """Bind the weights of ``checkpoint`` into ``model`` and return a :class:`Handle` (a context manager).
+
+    Args:
+        model: the model, typically built under ``torch.device("meta")``; its parameters and buffers are
+            replaced by the loaded or attached tensors.
+        checkpoint: a directory of ``.safetensors`` files (with or without an index), or one such file.
+        mode: ``"off"`` (load from disk), ``"daemon"`` (attach if cached, else load, publish and attach) or
+            ``"client"`` (attach; fall back to disk with a FallbackWarning); see :mod:`weightcache.pipeline`.
+        device: where the weights live (``"cpu"``; ``"cuda:N"`` with the CUDA transport). Default ``"cpu"``.
+        dtype: convert floating point weights to this dtype on load (part of the fingerprint).
+        quant: quantization method of the weights; refused methods raise UnsupportedQuantError in modes
+            daemon and client, before anything is loaded.
+        quant_config: the method's configuration (its hash is part of the fingerprint).
+        parallel: ``{"tp": (rank, size), ...}`` of these weights (part of the fingerprint).
+        transform: applied to the loaded state dict (on ``device``) before binding or publishing (sharding,
+            quantization, renaming);
+            its name and a hash of its code are part of the fingerprint (see
+            :func:`weightcache.fingerprint.transform_identity`; functions it calls are not covered).
+        strict: raise instead of falling back to disk: in mode client KeeperUnavailable, EntryNotFound or
+            FingerprintMismatch; in mode daemon the error that stopped publishing (BudgetExceeded, SegmentError,
+            KeeperUnavailable, ...), where without it the engine serves the weights it loaded, with a warning.
+        socket_dir: the keeper's socket directory (default: see :mod:`weightcache.rundir`).
+        progress: show a bar of the bytes read on stderr while loading from disk. None (default): only when
+            stderr is a terminal and the checkpoint is at least 1 GiB; True/False: always/never.
+
+    Returns:
+        A Handle with ``source`` ("cache" or "disk"), ``fingerprint``, ``tensors`` and ``read_disk``. Close it
+        (or leave the ``with`` block) to release the lease; the model keeps working either way.
+    """
+    check_mode(mode)
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    torch_dtype = resolve_dtype(dtype)
+    fingerprint = Fingerprint.create(
+        checkpoint,
+        dtype=torch_dtype,
+        quant=quant,
+        quant_config=quant_config,
+        parallel=parallel,
+        transform=transform,
+        device=dev,
+    )
+    steps = ModuleSteps(model, checkpoint, dev, torch_dtype, transform, progress)
+    return run(Request(fingerprint, mode, strict, socket_dir, progress, quant_config=quant_config), steps)
+
+
+def preload(
+    checkpoint: str | os.PathLike[str],
+    *,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    quant: str = "none",
+    quant_config: Mapping[str, Any] | None = None,
+    parallel: Mapping[str, tuple[int, int]] | None = None,
+    transform: Transform | None = None,
+    socket_dir: str | os.PathLike[str] | None = None,
+    progress: bool | None = None,
+    digests: bool = True,
+    max_segment_bytes: int | None = None,
+) -> Handle:
+    """Load ``checkpoint`` into the keeper (starting one if none runs) without a model: mode daemon's first
+    start, for ``weightcache load`` and deployment scripts. The arguments mean what they mean for
+    :func:`attach`, so the entry is the one ``attach`` with the same arguments finds.
+
+    Returns the attached Handle (``read_disk`` False when the keeper already held the entry); close it to
+    leave the entry unleased in the keeper. Publishing is strict: a refused budget or a failed allocation raises
+    (BudgetExceeded, SegmentError, ...), since there is no engine to serve the loaded weights to.
+
+    Args:
+        digests: record a SHA-256 per tensor (what :meth:`Handle.verify` checks); default True.
+        max_segment_bytes: largest segment (default: :func:`weightcache.publish.default_segment_bytes`).
+    """
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    torch_dtype = resolve_dtype(dtype)
+    fingerprint = Fingerprint.create(
+        checkpoint,
+        dtype=torch_dtype,
+        quant=quant,
+        quant_config=quant_config,
+        parallel=parallel,
+        transform=transform,
+        device=dev,
+    )
+    steps = CheckpointSteps(checkpoint, dev, torch_dtype, transform, progress)
+    request = Request(fingerprint, "daemon", True, socket_dir, progress, digests, max_segment_bytes, quant_config)
+    return run(request, steps)
+
+
+class CheckpointSteps(Steps[Handle]):
+    """The checkpoint's tensors (converted, transformed) are the weights; serving them is returning the Handle."""
+
+    def __init__(
+        self,
+        checkpoint: str | os.PathLike[str],
+        device: torch.device,
+        dtype: torch.dtype | None,
+        transform: Transform | None,
+        progress: bool | None,
+    ) -> None:
+        self.checkpoint = checkpoint
+        self.device = device
+        self.dtype = dtype
+        self.transform = transform
+        self.progress = progress
+
+    def load_state(self) -> MutableMapping[str, torch.Tensor]:
+        return load_weights(self.checkpoint, self.device, self.dtype, self.transform, self.progress)
+
+    def serve(self, handle: Handle) -> Handle:
+        return handle
+
+    def stream_layout(self) -> list[StoredTensor] | None:
+        if self.device.type != "cuda" or self.transform is not None:
+            return None
+        layout = checkpoint_layout(self.checkpoint)
+        return layout if stored_as_is(layout, self.dtype) else None
+
+
+class ModuleSteps(CheckpointSteps):
+    """:func:`attach`'s steps: serving the weights is binding them into the model."""
+
+    def __init__(
+        self,
+        model: nn.Module,
+        checkpoint: str | os.PathLike[str],
+        device: torch.device,
+        dtype: torch.dtype | None,
+        transform: Transform | None,
+        progress: bool | None,
+    ) -> None:
+        super().__init__(checkpoint, device, dtype, transform, progress)
+        self.model = model
+
+    def serve(self, handle: Handle) -> Handle:
+        bind(self.model, handle.tensors, device=self.device)
+        return handle
+
+
+__all__ = ["CheckpointSteps", "ModuleSteps", "attach", "preload"]

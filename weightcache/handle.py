@@ -1,0 +1,133 @@
+"""What a caller holds while it uses weights from weightcache: :class:`Handle`.
+
+A Handle of cached weights owns a :class:`~weightcache.lease.Lease` (the keeper connection and the entry's fds);
+closing the Handle releases the lease but never unmaps memory: each tensor keeps its segment mapped for as
+long as the tensor (or a view) lives.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import torch
+
+from . import republish
+from .digests import content_digest
+from .errors import WeightCacheError
+from .fingerprint import Fingerprint
+from .lease import Lease
+from .manifest import Manifest
+
+Source = Literal["cache", "disk"]
+
+
+class Handle:
+    """Attached (or disk-loaded) weights.
+
+    Attributes:
+        source: ``"cache"`` when the tensors map a keeper's segments, ``"disk"`` when this process holds them
+            privately (mode ``off``, a fallback, or a publish that failed after loading).
+        fingerprint: the :class:`Fingerprint` of these weights.
+        tensors: name -> tensor, in manifest (or checkpoint) order.
+        manifest: the published manifest (None for weights this process holds privately).
+        fallback_reason: why weightcache served weights from disk when the mode asked for the cache, else None.
+        read_disk: whether this start read the checkpoint (True for every disk source, and for mode daemon's
+            first start, which loads, publishes and then runs on the published copy).
+
+    While a cache handle is open it holds its entry's segment fds and a lease. If the keeper goes away, a
+    background thread re-publishes the entry (those fds, no disk read) to the next keeper that serves the same
+    socket directory, and takes the lease again (see :mod:`weightcache.republish`); the tensors are never
+    affected.
+    """
+
+    def __init__(
+        self,
+        *,
+        source: Source,
+        fingerprint: Fingerprint,
+        tensors: dict[str, torch.Tensor],
+        manifest: Manifest | None = None,
+        lease: Lease | None = None,
+        fallback_reason: str | None = None,
+        read_disk: bool | None = None,
+    ) -> None:
+        self.source: Source = source
+        self.fingerprint = fingerprint
+        self.tensors = tensors
+        self.manifest = manifest
+        self.fallback_reason = fallback_reason
+        self.read_disk = source == "disk" if read_disk is None else read_disk
+        self._lease = lease
+        if lease is not None:
+            republish.watch(lease)
+
+    @property
+    def digest(self) -> str:
+        return self.fingerprint.digest
+
+    @property
+    def leased(self) -> bool:
+        """Whether this handle holds a lease in the keeper (False from the moment its keeper is found gone until
+        the entry is re-published to a new one)."""
+        return self._lease is not None and self._lease.held
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the entry's segments (cache), or of the tensors (disk)."""
+        if self.manifest is not None:
+            return self.manifest.total_bytes
+        return sum(t.numel() * t.element_size() for t in self.tensors.values())
+
+    def verify(self) -> None:
+        """Recompute every tensor's content digest and compare with the manifest's; raise on any difference.
+
+        Every publisher records the same digest (SHA-256 of the bytes, see :mod:`weightcache.digests`), so this
+        checks the same thing whoever published the entry. Raises WeightCacheError for weights held privately
+        (nothing was published) and for an entry published without digests (``weightcache load --no-digests``).
+        """
+        if self.manifest is None:
+            raise WeightCacheError("this handle was loaded from disk; there are no published digests to verify")
+        if any(d is None for d in self.manifest.digest):
+            raise WeightCacheError(
+                f"entry {self.digest[:12]} was published without per-tensor digests (weightcache load --no-digests), "
+                "so there is nothing to verify against; publish it again without --no-digests"
+            )
+        bad = [
+            name
+            for name, expected in zip(self.manifest.names, self.manifest.digest)
+            if content_digest(self.tensors[name]) != expected
+        ]
+        if bad:
+            raise WeightCacheError(
+                f"{len(bad)} tensors differ from what was published: {', '.join(bad[:8])}. The shared memory "
+                "was changed; evict the entry (`weightcache evict`) and load again."
+            )
+
+    def close(self) -> None:
+        """Release the lease and this handle's fds. The tensors stay valid."""
+        lease = getattr(self, "_lease", None)
+        if lease is None:  # weights held privately, or __init__ did not finish
+            return
+        republish.forget(lease)
+        lease.close()
+
+    def __enter__(self) -> Handle:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        try:
+            self.close()
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        return (
+            f"<Handle source={self.source} tensors={len(self.tensors)} digest={self.digest[:12]} "
+            f"{'leased' if self.leased else 'unleased'}>"
+        )
+
+
+__all__ = ["Handle", "Source"]

@@ -1,0 +1,291 @@
+"""The one mode engine: modes off, daemon and client, for :func:`weightcache.attach`, every engine adapter and
+``weightcache load``.
+
+Nothing else in weightcache decides modes or warns of fallbacks. A caller describes what differs for it in a
+:class:`Steps` object (how to read and post-process the weights from disk, and how to serve a set of tensors:
+bind them into a module, build an engine's model around them, or just return the handle) and calls :func:`run`.
+
+- ``off``: the caller's own disk load; no keeper is involved.
+- ``client``: attach what the keeper holds. If no keeper runs, it holds no such entry, or its entry differs:
+  a :class:`FallbackWarning` that says why and the caller's own disk load (``strict``: the error instead).
+- ``daemon``: attach if cached. Else load from disk (a keeper is spawned meanwhile when none runs), pack the
+  loaded weights into segments one segment at a time while releasing the loaded copy (the peak is the weights
+  plus one segment), publish them, and serve the published copy. If publishing fails after the load (a budget,
+  out of memory, no keeper), the loaded weights are served anyway, with a FallbackWarning (``strict``: the
+  error instead). Reaching no keeper at all also falls back; only ``strict`` raises.
+
+Each start logs one line on the ``weightcache`` logger: hit or miss, bytes, milliseconds, and why on a miss.
+"""
+
+from __future__ import annotations
+
+import abc
+import gc
+import logging
+import os
+import time
+import warnings
+from collections.abc import Mapping, MutableMapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+
+import attrs
+import torch
+
+from . import quant as quant_registry
+from .cache import Cache
+from .client import ensure_keeper
+from .errors import (
+    BackendError,
+    BindError,
+    CheckpointError,
+    EntryNotFound,
+    FallbackWarning,
+    FingerprintMismatch,
+    KeeperUnavailable,
+    UnsupportedQuantError,
+    WeightCacheError,
+)
+from .fingerprint import Fingerprint, format_differences
+from .handle import Handle
+from .publish import Packed, pack_checkpoint, pack_state
+
+if TYPE_CHECKING:
+    from .loader import StoredTensor
+
+log = logging.getLogger("weightcache")
+
+Mode = Literal["off", "daemon", "client"]
+MODES: tuple[Mode, ...] = ("off", "daemon", "client")
+T = TypeVar("T")
+
+#: Errors of a publish after the weights were loaded: the loaded weights are served anyway (unless strict).
+#: (CheckpointError and a refused quantization are not among them: they are no fault of the cache.)
+PUBLISH_FAILURES: tuple[type[BaseException], ...] = (WeightCacheError, OSError, MemoryError, torch.OutOfMemoryError)
+
+
+@attrs.frozen
+class Request:
+    """What to serve and how: the fingerprint of the weights, the mode, strictness and the keeper's directory."""
+
+    fingerprint: Fingerprint
+    mode: Mode = "off"
+    strict: bool = False
+    socket_dir: str | os.PathLike[str] | None = None
+    #: A byte bar on stderr while a checkpoint streams into segments (see :mod:`weightcache.progress`).
+    progress: bool | None = False
+    #: Record a SHA-256 per tensor when publishing (what :meth:`Handle.verify` checks).
+    digests: bool = True
+    #: Largest segment when publishing a state dict (None: :func:`weightcache.publish.default_segment_bytes`).
+    max_segment_bytes: int | None = None
+    #: The quantization method's configuration, checked by its strategy (the fingerprint holds only its hash).
+    quant_config: Mapping[str, Any] | None = None
+
+
+class Steps(abc.ABC, Generic[T]):
+    """What differs between callers of :func:`run`; the sequence itself is never re-implemented."""
+
+    @abc.abstractmethod
+    def load_state(self) -> MutableMapping[str, torch.Tensor]:
+        """Read and post-process the weights from disk; return the tensors to publish. The caller drops every
+        other reference to them, so that publishing can release them as it goes."""
+
+    @abc.abstractmethod
+    def serve(self, handle: Handle) -> T:
+        """Put ``handle``'s tensors to use (bind them, build a model around them) and return the result."""
+
+    def serve_disk(self, reason: str | None) -> T:
+        """Serve the weights from disk without the cache (mode off, or a fallback saying ``reason``)."""
+        return self.serve(self.private(self.load_state(), reason))
+
+    def stream_layout(self) -> list[StoredTensor] | None:
+        """The checkpoint's layout when its files can be streamed as stored straight into GPU segments (no
+        conversion, no post-processing), else None (the default): then :meth:`load_state` runs."""
+        return None
+
+    #: The fingerprint of the weights, set by :func:`run` before any step runs.
+    fingerprint: Fingerprint
+
+    def private(self, tensors: MutableMapping[str, torch.Tensor], reason: str | None) -> Handle:
+        """A Handle of weights this process holds privately (source ``"disk"``)."""
+        return Handle(source="disk", fingerprint=self.fingerprint, tensors=dict(tensors), fallback_reason=reason)
+
+
+def check_mode(mode: object) -> Mode:
+    """``mode`` if it is one of :data:`MODES`; ValueError naming them otherwise."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be one of {', '.join(MODES)}; found {mode!r}")
+    return mode
+
+
+def run(request: Request, steps: Steps[T]) -> T:
+    """Serve the weights of ``request`` through ``steps`` in the request's mode (see the module docstring).
+
+    Raises UnsupportedQuantError for a refused quantization method in modes daemon and client, before
+    anything is read; with ``strict``, the error that would otherwise have been a fallback.
+    """
+    mode = check_mode(request.mode)
+    steps.fingerprint = request.fingerprint
+    start = time.perf_counter()
+    if mode == "off":
+        result = steps.serve_disk(None)
+        _report(request, "off", start)
+        return result
+    quant_registry.get(request.fingerprint.quant).check(request.quant_config)
+    if mode == "client":
+        return _client(request, steps, start)
+    return _daemon(request, steps, start)
+
+
+def _client(request: Request, steps: Steps[T], start: float) -> T:
+    fingerprint = request.fingerprint
+    diffs: list[tuple[str, object, object]] = []
+    try:
+        cache = Cache(request.socket_dir)
+        handle = cache.get(fingerprint)
+        if handle is not None:
+            return _serve(request, steps, handle, "hit", start)
+        reason, diffs = why_missing(cache, fingerprint)
+    except KeeperUnavailable as exc:
+        if request.strict:
+            raise
+        reason = f"no keeper is available ({exc})"
+    except (UnsupportedQuantError, BindError, BackendError):
+        raise  # not the cache's fault: loading from disk would not make these go away
+    except WeightCacheError as exc:  # a broken entry, an insecure socket dir, a keeper error...
+        if request.strict:
+            raise
+        reason = f"the cache could not serve this request ({type(exc).__name__}: {exc})"
+    if request.strict:
+        if diffs:
+            raise FingerprintMismatch(reason, tuple(diffs))
+        raise EntryNotFound(reason)
+    return _fallback(request, steps, reason, start)
+
+
+def _daemon(request: Request, steps: Steps[T], start: float) -> T:
+    cache = Cache(request.socket_dir)
+    cache.respawn = True  # mode daemon keeps a keeper running: also after a crash, to re-publish to
+    with ThreadPoolExecutor(max_workers=1) as pool:
+        spawning: Future[object] | None = None
+        try:
+            handle = cache.get(request.fingerprint)
+        except KeeperUnavailable:
+            # No keeper, so nothing is cached: start one while the weights load instead of before.
+            spawning = pool.submit(ensure_keeper, request.socket_dir)
+            handle = None
+        except (UnsupportedQuantError, BindError, BackendError):
+            raise
+        except WeightCacheError as exc:  # a socket directory we cannot use, a keeper that misbehaves...
+            if request.strict:
+                raise
+            return _fallback(request, steps, f"the keeper cannot be used ({type(exc).__name__}: {exc})", start)
+        if handle is not None:
+            return _serve(request, steps, handle, "hit", start)
+        return _load_and_publish(request, steps, cache, spawning, start)
+
+
+def _load_and_publish(
+    request: Request, steps: Steps[T], cache: Cache, spawning: Future[object] | None, start: float
+) -> T:
+    fingerprint = request.fingerprint
+    layout = steps.stream_layout()
+    state: MutableMapping[str, torch.Tensor] | None = None
+    packed: Packed | None = None
+    try:
+        try:
+            if layout is not None:
+                packed = pack_checkpoint(fingerprint, layout, digests=request.digests, progress=request.progress)
+            else:
+                state = steps.load_state()
+                gc.collect()  # whatever held the loaded tensors besides `state` (a dropped model's cycles) goes now
+                # consume: each tensor is released once copied into its sealed segment.
+                packed = pack_state(
+                    fingerprint,
+                    state,
+                    consume=True,
+                    digests=request.digests,
+                    max_segment_bytes=request.max_segment_bytes,
+                )
+            if spawning is not None:
+                spawning.result()  # the keeper started while the weights loaded
+            handle = cache.publish(packed)
+        except CheckpointError:
+            raise
+        except PUBLISH_FAILURES as exc:
+            if request.strict:
+                raise
+            reason = f"publishing the loaded weights failed ({type(exc).__name__}: {exc})"
+            if packed is not None:
+                state = {**(state or {}), **packed.local_tensors()}
+            if state is None:  # nothing loaded survived (streaming into segments failed): load privately
+                return _fallback(request, steps, reason, start)
+            _warn(f"weightcache: serving the weights loaded from disk without the cache: {reason}")
+            return _serve(request, steps, steps.private(state, reason), "miss, publish failed", start)
+    finally:
+        if packed is not None:
+            packed.close()
+    handle.read_disk = True
+    return _serve(request, steps, handle, "miss, published", start)
+
+
+def _serve(request: Request, steps: Steps[T], handle: Handle, outcome: str, start: float) -> T:
+    try:
+        result = steps.serve(handle)
+    except BaseException:
+        handle.close()
+        raise
+    _report(request, outcome, start, handle)
+    return result
+
+
+def _fallback(request: Request, steps: Steps[T], reason: str, start: float) -> T:
+    _warn(f"weightcache: loading from disk: {reason}")
+    result = steps.serve_disk(reason)
+    _report(request, "miss, loaded from disk", start, reason=reason)
+    return result
+
+
+def _warn(message: str) -> None:
+    # stacklevel: the user's call of attach() or of the engine's loader, past this module's frames
+    warnings.warn(message, FallbackWarning, stacklevel=6)
+
+
+def _report(request: Request, outcome: str, start: float, handle: Handle | None = None, reason: str = "") -> None:
+    fp = request.fingerprint
+    size = f", {handle.nbytes / 2**20:.1f} MiB" if handle is not None else ""
+    why = f": {reason}" if reason else ""
+    log.info(
+        "weightcache: %s (mode %s) %s on %s%s in %.1f ms%s",
+        outcome,
+        request.mode,
+        fp.digest[:12],
+        fp.placement,
+        size,
+        (time.perf_counter() - start) * 1e3,
+        why,
+    )
+
+
+def why_missing(cache: Cache, fingerprint: Fingerprint) -> tuple[str, list[tuple[str, object, object]]]:
+    """Explain a miss: the closest cached entry of the same checkpoint and placement, and how it differs."""
+    same_model = [
+        e
+        for e in cache.entries()
+        if e.fingerprint.model_path == fingerprint.model_path and e.placement == fingerprint.placement
+    ]
+    if not same_model:
+        return (
+            f"the keeper holds no entry for {fingerprint.model_path} on {fingerprint.placement} "
+            f"(digest {fingerprint.digest[:12]}); publish it first with mode='daemon' or `weightcache load`",
+            [],
+        )
+    best = min(same_model, key=lambda e: len(fingerprint.diff(e.fingerprint)))
+    diffs = fingerprint.diff(best.fingerprint)
+    return (
+        f"the cached entry {best.digest[:12]} for {fingerprint.model_path} does not match: {format_differences(diffs)}",
+        diffs,
+    )
+
+
+__all__ = ["MODES", "PUBLISH_FAILURES", "Mode", "Request", "Steps", "check_mode", "run", "why_missing"]
