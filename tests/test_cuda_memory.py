@@ -72,12 +72,17 @@ class DeviceMemoryWatch:
 
 @pytest.fixture(scope="module")
 def big_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
-    """A ToyEngine checkpoint of WEIGHTCACHE_PEAK_GIB GiB (4 float32 DIM x DIM matrices = 1 GiB per layer)."""
+    """A ToyEngine checkpoint of WEIGHTCACHE_PEAK_GIB GiB (4 float32 DIM x DIM matrices = 1 GiB per layer), made
+    in WEIGHTCACHE_PEAK_DIR if that is set (and reused from there when it exists), else in a temporary directory."""
     from safetensors.torch import save_file
 
     layers = int(os.environ.get("WEIGHTCACHE_PEAK_GIB", "16"))
-    path = tmp_path_factory.mktemp("big") / "checkpoint"
-    path.mkdir()
+    given = os.environ.get("WEIGHTCACHE_PEAK_DIR")
+    path = Path(given) if given else tmp_path_factory.mktemp("big") / "checkpoint"
+    if (path / "config.json").exists():
+        yield path
+        return
+    path.mkdir(parents=True, exist_ok=True)
     g = torch.Generator(device="cuda").manual_seed(0)
     state = {}
     for i in range(layers):
