@@ -100,6 +100,7 @@ class DefaultLoader:
                 state[f"{p}.o.weight"] = f.get_tensor(f"{p}.o_proj.weight").to(engine.device)
         model = engine.build()
         model.load_state_dict(state, assign=True)
+        state.clear()  # the model holds the weights now: post-processing replaces them layer by layer
         for module in model.modules():
             if isinstance(module, Linear):
                 module.process_weights_after_loading()
