@@ -10,10 +10,10 @@ import sys
 from pathlib import Path
 
 import torch
-from conftest import keeper_pid, start_keeper
+from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, start_keeper, wait_until
 
 import weightcache as wc
-from weightcache.client import ensure_keeper
+from weightcache.client import KeeperConnection, ensure_keeper
 
 
 def wc_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -142,3 +142,71 @@ def test_ls_shows_holders_and_budget(checkpoint: Path, socket_dir: Path) -> None
     finally:
         keeper.terminate()
         keeper.wait(10)
+
+
+#: A sitecustomize.py for processes that must run where torch is not installed: importing torch fails, and every
+#: attempt is noted in $WC_TORCH_LOG (with who asked), so that an ImportError caught somewhere cannot hide one.
+#: A keeper forked by `serve --detach` inherits the hook.
+NO_TORCH = """
+import os, sys, traceback
+
+
+class NoTorch:
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name.partition(".")[0] == "torch":
+            with open(os.environ["WC_TORCH_LOG"], "a") as log:
+                log.write(f"pid {os.getpid()} imported {name}: {sys.argv}\\n{''.join(traceback.format_stack())}\\n")
+            raise ModuleNotFoundError(f"No module named {name!r} (this test runs without torch)", name=name)
+        return None
+
+
+sys.meta_path.insert(0, NoTorch)
+"""
+
+
+def test_keeper_commands_work_without_torch(checkpoint: Path, socket_dir: Path, tmp_path: Path) -> None:
+    site = tmp_path / "no-torch"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_TORCH)
+    attempts = tmp_path / "torch-imports.log"
+    path = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "WC_TORCH_LOG": str(attempts)}
+
+    def run(*args: str) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60, env=env)
+        assert out.returncode == 0, f"{' '.join(args)} failed ({out.returncode}):\n{out.stdout}\n{out.stderr}"
+        return out
+
+    def cli(*args: str) -> str:
+        return run("-m", "weightcache", *args, "--socket-dir", str(socket_dir)).stdout
+
+    # the hook works: torch cannot be imported there, and the attempt is noted
+    blocked = subprocess.run([sys.executable, "-c", "import torch"], capture_output=True, text=True, env=env)
+    assert blocked.returncode != 0 and "runs without torch" in blocked.stderr and attempts.exists()
+    attempts.unlink()
+
+    cli("serve", "--detach")  # returns once the keeper has forked; it serves once its socket is in place
+    assert wait_until(lambda: (socket_dir / "keeper.sock").exists(), 30)
+    pid = keeper_pid(socket_dir)
+    assert pid is not None
+    fp = wc.Fingerprint.create(checkpoint)  # this process has torch: publish one entry for the others to see
+    fd = sealed_memfd(512)
+    try:
+        with KeeperConnection.connect(socket_dir) as conn:
+            assert conn.publish(one_tensor_manifest(fp.to_json()), [fd]).created
+    finally:
+        os.close(fd)
+
+    assert fp.digest[:12] in cli("ls")
+    [entry] = json.loads(cli("ls", "--json"))["entries"]
+    assert entry["digest"] == fp.digest and entry["leases"] == 0
+    shown = cli("inspect", fp.digest[:10], "--tensors")
+    assert "model.safetensors" in shown and "  w  float32[4]" in shown
+    assert json.loads(cli("inspect", fp.digest, "--json"))["entry"]["key"] == f"{fp.digest}@cpu"
+    assert f"evicted {fp.digest}@cpu" in cli("evict", fp.digest[:10])
+    assert "nothing to evict" in cli("evict", "--all")
+    maps = Path(f"/proc/{pid}/maps").read_text()
+    assert cli("stop", "--wait").splitlines()[-1] == f"keeper pid {pid} stopped"
+    assert "libtorch" not in maps
+    assert not attempts.exists(), f"a keeper command imported torch:\n{attempts.read_text()}"

@@ -87,9 +87,11 @@ def test_demo_shows_disk_and_attach_side_by_side(tmp: Path) -> None:
 
 
 def test_two_engines_share_one_copy(tmp: Path) -> None:
-    r = run_example("two_engines.py", tmp, "--size-mib", "32")
+    # 64 MiB: the example's one-copy check allows 10 % of the weights for everything else engine 2 allocates while
+    # attaching (~3.5 MiB here, mostly the modules attach imports, whatever the size), which 32 MiB left no room for.
+    r = run_example("two_engines.py", tmp, "--size-mib", "64")
     weights = r["weight_bytes"]
-    assert weights > 30 * 2**20
+    assert weights > 60 * 2**20
     assert r["sources"] == ["cache", "cache"]
     assert r["outputs_identical"] and len(r["outputs"]) == 4
     first, second = r["engines"]

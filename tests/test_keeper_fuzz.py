@@ -23,7 +23,7 @@ from weightcache.client import KeeperConnection
 from weightcache.errors import WeightCacheError
 from weightcache.fingerprint import Fingerprint
 
-OPS = ["hello", "publish", "get", "release", "list", "inspect", "evict", "explode", None, 7]
+OPS = ["hello", "publish", "get", "list", "inspect", "evict", "explode", None, 7]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),

@@ -265,9 +265,10 @@ def _report(args: Any, device: str, h2d: float | None, rows: list[dict[str, Any]
 
 def _evict_all(socket_dir: Path) -> None:
     from .client import KeeperConnection
+    from .messages import EVERY_ENTRY
 
     with KeeperConnection.connect(socket_dir) as conn:
-        conn.request({"op": "evict", "digest": "*", "all": True, "force": True})
+        conn.evict(EVERY_ENTRY, force=True, every=True)
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """Memory budgets of the keeper: how many bytes of segments it may hold per placement.
 
 Parsed from ``weightcache serve --max-bytes [PLACEMENT=]SIZE`` and ``--max-fraction F``; applied by the keeper
-when an entry is published (see :meth:`weightcache.keeper.Keeper._make_room`). Torch-free: the keeper uses it.
+when an entry is published (see :meth:`weightcache.keeper.store.Store.publish`). Torch-free: the keeper uses it.
 """
 
 from __future__ import annotations

@@ -11,12 +11,16 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import attrs
 
 from ._version import __version__
-from .errors import KeeperError, WeightCacheError
+from .errors import WeightCacheError
+from .messages import EVERY_ENTRY
+
+if TYPE_CHECKING:
+    from .client import KeeperConnection
 
 
 def _human_bytes(n: float) -> str:
@@ -37,8 +41,8 @@ def _human_age(seconds: float) -> str:
     return f"{seconds / 86400:.1f}d"
 
 
-def _connect(args: argparse.Namespace) -> Any:
-    from .client import KeeperConnection
+def _connect(args: argparse.Namespace) -> KeeperConnection:
+    from .client import KeeperConnection  # filelock, which it imports, costs `weightcache serve` ~60 ms
 
     return KeeperConnection.connect(args.socket_dir)
 
@@ -70,41 +74,39 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 def cmd_ls(args: argparse.Namespace) -> int:
     with _connect(args) as conn:
-        reply, _ = conn.request({"op": "list"})
+        reply = conn.list()
     if args.json:
-        print(json.dumps({"keeper": reply["keeper"], "entries": reply["entries"]}, indent=2))
+        print(json.dumps({"keeper": reply.keeper.to_json(), "entries": [e.to_json() for e in reply.entries]}, indent=2))
         return 0
-    k = reply["keeper"]
-    print(f"keeper pid {k['pid']}  weightcache {k['version']}  {k['socket_dir']}  up {_human_age(k['uptime_s'])}")
-    budget = k.get("budget") or {}
-    limits = dict(budget.get("per_placement") or {})
-    if budget.get("default") is not None:
-        limits["*"] = budget["default"]
+    k = reply.keeper
+    print(f"keeper pid {k.pid}  weightcache {k.version}  {k.socket_dir}  up {_human_age(k.uptime_s)}")
+    limits = dict(k.budget.per_placement)
+    if k.budget.default is not None:
+        limits["*"] = k.budget.default
     if limits:
-        used = k.get("bytes_by_placement") or {}
+        used = k.bytes_by_placement
         shown = (f"{p} {_human_bytes(used.get(p, 0))} of {_human_bytes(v)}" for p, v in limits.items())
         print("budget  " + ", ".join(shown))
-    entries = reply["entries"]
-    if not entries:
+    if not reply.entries:
         print("(no entries)")
         return 0
     now = time.time()
     rows = [("ENTRY", "MODEL", "DEVICE", "SIZE", "TENSORS", "LEASES", "AGE", "HELD BY (PID SINCE)")]
-    for e in entries:
-        fp = e["fingerprint"]
-        model = e["model"] + (f" [{fp['dtype']}]" if fp.get("dtype") else "")
-        if fp.get("quant") not in (None, "none"):
-            model += f" {fp['quant']}"
+    for e in reply.entries:
+        fp = e.fingerprint
+        model = e.model + (f" [{fp.dtype}]" if fp.dtype else "")
+        if fp.quant not in (None, "none"):
+            model += f" {fp.quant}"
         rows.append(
             (
-                e["digest"][:12],
+                e.digest[:12],
                 model,
-                e["device"],
-                _human_bytes(e["bytes"]),
-                str(e["tensors"]),
-                str(e["leases"]),
-                _human_age(e["age_s"]),
-                ", ".join(f"{h['pid']} {_human_age(now - h['since'])}" for h in e["holders"]) or "-",
+                e.device,
+                _human_bytes(e.bytes),
+                str(e.tensors),
+                str(e.leases),
+                _human_age(e.age_s),
+                ", ".join(f"{pid} {_human_age(now - since)}" for pid, since in e.holders) or "-",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -115,24 +117,24 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     with _connect(args) as conn:
-        reply, _ = conn.request({"op": "inspect", "digest": args.digest})
-    entry, manifest = reply["entry"], reply["manifest"]
+        reply = conn.inspect(args.digest)
+    entry, manifest = reply.entry, reply.manifest
     if args.json:
-        print(json.dumps({"entry": entry, "manifest": manifest}, indent=2))
+        print(json.dumps({"entry": entry.to_json(), "manifest": manifest}, indent=2))
         return 0
-    fp = entry["fingerprint"]
-    print(f"entry      {entry['digest']}")
-    print(f"model      {entry['model']}  ({fp['model_path']})")
-    print(f"placement  {entry['placement']}")
-    print(f"size       {_human_bytes(entry['bytes'])} in {entry['segments']} segments, {entry['tensors']} tensors")
+    fp = entry.fingerprint
+    print(f"entry      {entry.digest}")
+    print(f"model      {entry.model}  ({fp.model_path})")
+    print(f"placement  {entry.placement}")
+    print(f"size       {_human_bytes(entry.bytes)} in {entry.segments} segments, {entry.tensors} tensors")
     now = time.time()
-    holders = ", ".join(f"pid {h['pid']} since {_human_age(now - h['since'])}" for h in entry["holders"])
-    print(f"leases     {entry['leases']}  {holders}")
+    holders = ", ".join(f"pid {pid} since {_human_age(now - since)}" for pid, since in entry.holders)
+    print(f"leases     {entry.leases}  {holders}")
     for key in ("dtype", "quant", "quant_config_hash", "transform", "engine", "engine_version", "torch_version"):
-        print(f"{key:<10} {fp.get(key)}")
-    print("parallel   " + (", ".join(f"{a} {r}/{s}" for a, r, s in fp["parallel"]) or "-"))
-    for f in fp["checkpoint"]:
-        print(f"file       {f['name']}  {_human_bytes(f['size'])}  header {f['header_sha256'][:12]}")
+        print(f"{key:<10} {getattr(fp, key)}")
+    print("parallel   " + (", ".join(f"{a} {r}/{s}" for a, r, s in fp.parallel) or "-"))
+    for f in fp.checkpoint:
+        print(f"file       {f.name}  {_human_bytes(f.size)}  header {f.header_sha256[:12]}")
     if args.tensors:
         t = manifest["tensors"]
         for i, name in enumerate(t["name"]):
@@ -146,16 +148,11 @@ def cmd_evict(args: argparse.Namespace) -> int:
         print(f"weightcache evict: give a digest (prefix) or --all; found {found}", file=sys.stderr)
         return 2
     with _connect(args) as conn:
-        request = {"op": "evict", "digest": "*" if args.all else args.digest, "force": args.force, "all": args.all}
-        try:
-            reply, _ = conn.request(request)
-        except KeeperError as exc:
-            if exc.code == "not_found" and args.all:
-                print("nothing to evict")
-                return 0
-            raise
-    for key in reply["evicted"]:
+        reply = conn.evict(EVERY_ENTRY if args.all else args.digest, force=args.force, every=args.all)
+    for key in reply.evicted:
         print(f"evicted {key}")
+    if not reply.evicted:  # only --all evicts nothing without an error: every entry of none
+        print("nothing to evict")
     return 0
 
 

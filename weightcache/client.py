@@ -1,6 +1,8 @@
-"""Talking to the keeper: connecting (with credential and version checks) and spawning one on demand.
+"""Talking to the keeper: connecting (with credential and version checks), one typed method per op, and
+spawning a keeper on demand.
 
-Torch-free, so the CLI's ``ls``/``stop``/``evict`` start fast.
+Every failed reply becomes an exception through :func:`weightcache.errors.keeper_error`, the one table of
+error codes. Torch-free, so the CLI's ``ls``/``stop``/``evict`` start fast.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -22,14 +24,30 @@ from filelock import Timeout as LockTimeout
 from . import protocol
 from ._version import __version__
 from .errors import (
-    BudgetExceeded,
     KeeperError,
     KeeperUnavailable,
     PeerRejected,
     ProtocolError,
-    ProtocolVersionError,
     SocketDirError,
     WeightCacheError,
+    keeper_error,
+)
+from .messages import (
+    ErrorReply,
+    EvictReply,
+    EvictRequest,
+    GetReply,
+    GetRequest,
+    HelloReply,
+    HelloRequest,
+    InspectReply,
+    InspectRequest,
+    ListReply,
+    ListRequest,
+    PublishReply,
+    PublishRequest,
+    StopReply,
+    StopRequest,
 )
 from .rundir import (
     LOG_NAME,
@@ -106,18 +124,12 @@ class KeeperConnection:
                     f"the process serving {path} runs as uid {uid}, not as uid {keeper_uid} (this user, or the owner "
                     "of the shared socket directory); refusing to trust it"
                 )
-            protocol.send_frame(
-                sock,
-                {
-                    "op": "hello",
-                    "protocol": protocol_version,
-                    "min_protocol": min_protocol_version,
-                    "client_version": __version__,
-                    "pid": os.getpid(),
-                },
-            )
+            hello = HelloRequest(protocol_version, min_protocol_version, __version__, os.getpid())
+            protocol.send_frame(sock, hello.to_json())
             reply, fds = protocol.recv_frame(sock, idle_timeout=protocol.FRAME_TIMEOUT_S)
             protocol.close_fds(fds)
+            if reply.get("ok") is not False:
+                HelloReply.from_json(reply)  # check it
         except (ProtocolError, OSError) as exc:
             sock.close()
             if isinstance(exc, ProtocolError):
@@ -126,23 +138,20 @@ class KeeperConnection:
         except BaseException:
             sock.close()
             raise
-        if not reply.get("ok"):
+        if reply.get("ok") is False:
             sock.close()
-            if reply.get("error") == "version":
-                raise ProtocolVersionError(str(reply.get("message")))
-            if reply.get("error") == "forbidden":
-                raise PeerRejected(str(reply.get("message")))
-            raise KeeperError(str(reply.get("message")), str(reply.get("error")))
+            error = ErrorReply.from_json(reply)
+            raise keeper_error(error.error, error.message)
         return cls(sock, directory, reply, explicit)
 
     def request(
-        self, message: dict[str, Any], fds: list[int] | tuple[int, ...] = (), *, timeout: float | None = None
+        self, message: dict[str, Any], fds: Sequence[int] = (), *, timeout: float | None = None
     ) -> tuple[dict[str, Any], list[int]]:
         """Send one request and return ``(reply, fds)``; the caller owns the returned fds.
 
-        Raises KeeperError carrying the keeper's error code when the reply is not ok (BudgetExceeded for
-        ``over_budget``), and KeeperUnavailable when the connection breaks or no reply starts within
-        ``timeout`` seconds (None: wait as long as it takes).
+        Raises what :func:`~weightcache.errors.keeper_error` makes of a failed reply (KeeperError carrying the
+        keeper's error code, BudgetExceeded for ``over_budget``, ...), and KeeperUnavailable when the connection
+        breaks or no reply starts within ``timeout`` seconds (None: wait as long as it takes).
         """
         try:
             protocol.send_frame(self._sock, message, fds)
@@ -153,10 +162,57 @@ class KeeperConnection:
             raise KeeperUnavailable(f"lost the connection to the keeper: {exc}") from exc
         if not reply.get("ok"):
             protocol.close_fds(out)
-            code = str(reply.get("error"))
-            error = BudgetExceeded if code == "over_budget" else KeeperError
-            raise error(str(reply.get("message", "keeper refused the request")), code)
+            error = ErrorReply.from_json({**reply, "ok": False})
+            raise keeper_error(error.error, error.message)
         return reply, out
+
+    # --- one typed method per op (docs/protocol.md) --------------------------------------------------------------
+
+    def publish(
+        self, manifest_json: dict[str, Any], fds: Sequence[int], *, timeout: float | None = None
+    ) -> PublishReply:
+        """Hand an entry (its manifest, one fd per segment) to the keeper; this connection then leases it. The
+        fds stay open on this side."""
+        reply, out = self.request(PublishRequest(manifest_json).to_json(), fds, timeout=timeout)
+        protocol.close_fds(out)
+        return PublishReply.from_json(reply)
+
+    def get(self, digest: str, placement: str) -> tuple[GetReply, list[int]]:
+        """The entry ``digest@placement`` and its segments' fds (the caller's to close); this connection then
+        leases it. ``reply.found`` is False (and no fds come) when the keeper lacks it."""
+        reply, fds = self.request(GetRequest(digest, placement).to_json())
+        try:
+            return GetReply.from_json(reply), fds
+        except BaseException:
+            protocol.close_fds(fds)
+            raise
+
+    def inspect(self, prefix: str) -> InspectReply:
+        """One entry (by key, digest or unique prefix) with its manifest."""
+        return InspectReply.from_json(self._ask(InspectRequest(prefix).to_json()))
+
+    def evict(self, prefix: str, *, force: bool = False, every: bool = False) -> EvictReply:
+        """Drop one entry (key, digest or unique prefix), or with ``every`` all that ``prefix`` matches (``"*"``:
+        all); leased ones only with ``force``."""
+        return EvictReply.from_json(self._ask(EvictRequest(prefix, force=force, every=every).to_json()))
+
+    def stop(self) -> StopReply:
+        """Ask the keeper to exit; see :func:`stop_keeper` to also wait for it."""
+        return StopReply.from_json(self._ask(StopRequest().to_json()))
+
+    def list(self) -> ListReply:
+        """What the keeper holds: itself, its entries (with their holders), its connections."""
+        return ListReply.from_json(self._ask(ListRequest().to_json()))
+
+    def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
+        reply, fds = self.request(message)
+        protocol.close_fds(fds)  # none of these ops sends fds
+        return reply
+
+    @property
+    def greeting(self) -> HelloReply:
+        """:attr:`hello`, typed."""
+        return HelloReply.from_json(self.hello)
 
     @property
     def peer_pid(self) -> int:
@@ -210,14 +266,13 @@ def stop_keeper(
     try:
         # Opened while the keeper still serves this connection, so its pid cannot have been reused yet.
         keeper_exit = _ProcessExit(conn.peer_pid) if wait is not None else None
-        reply, _ = conn.request({"op": "stop"})
+        pid = conn.stop().pid
     except BaseException:
         if keeper_exit is not None:
             keeper_exit.close()
         raise
     finally:
         conn.close()
-    pid = int(reply["pid"])
     if stopping is not None:
         stopping(pid)
     if keeper_exit is None or wait is None:

@@ -246,15 +246,14 @@ def _keeper(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
         yield Check("keeper", "fail", f"{type(exc).__name__}: {exc}", "see docs/troubleshooting.md for this error")
         return
     with conn:
-        reply, _ = conn.request({"op": "list"})
-    k = reply["keeper"]
-    entries = reply["entries"]
-    held = sum(e["bytes"] for e in entries)
+        reply = conn.list()
+    k = reply.keeper
+    held = sum(e.bytes for e in reply.entries)
     detail = (
-        f"pid {k['pid']}, weightcache {k['version']}, protocol {k['protocol']}, up {k['uptime_s']:.0f} s, "
-        f"{len(entries)} entries ({held / 2**30:.2f} GiB), {k['connections'] - 1} other connections"
+        f"pid {k.pid}, weightcache {k.version}, protocol {k.protocol}, up {k.uptime_s:.0f} s, "
+        f"{len(reply.entries)} entries ({held / 2**30:.2f} GiB), {k.connections - 1} other connections"
     )
-    if k["version"] != __version__:
+    if k.version != __version__:
         yield Check(
             "keeper",
             "warn",

@@ -52,6 +52,26 @@ class PeerRejected(WeightCacheError):
     """The peer on the socket runs as a user that is not allowed (SO_PEERCRED check)."""
 
 
+class KeeperForbidden(PeerRejected, KeeperError):
+    """The keeper refused this peer (not its uid, not in its ``--allow-group``), or a member of its group asked
+    for what only its owner may do (code ``"forbidden"``): both a PeerRejected and a KeeperError."""
+
+
+#: What a keeper's error code means to a caller: the one table (see :func:`keeper_error`); codes not named here
+#: raise :class:`KeeperError` carrying the code. The codes are :mod:`weightcache.messages`'s constants.
+KEEPER_ERRORS: dict[str, type[WeightCacheError]] = {
+    "over_budget": BudgetExceeded,
+    "version": ProtocolVersionError,
+    "forbidden": KeeperForbidden,
+}
+
+
+def keeper_error(code: str, message: str) -> WeightCacheError:
+    """The exception for a keeper's error reply ``code`` with ``message``: the only place that reads codes."""
+    cls = KEEPER_ERRORS.get(code, KeeperError)
+    return cls(message, code) if issubclass(cls, KeeperError) else cls(message)
+
+
 # --- what is cached -----------------------------------------------------------------------------------------
 
 
@@ -124,8 +144,10 @@ __all__ = [
     "EntryNotFound",
     "FallbackWarning",
     "FingerprintMismatch",
+    "KEEPER_ERRORS",
     "KeeperAlreadyRunning",
     "KeeperError",
+    "KeeperForbidden",
     "KeeperUnavailable",
     "ManifestError",
     "PeerRejected",
@@ -135,4 +157,5 @@ __all__ = [
     "SocketDirError",
     "UnsupportedQuantError",
     "WeightCacheError",
+    "keeper_error",
 ]

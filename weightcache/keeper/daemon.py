@@ -1,0 +1,251 @@
+"""The keeper process: its instance lock, limits, socket file, signals, detaching and logging.
+
+Readiness is atomic: the keeper takes an exclusive lock for its lifetime (so a second keeper refuses to start,
+and a crashed one leaves no stale lock), binds its socket under a temporary name, and renames it into place
+only once it listens. A client that connects to ``keeper.sock`` therefore always reaches a serving keeper, and
+a socket file left by a dead keeper refuses connections and is replaced on the next start.
+
+What this module must never do: decide anything about entries or requests (that is the store's and the
+server's job); it wires a :class:`~weightcache.keeper.store.Store` and a
+:class:`~weightcache.keeper.server.Server` into a process.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import resource
+import signal
+import socket
+import sys
+from pathlib import Path
+
+from .._version import __version__
+from ..budget import Budget
+from ..errors import KeeperAlreadyRunning, SocketDirError
+from ..pidlock import close_lock_file, open_lock_file, write_pid
+from ..rundir import (
+    INSTANCE_LOCK_NAME,
+    LOG_NAME,
+    STOPPED_NAME,
+    ensure_private_dir,
+    ensure_shared_dir,
+    resolve_socket_dir,
+    socket_path,
+)
+from .server import MAX_CONNECTIONS, Server
+from .store import Store
+
+log = logging.getLogger("weightcache.keeper")
+
+
+def prepare_dir(directory: Path, allow_group: int | None) -> Path:
+    """The keeper's socket directory: private (0700), or shared with ``allow_group`` (2750)."""
+    return ensure_private_dir(directory) if allow_group is None else ensure_shared_dir(directory, allow_group)
+
+
+def connection_limit() -> int:
+    """Raise the open-file limit to its hard limit and return how many connections leave room for entries' fds.
+
+    Every segment of every entry is an open fd here: take all the fds the system allows us, and admit no more
+    connections than a quarter of them.
+    """
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY or hard > soft:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
+    soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
+    return max(16, min(MAX_CONNECTIONS, soft // 4))
+
+
+def take_instance_lock(directory: Path) -> int:
+    """Lock ``directory``'s instance lock for this process's lifetime and note our pid in it; returns its fd.
+
+    Raises KeeperAlreadyRunning if another keeper holds it.
+    """
+    fd = open_lock_file(directory / INSTANCE_LOCK_NAME)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        other = os.pread(fd, 64, 0).decode(errors="replace").strip() or "?"
+        os.close(fd)
+        raise KeeperAlreadyRunning(
+            f"a keeper (pid {other}) already serves {directory}; use it, or stop it first with "
+            f"`weightcache stop --socket-dir {directory}`"
+        ) from None
+    try:
+        write_pid(fd)
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(directory / STOPPED_NAME)
+    except OSError as exc:
+        close_lock_file(fd)
+        raise SocketDirError(
+            f"cannot write in the socket directory {directory}: {exc}. Free space there (or pick another "
+            "socket_dir / $WEIGHTCACHE_DIR) and start the keeper again."
+        ) from exc
+    return fd
+
+
+def bind_socket(directory: Path, allow_group: int | None) -> socket.socket:
+    """A listening socket at ``directory``'s socket path, put there atomically (bound under a temporary name,
+    then renamed). Call it holding the instance lock: whatever sits at the path is a dead keeper's socket."""
+    final = socket_path(directory)
+    # The temporary name is no longer than SOCKET_NAME, so every directory that passes ensure_private_dir's
+    # length check can hold it (at most 10 bytes: pid <= 2**22).
+    tmp = directory / f".k{os.getpid():x}.s"
+    with contextlib.suppress(FileNotFoundError):
+        os.unlink(tmp)
+    listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    old_umask = os.umask(0o177)
+    try:
+        listener.bind(str(tmp))
+        if allow_group is None:
+            os.chmod(tmp, 0o600)
+        else:  # the group connects; the directory (2750) keeps it from touching the socket file itself
+            os.chown(tmp, -1, allow_group)
+            os.chmod(tmp, 0o660)
+        listener.listen(128)
+        os.replace(tmp, final)
+    except OSError as exc:
+        listener.close()
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise SocketDirError(
+            f"cannot create the keeper's socket in {directory}: {exc}. Make room there (or pick another "
+            "socket_dir / $WEIGHTCACHE_DIR) and start the keeper again."
+        ) from exc
+    finally:
+        os.umask(old_umask)
+    return listener
+
+
+class Daemon:
+    """One keeper's process resources: the instance lock, the socket file, the store and the server."""
+
+    def __init__(self, socket_dir: Path, budget: Budget | None = None, allow_group: int | None = None) -> None:
+        self.socket_dir = socket_dir
+        self.budget = budget
+        self.allow_group = allow_group
+        self.store = Store(budget)
+        self.server: Server | None = None
+        self._lock_fd = -1
+        self._sock_ino: int | None = None
+
+    def start(self) -> Server:
+        """Take the instance lock, raise the fd limit, bind and listen, then publish the socket (rename)."""
+        prepare_dir(self.socket_dir, self.allow_group)
+        max_connections = connection_limit()
+        self._lock_fd = take_instance_lock(self.socket_dir)
+        try:
+            listener = bind_socket(self.socket_dir, self.allow_group)
+        except BaseException:
+            self._release_lock()
+            raise
+        self._sock_ino = os.stat(socket_path(self.socket_dir)).st_ino
+        self.server = Server(
+            self.store,
+            listener,
+            socket_dir=self.socket_dir,
+            allow_group=self.allow_group,
+            max_connections=max_connections,
+        )
+        log.info("keeper %d serving %s (weightcache %s)", os.getpid(), socket_path(self.socket_dir), __version__)
+        return self.server
+
+    def close(self) -> None:
+        """Remove our socket (only if it is still ours), drop all entries and release the instance lock.
+
+        Leaves a ``keeper.stopped`` marker: clients that lose their lease then know the keeper was stopped on
+        purpose (and do not spawn a new one), unlike after a crash.
+        """
+        final = socket_path(self.socket_dir)
+        with contextlib.suppress(OSError):
+            (self.socket_dir / STOPPED_NAME).write_text(f"{os.getpid()}\n")
+        try:
+            if self._sock_ino is not None and os.stat(final).st_ino == self._sock_ino:
+                os.unlink(final)
+        except FileNotFoundError:
+            pass
+        if self.server is not None:
+            self.server.close()
+        self.store.close()
+        self._release_lock()
+
+    def _release_lock(self) -> None:
+        if self._lock_fd >= 0:
+            close_lock_file(self._lock_fd)
+            self._lock_fd = -1
+
+
+def _report(ready_fd: int | None, status: str) -> None:
+    """Tell whoever started us (``--ready-fd``) that we serve (``ok``) or failed (``error: ...``)."""
+    if ready_fd is not None:
+        with contextlib.suppress(OSError):
+            os.write(ready_fd, f"{status}\n".encode())
+            os.close(ready_fd)
+
+
+def serve(
+    socket_dir: str | os.PathLike[str] | None = None,
+    *,
+    ready_fd: int | None = None,
+    budget: Budget | None = None,
+    allow_group: int | None = None,
+) -> None:
+    """Run a keeper in this process until it is stopped (``weightcache stop``, SIGTERM or SIGINT).
+
+    ``ready_fd``, when given, receives ``b"ok\\n"`` once the socket is live, or ``b"error: ...\\n"``.
+    ``budget`` limits the bytes held per placement (see :class:`Budget`); default unlimited. ``allow_group``
+    lets members of that gid connect too, through a shared socket directory (see :mod:`weightcache.rundir`).
+    """
+    daemon = Daemon(resolve_socket_dir(socket_dir), budget, allow_group)
+    try:
+        server = daemon.start()
+    except Exception as exc:
+        _report(ready_fd, f"error: {exc}")
+        raise
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: server.stop())
+    _report(ready_fd, "ok")
+    try:
+        server.serve_forever()
+    finally:
+        daemon.close()
+        log.info("keeper %d stopped", os.getpid())
+
+
+def detach_and_serve(
+    socket_dir: str | None, ready_fd: int | None, budget: Budget | None = None, allow_group: int | None = None
+) -> None:
+    """Fork into the background (new session, stdio to the log), then :func:`serve`. The caller returns."""
+    directory = prepare_dir(resolve_socket_dir(socket_dir), allow_group)
+    try:
+        log_fd = os.open(directory / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
+    except OSError as exc:
+        message = f"cannot open {directory / LOG_NAME}: {exc}; make room in or fix the socket directory"
+        if ready_fd is not None:
+            with contextlib.suppress(OSError):
+                os.write(ready_fd, f"error: {message}\n".encode())
+        raise SocketDirError(message) from exc
+    if os.fork() != 0:
+        os._exit(0)  # the spawner waits for this intermediate process only; the keeper is re-parented
+    os.setsid()
+    devnull = os.open(os.devnull, os.O_RDWR)
+    os.dup2(devnull, 0)
+    os.dup2(log_fd, 1)
+    os.dup2(log_fd, 2)
+    os.close(devnull)
+    os.close(log_fd)
+    signal.signal(signal.SIGHUP, signal.SIG_IGN)
+    logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
+    try:
+        serve(directory, ready_fd=ready_fd, budget=budget, allow_group=allow_group)
+    except KeeperAlreadyRunning as exc:
+        log.info("%s", exc)
+        os._exit(0)
+    except Exception:
+        log.exception("keeper failed")
+        os._exit(1)
+    os._exit(0)

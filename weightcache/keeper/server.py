@@ -1,0 +1,335 @@
+"""The keeper's server: who gets in, and what each request is answered with.
+
+An accept loop admits a connection after checking its peer's credentials (``SO_PEERCRED``: the keeper's own
+uid, or a member of ``--allow-group``) and the connection limit, then serves it on a thread of its own. Each
+frame read is one request; :data:`HANDLERS` maps its op to the method that answers it, using the entry
+:class:`~weightcache.keeper.store.Store` for everything about entries. An open connection is the client's
+lease on the entries it got or published; when it closes, the store releases them.
+
+Bad input never takes the keeper down: a malformed frame closes that one connection, an invalid request gets
+an error reply, a bug of ours costs one request (``internal``), and nothing received is unpickled or evaluated.
+What this module must never do: touch process state (signals, rlimits, the instance lock, the socket file):
+that is :mod:`weightcache.keeper.daemon`'s job.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import select
+import socket
+import threading
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .. import messages, protocol
+from .._version import __version__
+from ..errors import ManifestError, ProtocolError, SegmentError
+from ..messages import (
+    ClientInfo,
+    ErrorReply,
+    EvictReply,
+    EvictRequest,
+    GetReply,
+    GetRequest,
+    HelloReply,
+    HelloRequest,
+    InspectRequest,
+    KeeperInfo,
+    ListReply,
+    PublishRequest,
+    RequestError,
+    StopReply,
+)
+from ..protocol import close_fds, peer_credentials, recv_frame, send_frame
+from .store import Store
+
+log = logging.getLogger("weightcache.keeper")
+
+MAX_CONNECTIONS = 1024
+
+#: A reply: a JSON object, or a payload already encoded (a get's manifest is encoded once, at publish).
+Reply = dict[str, Any] | bytes
+
+
+@attrs.define
+class Peer:
+    """One admitted connection: its id (the store's lease holder), socket and peer credentials."""
+
+    id: int
+    sock: socket.socket
+    pid: int
+    #: Whether the peer runs as the keeper's own uid (else: a member of the allowed group).
+    owner: bool
+    since: float
+    greeted: bool = False
+
+
+class Server:
+    """Serves ``listener`` (bound and listening) until :meth:`stop`; entries live in ``store``."""
+
+    def __init__(
+        self,
+        store: Store,
+        listener: socket.socket,
+        *,
+        socket_dir: Path,
+        allow_group: int | None = None,
+        max_connections: int = MAX_CONNECTIONS,
+    ) -> None:
+        self.store = store
+        self.socket_dir = socket_dir
+        #: A gid whose members may connect besides our own uid (``--allow-group``); they may not evict or stop.
+        self.allow_group = allow_group
+        self.max_connections = max_connections
+        self.started = time.time()
+        self._listener = listener
+        self._lock = threading.Lock()
+        self._peers: dict[int, Peer] = {}
+        self._next_id = 0
+        self._stopping = threading.Event()
+        self._wake_r, self._wake_w = os.pipe()
+
+    # --- the accept loop ---------------------------------------------------------------------------------------
+
+    def serve_forever(self) -> None:
+        while not self._stopping.is_set():
+            waitables: list[Any] = [self._listener, self._wake_r]
+            ready, _, _ = select.select(waitables, [], [])
+            if self._stopping.is_set():
+                break
+            if self._listener not in ready:
+                continue
+            try:
+                sock, _ = self._listener.accept()
+            except OSError as exc:
+                log.warning("accept failed: %s", exc)
+                time.sleep(0.05)  # e.g. out of fds: let connections drain instead of spinning
+                continue
+            self._admit(sock)
+
+    def stop(self) -> None:
+        """Ask the accept loop to exit (thread- and signal-safe)."""
+        self._stopping.set()
+        with contextlib.suppress(OSError):
+            os.write(self._wake_w, b"x")
+
+    def close(self) -> None:
+        """Stop listening and shut every connection down (their threads then end and release their leases)."""
+        self._listener.close()
+        with self._lock:
+            for peer in self._peers.values():
+                with contextlib.suppress(OSError):
+                    peer.sock.shutdown(socket.SHUT_RDWR)
+        for fd in (self._wake_r, self._wake_w):
+            with contextlib.suppress(OSError):
+                os.close(fd)
+
+    def _admit(self, sock: socket.socket) -> None:
+        try:
+            pid, uid, gid = peer_credentials(sock)
+        except OSError:
+            sock.close()
+            return
+        owner = uid == os.getuid()
+        if not owner and (self.allow_group is None or self.allow_group not in peer_groups(pid, gid)):
+            log.warning("refused connection from pid %d uid %d gid %d", pid, uid, gid)
+            allowed = f"uid {os.getuid()}" + (f" and group {self.allow_group}" if self.allow_group is not None else "")
+            _refuse(sock, messages.FORBIDDEN, f"this keeper serves {allowed} only; you are uid {uid} (gid {gid})")
+            return
+        with self._lock:
+            if len(self._peers) >= self.max_connections:
+                peer = None
+            else:
+                self._next_id += 1
+                peer = self._peers[self._next_id] = Peer(self._next_id, sock, pid, owner, time.time())
+        if peer is None:
+            _refuse(sock, messages.BUSY, f"over {self.max_connections} connections")
+            return
+        try:
+            threading.Thread(target=self._serve, args=(peer,), daemon=True).start()
+        except RuntimeError as exc:  # thread or pid limit reached: refuse this one, keep serving
+            log.warning("cannot start a thread for pid %d: %s", pid, exc)
+            with self._lock:
+                self._peers.pop(peer.id, None)
+            _refuse(sock, messages.BUSY, f"keeper cannot start a thread: {exc}")
+
+    # --- one connection ----------------------------------------------------------------------------------------
+
+    def _serve(self, peer: Peer) -> None:
+        try:
+            while not self._stopping.is_set():
+                received = self._receive(peer)
+                if received is None:
+                    return
+                message, fds = received
+                reply, out, last = self._answer(peer, message, fds)
+                try:
+                    if isinstance(reply, bytes):
+                        protocol.send_payload(peer.sock, reply, out)
+                    else:
+                        send_frame(peer.sock, reply, out)
+                finally:
+                    close_fds(out)
+                if last:
+                    if message.get("op") == messages.STOP:
+                        self.stop()  # only now that the reply is out: the daemon then closes every connection
+                    return
+        except (OSError, ProtocolError) as exc:
+            log.info("connection %d (pid %d) failed: %s", peer.id, peer.pid, exc)
+        finally:
+            with self._lock:
+                self._peers.pop(peer.id, None)
+            self.store.release(peer.id)
+            peer.sock.close()
+
+    def _receive(self, peer: Peer) -> tuple[dict[str, Any], list[int]] | None:
+        """The next request, or None when the connection is over (closed, or a broken frame answered)."""
+        try:
+            # Until hello, a silent peer is dropped after the frame timeout; after it, an idle connection is a
+            # lease and may stay open for as long as its engine runs.
+            return recv_frame(
+                peer.sock,
+                idle_timeout=None if peer.greeted else protocol.FRAME_TIMEOUT_S,
+                max_payload=protocol.MAX_PAYLOAD_BYTES if peer.greeted else protocol.MAX_HELLO_BYTES,
+            )
+        except protocol.PeerClosed:
+            return None
+        except ProtocolError as exc:
+            log.info("connection %d (pid %d): %s", peer.id, peer.pid, exc)
+            with contextlib.suppress(OSError):
+                send_frame(peer.sock, ErrorReply(messages.BAD_FRAME, str(exc)).to_json())
+            return None
+
+    def _answer(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int], bool]:
+        """``(reply, fds to send, whether the connection ends after it: a version mismatch, or a stop)``.
+
+        Closes ``fds`` unless a handler took them."""
+        op = message.get("op")
+        try:
+            if not peer.greeted and op != messages.HELLO:
+                raise RequestError(messages.BAD_REQUEST, f"the first message must be 'hello'; got {op!r}")
+            if op in messages.OWNER_OPS and not peer.owner:
+                raise RequestError(
+                    messages.FORBIDDEN,
+                    f"{op!r} is for the keeper's owner (uid {os.getuid()}); members of the allowed group may "
+                    "publish, get, list and inspect. Ask the owner.",
+                )
+            if fds and op != messages.PUBLISH:
+                raise RequestError(messages.BAD_REQUEST, f"message {op!r} carries no fds; {len(fds)} arrived")
+            handler = HANDLERS.get(op) if isinstance(op, str) else None
+            if handler is None:
+                raise RequestError(messages.BAD_REQUEST, f"unknown op {op!r}; expected one of {sorted(messages.OPS)}")
+            taken, fds = fds, []
+            reply, out = handler(self, peer, message, taken)
+            peer.greeted = True
+            return reply, out, op == messages.STOP
+        except RequestError as exc:
+            # a version mismatch ends the connection: nothing else it could say would be understood
+            return exc.reply().to_json(), [], exc.code == messages.VERSION
+        except (ProtocolError, ManifestError, SegmentError) as exc:
+            return ErrorReply(messages.BAD_REQUEST, str(exc)).to_json(), [], False
+        except Exception as exc:  # a bug of ours must cost one request, never the keeper
+            log.exception("connection %d (pid %d): internal error in %r", peer.id, peer.pid, op)
+            return ErrorReply(messages.INTERNAL, f"keeper internal error: {exc!r}").to_json(), [], False
+        finally:
+            close_fds(fds)
+
+    # --- the ops (see HANDLERS) --------------------------------------------------------------------------------
+
+    def _hello(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
+        request = HelloRequest.from_json(message)
+        theirs = request.protocol
+        their_min = request.min_protocol or theirs
+        lo, hi = max(their_min, protocol.MIN_PROTOCOL_VERSION), min(theirs, protocol.PROTOCOL_VERSION)
+        if lo > hi:
+            raise RequestError(
+                messages.VERSION,
+                f"protocol mismatch: this keeper (weightcache {__version__}, pid {os.getpid()}) speaks "
+                f"protocol {protocol.MIN_PROTOCOL_VERSION}..{protocol.PROTOCOL_VERSION}, the client speaks "
+                f"{their_min}..{theirs}. Run the same weightcache version on both sides, or stop the keeper "
+                "(`weightcache stop`) so a matching one is started.",
+            )
+        return HelloReply(protocol=hi, keeper_version=__version__, pid=os.getpid(), uid=os.getuid()).to_json(), []
+
+    def _publish(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
+        try:
+            request = PublishRequest.from_json(message)
+        except BaseException:
+            close_fds(fds)
+            raise
+        return self.store.publish(peer.id, peer.pid, request.manifest, fds).to_json(), []  # the store owns fds
+
+    def _get(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
+        request = GetRequest.from_json(message)
+        found = self.store.get(peer.id, peer.pid, request.digest, request.placement)
+        if found is None:
+            return GetReply(found=False).to_json(), []
+        return GetReply.encode_found(found.key, found.manifest_text), found.fds
+
+    def _list(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
+        held = self.store.snapshot()
+        with self._lock:
+            peers = list(self._peers.values())
+        now = time.time()
+        keeper = KeeperInfo(
+            pid=os.getpid(),
+            version=__version__,
+            protocol=protocol.PROTOCOL_VERSION,
+            socket_dir=str(self.socket_dir),
+            started=self.started,
+            uptime_s=round(now - self.started, 3),
+            connections=len(peers),
+            budget=self.store.budget,
+            bytes_by_placement=held.bytes_by_placement,
+        )
+        clients = tuple(ClientInfo(p.pid, p.since, held.leases.get(p.id, ())) for p in peers)
+        return ListReply(keeper=keeper, entries=held.entries, clients=clients).to_json(), []
+
+    def _inspect(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
+        return self.store.inspect(InspectRequest.from_json(message).digest).to_json(), []
+
+    def _evict(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
+        request = EvictRequest.from_json(message)
+        evicted = self.store.evict(request.digest, force=request.force, every=request.every)
+        return EvictReply(evicted=tuple(evicted)).to_json(), []
+
+    def _stop(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
+        return StopReply(pid=os.getpid()).to_json(), []
+
+
+Handler = Callable[[Server, Peer, dict[str, Any], list[int]], tuple[Reply, list[int]]]
+
+#: op -> the method that answers it. Only ``publish`` receives fds; the others are refused if any arrive.
+HANDLERS: dict[str, Handler] = {
+    messages.HELLO: Server._hello,
+    messages.PUBLISH: Server._publish,
+    messages.GET: Server._get,
+    messages.LIST: Server._list,
+    messages.INSPECT: Server._inspect,
+    messages.EVICT: Server._evict,
+    messages.STOP: Server._stop,
+}
+
+
+def _refuse(sock: socket.socket, code: str, message: str) -> None:
+    """Answer a connection that is not admitted with one error reply, and close it."""
+    with contextlib.suppress(OSError):
+        send_frame(sock, ErrorReply(code, message).to_json())
+    sock.close()
+
+
+def peer_groups(pid: int, gid: int) -> set[int]:
+    """The peer's gid (SO_PEERCRED) and its supplementary groups (/proc/<pid>/status)."""
+    groups = {gid}
+    with contextlib.suppress(OSError, ValueError), open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith("Groups:"):
+                groups.update(int(g) for g in line.split()[1:])
+                break
+    return groups

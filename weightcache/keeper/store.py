@@ -1,0 +1,327 @@
+"""The keeper's entry store: what it holds, who leases what, and what a memory budget evicts.
+
+An entry is one published model on one placement, keyed ``<digest>@<placement>``: its checked manifest and the
+fds of its segments, which the store owns and closes when the entry goes. A lease is held per connection id
+(an opaque int the server picks); the server calls :meth:`Store.release` when that connection closes.
+
+Memory budgets are per placement: a publish that would exceed its placement's budget first evicts unleased
+entries there, least recently used first, and is refused (``over_budget``) if even that cannot make room.
+Evicting only closes the store's fds; memory that clients map stays valid until they let go.
+
+What this module must never do: open sockets, start threads, or touch process state (signals, files, the
+socket directory). It takes plain values, returns plain values or raises
+:class:`~weightcache.messages.RequestError` with a code, and is thread-safe through its own lock.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import logging
+import os
+import threading
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import attrs
+
+from .. import messages, segments
+from ..budget import Budget, format_bytes
+from ..manifest import Manifest
+from ..messages import EntryInfo, InspectReply, PublishReply, RequestError, entry_key
+from ..protocol import close_fds
+
+log = logging.getLogger("weightcache.keeper")
+
+
+@attrs.define
+class Lease:
+    pid: int
+    since: float
+
+
+@attrs.define
+class Entry:
+    """What the store holds for one (digest, placement)."""
+
+    digest: str
+    manifest: Manifest
+    manifest_json: dict[str, Any]
+    #: The manifest encoded once, at publish: every get sends these bytes instead of encoding it again.
+    manifest_text: str
+    fds: list[int]
+    created: float
+    last_used: float
+    #: connection id -> lease
+    leases: dict[int, Lease] = attrs.field(factory=dict)
+
+    @property
+    def key(self) -> str:
+        return entry_key(self.digest, self.placement)
+
+    @property
+    def placement(self) -> str:
+        return self.manifest.fingerprint.placement
+
+    @property
+    def size(self) -> int:
+        return self.manifest.total_bytes
+
+    def info(self, now: float) -> EntryInfo:
+        fp = self.manifest.fingerprint
+        return EntryInfo(
+            digest=self.digest,
+            placement=fp.placement,
+            device=fp.device_kind if fp.placement == "cpu" else f"{fp.device_kind}:{fp.placement}",
+            model=fp.architecture or Path(fp.model_path).name,
+            bytes=self.size,
+            tensors=len(self.manifest),
+            segments=len(self.manifest.segments),
+            leases=len(self.leases),
+            holders=tuple((lease.pid, lease.since) for lease in self.leases.values()),
+            created=self.created,
+            last_used=self.last_used,
+            age_s=round(now - self.created, 3),
+            fingerprint=fp,
+            tensor_bytes=self.manifest.tensor_bytes,
+        )
+
+    def close(self) -> None:
+        for fd in self.fds:
+            with contextlib.suppress(OSError):
+                os.close(fd)
+        self.fds = []
+
+
+@attrs.frozen
+class Checkout:
+    """A found entry for a ``get``: its key, its encoded manifest, and dups of its fds (the caller's to close)."""
+
+    key: str
+    manifest_text: str
+    fds: list[int]
+
+
+@attrs.frozen
+class Snapshot:
+    """Everything the store holds at one instant, for ``list``."""
+
+    entries: tuple[EntryInfo, ...]
+    #: connection id -> keys of the entries it leases
+    leases: dict[int, tuple[str, ...]]
+    bytes_by_placement: dict[str, int]
+
+
+class Store:
+    """Entries, leases and the budget. ``clock`` gives the time that LRU order and ages are measured in."""
+
+    def __init__(self, budget: Budget | None = None, *, clock: Callable[[], float] = time.time) -> None:
+        self.budget = budget or Budget()
+        self._clock = clock
+        self._entries: dict[str, Entry] = {}
+        self._lock = threading.Lock()
+
+    def __len__(self) -> int:
+        with self._lock:
+            return len(self._entries)
+
+    def keys(self) -> list[str]:
+        with self._lock:
+            return list(self._entries)
+
+    # --- publish and get ---------------------------------------------------------------------------------------
+
+    def publish(self, conn: int, pid: int, manifest_json: dict[str, Any], fds: Sequence[int]) -> PublishReply:
+        """Check ``manifest_json`` and ``fds`` (one per segment) and hold them as an entry leased by ``conn``.
+
+        The store owns ``fds`` from here on, whatever happens: it keeps them, or closes them when the entry
+        already exists (``conn`` then leases that one) or the publish is refused.
+        """
+        try:
+            manifest, text = _checked(manifest_json, fds)
+            return self._insert(conn, pid, manifest, manifest_json, text, fds)
+        except BaseException:
+            close_fds(fds)
+            raise
+
+    def _insert(
+        self, conn: int, pid: int, manifest: Manifest, manifest_json: dict[str, Any], text: str, fds: Sequence[int]
+    ) -> PublishReply:
+        digest, placement = manifest.fingerprint.digest, manifest.fingerprint.placement
+        key = entry_key(digest, placement)
+        now = self._clock()
+        evicted: list[Entry] = []
+        with self._lock:
+            existing = self._entries.get(key)
+            if existing is not None:
+                # Idempotent: the same weights published again (a race, or clients re-publishing after a keeper
+                # restart) make the publisher a lease holder of the entry that is already there.
+                existing.last_used = now
+                existing.leases.setdefault(conn, Lease(pid, now))
+            else:
+                evicted = self._make_room(key, placement, manifest.total_bytes)
+                lease = {conn: Lease(pid, now)}
+                self._entries[key] = Entry(digest, manifest, manifest_json, text, list(fds), now, now, lease)
+        if existing is not None:
+            close_fds(fds)
+            return PublishReply(digest=digest, key=key, created=False)
+        for entry in evicted:
+            log.info(
+                "evicted %s (%d bytes, unleased, least recently used) to make room for %s", entry.key, entry.size, key
+            )
+        log.info("published %s (%d bytes, %d tensors) from pid %d", key, manifest.total_bytes, len(manifest), pid)
+        return PublishReply(digest=digest, key=key, created=True, evicted=tuple(e.key for e in evicted))
+
+    def _make_room(self, key: str, placement: str, needed: int) -> list[Entry]:
+        """Evict unleased entries on ``placement``, least recently used first, until ``needed`` more bytes fit
+        its budget; return them (their fds closed). Evicts nothing and raises ``over_budget`` if even evicting
+        every unleased entry there would not be enough. Called with the lock held."""
+        limit = self.budget.limit(placement)
+        if limit is None:
+            return []
+        here = [e for e in self._entries.values() if e.placement == placement]
+        held = sum(e.size for e in here)
+        if held + needed <= limit:
+            return []
+        leased = sum(e.size for e in here if e.leases)
+        if leased + needed > limit:
+            need, have, pinned, spare = (format_bytes(n) for n in (needed, limit, leased, held - leased))
+            raise RequestError(
+                messages.OVER_BUDGET,
+                f"entry {key[:16]}... needs {need} on {placement}, but the keeper's budget there is {have} and leased "
+                f"entries hold {pinned} of it ({spare} more is unleased and could be evicted, which is not enough). "
+                "Release or evict entries (`weightcache ls`, `weightcache evict --force`), publish a smaller model, "
+                "or restart the keeper with a larger `weightcache serve --max-bytes`.",
+            )
+        out: list[Entry] = []
+        for e in sorted((e for e in here if not e.leases), key=lambda e: e.last_used):
+            if held + needed <= limit:
+                break
+            del self._entries[e.key]
+            e.close()
+            held -= e.size
+            out.append(e)
+        return out
+
+    def get(self, conn: int, pid: int, digest: str, placement: str) -> Checkout | None:
+        """The entry ``digest@placement`` leased by ``conn``, with dups of its fds; None if the store lacks it."""
+        key = entry_key(digest, placement)
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is None:
+                return None
+            now = self._clock()
+            entry.last_used = now
+            entry.leases.setdefault(conn, Lease(pid, now))
+            # dup under the lock: an evict racing with this get cannot close the fds we are about to hand out.
+            out: list[int] = []
+            try:
+                for fd in entry.fds:
+                    out.append(os.dup(fd))
+            except OSError as exc:
+                close_fds(out)
+                entry.leases.pop(conn, None)
+                raise RequestError(messages.BUSY, f"keeper is out of file descriptors ({exc}); retry later") from exc
+            return Checkout(key, entry.manifest_text, out)
+
+    def release(self, conn: int) -> None:
+        """Drop every lease ``conn`` holds (its connection closed)."""
+        with self._lock:
+            ended = self._clock()
+            for entry in self._entries.values():
+                if entry.leases.pop(conn, None) is not None:
+                    entry.last_used = ended  # held until now: recently used, for the LRU order
+
+    # --- list, inspect, evict ----------------------------------------------------------------------------------
+
+    def snapshot(self) -> Snapshot:
+        with self._lock:
+            now = self._clock()
+            held: dict[int, list[str]] = {}
+            used: dict[str, int] = {}
+            for e in self._entries.values():
+                for conn in e.leases:
+                    held.setdefault(conn, []).append(e.key)
+                used[e.placement] = used.get(e.placement, 0) + e.size
+            entries = tuple(e.info(now) for e in self._entries.values())
+        return Snapshot(entries, {conn: tuple(keys) for conn, keys in held.items()}, used)
+
+    def inspect(self, prefix: str) -> InspectReply:
+        """The one entry ``prefix`` names (a key, a digest, or a prefix of either), with its manifest."""
+        with self._lock:
+            found = self._match(prefix)
+            if len(found) != 1:
+                raise _unmatched(prefix, found)
+            entry = found[0]
+            return InspectReply(entry=entry.info(self._clock()), manifest=entry.manifest_json)
+
+    def evict(self, prefix: str, *, force: bool = False, every: bool = False) -> list[str]:
+        """Drop the entry ``prefix`` names, or with ``every`` all it matches (``"*"``: all, none included);
+        return their keys.
+
+        Refuses (``leased``) if any of them is leased, unless ``force``; then nothing is evicted.
+        """
+        with self._lock:
+            everything = every and prefix == messages.EVERY_ENTRY
+            found = list(self._entries.values()) if everything else self._match(prefix)
+            if (not found and not everything) or (len(found) > 1 and not every):
+                raise _unmatched(prefix, found)
+            leased = [e for e in found if e.leases]
+            if leased and not force:
+                pids = sorted({str(lease.pid) for e in leased for lease in e.leases.values()})
+                one = len(leased) == 1
+                raise RequestError(
+                    messages.LEASED,
+                    f"entr{'y' if one else 'ies'} {', '.join(e.key[:16] for e in leased)} {'is' if one else 'are'} "
+                    f"leased by pid {', '.join(pids)}; evict anyway with force (memory stays mapped in those "
+                    "processes until they exit)",
+                )
+            for e in found:
+                del self._entries[e.key]
+                e.close()
+        return [e.key for e in found]
+
+    def _match(self, prefix: str) -> list[Entry]:
+        if not prefix:
+            raise RequestError(messages.BAD_REQUEST, "empty digest")
+        if prefix in self._entries:  # a full key names exactly one entry
+            return [self._entries[prefix]]
+        return [e for k, e in self._entries.items() if k.startswith(prefix) or e.digest.startswith(prefix)]
+
+    def close(self) -> None:
+        """Drop every entry, closing its fds."""
+        with self._lock:
+            for entry in self._entries.values():
+                entry.close()
+            self._entries.clear()
+
+
+def _checked(manifest_json: dict[str, Any], fds: Sequence[int]) -> tuple[Manifest, str]:
+    """The parsed manifest and its encoding, once it and ``fds`` are what a publish must send."""
+    manifest = Manifest.from_json(manifest_json)
+    text = json.dumps(manifest_json, separators=(",", ":"), allow_nan=False)
+    if len(text) > messages.MAX_MANIFEST_BYTES:
+        raise RequestError(
+            messages.BAD_REQUEST,
+            f"manifest is {len(text)} bytes; at most {messages.MAX_MANIFEST_BYTES} fit in a reply (fewer tensors "
+            "per entry)",
+        )
+    if len(fds) != len(manifest.segments):
+        raise RequestError(
+            messages.BAD_REQUEST, f"manifest lists {len(manifest.segments)} segments but {len(fds)} fds arrived"
+        )
+    for fd, info in zip(fds, manifest.segments):
+        segments.verify_fd(fd, info)
+    return manifest, text
+
+
+def _unmatched(prefix: str, found: list[Entry]) -> RequestError:
+    if not found:
+        return RequestError(messages.NOT_FOUND, f"no entry matches {prefix!r}; `weightcache ls` lists the entries")
+    return RequestError(
+        messages.AMBIGUOUS,
+        f"{prefix!r} matches {len(found)} entries ({', '.join(e.key[:20] for e in found)}); give more of the "
+        "digest (or the full key digest@placement), or --all",
+    )

@@ -1,0 +1,522 @@
+"""Every message between clients and the keeper, in one place: the op names, one typed shape per op's request
+and reply, the error codes, and the key of an entry. Specified in docs/protocol.md.
+
+Each shape is an immutable typed value with ``to_json()`` (what goes on the wire) and ``from_json()`` (what came
+off it, checked field by field: a missing or mistyped field raises :class:`~weightcache.errors.ProtocolError`
+naming it). The shapes are NamedTuples, not attrs classes: every attach imports this module, and defining twenty
+attrs classes (which compile their methods) took ~6 ms more on a 2-core VM. :class:`EntryInfo` (public API) is
+attrs.
+
+Framing (bytes and fds) is :mod:`weightcache.protocol`'s job; what an error code means to a caller is the one
+table in :mod:`weightcache.errors`. This module must never import torch: the keeper and the CLI use it.
+"""
+
+from __future__ import annotations
+
+import json
+from typing import Any, NamedTuple
+
+import attrs
+
+from . import protocol
+from .budget import Budget
+from .errors import ProtocolError, WeightCacheError
+from .fingerprint import Fingerprint
+from .protocol import field
+
+# --- ops ------------------------------------------------------------------------------------------------------
+
+HELLO = "hello"
+PUBLISH = "publish"
+GET = "get"
+LIST = "list"
+INSPECT = "inspect"
+EVICT = "evict"
+STOP = "stop"
+#: Every op a keeper serves, in the order docs/protocol.md lists them.
+OPS: tuple[str, ...] = (HELLO, PUBLISH, GET, LIST, INSPECT, EVICT, STOP)
+#: What only the keeper's own uid may do (not members of an allowed group).
+OWNER_OPS: frozenset[str] = frozenset({EVICT, STOP})
+
+# --- error codes (the "error" field of a failed reply) -----------------------------------------------------------
+
+VERSION = "version"
+BAD_FRAME = "bad_frame"
+BAD_REQUEST = "bad_request"
+FORBIDDEN = "forbidden"
+BUSY = "busy"
+NOT_FOUND = "not_found"
+AMBIGUOUS = "ambiguous"
+LEASED = "leased"
+OVER_BUDGET = "over_budget"
+INTERNAL = "internal"
+#: Every code a keeper can answer with, in the order docs/protocol.md lists them.
+ERROR_CODES: tuple[str, ...] = (
+    VERSION,
+    BAD_FRAME,
+    BAD_REQUEST,
+    FORBIDDEN,
+    BUSY,
+    NOT_FOUND,
+    AMBIGUOUS,
+    LEASED,
+    OVER_BUDGET,
+    INTERNAL,
+)
+
+#: Largest manifest accepted: its get reply (manifest plus a few fields) must still fit in one frame.
+MAX_MANIFEST_BYTES = protocol.MAX_PAYLOAD_BYTES - 64 * 1024
+
+
+def entry_key(digest: str, placement: str) -> str:
+    """The key of an entry: ``<digest>@<placement>``."""
+    return f"{digest}@{placement}"
+
+
+class RequestError(WeightCacheError):
+    """A request the keeper refuses: answered with an error reply carrying ``code``; the connection stays open."""
+
+    def __init__(self, code: str, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+    def reply(self) -> ErrorReply:
+        return ErrorReply(self.code, str(self))
+
+
+def _float(data: dict[str, Any], key: str) -> float:
+    return float(field(data, key, (int, float)))
+
+
+def _strings(data: dict[str, Any], key: str) -> tuple[str, ...]:
+    values = field(data, key, list)
+    if not all(isinstance(v, str) for v in values):
+        raise ProtocolError(f"field {key!r} must be a list of strings; found {values!r:.200}")
+    return tuple(values)
+
+
+def _ok(data: dict[str, Any]) -> None:
+    if data.get("ok") is not True:
+        raise ProtocolError(f'expected a successful reply ("ok": true); found {data!r:.200}')
+
+
+# --- hello -----------------------------------------------------------------------------------------------------
+
+
+class HelloRequest(NamedTuple):
+    """The first message on every connection: the protocol versions the client speaks."""
+
+    protocol: int
+    min_protocol: int | None = None
+    client_version: str | None = None
+    pid: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": HELLO, "protocol": self.protocol}
+        for key in ("min_protocol", "client_version", "pid"):
+            if getattr(self, key) is not None:
+                out[key] = getattr(self, key)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> HelloRequest:
+        return cls(
+            protocol=field(data, "protocol", int),
+            min_protocol=field(data, "min_protocol", int, optional=True),
+            client_version=field(data, "client_version", str, optional=True),
+            pid=field(data, "pid", int, optional=True),
+        )
+
+
+class HelloReply(NamedTuple):
+    protocol: int
+    keeper_version: str
+    pid: int
+    uid: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": True, **self._asdict()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> HelloReply:
+        _ok(data)
+        return cls(
+            protocol=field(data, "protocol", int),
+            keeper_version=field(data, "keeper_version", str),
+            pid=field(data, "pid", int),
+            uid=field(data, "uid", int),
+        )
+
+
+# --- publish and get ---------------------------------------------------------------------------------------------
+
+
+class PublishRequest(NamedTuple):
+    """Hand an entry to the keeper: its manifest, with one fd per segment (in manifest order) on the frame."""
+
+    manifest: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": PUBLISH, "manifest": self.manifest}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PublishRequest:
+        return cls(manifest=field(data, "manifest", dict))
+
+
+class PublishReply(NamedTuple):
+    """``created`` is False when the keeper already held the entry: the publisher then leases that one."""
+
+    digest: str
+    key: str
+    created: bool
+    #: Keys evicted (unleased, least recently used) to make room; only when created.
+    evicted: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ok": True, "digest": self.digest, "key": self.key, "created": self.created}
+        if self.created:
+            out["evicted"] = list(self.evicted)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PublishReply:
+        _ok(data)
+        created = field(data, "created", bool)
+        return cls(
+            digest=field(data, "digest", str),
+            key=field(data, "key", str),
+            created=created,
+            evicted=_strings(data, "evicted") if created else (),
+        )
+
+
+class GetRequest(NamedTuple):
+    """Ask for an entry by digest and placement; when found, its fds (one per segment) ride on the reply."""
+
+    digest: str
+    placement: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": GET, "digest": self.digest, "placement": self.placement}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GetRequest:
+        return cls(digest=field(data, "digest", str), placement=field(data, "placement", str))
+
+
+class GetReply(NamedTuple):
+    found: bool
+    key: str | None = None
+    manifest: dict[str, Any] | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.found:
+            return {"ok": True, "found": False}
+        return {"ok": True, "found": True, "key": self.key, "manifest": self.manifest}
+
+    @staticmethod
+    def encode_found(key: str, manifest_text: str) -> bytes:
+        """The found reply's payload around a manifest encoded once at publish: what every get sends."""
+        return f'{{"ok":true,"found":true,"key":{json.dumps(key)},"manifest":{manifest_text}}}'.encode()
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GetReply:
+        _ok(data)
+        if not field(data, "found", bool):
+            return cls(found=False)
+        return cls(found=True, key=field(data, "key", str), manifest=field(data, "manifest", dict))
+
+
+# --- list --------------------------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class EntryInfo:
+    """One entry the keeper holds, as ``list`` and ``inspect`` report it (and :meth:`Cache.entries`)."""
+
+    digest: str
+    placement: str
+    device: str
+    model: str
+    bytes: int
+    tensors: int
+    segments: int
+    leases: int
+    #: ``(pid, since)`` of each lease holder.
+    holders: tuple[tuple[int, float], ...]
+    created: float
+    last_used: float
+    age_s: float
+    fingerprint: Fingerprint
+    tensor_bytes: int
+
+    @property
+    def key(self) -> str:
+        return entry_key(self.digest, self.placement)
+
+    @property
+    def model_path(self) -> str:
+        return self.fingerprint.model_path
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "digest": self.digest,
+            "placement": self.placement,
+            "device": self.device,
+            "model": self.model,
+            "model_path": self.model_path,
+            "bytes": self.bytes,
+            "tensor_bytes": self.tensor_bytes,
+            "tensors": self.tensors,
+            "segments": self.segments,
+            "leases": self.leases,
+            "holders": [{"pid": pid, "since": since} for pid, since in self.holders],
+            "created": self.created,
+            "last_used": self.last_used,
+            "age_s": self.age_s,
+            "fingerprint": self.fingerprint.to_json(),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EntryInfo:
+        holders = []
+        for h in field(data, "holders", list):
+            if not isinstance(h, dict):
+                raise ProtocolError(f"field 'holders' must hold objects; found {h!r:.100}")
+            holders.append((field(h, "pid", int), _float(h, "since")))
+        return cls(
+            digest=field(data, "digest", str),
+            placement=field(data, "placement", str),
+            device=field(data, "device", str),
+            model=field(data, "model", str),
+            bytes=field(data, "bytes", int),
+            tensors=field(data, "tensors", int),
+            segments=field(data, "segments", int),
+            leases=field(data, "leases", int),
+            holders=tuple(holders),
+            created=_float(data, "created"),
+            last_used=_float(data, "last_used"),
+            age_s=_float(data, "age_s"),
+            fingerprint=Fingerprint.from_json(field(data, "fingerprint", dict)),
+            tensor_bytes=field(data, "tensor_bytes", int),
+        )
+
+
+class ClientInfo(NamedTuple):
+    """One open connection: the client's pid (SO_PEERCRED), when it connected, the entry keys it leases."""
+
+    pid: int
+    since: float
+    entries: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"pid": self.pid, "since": self.since, "entries": list(self.entries)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ClientInfo:
+        return cls(pid=field(data, "pid", int), since=_float(data, "since"), entries=_strings(data, "entries"))
+
+
+class KeeperInfo(NamedTuple):
+    """The keeper itself, as ``list`` reports it."""
+
+    pid: int
+    version: str
+    protocol: int
+    socket_dir: str
+    started: float
+    uptime_s: float
+    connections: int
+    budget: Budget
+    bytes_by_placement: dict[str, int]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "pid": self.pid,
+            "version": self.version,
+            "protocol": self.protocol,
+            "socket_dir": self.socket_dir,
+            "started": self.started,
+            "uptime_s": self.uptime_s,
+            "connections": self.connections,
+            "budget": self.budget.to_json(),
+            "bytes_by_placement": dict(self.bytes_by_placement),
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> KeeperInfo:
+        budget = field(data, "budget", dict)
+        per = field(budget, "per_placement", dict)
+        used = field(data, "bytes_by_placement", dict)
+        if not all(isinstance(v, int) for v in (*per.values(), *used.values())):
+            raise ProtocolError("fields 'per_placement' and 'bytes_by_placement' must map placements to byte counts")
+        return cls(
+            pid=field(data, "pid", int),
+            version=field(data, "version", str),
+            protocol=field(data, "protocol", int),
+            socket_dir=field(data, "socket_dir", str),
+            started=_float(data, "started"),
+            uptime_s=_float(data, "uptime_s"),
+            connections=field(data, "connections", int),
+            budget=Budget(field(budget, "default", int, optional=True), dict(per)),
+            bytes_by_placement=dict(used),
+        )
+
+
+class ListRequest(NamedTuple):
+    def to_json(self) -> dict[str, Any]:
+        return {"op": LIST}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ListRequest:
+        return cls()
+
+
+class ListReply(NamedTuple):
+    keeper: KeeperInfo
+    entries: tuple[EntryInfo, ...]
+    clients: tuple[ClientInfo, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "ok": True,
+            "keeper": self.keeper.to_json(),
+            "entries": [e.to_json() for e in self.entries],
+            "clients": [c.to_json() for c in self.clients],
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ListReply:
+        _ok(data)
+        return cls(
+            keeper=KeeperInfo.from_json(field(data, "keeper", dict)),
+            entries=tuple(EntryInfo.from_json(_object(e, "entries")) for e in field(data, "entries", list)),
+            clients=tuple(ClientInfo.from_json(_object(c, "clients")) for c in field(data, "clients", list)),
+        )
+
+
+def _object(value: object, key: str) -> dict[str, Any]:
+    if not isinstance(value, dict):
+        raise ProtocolError(f"field {key!r} must hold objects; found {type(value).__name__}")
+    return value
+
+
+# --- inspect, evict, stop ----------------------------------------------------------------------------------------
+
+
+class InspectRequest(NamedTuple):
+    """One entry by key, digest, or a prefix of either that matches exactly one entry."""
+
+    digest: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": INSPECT, "digest": self.digest}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> InspectRequest:
+        return cls(digest=field(data, "digest", str))
+
+
+class InspectReply(NamedTuple):
+    entry: EntryInfo
+    manifest: dict[str, Any]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": True, "entry": self.entry.to_json(), "manifest": self.manifest}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> InspectReply:
+        _ok(data)
+        return cls(entry=EntryInfo.from_json(field(data, "entry", dict)), manifest=field(data, "manifest", dict))
+
+
+#: The digest that, with ``every``, names every entry.
+EVERY_ENTRY = "*"
+
+
+class EvictRequest(NamedTuple):
+    """Drop entries: one (by key, digest or unique prefix), or with ``every`` all the prefix matches (``"*"``:
+    all). Leased entries only with ``force``."""
+
+    digest: str
+    force: bool = False
+    every: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"op": EVICT, "digest": self.digest, "force": self.force, "all": self.every}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EvictRequest:
+        return cls(
+            digest=field(data, "digest", str),
+            force=bool(field(data, "force", bool, optional=True)),
+            every=bool(field(data, "all", bool, optional=True)),
+        )
+
+
+class EvictReply(NamedTuple):
+    evicted: tuple[str, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": True, "evicted": list(self.evicted)}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> EvictReply:
+        _ok(data)
+        return cls(evicted=_strings(data, "evicted"))
+
+
+class StopRequest(NamedTuple):
+    def to_json(self) -> dict[str, Any]:
+        return {"op": STOP}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StopRequest:
+        return cls()
+
+
+class StopReply(NamedTuple):
+    """The keeper's pid; it exits after sending this."""
+
+    pid: int
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": True, "pid": self.pid}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> StopReply:
+        _ok(data)
+        return cls(pid=field(data, "pid", int))
+
+
+# --- errors ------------------------------------------------------------------------------------------------------
+
+
+class ErrorReply(NamedTuple):
+    """A failed request: ``error`` is one of :data:`ERROR_CODES`; ``message`` says what to do."""
+
+    error: str
+    message: str
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": False, "error": self.error, "message": self.message}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ErrorReply:
+        if data.get("ok") is not False:
+            raise ProtocolError(f'expected a failed reply ("ok": false); found {data!r:.200}')
+        return cls(error=str(data.get("error")), message=str(data.get("message", "keeper refused the request")))
+
+
+#: op -> (request shape, reply shape).
+SHAPES: dict[str, tuple[type[Any], type[Any]]] = {
+    HELLO: (HelloRequest, HelloReply),
+    PUBLISH: (PublishRequest, PublishReply),
+    GET: (GetRequest, GetReply),
+    LIST: (ListRequest, ListReply),
+    INSPECT: (InspectRequest, InspectReply),
+    EVICT: (EvictRequest, EvictReply),
+    STOP: (StopRequest, StopReply),
+}
