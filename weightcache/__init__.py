@@ -35,12 +35,13 @@ from .errors import (
 )
 from .fingerprint import Fingerprint
 from .manifest import Manifest
+from .messages import EntryInfo
 from .standby import Leadership
 
 if TYPE_CHECKING:
     from .api import attach, preload
     from .binding import bind
-    from .cache import Cache, EntryInfo
+    from .cache import Cache
     from .handle import Handle
 
 # Names that need torch, imported on first use (PEP 562): the keeper and the CLI's keeper commands import this
@@ -50,7 +51,6 @@ _LAZY = {
     "preload": "api",
     "bind": "binding",
     "Cache": "cache",
-    "EntryInfo": "cache",
     "Handle": "handle",
 }
 

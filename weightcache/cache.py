@@ -10,7 +10,6 @@ import os
 from collections.abc import Mapping
 from typing import TYPE_CHECKING
 
-import attrs
 import torch
 
 from . import quant as quant_registry
@@ -20,6 +19,7 @@ from .fingerprint import Fingerprint
 from .handle import Handle
 from .lease import Lease
 from .manifest import Manifest
+from .messages import EntryInfo
 from .protocol import close_fds
 from .publish import Packed, pack_checkpoint, pack_state
 from .views import map_entry
@@ -31,45 +31,6 @@ try:  # import the CUDA driver bindings with the library, not inside the first a
     import cuda.bindings.driver  # noqa: F401
 except ImportError:  # no GPU support installed: CPU segments only
     pass
-
-
-@attrs.frozen
-class EntryInfo:
-    """One entry the keeper holds, as :meth:`Cache.entries` reports it."""
-
-    digest: str
-    placement: str
-    device: str
-    model: str
-    bytes: int
-    tensors: int
-    segments: int
-    leases: int
-    holders: tuple[tuple[int, float], ...]
-    created: float
-    last_used: float
-    age_s: float
-    fingerprint: Fingerprint
-
-    @classmethod
-    def from_json(cls, data: dict[str, object]) -> EntryInfo:
-        holders = data.get("holders") or []
-        assert isinstance(holders, list)
-        return cls(
-            digest=str(data["digest"]),
-            placement=str(data["placement"]),
-            device=str(data["device"]),
-            model=str(data["model"]),
-            bytes=int(data["bytes"]),  # type: ignore[call-overload]
-            tensors=int(data["tensors"]),  # type: ignore[call-overload]
-            segments=int(data["segments"]),  # type: ignore[call-overload]
-            leases=int(data["leases"]),  # type: ignore[call-overload]
-            holders=tuple((int(h["pid"]), float(h["since"])) for h in holders),
-            created=float(data["created"]),  # type: ignore[arg-type]
-            last_used=float(data["last_used"]),  # type: ignore[arg-type]
-            age_s=float(data["age_s"]),  # type: ignore[arg-type]
-            fingerprint=Fingerprint.from_json(data["fingerprint"]),
-        )
 
 
 class Cache:
@@ -98,16 +59,12 @@ class Cache:
     def keeper_info(self) -> dict[str, object]:
         """The keeper's pid, version, protocol, socket directory and uptime."""
         with self._connect() as conn:
-            reply, _ = conn.request({"op": "list"})
-        info = reply["keeper"]
-        assert isinstance(info, dict)
-        return info
+            return conn.list().keeper.to_json()
 
     def entries(self) -> list[EntryInfo]:
         """Everything the keeper holds: digest, bytes, device, leases (and their holders), age."""
         with self._connect() as conn:
-            reply, _ = conn.request({"op": "list"})
-        return [EntryInfo.from_json(e) for e in reply["entries"]]
+            return list(conn.list().entries)
 
     def evict(self, fingerprint_or_digest: Fingerprint | str, *, force: bool = False) -> list[str]:
         """Drop entries from the keeper (by fingerprint, digest or unique digest prefix).
@@ -121,8 +78,7 @@ class Cache:
         else:
             digest = fingerprint_or_digest
         with self._connect() as conn:
-            reply, _ = conn.request({"op": "evict", "digest": digest, "force": force})
-        return [str(k) for k in reply["evicted"]]
+            return list(conn.evict(digest, force=force).evicted)
 
     def stop(self, *, wait: float | None = None) -> int:
         """Ask the keeper to exit; returns its pid. Attached clients keep working; unleased entries are freed.
@@ -146,15 +102,15 @@ class Cache:
         quant_registry.get(fingerprint.quant).check()
         conn = self._connect()
         try:
-            reply, fds = conn.request({"op": "get", "digest": fingerprint.digest, "placement": fingerprint.placement})
+            reply, fds = conn.get(fingerprint.digest, fingerprint.placement)
         except BaseException:
             conn.close()
             raise
-        if not reply.get("found"):
+        if not reply.found:
             conn.close()
             return None
         try:
-            manifest = Manifest.from_keeper(reply.get("manifest"))
+            manifest = Manifest.from_keeper(reply.manifest)
             if manifest.fingerprint != fingerprint:
                 raise ManifestError(
                     f"the keeper answered digest {fingerprint.digest[:12]} with an entry whose fingerprint differs"
@@ -221,11 +177,11 @@ class Cache:
         manifest = packed.manifest
         conn = self._connect()
         try:
-            reply, _ = conn.request({"op": "publish", "manifest": manifest.to_json()}, packed.fds())
+            reply = conn.publish(manifest.to_json(), packed.fds())
         except BaseException:
             conn.close()
             raise
-        if not reply.get("created"):
+        if not reply.created:
             # Someone published the same fingerprint first: use theirs, drop ours.
             conn.close()
             packed.close()
@@ -243,4 +199,4 @@ class Cache:
         return self._attached(manifest, views, conn, fds)
 
 
-__all__ = ["Cache", "EntryInfo", "Handle"]
+__all__ = ["Cache"]

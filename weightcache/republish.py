@@ -218,9 +218,7 @@ class Republisher:
                 conn.close()
                 return True
             try:
-                reply, _ = conn.request(
-                    {"op": "publish", "manifest": lease.manifest.to_json()}, fds, timeout=REQUEST_TIMEOUT_S
-                )
+                reply = conn.publish(lease.manifest.to_json(), fds, timeout=REQUEST_TIMEOUT_S)
             finally:
                 close_fds(fds)
         except BaseException:
@@ -233,7 +231,7 @@ class Republisher:
             lease.digest[:12],
             conn.hello.get("pid"),
             directory,
-            "new entry" if reply.get("created") else "already there; lease taken",
+            "new entry" if reply.created else "already there; lease taken",
         )
         return True
 
