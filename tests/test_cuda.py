@@ -374,3 +374,57 @@ def test_second_engine_adds_almost_no_gpu_memory(tmp_path: Path, socket_dir: Pat
     second = python(code)
     for r in (first, second):
         assert r["added"] < 0.01 * weights, f"attach added {r['added']} bytes for {weights} bytes of weights"
+
+
+def test_attach_load_and_an_adapter_publish_the_same_entry_on_gpu(checkpoint: Path, tmp_path: Path) -> None:
+    """On a GPU the three publishers take three paths (attach and load stream the files into segments, the
+    adapter packs the tensors of the model it loaded), and still record the same entry and per-tensor digests."""
+    from models import TinyLM, meta_model, model_kwargs
+
+    from weightcache import backends
+    from weightcache.backends import LoaderOptions
+    from weightcache.backends.torch import ModuleLoad
+
+    dirs = {name: tmp_path / name for name in ("attach", "load", "adapter")}
+    kw = model_kwargs(checkpoint)
+    handles: dict[str, wc.Handle] = {}
+    try:
+        model = meta_model(**kw)
+        model.positions = model.positions.to("cuda:0")  # a buffer the model computes, not the checkpoint's
+        handles["attach"] = wc.attach(model, checkpoint, mode="daemon", device="cuda:0", socket_dir=dirs["attach"])
+        load = ["load", str(checkpoint), "--device", "cuda:0", "--socket-dir", str(dirs["load"])]
+        out = subprocess.run(
+            [sys.executable, "-m", "weightcache", *load],
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert out.returncode == 0, out.stdout + out.stderr
+        loaded_by_cli = wc.Cache(dirs["load"]).get(handles["attach"].fingerprint)
+        assert loaded_by_cli is not None
+        handles["load"] = loaded_by_cli
+        loaded = backends.get("torch").load_model(
+            ModuleLoad(lambda: TinyLM(**kw), checkpoint, device=torch.device("cuda:0")),
+            fingerprint=wc.Fingerprint.create(checkpoint, device="cuda:0"),
+            device="cuda:0",
+            options=LoaderOptions(mode="daemon", socket_dir=str(dirs["adapter"])),
+        )
+        assert loaded.handle is not None
+        handles["adapter"] = loaded.handle
+        assert len({h.digest for h in handles.values()}) == 1
+        digests = {name: dict(zip(h.manifest.names, h.manifest.digest)) for name, h in handles.items()}  # type: ignore[union-attr]
+        assert digests["attach"] == digests["load"] and None not in digests["attach"].values()
+        shared = set(digests["attach"]) & set(digests["adapter"])
+        assert len(shared) >= len(digests["attach"]) - 1  # the tied head is published under one of its names
+        assert all(digests["attach"][n] == digests["adapter"][n] for n in shared)
+        for handle in handles.values():
+            handle.verify()
+    finally:
+        for handle in handles.values():
+            handle.close()
+        for directory in dirs.values():
+            if directory.exists():
+                try:
+                    wc.Cache(directory).stop(wait=30)
+                except wc.WeightCacheError:
+                    pass
