@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Holder, run_worker, start_keeper, wait_until
+from conftest import Holder, run_worker, start_keeper, stop_keeper, wait_until
 from models import make_checkpoint
 
 import weightcache as wc
@@ -423,8 +423,4 @@ def test_attach_load_and_an_adapter_publish_the_same_entry_on_gpu(checkpoint: Pa
         for handle in handles.values():
             handle.close()
         for directory in dirs.values():
-            if directory.exists():
-                try:
-                    wc.Cache(directory).stop(wait=30)
-                except wc.WeightCacheError:
-                    pass
+            stop_keeper(directory)

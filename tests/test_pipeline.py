@@ -10,12 +10,11 @@ import ast
 import json
 import subprocess
 import sys
-import warnings
 from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_worker, start_keeper
+from conftest import run_worker, start_keeper, stop_keeper
 from models import INPUT_IDS, TinyLM, meta_model, model_kwargs, reference_output
 
 import weightcache as wc
@@ -179,13 +178,7 @@ def test_attach_load_and_an_adapter_publish_the_same_entry(checkpoint: Path, tmp
         for handle in handles.values():
             handle.close()
         for directory in dirs.values():
-            if directory.exists():
-                with warnings.catch_warnings():
-                    warnings.simplefilter("ignore")
-                    try:
-                        wc.Cache(directory).stop(wait=10)
-                    except wc.WeightCacheError:
-                        pass
+            stop_keeper(directory)
 
 
 def test_preload_is_mode_daemon_without_a_model(checkpoint: Path, socket_dir: Path) -> None:

@@ -9,10 +9,9 @@ import json
 import subprocess
 import sys
 from pathlib import Path
-from typing import Any
 
 import pytest
-from engines import require_engine
+from engines import failing_publish, require_engine
 
 require_engine("sglang")
 
@@ -23,7 +22,6 @@ from weightcache.backends.sglang import SglangBackend, WeightCacheLoader  # noqa
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from conftest import start_keeper  # noqa: E402
 from engine_models import make_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -128,26 +126,18 @@ def test_publish_failure_after_the_load_serves_the_loaded_weights(
     tiny_llama: Path, socket_dir: Path, tmp_path: Path, failure: str
 ) -> None:
     """Mode daemon loads, post-processes, then cannot publish: the engine gets what it loaded, and is told why."""
-    spec: dict[str, Any] = {"model": str(tiny_llama), "table": str(tmp_path / "fallback.json"), "loader": "weightcache"}
-    spec["options"] = {"socket_dir": str(socket_dir), "mode": "daemon"}
-    if failure == "budget":
-        keeper = start_keeper(socket_dir, "--max-bytes", "64K")  # far less than the model
-        expected = "BudgetExceeded"
-    else:
-        keeper = start_keeper(socket_dir)
-        spec["fsize_limit"] = 1 << 16  # no memfd segment can grow past 64 KiB
-        expected = "SegmentError"
-    try:
-        result = run_sglang(spec)
+    options = {"socket_dir": str(socket_dir), "mode": "daemon"}
+    with failing_publish(socket_dir, failure) as (worker, expected):
+        table = str(tmp_path / "fallback.json")
+        result = run_sglang(
+            {"model": str(tiny_llama), "table": table, "loader": "weightcache", "options": options, **worker}
+        )
         assert result["source"] == "disk" and result["preloaded_weights_bytes"] == 0
         assert len(result["warnings"]) == 1, result
         assert "FallbackWarning" in result["warnings"][0] and expected in result["warnings"][0]
         assert wc.Cache(socket_dir).entries() == []
         run_sglang({"model": str(tiny_llama), "table": str(tmp_path / "disk.json"), "loader": "default"})
         assert parity.compare(*(parity.read_table(tmp_path / f) for f in ("disk.json", "fallback.json"))) == []
-    finally:
-        keeper.terminate()
-        keeper.wait(10)
 
 
 # --- in this process: options and quantization (no model is loaded) ---------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engines import require_engine
+from engines import failing_publish, require_engine
 
 require_engine("vllm")
 
@@ -24,7 +24,6 @@ from weightcache.backends.vllm import LOAD_FORMAT, VllmBackend  # noqa: E402
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from conftest import start_keeper  # noqa: E402
 from engine_models import make_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
@@ -118,16 +117,9 @@ def test_publish_failure_after_the_load_serves_the_loaded_weights(
     tiny_llama: Path, socket_dir: Path, failure: str
 ) -> None:
     """Mode daemon loads, post-processes, then cannot publish: the engine starts on what it loaded, and says why."""
-    spec: dict[str, Any] = {"model": str(tiny_llama), "load_format": LOAD_FORMAT}
-    spec["extra"] = {"socket_dir": str(socket_dir), "mode": "daemon"}
-    if failure == "budget":
-        keeper = start_keeper(socket_dir, "--max-bytes", "64K")  # far less than the model
-        expected = "BudgetExceeded"
-    else:
-        keeper = start_keeper(socket_dir)
-        spec["fsize_limit"] = 1 << 16  # no memfd segment can grow past 64 KiB
-        expected = "SegmentError"
-    try:
+    extra = {"socket_dir": str(socket_dir), "mode": "daemon"}
+    with failing_publish(socket_dir, failure) as (worker, expected):
+        spec: dict[str, Any] = {"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": extra, **worker}
         result = run_vllm(spec)
         assert len(result["warnings"]) == 1, result
         assert "FallbackWarning" in result["warnings"][0] and expected in result["warnings"][0]
@@ -136,10 +128,7 @@ def test_publish_failure_after_the_load_serves_the_loaded_weights(
         disk = run_vllm({"model": str(tiny_llama), "load_format": "auto"})
         assert result["tokens"] == disk["tokens"]
         with pytest.raises(AssertionError, match=expected):  # strict: the engine does not start
-            run_vllm({**spec, "extra": {**spec["extra"], "strict": True}})
-    finally:
-        keeper.terminate()
-        keeper.wait(10)
+            run_vllm({**spec, "extra": {**extra, "strict": True}})
 
 
 # --- in this process: options, quantization mapping, refusals (no engine run) ---------------------------------
