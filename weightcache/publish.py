@@ -31,6 +31,7 @@ from .errors import SegmentError, WeightCacheError
 from .fingerprint import Fingerprint
 from .manifest import Manifest, SegmentInfo, TensorInfo
 from .protocol import MAX_FDS
+from .torch_dtypes import convertible
 from .views import map_entry
 
 if TYPE_CHECKING:
@@ -270,9 +271,7 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def stored_as_is(layout: list[StoredTensor], dtype: torch.dtype | None) -> bool:
     """Whether loading with ``dtype`` keeps every tensor exactly as the files store it."""
-    from .checkpoint import CONVERTIBLE
-
-    return dtype is None or all(t.dtype == dtype or str(t.dtype) not in CONVERTIBLE for t in layout)
+    return dtype is None or all(t.dtype == dtype or not convertible(t.dtype) for t in layout)
 
 
 __all__ = [
