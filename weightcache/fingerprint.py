@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import functools
 import hashlib
-import importlib.metadata
 import inspect
 import json
 import os
@@ -138,6 +137,8 @@ def torch_version() -> str:
 
 @functools.cache
 def _installed_torch_version() -> str:
+    import importlib.metadata  # lazy: ~20 ms to import, needed only in a process that has not imported torch
+
     try:
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:

@@ -23,21 +23,20 @@ This module imports SGLang only inside functions: ``weightcache.backends.sglang`
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import torch
 from torch import nn
 
 from ..errors import BackendError
+from ..fingerprint import Fingerprint
+from ..handle import Handle
 from .base import Backend, LoaderOptions, QuantSpec, plain_json, quant_spec_from_config
-
-if TYPE_CHECKING:
-    from ..fingerprint import Fingerprint
-    from ..handle import Handle
 
 #: SGLang's parallel widths (``runtime_context.get_parallel()``) that decide which shard a rank holds, as
 #: fingerprint axis -> (rank attribute, size attribute).
@@ -208,8 +207,6 @@ def _server_settings() -> dict[str, Any]:
 
 def _disk_load_config(load_config: Any) -> Any:
     """SGLang's LoadConfig for its own loader: load format auto, none of weightcache's options."""
-    import dataclasses
-
     return dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
 
 
