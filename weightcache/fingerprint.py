@@ -4,9 +4,9 @@ A fingerprint is a frozen value. Its :attr:`~Fingerprint.digest` (SHA-256 of the
 fields) keys entries in the keeper. ``placement`` (``"cpu"`` or a GPU UUID) says where the segments live; it
 selects the copy but is not part of the identity, so the same model on two GPUs has one digest.
 
-Layer L1: must never import torch, not even inside a function (the keeper and the CLI read fingerprints; a
-test checks). What the fingerprint records about torch (its version, a CUDA device's UUID and compute capability)
-comes from the torch the calling process has already imported: a caller that names a CUDA device holds torch.
+Layer L1: never imports torch, not even inside a function (the keeper and the CLI read fingerprints;
+tests/test_layers.py checks). What a fingerprint records about torch (its version, a CUDA device's UUID and
+compute capability) comes from the torch the calling process has imported: a caller naming a CUDA device holds it.
 """
 
 from __future__ import annotations

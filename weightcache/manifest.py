@@ -4,7 +4,7 @@ JSON, never pickle. Tensors are stored column-wise (one list per field), which k
 tensors small and fast to parse. :meth:`Manifest.from_json` checks every field and that every tensor lies
 inside its segment, because manifests arrive over a socket.
 
-Layer L1: must never import torch (the keeper validates manifests; a test checks).
+Layer L1: must never import torch (the keeper validates manifests; tests/test_layers.py checks).
 """
 
 from __future__ import annotations
