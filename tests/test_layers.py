@@ -259,6 +259,11 @@ for name in sys.argv[2:]:
     importlib.import_module(name)
 import weightcache as wc
 fingerprint = wc.Fingerprint.create(sys.argv[1])
+try:
+    wc.Fingerprint.create(sys.argv[1], device="cuda:0")
+    cuda = ""
+except ValueError as exc:
+    cuda = str(exc)
 lazy = {}
 for name in ("attach", "preload", "bind", "Cache", "Handle"):
     assert name in wc.__all__ and name in dir(wc), name
@@ -267,13 +272,13 @@ for name in ("attach", "preload", "bind", "Cache", "Handle"):
     except ImportError as exc:
         lazy[name] = str(exc)
 loaded = sorted(m for m in sys.modules if m.startswith("weightcache"))
-print(json.dumps({"digest": fingerprint.digest, "lazy": lazy, "loaded": loaded}))
+print(json.dumps({"digest": fingerprint.digest, "cuda": cuda, "lazy": lazy, "loaded": loaded}))
 """
 
 
 def test_the_keeper_and_the_namespace_import_without_torch(tmp_path: Path, checkpoint: Path) -> None:
     """Every module of L0-L2 imports, and a CPU fingerprint is computed, where importing torch fails; the torch
-    names stay in the namespace and fail only when used."""
+    names stay in the namespace and fail only when used; a CUDA fingerprint asks for torch."""
     (tmp_path / "sitecustomize.py").write_text(_BLOCK_TORCH)
     below = [module_name(r) for r in modules() if (layer := layer_of(r)) is not None and layer <= 2]
     assert {"weightcache.keeper", "weightcache.client", "weightcache.fdcheck", "weightcache.checkpoint"} <= set(below)
@@ -291,6 +296,7 @@ def test_the_keeper_and_the_namespace_import_without_torch(tmp_path: Path, check
     assert set(result["lazy"]) == {"attach", "preload", "bind", "Cache", "Handle"}, result["lazy"]
     assert all("torch" in message for message in result["lazy"].values()), result["lazy"]
     assert set(below) <= set(result["loaded"])
+    assert "import torch before" in result["cuda"]
 
 
 def test_a_function_local_torch_import_in_l1_fails_the_check(tmp_path: Path) -> None:
