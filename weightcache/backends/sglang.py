@@ -17,7 +17,8 @@ key is an error) or are fixed on a subclass made by :meth:`WeightCacheLoader.con
 The loader reports the attached bytes as ``preloaded_weights_bytes``, which SGLang's memory accounting adds to
 its pre-load baseline, so the KV cache is sized as after a disk load.
 
-This module imports SGLang only inside functions: ``weightcache.backends.sglang`` imports without SGLang.
+This module imports SGLang only inside functions: ``weightcache.backends.sglang`` imports without SGLang
+(tests/test_layers.py checks).
 """
 
 from __future__ import annotations

@@ -22,7 +22,8 @@ embedding layers, which on CPU are packed into oneDNN/sgl handles and have ``wei
 tensors as loaded, before post-processing, are published, and attaching re-runs the packing from them, so
 results stay bitwise identical to a disk load.
 
-This module imports vLLM only inside functions: ``weightcache.backends.vllm`` imports without vLLM.
+This module imports vLLM only inside functions: ``weightcache.backends.vllm`` imports without vLLM
+(tests/test_layers.py checks).
 """
 
 from __future__ import annotations
