@@ -73,7 +73,7 @@ def publish(checkpoint: Path, socket_dir: Path, device: str) -> str:
     keeper after this returns (no lease needed)."""
     from safetensors.torch import save_file
 
-    from weightcache.checkpoint import load_state_dict
+    from weightcache.loader import load_state_dict
 
     torch.manual_seed(0)
     state = {}

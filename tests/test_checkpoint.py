@@ -11,7 +11,8 @@ from models import make_checkpoint
 from safetensors.torch import save_file
 
 import weightcache as wc
-from weightcache.checkpoint import load_state_dict, safetensors_files
+from weightcache.checkpoint import safetensors_files
+from weightcache.loader import load_state_dict
 
 
 def test_single_file_directory_and_file(checkpoint: Path) -> None:

@@ -45,7 +45,8 @@ def test_loads_count_the_bytes_stored_in_the_files(checkpoint: Path) -> None:
     """The CPU bar counts what is read, not what a dtype conversion makes of it (which would pass 100 %)."""
     import torch
 
-    from weightcache.checkpoint import iter_tensors, safetensors_files
+    from weightcache.checkpoint import safetensors_files
+    from weightcache.loader import iter_tensors
 
     stored = sum(t.numel() * t.element_size() for _, t in iter_tensors(checkpoint))
     counted: list[int] = []

@@ -6,7 +6,8 @@ load on first use, so that the keeper and the CLI's keeper commands start withou
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+import importlib
+import typing
 
 from . import quant
 from ._version import __version__
@@ -38,7 +39,7 @@ from .manifest import Manifest
 from .messages import EntryInfo
 from .standby import Leadership
 
-if TYPE_CHECKING:
+if typing.TYPE_CHECKING:
     from .api import attach, preload
     from .binding import bind
     from .cache import Cache
@@ -55,12 +56,10 @@ _LAZY = {
 }
 
 
-def __getattr__(name: str) -> Any:
+def __getattr__(name: str) -> typing.Any:
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'weightcache' has no attribute {name!r}")
-    import importlib
-
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value
     return value

@@ -15,11 +15,12 @@ import torch
 from torch import nn
 
 from .binding import bind
-from .fingerprint import Fingerprint, resolve_dtype
+from .fingerprint import Fingerprint
 from .handle import Handle
 from .loader import StoredTensor, checkpoint_layout, load_weights
 from .pipeline import Mode, Request, Steps, check_mode, run
 from .publish import stored_as_is
+from .torch_dtypes import resolve_dtype
 
 Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 

@@ -8,24 +8,21 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from typing import TYPE_CHECKING
 
 import torch
 
 from . import quant as quant_registry
-from .client import KeeperConnection, ensure_keeper
+from .client import KeeperConnection, ensure_keeper, stop_keeper
 from .errors import KeeperError, ManifestError
 from .fingerprint import Fingerprint
 from .handle import Handle
 from .lease import Lease
+from .loader import StoredTensor
 from .manifest import Manifest
 from .messages import EntryInfo
 from .protocol import close_fds
 from .publish import Packed, pack_checkpoint, pack_state
 from .views import map_entry
-
-if TYPE_CHECKING:
-    from .loader import StoredTensor
 
 try:  # import the CUDA driver bindings with the library, not inside the first attach (~10 ms once)
     import cuda.bindings.driver  # noqa: F401
@@ -87,8 +84,6 @@ class Cache:
         entries and writes into its socket directory): do this before removing that directory. KeeperError
         (code ``"timeout"``) if it still runs after ``wait``.
         """
-        from .client import stop_keeper
-
         return stop_keeper(self._connect(), wait=wait)
 
     # --- attach -----------------------------------------------------------------------------------------

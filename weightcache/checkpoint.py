@@ -1,9 +1,11 @@
-"""Safetensors checkpoints: which files make one up, their identity, and loading them into a state dict.
+"""Safetensors checkpoints: which files make one up, their headers, their identity and the model's config.
 
 The identity (:func:`checkpoint_files`) reads only file metadata and the safetensors headers, never tensor
 data, so computing a fingerprint costs milliseconds even for a terabyte checkpoint. A file rewritten in place
 with the same shapes but other values still changes identity: its ctime (which no user call can set back)
 and, usually, its mtime and inode change with it.
+
+Layer L1: never reads tensor data and never imports torch or safetensors (loading is :mod:`weightcache.loader`'s).
 """
 
 from __future__ import annotations
@@ -12,22 +14,15 @@ import hashlib
 import json
 import os
 import struct
-from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import TYPE_CHECKING
 
 import attrs
 
 from .errors import CheckpointError
 
-if TYPE_CHECKING:
-    import torch
-
 #: safetensors itself refuses headers above 100 MB; so do we, before allocating anything.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 INDEX_SUFFIX = ".safetensors.index.json"
-#: dtypes that ``dtype=`` converts; FP8 and integer tensors are quantized data and stay as they are.
-CONVERTIBLE = frozenset({"torch.float16", "torch.bfloat16", "torch.float32", "torch.float64"})
 
 
 @attrs.frozen
@@ -172,76 +167,6 @@ def read_model_config(checkpoint: str | os.PathLike[str]) -> dict[str, object]:
     except (OSError, ValueError) as exc:
         raise CheckpointError(f"{config} is not valid JSON: {exc}") from exc
     return data if isinstance(data, dict) else {}
-
-
-def iter_tensors(
-    checkpoint: str | os.PathLike[str],
-    *,
-    dtype: torch.dtype | None = None,
-    progress: Callable[[int], object] | None = None,
-) -> Iterator[tuple[str, torch.Tensor]]:
-    """Yield ``(name, tensor)`` for every tensor of the checkpoint, on CPU, one at a time.
-
-    Floating point tensors (float16, bfloat16, float32, float64) are converted to ``dtype`` when it is given;
-    integer, boolean and FP8 tensors (quantized weights) are not. ``progress``, when given, is called with the
-    bytes each tensor takes in the file (before any conversion).
-    """
-    from safetensors import SafetensorError, safe_open
-
-    seen: dict[str, Path] = {}
-    for file in safetensors_files(checkpoint):
-        read_header(file)  # clear errors for truncation before safetensors' own
-        try:
-            with safe_open(str(file), framework="pt", device="cpu") as f:
-                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
-                    if name in seen:
-                        raise CheckpointError(f"tensor {name!r} is in both {seen[name].name} and {file.name}")
-                    seen[name] = file
-                    tensor = f.get_tensor(name)
-                    if progress is not None:
-                        progress(tensor.numel() * tensor.element_size())
-                    if dtype is not None and tensor.dtype != dtype and str(tensor.dtype) in CONVERTIBLE:
-                        tensor = tensor.to(dtype)
-                    yield name, tensor
-        except SafetensorError as exc:
-            raise CheckpointError(f"cannot read {file}: {exc}; the file is corrupt or truncated") from exc
-
-
-def load_state_dict(
-    checkpoint: str | os.PathLike[str],
-    *,
-    dtype: torch.dtype | None = None,
-    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
-    progress: bool | None = False,
-) -> dict[str, torch.Tensor]:
-    """Load the whole checkpoint into a CPU state dict, convert it to ``dtype`` and apply ``transform``.
-
-    ``progress``: show a bar of the bytes read on stderr (None: only on a terminal and for a checkpoint of at
-    least 1 GiB; see :mod:`weightcache.progress`).
-    """
-    from .progress import byte_bar, wanted
-
-    total = sum(f.stat().st_size for f in safetensors_files(checkpoint)) if progress is not False else 0
-    state: dict[str, torch.Tensor] = {}
-    with byte_bar(total, "loading checkpoint", wanted(progress, total)) as update:
-        for name, tensor in iter_tensors(checkpoint, dtype=dtype, progress=update):
-            state[name] = tensor
-    return apply_transform(state, transform)
-
-
-def apply_transform(
-    state: dict[str, torch.Tensor],
-    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None,
-) -> dict[str, torch.Tensor]:
-    """``transform(state)``, checked to return a state dict (``state`` itself when there is no transform)."""
-    if transform is None:
-        return state
-    out = transform(state)
-    if not isinstance(out, dict):
-        raise CheckpointError(
-            f"transform {qualified_name(transform)} returned {type(out).__name__}; expected a dict of name -> tensor"
-        )
-    return out
 
 
 def drop_page_cache(checkpoint: str | os.PathLike[str], *, system: bool = False) -> str:

@@ -4,7 +4,9 @@ A fingerprint is a frozen value. Its :attr:`~Fingerprint.digest` (SHA-256 of the
 fields) keys entries in the keeper. ``placement`` (``"cpu"`` or a GPU UUID) says where the segments live; it
 selects the copy but is not part of the identity, so the same model on two GPUs has one digest.
 
-This module must not import torch at import time: the keeper and the CLI read fingerprints too.
+Layer L1: never imports torch, not even inside a function (the keeper and the CLI read fingerprints;
+tests/test_layers.py checks). What a fingerprint records about torch (its version, a CUDA device's UUID and
+compute capability) comes from the torch the calling process has imported: a caller naming a CUDA device holds it.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import hashlib
 import inspect
 import json
 import os
+import sys
 import types
 from collections.abc import Callable, Mapping
 from pathlib import Path
@@ -21,7 +24,9 @@ from typing import Any
 
 import attrs
 
+from . import quant as quant_registry
 from .checkpoint import CheckpointFile, checkpoint_files, qualified_name, read_model_config
+from .dtypes import dtype_name
 from .errors import ManifestError
 
 #: Bumped whenever the layout of cached data or the meaning of a field changes: old entries stop matching.
@@ -60,23 +65,6 @@ def normalise_parallel(parallel: Mapping[str, tuple[int, int] | list[int]] | Non
             raise ValueError(f"parallel[{axis!r}] = ({rank}, {size}): expected 0 <= rank < size")
         out.append((str(axis), rank, size))
     return tuple(sorted(out))
-
-
-def resolve_dtype(dtype: object) -> Any:
-    """``torch.bfloat16``, ``"bfloat16"`` or ``"torch.bfloat16"`` -> the torch dtype (None stays None)."""
-    import torch
-
-    if dtype is None or isinstance(dtype, torch.dtype):
-        return dtype
-    value = getattr(torch, str(dtype).removeprefix("torch."), None) if isinstance(dtype, str) else None
-    if not isinstance(value, torch.dtype):
-        raise ValueError(f"dtype must be a torch.dtype or its name, e.g. 'bfloat16'; found {dtype!r}")
-    return value
-
-
-def _dtype_name(dtype: object) -> str | None:
-    resolved = resolve_dtype(dtype)
-    return None if resolved is None else str(resolved).removeprefix("torch.")
 
 
 def transform_identity(transform: Callable[..., Any] | str) -> str:
@@ -123,18 +111,40 @@ def _code_hash(code: types.CodeType) -> str:
 
 
 def _device_markers(device: object) -> tuple[str, str, str | None]:
-    """(device kind, placement, compute capability) for a device spec; imports torch only for CUDA."""
+    """(device kind, placement, compute capability) for a device spec."""
     text = "cpu" if device is None else str(device)
     if text == "cpu":
         return "cpu", "cpu", None
     if text.startswith("cuda"):
-        import torch
-
+        torch: Any = sys.modules.get("torch")  # a CUDA device is torch's: its caller has imported torch
+        if torch is None:
+            raise ValueError(f"device {text!r} is a torch CUDA device: import torch before fingerprinting for it")
         dev = torch.device(text)
         index = dev.index if dev.index is not None else torch.cuda.current_device()
         props = torch.cuda.get_device_properties(index)
         return "cuda", f"GPU-{props.uuid}", f"{props.major}.{props.minor}"
     raise ValueError(f"device must be 'cpu' or 'cuda[:N]'; found {device!r}")
+
+
+def torch_version() -> str:
+    """The version of torch in this process: ``torch.__version__`` once torch is imported, else the version
+    its installed distribution declares (the same string), read without importing torch."""
+    torch: Any = sys.modules.get("torch")
+    if torch is not None:
+        return str(torch.__version__)
+    return _installed_torch_version()
+
+
+@functools.cache
+def _installed_torch_version() -> str:
+    import importlib.metadata  # lazy: ~20 ms to import, needed only in a process that has not imported torch
+
+    try:
+        return importlib.metadata.version("torch")
+    except importlib.metadata.PackageNotFoundError:
+        raise ValueError(
+            "a fingerprint records the torch version that produces the weights; torch is not installed"
+        ) from None
 
 
 @attrs.frozen
@@ -205,10 +215,6 @@ class Fingerprint:
             engine: the name of the producer of the weights (default ``"torch"``); adapters set it.
             engine_version: the producer's version (default: torch's version); adapters set it.
         """
-        import torch
-
-        from . import quant as quant_registry
-
         path = Path(checkpoint).resolve()
         files = checkpoint_files(path)
         config = read_model_config(path)
@@ -222,6 +228,7 @@ class Fingerprint:
             extra_json = canonical_json(dict(extra or {}))
         except (TypeError, ValueError) as exc:
             raise TypeError(f"extra must be JSON-serialisable; found {extra!r}") from exc
+        version = torch_version()
         return cls(
             model_path=str(path),
             architecture=architecture,
@@ -230,13 +237,13 @@ class Fingerprint:
             parallel=normalise_parallel(parallel),
             quant=strategy.name,
             quant_config_hash=config_hash(quant_config),
-            dtype=_dtype_name(dtype),
+            dtype=dtype_name(dtype),
             transform=transform_name,
             engine=engine,
-            engine_version=engine_version if engine_version is not None else torch.__version__,
+            engine_version=engine_version if engine_version is not None else version,
             device_kind=device_kind,
             compute_capability=capability,
-            torch_version=torch.__version__,
+            torch_version=version,
             format_version=FORMAT_VERSION,
             extra=extra_json,
             placement=placement,
@@ -388,6 +395,6 @@ __all__ = [
     "canonical_json",
     "config_hash",
     "format_differences",
-    "resolve_dtype",
+    "torch_version",
     "transform_identity",
 ]

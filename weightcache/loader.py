@@ -5,7 +5,8 @@ is copied to the GPU asynchronously while the next one is read: the disk never w
 host never holds more than the staging buffers. Tensors are allocated on the device once, in their stored
 dtype, then converted if a ``dtype`` was asked for.
 
-(On CPU, :func:`weightcache.checkpoint.load_state_dict` maps the files instead: nothing to stage.)
+(On CPU, :func:`load_state_dict` maps the files instead, through safetensors: nothing to stage.) All loading of
+tensor data lives here; :mod:`weightcache.checkpoint` reads only headers.
 """
 
 from __future__ import annotations
@@ -14,14 +15,17 @@ import contextlib
 import math
 import os
 import threading
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 
 import attrs
 import torch
+from safetensors import SafetensorError, safe_open
 
-from .checkpoint import CONVERTIBLE, read_header, safetensors_files
+from .checkpoint import qualified_name, read_header, safetensors_files
 from .errors import CheckpointError
+from .progress import byte_bar, wanted
+from .torch_dtypes import SAFETENSORS_DTYPES, convertible
 
 #: Bytes per sequential read (and per pinned staging buffer). Small enough that pinning the buffers (a fixed
 #: cost of every load: page-locking runs at ~1 GB/s) stays small; large enough that per-read costs vanish.
@@ -32,24 +36,6 @@ PREFETCH_BYTES = 64 << 20
 #: How much of the checkpoint's beginning the kernel is asked to read while a load sets up (pinning staging
 #: buffers, allocating tensors or segments: ~0.1-0.2 s on an H200 host, i.e. a few hundred MB of disk time).
 HEAD_PREFETCH_BYTES = 384 << 20
-
-_SAFETENSORS_DTYPES = {
-    "BOOL": torch.bool,
-    "U8": torch.uint8,
-    "I8": torch.int8,
-    "I16": torch.int16,
-    "I32": torch.int32,
-    "I64": torch.int64,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "F32": torch.float32,
-    "F64": torch.float64,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
-for _name, _attr in (("U16", "uint16"), ("U32", "uint32"), ("U64", "uint64"), ("F8_E8M0", "float8_e8m0fnu")):
-    if hasattr(torch, _attr):
-        _SAFETENSORS_DTYPES[_name] = getattr(torch, _attr)
 
 
 @attrs.frozen
@@ -81,7 +67,7 @@ def checkpoint_layout(checkpoint: str | os.PathLike[str]) -> list[StoredTensor]:
             if name == "__metadata__":
                 continue
             assert isinstance(info, dict)
-            dtype = _SAFETENSORS_DTYPES.get(str(info.get("dtype")))
+            dtype = SAFETENSORS_DTYPES.get(str(info.get("dtype")))
             if dtype is None:
                 raise CheckpointError(
                     f"{file}: tensor {name!r} has dtype {info.get('dtype')!r}, which torch cannot hold"
@@ -101,6 +87,72 @@ def checkpoint_layout(checkpoint: str | os.PathLike[str]) -> list[StoredTensor]:
             seen.add(name)
             entries.append(StoredTensor(name, file, start + begin, start + end, dtype, tuple(shape)))
         out.extend(sorted(entries, key=lambda e: e.begin))
+    return out
+
+
+def iter_tensors(
+    checkpoint: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    progress: Callable[[int], object] | None = None,
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Yield ``(name, tensor)`` for every tensor of the checkpoint, on CPU, one at a time.
+
+    Floating point tensors (float16, bfloat16, float32, float64) are converted to ``dtype`` when it is given;
+    integer, boolean and FP8 tensors (quantized weights) are not. ``progress``, when given, is called with the
+    bytes each tensor takes in the file (before any conversion).
+    """
+    seen: dict[str, Path] = {}
+    for file in safetensors_files(checkpoint):
+        read_header(file)  # clear errors for truncation before safetensors' own
+        try:
+            with safe_open(str(file), framework="pt", device="cpu") as f:
+                for name in f.keys():  # noqa: SIM118 - safe_open is not a Mapping
+                    if name in seen:
+                        raise CheckpointError(f"tensor {name!r} is in both {seen[name].name} and {file.name}")
+                    seen[name] = file
+                    tensor = f.get_tensor(name)
+                    if progress is not None:
+                        progress(tensor.numel() * tensor.element_size())
+                    if dtype is not None and tensor.dtype != dtype and convertible(tensor.dtype):
+                        tensor = tensor.to(dtype)
+                    yield name, tensor
+        except SafetensorError as exc:
+            raise CheckpointError(f"cannot read {file}: {exc}; the file is corrupt or truncated") from exc
+
+
+def load_state_dict(
+    checkpoint: str | os.PathLike[str],
+    *,
+    dtype: torch.dtype | None = None,
+    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None = None,
+    progress: bool | None = False,
+) -> dict[str, torch.Tensor]:
+    """Load the whole checkpoint into a CPU state dict, convert it to ``dtype`` and apply ``transform``.
+
+    ``progress``: show a bar of the bytes read on stderr (None: only on a terminal and for a checkpoint of at
+    least 1 GiB; see :mod:`weightcache.progress`).
+    """
+    total = sum(f.stat().st_size for f in safetensors_files(checkpoint)) if progress is not False else 0
+    state: dict[str, torch.Tensor] = {}
+    with byte_bar(total, "loading checkpoint", wanted(progress, total)) as update:
+        for name, tensor in iter_tensors(checkpoint, dtype=dtype, progress=update):
+            state[name] = tensor
+    return apply_transform(state, transform)
+
+
+def apply_transform(
+    state: dict[str, torch.Tensor],
+    transform: Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]] | None,
+) -> dict[str, torch.Tensor]:
+    """``transform(state)``, checked to return a state dict (``state`` itself when there is no transform)."""
+    if transform is None:
+        return state
+    out = transform(state)
+    if not isinstance(out, dict):
+        raise CheckpointError(
+            f"transform {qualified_name(transform)} returned {type(out).__name__}; expected a dict of name -> tensor"
+        )
     return out
 
 
@@ -126,7 +178,7 @@ def load_to_device(
     stream_into(layout, device, lambda t: out[t.name].view(-1).view(torch.uint8), progress, staging)
     if dtype is not None:
         for name, t in out.items():
-            if t.dtype != dtype and str(t.dtype) in CONVERTIBLE:
+            if t.dtype != dtype and convertible(t.dtype):
                 out[name] = t.to(dtype)
     torch.cuda.synchronize(device)
     return out
@@ -145,9 +197,6 @@ def load_weights(
     sequential reads through pinned buffers (:func:`load_to_device`). ``progress``: a bar of the bytes read on
     stderr (None: only on a terminal and for at least 1 GiB; see :mod:`weightcache.progress`).
     """
-    from .checkpoint import apply_transform, load_state_dict
-    from .progress import byte_bar, wanted
-
     if device.type == "cuda":
         total = sum(f.stat().st_size for f in safetensors_files(checkpoint)) if progress is not False else 0
         with byte_bar(total, "loading checkpoint", wanted(progress, total)) as update:

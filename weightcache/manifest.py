@@ -4,7 +4,7 @@ JSON, never pickle. Tensors are stored column-wise (one list per field), which k
 tensors small and fast to parse. :meth:`Manifest.from_json` checks every field and that every tensor lies
 inside its segment, because manifests arrive over a socket.
 
-This module must not import torch: the keeper validates manifests.
+Layer L1: must never import torch (the keeper validates manifests; tests/test_layers.py checks).
 """
 
 from __future__ import annotations
@@ -15,35 +15,12 @@ from typing import Any
 
 import attrs
 
+from .dtypes import DTYPES
 from .errors import ManifestError
 from .fingerprint import Fingerprint, is_int
 
 MANIFEST_VERSION = 1
 
-#: Bytes per element of every dtype a manifest may name (torch's names without the ``torch.`` prefix).
-DTYPE_SIZES: dict[str, int] = {
-    "bool": 1,
-    "uint8": 1,
-    "int8": 1,
-    "int16": 2,
-    "uint16": 2,
-    "int32": 4,
-    "uint32": 4,
-    "int64": 8,
-    "uint64": 8,
-    "float16": 2,
-    "bfloat16": 2,
-    "float32": 4,
-    "float64": 8,
-    "complex64": 8,
-    "complex128": 16,
-    "float8_e4m3fn": 1,
-    "float8_e4m3fnuz": 1,
-    "float8_e5m2": 1,
-    "float8_e5m2fnuz": 1,
-    "float8_e8m0fnu": 1,
-    "float4_e2m1fn_x2": 1,
-}
 TENSOR_KINDS = ("parameter", "buffer", "tensor")
 SEGMENT_KINDS = ("memfd", "cuda_vmm")
 MAX_TENSORS = 1_000_000
@@ -77,7 +54,7 @@ class TensorInfo:
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
+        return math.prod(self.shape) * DTYPES[self.dtype].itemsize
 
 
 def extent_bytes(shape: tuple[int, ...] | list[int], stride: tuple[int, ...] | list[int], itemsize: int) -> int:
@@ -111,7 +88,7 @@ class Manifest:
     @property
     def tensor_bytes(self) -> int:
         """Bytes of all tensors' data."""
-        return sum(math.prod(s) * DTYPE_SIZES[d] for s, d in zip(self.shape, self.dtype))
+        return sum(math.prod(s) * DTYPES[d].itemsize for s, d in zip(self.shape, self.dtype))
 
     def __len__(self) -> int:
         return len(self.names)
@@ -277,8 +254,8 @@ class Manifest:
             seen.add(name)
             if not is_int(seg) or not 0 <= seg < len(segments):
                 raise ManifestError(f"tensor {name!r} names segment {seg!r}; the entry has {len(segments)}")
-            if not isinstance(dt, str) or dt not in DTYPE_SIZES:
-                raise ManifestError(f"tensor {name!r} has dtype {dt!r}; expected one of {sorted(DTYPE_SIZES)}")
+            if not isinstance(dt, str) or dt not in DTYPES:
+                raise ManifestError(f"tensor {name!r} has dtype {dt!r}; expected one of {sorted(DTYPES)}")
             if (
                 not isinstance(shape, list)
                 or not isinstance(stride, list)
@@ -291,7 +268,7 @@ class Manifest:
                     f"tensor {name!r} has shape {shape!r} and stride {stride!r}; expected two lists of "
                     f"non-negative integers of equal length (at most {MAX_NDIM})"
                 )
-            itemsize = DTYPE_SIZES[dt]
+            itemsize = DTYPES[dt].itemsize
             if not is_int(off) or off < 0 or off % itemsize:
                 raise ManifestError(f"tensor {name!r} has offset {off!r}; expected a multiple of {itemsize}")
             end = off + extent_bytes(shape, stride, itemsize)
@@ -324,4 +301,4 @@ class Manifest:
         )
 
 
-__all__ = ["DTYPE_SIZES", "MANIFEST_VERSION", "Manifest", "SegmentInfo", "TensorInfo", "extent_bytes"]
+__all__ = ["MANIFEST_VERSION", "Manifest", "SegmentInfo", "TensorInfo", "extent_bytes"]

@@ -8,7 +8,8 @@ attrs classes (which compile their methods) took ~6 ms more on a 2-core VM. :cla
 attrs.
 
 Framing (bytes and fds) is :mod:`weightcache.protocol`'s job; what an error code means to a caller is the one
-table in :mod:`weightcache.errors`. This module must never import torch: the keeper and the CLI use it.
+table in :mod:`weightcache.errors`. Layer L1: never imports torch (the keeper and the CLI use it;
+tests/test_layers.py checks).
 """
 
 from __future__ import annotations

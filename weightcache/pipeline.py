@@ -27,7 +27,7 @@ import time
 import warnings
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
+from typing import Any, Generic, Literal, TypeVar
 
 import attrs
 import torch
@@ -48,10 +48,8 @@ from .errors import (
 )
 from .fingerprint import Fingerprint, format_differences
 from .handle import Handle
+from .loader import StoredTensor
 from .publish import Packed, pack_checkpoint, pack_state
-
-if TYPE_CHECKING:
-    from .loader import StoredTensor
 
 log = logging.getLogger("weightcache")
 

@@ -8,7 +8,7 @@ The fds ride as SCM_RIGHTS ancillary data on the header bytes; the header's coun
 that exactly the announced fds arrived. Every length is bounded before anything is allocated, and nothing
 received is ever unpickled or evaluated: JSON is parsed into plain values and checked field by field.
 
-This module must not import torch: the keeper uses it.
+Layer L1: never imports torch (the keeper uses it; tests/test_layers.py checks).
 """
 
 from __future__ import annotations

@@ -20,7 +20,6 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
 
 import attrs
 import torch
@@ -29,12 +28,13 @@ from . import segments
 from .digests import content_digest, content_digests
 from .errors import SegmentError, WeightCacheError
 from .fingerprint import Fingerprint
+from .loader import StoredTensor, pinned_staging, prefetch_head, stream_into
 from .manifest import Manifest, SegmentInfo, TensorInfo
+from .progress import byte_bar, wanted
 from .protocol import MAX_FDS
+from .segments.cuda_vmm import CudaVmmSegment, device_index
+from .torch_dtypes import convertible
 from .views import map_entry
-
-if TYPE_CHECKING:
-    from .loader import StoredTensor
 
 #: Default upper bound on one CPU segment; a larger tensor gets a segment of its own.
 DEFAULT_MAX_SEGMENT_BYTES = 8 << 30
@@ -202,10 +202,6 @@ def pack_checkpoint(
     ``layout`` is the checkpoint's :func:`~weightcache.loader.checkpoint_layout`. ``progress``: a bar of the
     bytes streamed, on stderr (None: only on a terminal and for at least 1 GiB).
     """
-    from .loader import pinned_staging, prefetch_head, stream_into
-    from .progress import byte_bar, wanted
-    from .segments.cuda_vmm import CudaVmmSegment, device_index
-
     transport = segments.transport_for_placement(fingerprint.placement)
     if transport.kind != "cuda_vmm":
         raise SegmentError(f"pack_checkpoint streams into GPU segments; {fingerprint.placement} is not a GPU")
@@ -270,9 +266,7 @@ def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
 
 def stored_as_is(layout: list[StoredTensor], dtype: torch.dtype | None) -> bool:
     """Whether loading with ``dtype`` keeps every tensor exactly as the files store it."""
-    from .checkpoint import CONVERTIBLE
-
-    return dtype is None or all(t.dtype == dtype or str(t.dtype) not in CONVERTIBLE for t in layout)
+    return dtype is None or all(t.dtype == dtype or not convertible(t.dtype) for t in layout)
 
 
 __all__ = [

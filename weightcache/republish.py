@@ -25,19 +25,15 @@ import select
 import threading
 import time
 import weakref
-from typing import TYPE_CHECKING
+from pathlib import Path
 
 import attrs
 
 from .client import KeeperConnection, ensure_keeper
 from .errors import KeeperError, KeeperUnavailable, WeightCacheError
+from .lease import Lease
 from .protocol import close_fds
 from .rundir import STOPPED_NAME
-
-if TYPE_CHECKING:
-    from pathlib import Path
-
-    from .lease import Lease
 
 log = logging.getLogger("weightcache.republish")
 

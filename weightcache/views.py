@@ -10,8 +10,8 @@ import torch
 
 from . import segments
 from .errors import ManifestError
-from .fingerprint import resolve_dtype
 from .manifest import Manifest
+from .torch_dtypes import TORCH_DTYPES
 
 
 def map_entry(manifest: Manifest, fds: list[int]) -> dict[str, torch.Tensor]:
@@ -32,10 +32,9 @@ def map_entry(manifest: Manifest, fds: list[int]) -> dict[str, torch.Tensor]:
 
 def _torch_dtype(name: str) -> torch.dtype:
     try:
-        dtype: torch.dtype = resolve_dtype(name)
-    except ValueError:
+        return TORCH_DTYPES[name]
+    except KeyError:
         raise ManifestError(f"dtype {name!r} is not supported by torch {torch.__version__}") from None
-    return dtype
 
 
 def _cut(manifest: Manifest, bases: list[torch.Tensor]) -> dict[str, torch.Tensor]:

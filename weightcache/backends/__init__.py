@@ -14,7 +14,7 @@ this package never imports an engine. See docs/backends.md.
 from __future__ import annotations
 
 import importlib
-from typing import TypeVar
+import typing
 
 from .base import Backend, LoaderOptions, QuantSpec
 
@@ -24,10 +24,10 @@ _builtin: dict[str, str] = {
     "sglang": "weightcache.backends.sglang:SglangBackend",
 }
 _registry: dict[str, Backend] = {}
-B = TypeVar("B", bound=type[Backend])
+_B = typing.TypeVar("_B", bound=type[Backend])
 
 
-def register(cls: B, *, replace: bool = False) -> B:
+def register(cls: _B, *, replace: bool = False) -> _B:
     """Register an adapter class under its ``name`` (usable as a decorator). Returns the class.
 
     Raises ValueError if the name is taken (pass ``replace=True`` to override on purpose) and TypeError if

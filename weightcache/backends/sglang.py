@@ -17,27 +17,27 @@ key is an error) or are fixed on a subclass made by :meth:`WeightCacheLoader.con
 The loader reports the attached bytes as ``preloaded_weights_bytes``, which SGLang's memory accounting adds to
 its pre-load baseline, so the KV cache is sized as after a disk load.
 
-This module imports SGLang only inside functions: ``weightcache.backends.sglang`` imports without SGLang.
+This module imports SGLang only inside functions: ``weightcache.backends.sglang`` imports without SGLang
+(tests/test_layers.py checks).
 """
 
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import torch
 from torch import nn
 
 from ..errors import BackendError
+from ..fingerprint import Fingerprint
+from ..handle import Handle
 from .base import Backend, LoaderOptions, QuantSpec, plain_json, quant_spec_from_config
-
-if TYPE_CHECKING:
-    from ..fingerprint import Fingerprint
-    from ..handle import Handle
 
 #: SGLang's parallel widths (``runtime_context.get_parallel()``) that decide which shard a rank holds, as
 #: fingerprint axis -> (rank attribute, size attribute).
@@ -208,8 +208,6 @@ def _server_settings() -> dict[str, Any]:
 
 def _disk_load_config(load_config: Any) -> Any:
     """SGLang's LoadConfig for its own loader: load format auto, none of weightcache's options."""
-    import dataclasses
-
     return dataclasses.replace(load_config, load_format="auto", model_loader_extra_config={})
 
 

@@ -22,7 +22,8 @@ embedding layers, which on CPU are packed into oneDNN/sgl handles and have ``wei
 tensors as loaded, before post-processing, are published, and attaching re-runs the packing from them, so
 results stay bitwise identical to a disk load.
 
-This module imports vLLM only inside functions: ``weightcache.backends.vllm`` imports without vLLM.
+This module imports vLLM only inside functions: ``weightcache.backends.vllm`` imports without vLLM
+(tests/test_layers.py checks).
 """
 
 from __future__ import annotations
@@ -32,19 +33,20 @@ import dataclasses
 import json
 import logging
 import os
+import sys
 from collections.abc import Iterator, Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from functools import partial
+from typing import Any, ClassVar
 
 import attrs
 import torch
 from torch import nn
 
+from .. import parity
 from .._version import __version__
+from ..fingerprint import Fingerprint
+from ..handle import Handle
 from .base import Backend, LoaderOptions, QuantSpec, own_tensors, plain_json, quant_spec_from_config
-
-if TYPE_CHECKING:
-    from ..fingerprint import Fingerprint
-    from ..handle import Handle
 
 #: The load format the loader is registered under.
 LOAD_FORMAT = "weightcache"
@@ -384,12 +386,8 @@ def record_run(
 ) -> list[int]:
     """Start vLLM on ``model``, write the tensor table of the model it runs, and return greedy token ids for
     ``prompt`` (``skip_tokenizer_init``: token ids in, token ids out)."""
-    from functools import partial
-
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
-
-    from .. import parity
 
     llm = LLM(
         model=model,
@@ -433,6 +431,4 @@ __all__ = [
 ]
 
 if __name__ == "__main__":
-    import sys
-
     _record_main(sys.argv[1:])

@@ -27,7 +27,7 @@ from typing import Any
 
 import attrs
 
-from .. import messages, segments
+from .. import fdcheck, messages
 from ..budget import Budget, format_bytes
 from ..manifest import Manifest
 from ..messages import EntryInfo, InspectReply, PublishReply, RequestError, entry_key
@@ -313,7 +313,7 @@ def _checked(manifest_json: dict[str, Any], fds: Sequence[int]) -> tuple[Manifes
             messages.BAD_REQUEST, f"manifest lists {len(manifest.segments)} segments but {len(fds)} fds arrived"
         )
     for fd, info in zip(fds, manifest.segments):
-        segments.verify_fd(fd, info)
+        fdcheck.verify_fd(fd, info)
     return manifest, text
 
 

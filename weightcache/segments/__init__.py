@@ -1,23 +1,18 @@
 """Segment transports by kind and placement, and packing tensors into segments.
 
-``"cpu"`` placements use sealed memfds; ``"GPU-<uuid>"`` placements use CUDA VMM allocations.
+``"cpu"`` placements use sealed memfds; ``"GPU-<uuid>"`` placements use CUDA VMM allocations. Layer L3 (torch);
+the keeper checks the fds it receives with :mod:`weightcache.fdcheck` and never imports this package.
 """
 
 from __future__ import annotations
-
-from typing import TYPE_CHECKING
 
 import attrs
 
 from ..errors import SegmentError
 from .base import Segment, Transport
 from .cuda_vmm import CudaVmmTransport
+from .dense import dense_bytes, is_dense, stored_stride
 from .memfd import MemfdTransport
-
-if TYPE_CHECKING:
-    import torch
-
-    from ..manifest import SegmentInfo
 
 _TRANSPORTS: dict[str, Transport] = {"memfd": MemfdTransport(), "cuda_vmm": CudaVmmTransport()}
 
@@ -37,47 +32,6 @@ def transport_for_placement(placement: str) -> Transport:
     if placement.startswith("GPU-"):
         return transport("cuda_vmm")
     raise SegmentError(f"unknown placement {placement!r}; expected 'cpu' or 'GPU-<uuid>'")
-
-
-def verify_fd(fd: int, info: SegmentInfo) -> None:
-    """Keeper-side check that a received fd is a sealed segment of ``info``'s kind and size (torch-free)."""
-    transport(info.kind).verify_fd(fd, info)
-
-
-def is_dense(tensor: torch.Tensor) -> bool:
-    """True when the tensor's elements fill a contiguous block of memory in some dimension order
-    (contiguous, transposed, permuted), so its bytes can be stored as they lie, strides kept."""
-    dims = sorted((st, n) for n, st in zip(tensor.shape, tensor.stride()) if n != 1)
-    expected = 1
-    for st, n in dims:
-        if st != expected:
-            return False
-        expected *= n
-    return True
-
-
-def dense_bytes(tensor: torch.Tensor) -> torch.Tensor:
-    """A flat ``uint8`` view of ``tensor``'s bytes in memory order (copying only if it is not dense).
-
-    Stored with :func:`stored_stride`, this gives an attached tensor the very layout of the published one,
-    transposes included.
-    """
-    import torch
-
-    t = tensor.detach()
-    if t.numel() == 0:
-        return torch.empty(0, dtype=torch.uint8, device=t.device)
-    if not is_dense(t):
-        t = t.contiguous()
-    return t.as_strided((t.numel(),), (1,)).view(torch.uint8)
-
-
-def stored_stride(tensor: torch.Tensor) -> tuple[int, ...]:
-    """Strides the tensor has once stored by :func:`dense_bytes`."""
-    t = tensor.detach()
-    if t.numel() == 0 or is_dense(t):
-        return tuple(t.stride())
-    return tuple(t.contiguous().stride())
 
 
 @attrs.frozen
@@ -119,5 +73,4 @@ __all__ = [
     "stored_stride",
     "transport",
     "transport_for_placement",
-    "verify_fd",
 ]

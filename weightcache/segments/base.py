@@ -11,22 +11,13 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
 
-if TYPE_CHECKING:
-    import torch
+import torch
 
-    from ..manifest import SegmentInfo
-
-
-def inspect_fd(fd: int) -> tuple[os.stat_result, str]:
-    """``fstat`` and the ``/proc/self/fd`` link of a received fd: what transports check before trusting it."""
-    from ..errors import SegmentError
-
-    try:
-        return os.fstat(fd), os.readlink(f"/proc/self/fd/{fd}")
-    except OSError as exc:
-        raise SegmentError(f"fd {fd} cannot be inspected: {exc}") from exc
+from .. import fdcheck
+from ..errors import SegmentError
+from ..manifest import SegmentInfo
 
 
 class Segment(ABC):
@@ -57,8 +48,6 @@ class Segment(ABC):
     def fd(self) -> int:
         """The shareable fd; owned by the segment until :meth:`close`."""
         if self._fd < 0:
-            from ..errors import SegmentError
-
             raise SegmentError("segment is closed")
         return self._fd
 
@@ -100,9 +89,9 @@ class Transport(ABC):
         """
 
     @staticmethod
-    @abstractmethod
     def verify_fd(fd: int, info: SegmentInfo) -> None:
-        """Check that ``fd`` really is a sealed segment of this kind and size; raise SegmentError otherwise.
+        """Check that ``fd`` really is a sealed segment of ``info``'s kind and size; raise SegmentError otherwise.
 
-        Runs in the keeper: must not import torch or create a CUDA context.
+        The check itself is :func:`weightcache.fdcheck.verify_fd`, which the keeper runs without this package.
         """
+        fdcheck.verify_fd(fd, info)

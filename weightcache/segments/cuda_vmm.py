@@ -12,29 +12,24 @@ its mapping (see :class:`_Mapping`) and unmaps it when the last view of it is co
 Segments are placed by GPU UUID (``"GPU-<uuid>"``), never by index: ``CUDA_VISIBLE_DEVICES`` differs from
 process to process, the UUID does not.
 
-Must not import torch or cuda-bindings at module level: the keeper imports this module for
-:meth:`CudaVmmTransport.verify_fd`.
+What a received VMM fd must be is :func:`weightcache.fdcheck.verify_cuda_vmm`'s (the keeper checks it without
+torch or CUDA). ``cuda-bindings`` is imported on first use: a CPU-only install lacks it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import stat
 import threading
 from collections.abc import Iterator
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import Any, ClassVar
+
+import torch
 
 from ..errors import SegmentError
-from .base import Segment, Transport, inspect_fd
-
-if TYPE_CHECKING:
-    import torch
-
-    from ..manifest import SegmentInfo
-
-#: What /proc/self/fd/N points to for a VMM POSIX fd (seen with driver 580 on an H200).
-VMM_FD_TARGET = "/dev/nvidiactl"
+from ..manifest import SegmentInfo
+from .base import Segment, Transport
+from .dense import dense_bytes
 
 _lock = threading.Lock()
 _placements: dict[str, int] = {}
@@ -42,7 +37,7 @@ _placements: dict[str, int] = {}
 
 def _driver() -> Any:
     try:
-        from cuda.bindings import driver
+        from cuda.bindings import driver  # lazy: a CPU-only install has no cuda-bindings
     except ImportError as exc:
         raise SegmentError(
             "CUDA segments need NVIDIA's cuda-bindings: pip install 'weightcache[cuda]' (or cuda-bindings "
@@ -64,8 +59,6 @@ def _check(result: tuple[Any, ...], what: str) -> Any:
 
 def placement_of(index: int) -> str:
     """``"GPU-<uuid>"`` of the torch device ``cuda:index``."""
-    import torch
-
     return f"GPU-{torch.cuda.get_device_properties(index).uuid}"
 
 
@@ -74,8 +67,6 @@ def device_index(placement: str) -> int:
     with _lock:
         if placement in _placements:
             return _placements[placement]
-    import torch
-
     if not torch.cuda.is_available():
         raise SegmentError(f"segment is on {placement} but this process sees no CUDA device")
     seen = []
@@ -105,8 +96,6 @@ def _location(index: int) -> Any:
 def _on_device(index: int) -> Iterator[None]:
     """Make torch's primary context of ``index`` current on this thread for the driver calls inside, and
     restore the caller's current device afterwards."""
-    import torch
-
     torch.cuda.init()  # type: ignore[no-untyped-call]
     with torch.cuda.device(index):
         torch.cuda.current_stream(index)  # the primary context exists from here on
@@ -211,16 +200,12 @@ class CudaVmmSegment(Segment):
         try:
             self._handle = _check(cu.cuMemCreate(size, _allocation_prop(self.index), 0), "cuMemCreate")
         except SegmentError as exc:
-            import torch
-
             free, total = torch.cuda.mem_get_info(self.index)
             raise SegmentError(
                 f"cannot allocate a {size / 2**30:.2f} GiB segment on {placement}: {exc} ({free / 2**30:.2f} of "
                 f"{total / 2**30:.2f} GiB free). Free GPU memory or evict entries (`weightcache evict`)."
             ) from exc
         try:
-            import torch
-
             ptr, _ = _map(self._handle, size, self.index, read_only=False)
             self._mapping = _Mapping(ptr, size, self.index)
             self._base = torch.as_tensor(self._mapping, device=f"cuda:{self.index}")
@@ -238,8 +223,6 @@ class CudaVmmSegment(Segment):
         self._sealed = False
 
     def write(self, offset: int, tensor: torch.Tensor) -> None:
-        from . import dense_bytes
-
         if self._sealed or self._base is None:
             raise SegmentError("segment is sealed; it cannot be written any more")
         data = dense_bytes(tensor)
@@ -260,8 +243,6 @@ class CudaVmmSegment(Segment):
     def seal(self) -> None:
         if self._sealed:
             return
-        import torch
-
         torch.cuda.synchronize(self.index)
         # Drop our read-write mapping: from here on nobody can write the segment (clients map it read-only).
         self._base = None
@@ -298,8 +279,6 @@ class CudaVmmTransport(Transport):
         """:meth:`map`, also saying whether the mapping is read-only (False when ``WEIGHTCACHE_CUDA_WRITABLE``
         asked for writable mappings, or the driver refused read-only access and the segment was mapped
         read-write instead)."""
-        import torch
-
         cu = _driver()
         index = device_index(info.placement)
         with _on_device(index):
@@ -314,16 +293,6 @@ class CudaVmmTransport(Transport):
             finally:
                 cu.cuMemRelease(handle)  # the mapping holds the memory from here on
             return torch.as_tensor(_Mapping(ptr, info.size, index), device=f"cuda:{index}"), read_only
-
-    @staticmethod
-    def verify_fd(fd: int, info: SegmentInfo) -> None:
-        st, target = inspect_fd(fd)
-        if not stat.S_ISCHR(st.st_mode) or target != VMM_FD_TARGET:
-            raise SegmentError(
-                f"expected a CUDA VMM POSIX fd (a handle on {VMM_FD_TARGET}) for a GPU segment; fd {fd} is {target!r}"
-            )
-        if not info.placement.startswith("GPU-"):
-            raise SegmentError(f"a cuda_vmm segment must be placed on a GPU UUID; found {info.placement!r}")
 
 
 def read_only_mappings() -> bool:

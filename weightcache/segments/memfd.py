@@ -7,7 +7,7 @@ other processes read or truncate the file under their mappings (which would kill
 Clients map the memfd ``MAP_PRIVATE``: reads hit the one shared copy in the page cache, and an engine that
 writes to its weights gets a private copy of that page instead of corrupting everyone else's.
 
-Must not import torch at module level: the keeper calls :meth:`MemfdTransport.verify_fd`.
+What a received memfd must be is :func:`weightcache.fdcheck.verify_memfd`'s (the keeper checks it without torch).
 """
 
 from __future__ import annotations
@@ -15,19 +15,15 @@ from __future__ import annotations
 import fcntl
 import mmap
 import os
-import stat
-from typing import TYPE_CHECKING, ClassVar
+from typing import ClassVar
+
+import torch
 
 from ..errors import SegmentError
-from .base import Segment, Transport, inspect_fd
-
-if TYPE_CHECKING:
-    import torch
-
-    from ..manifest import SegmentInfo
-
-REQUIRED_SEALS = fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-MEMFD_PREFIX = "/memfd:weightcache"
+from ..fdcheck import REQUIRED_SEALS
+from ..manifest import SegmentInfo
+from .base import Segment, Transport
+from .dense import dense_bytes
 
 
 class MemfdSegment(Segment):
@@ -55,8 +51,6 @@ class MemfdSegment(Segment):
         self._sealed = False
 
     def write(self, offset: int, tensor: torch.Tensor) -> None:
-        from . import dense_bytes
-
         if self._sealed:
             raise SegmentError("segment is sealed; it cannot be written any more")
         data = dense_bytes(tensor)
@@ -100,8 +94,6 @@ class MemfdTransport(Transport):
         return MemfdSegment(size, placement)
 
     def map(self, fd: int, info: SegmentInfo) -> torch.Tensor:
-        import torch
-
         self.verify_fd(fd, info)
         try:
             mapping = mmap.mmap(fd, info.size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
@@ -110,20 +102,3 @@ class MemfdTransport(Transport):
         # torch.frombuffer keeps `mapping` referenced for as long as the tensor or any view of it lives;
         # the mapping is unmapped only when the last of them is collected.
         return torch.frombuffer(mapping, dtype=torch.uint8)
-
-    @staticmethod
-    def verify_fd(fd: int, info: SegmentInfo) -> None:
-        st, target = inspect_fd(fd)
-        if not stat.S_ISREG(st.st_mode) or not target.startswith("/memfd:"):
-            raise SegmentError(f"expected a memfd for a CPU segment; fd {fd} is {target!r}")
-        try:
-            seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
-        except OSError as exc:
-            raise SegmentError(f"memfd {target!r} does not support sealing: {exc}") from exc
-        if st.st_size != info.size:
-            raise SegmentError(f"memfd holds {st.st_size} bytes; the manifest says {info.size}")
-        if seals & REQUIRED_SEALS != REQUIRED_SEALS:
-            raise SegmentError(
-                f"memfd is not sealed against write/shrink/grow (seals {seals:#x}); refusing to share memory "
-                "that its creator can still change"
-            )
