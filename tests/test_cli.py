@@ -136,7 +136,7 @@ def test_ls_shows_holders_and_budget(checkpoint: Path, socket_dir: Path) -> None
             table = wc_cli("ls", "--socket-dir", str(socket_dir)).stdout
             # the lease's age is whatever it is when `ls` runs: seconds on a loaded machine
             assert "HELD BY (PID SINCE)" in table and re.search(rf" {os.getpid()} \d+s\n", table)
-            assert "budget  cpu 4.00 KiB of 1.00 MiB" in table
+            assert "budget  cpu 4.0 KiB of 1.0 MiB" in table
             shown = wc_cli("inspect", wc.Fingerprint.create(checkpoint).digest, "--socket-dir", str(socket_dir)).stdout
             assert re.search(rf"leases     1  pid {os.getpid()} since \d+s", shown)
     finally:

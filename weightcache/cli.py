@@ -18,27 +18,10 @@ import attrs
 from ._version import __version__
 from .errors import WeightCacheError
 from .messages import EVERY_ENTRY
+from .units import format_age, format_bytes
 
 if TYPE_CHECKING:
     from .client import KeeperConnection
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def _human_age(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
 
 
 def _connect(args: argparse.Namespace) -> KeeperConnection:
@@ -79,13 +62,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps({"keeper": reply.keeper.to_json(), "entries": [e.to_json() for e in reply.entries]}, indent=2))
         return 0
     k = reply.keeper
-    print(f"keeper pid {k.pid}  weightcache {k.version}  {k.socket_dir}  up {_human_age(k.uptime_s)}")
+    print(f"keeper pid {k.pid}  weightcache {k.version}  {k.socket_dir}  up {format_age(k.uptime_s)}")
     limits = dict(k.budget.per_placement)
     if k.budget.default is not None:
         limits["*"] = k.budget.default
     if limits:
         used = k.bytes_by_placement
-        shown = (f"{p} {_human_bytes(used.get(p, 0))} of {_human_bytes(v)}" for p, v in limits.items())
+        shown = (f"{p} {format_bytes(used.get(p, 0))} of {format_bytes(v)}" for p, v in limits.items())
         print("budget  " + ", ".join(shown))
     if not reply.entries:
         print("(no entries)")
@@ -102,11 +85,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 e.digest[:12],
                 model,
                 e.device,
-                _human_bytes(e.bytes),
+                format_bytes(e.bytes),
                 str(e.tensors),
                 str(e.leases),
-                _human_age(e.age_s),
-                ", ".join(f"{pid} {_human_age(now - since)}" for pid, since in e.holders) or "-",
+                format_age(e.age_s),
+                ", ".join(f"{pid} {format_age(now - since)}" for pid, since in e.holders) or "-",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -126,15 +109,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"entry      {entry.digest}")
     print(f"model      {entry.model}  ({fp.model_path})")
     print(f"placement  {entry.placement}")
-    print(f"size       {_human_bytes(entry.bytes)} in {entry.segments} segments, {entry.tensors} tensors")
+    print(f"size       {format_bytes(entry.bytes)} in {entry.segments} segments, {entry.tensors} tensors")
     now = time.time()
-    holders = ", ".join(f"pid {pid} since {_human_age(now - since)}" for pid, since in entry.holders)
+    holders = ", ".join(f"pid {pid} since {format_age(now - since)}" for pid, since in entry.holders)
     print(f"leases     {entry.leases}  {holders}")
     for key in ("dtype", "quant", "quant_config_hash", "transform", "engine", "engine_version", "torch_version"):
         print(f"{key:<10} {getattr(fp, key)}")
     print("parallel   " + (", ".join(f"{a} {r}/{s}" for a, r, s in fp.parallel) or "-"))
     for f in fp.checkpoint:
-        print(f"file       {f.name}  {_human_bytes(f.size)}  header {f.header_sha256[:12]}")
+        print(f"file       {f.name}  {format_bytes(f.size)}  header {f.header_sha256[:12]}")
     if args.tensors:
         t = manifest["tensors"]
         for i, name in enumerate(t["name"]):
@@ -201,7 +184,7 @@ def cmd_load(args: argparse.Namespace) -> int:
     if not handle.read_disk:
         print(f"already cached: {fp.digest[:12]}  {fp.describe()}")
         return 0
-    print(f"published {fp.digest[:12]}  {fp.describe()}\n  {count} tensors, {_human_bytes(size)} in {seconds:.2f} s")
+    print(f"published {fp.digest[:12]}  {fp.describe()}\n  {count} tensors, {format_bytes(size)} in {seconds:.2f} s")
     return 0
 
 
