@@ -17,14 +17,14 @@ from pathlib import Path
 
 import torch
 
-from weightcache.bench import layout
-from weightcache.bench_restart import write_checkpoint
 from weightcache.checkpoint import drop_page_cache
+from weightcache.tools.bench import layout
+from weightcache.tools.bench_restart import write_checkpoint
 
 CLIENT = r"""
 import cProfile, gc, json, pstats, sys, time, torch
 import weightcache as wc
-from weightcache.bench import _holder
+from weightcache.tools.bench import _holder
 from weightcache import cache as C, segments as S
 ckpt, sock = sys.argv[1], sys.argv[2]
 torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()

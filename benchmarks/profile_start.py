@@ -11,14 +11,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-from weightcache.bench import layout
-from weightcache.bench_restart import write_checkpoint
 from weightcache.checkpoint import drop_page_cache
+from weightcache.tools.bench import layout
+from weightcache.tools.bench_restart import write_checkpoint
 
 ENGINE = r"""
 import cProfile, gc, json, pstats, sys, time, torch
 import weightcache as wc
-from weightcache.bench import _holder
+from weightcache.tools.bench import _holder
 ckpt, sock, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
 shapes = json.loads(open(ckpt + "/config.json").read())["shapes"]

@@ -15,25 +15,25 @@ from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ._version import __version__
-from .errors import WeightCacheError
-from .messages import EVERY_ENTRY
-from .units import format_age, format_bytes
+from .._version import __version__
+from ..errors import WeightCacheError
+from ..messages import EVERY_ENTRY
+from ..units import format_age, format_bytes
 
 if TYPE_CHECKING:
-    from .client import KeeperConnection
+    from ..client import KeeperConnection
 
 
 def _connect(args: argparse.Namespace) -> KeeperConnection:
-    from .client import KeeperConnection  # filelock, which it imports, costs `weightcache serve` ~60 ms
+    from ..client import KeeperConnection  # filelock, which it imports, costs `weightcache serve` ~60 ms
 
     return KeeperConnection.connect(args.socket_dir)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from . import keeper
-    from .budget import parse_budget
-    from .rundir import resolve_group
+    from .. import keeper
+    from ..budget import parse_budget
+    from ..rundir import resolve_group
 
     try:
         budget = parse_budget(args.max_bytes, args.max_fraction)
@@ -140,8 +140,8 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from .client import stop_keeper
-    from .errors import KeeperUnavailable
+    from ..client import stop_keeper
+    from ..errors import KeeperUnavailable
 
     try:
         conn = _connect(args)
@@ -159,7 +159,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from .api import preload
+    from ..api import preload
 
     try:
         quant_config = json.loads(args.quant_config) if args.quant_config else None
@@ -189,7 +189,7 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    from .parity import compare, read_table
+    from ..parity import compare, read_table
 
     if args.engine:
         return _engine_parity(args)
@@ -217,7 +217,7 @@ def _print_limited(lines: list[str], limit: int) -> None:
 def _engine_parity(args: argparse.Namespace) -> int:
     import tempfile
 
-    from .parity import engine_parity
+    from ..parity import engine_parity
 
     if args.tables or not args.model:
         raise WeightCacheError("with --engine, give the model with --model and no table files")

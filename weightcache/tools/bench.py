@@ -78,7 +78,7 @@ def _marker_checkpoint(directory: Path) -> Path:
 
 
 def _fingerprint(marker: Path, device: str, gib: float, n: int, dtype: str) -> Any:
-    from .fingerprint import Fingerprint
+    from ..fingerprint import Fingerprint
 
     return Fingerprint.create(marker, device=device, dtype=dtype, extra={"bench_gib": gib, "bench_tensors": n})
 
@@ -87,8 +87,8 @@ def client(spec_path: str) -> None:
     """Runs in the fresh process: attach ``repeat`` times, print one JSON line of timings."""
     import torch
 
-    from .binding import bind
-    from .cache import Cache
+    from ..binding import bind
+    from ..cache import Cache
 
     spec = json.loads(Path(spec_path).read_text())
     dtype = getattr(torch, spec["dtype"])
@@ -124,7 +124,7 @@ def _run_one(
 ) -> dict[str, Any]:
     import torch
 
-    from .cache import Cache
+    from ..cache import Cache
 
     dtype = getattr(torch, dtype_name)
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -161,7 +161,10 @@ def _run_one(
         spec = f.name
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "weightcache.bench", "client", spec], capture_output=True, text=True, check=False
+            [sys.executable, "-m", "weightcache.tools.bench", "client", spec],
+            capture_output=True,
+            text=True,
+            check=False,
         )
     finally:
         os.unlink(spec)
@@ -197,8 +200,8 @@ def main(args: argparse.Namespace) -> int:
     args.sizes = args.sizes or "1,2,8"
     args.tensors = args.tensors or "500"
 
-    from .cache import Cache
-    from .client import ensure_keeper
+    from ..cache import Cache
+    from ..client import ensure_keeper
 
     sizes = [float(s) for s in args.sizes.split(",")]
     counts = [int(c) for c in args.tensors.split(",")]
@@ -254,4 +257,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "client":
         client(sys.argv[2])
     else:
-        raise SystemExit("usage: python -m weightcache.bench client SPEC.json (use `weightcache bench`)")
+        raise SystemExit("usage: python -m weightcache.tools.bench client SPEC.json (use `weightcache bench`)")

@@ -19,7 +19,7 @@ from typing import Any, Literal
 
 import attrs
 
-from ._version import __version__
+from .._version import __version__
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -87,7 +87,7 @@ def _versions(dist: str = "weightcache") -> Iterator[Check]:
     try:
         requirements = metadata.requires(dist) or []
     except metadata.PackageNotFoundError:
-        where = Path(__file__).resolve().parent.parent
+        where = Path(__file__).resolve().parents[2]  # the source tree: weightcache/tools/doctor.py
         yield Check(
             "versions",
             "warn",
@@ -119,8 +119,8 @@ def _versions(dist: str = "weightcache") -> Iterator[Check]:
 def _memfd() -> Iterator[Check]:
     import mmap
 
-    from .manifest import SegmentInfo
-    from .segments.memfd import MemfdSegment, MemfdTransport
+    from ..manifest import SegmentInfo
+    from ..segments.memfd import MemfdSegment, MemfdTransport
 
     size = mmap.PAGESIZE
     segment = MemfdSegment(size, "cpu", name="weightcache-doctor")
@@ -146,7 +146,7 @@ def _memfd() -> Iterator[Check]:
 
 
 def _fd_passing() -> Iterator[Check]:
-    from . import protocol
+    from .. import protocol
 
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
@@ -167,8 +167,8 @@ def _fd_passing() -> Iterator[Check]:
 
 
 def _socket_dir(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
-    from .errors import SocketDirError
-    from .rundir import MAX_SOCKET_PATH, check_socket_dir, is_explicit, resolve_socket_dir, socket_path
+    from ..errors import SocketDirError
+    from ..rundir import MAX_SOCKET_PATH, check_socket_dir, is_explicit, resolve_socket_dir, socket_path
 
     directory = resolve_socket_dir(socket_dir)
     how = "named" if is_explicit(socket_dir) else "default"
@@ -218,9 +218,9 @@ def _fix_from(message: str) -> str:
 
 
 def _keeper(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
-    from .client import KeeperConnection
-    from .errors import KeeperUnavailable, ProtocolVersionError, SocketDirError, WeightCacheError
-    from .rundir import STOPPED_NAME, resolve_socket_dir
+    from ..client import KeeperConnection
+    from ..errors import KeeperUnavailable, ProtocolVersionError, SocketDirError, WeightCacheError
+    from ..rundir import STOPPED_NAME, resolve_socket_dir
 
     directory = resolve_socket_dir(socket_dir)
     try:
@@ -316,7 +316,7 @@ def _cuda() -> Iterator[Check]:
 def _gpu(index: int, cu: Any) -> Check:
     import torch
 
-    from .segments.cuda_vmm import CudaVmmSegment, CudaVmmTransport, placement_of, read_only_mappings
+    from ..segments.cuda_vmm import CudaVmmSegment, CudaVmmTransport, placement_of, read_only_mappings
 
     name = f"cuda:{index}"
     props = torch.cuda.get_device_properties(index)
@@ -338,7 +338,7 @@ def _gpu(index: int, cu: Any) -> Check:
             f"{label}: no {' or '.join(missing)} support",
             "GPU segments need CUDA VMM with POSIX-fd handles (driver >= 450 on Linux); use device='cpu' here",
         )
-    from .manifest import SegmentInfo
+    from ..manifest import SegmentInfo
 
     placement = placement_of(index)
     segment = CudaVmmSegment(1, placement)

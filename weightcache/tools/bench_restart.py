@@ -29,8 +29,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import drop_page_cache
-from .progress import byte_bar
+from ..checkpoint import drop_page_cache
+from ..progress import byte_bar
 
 #: Checkpoint shards are at most this big, like the files real checkpoints ship in.
 SHARD_BYTES = 4 << 30
@@ -110,7 +110,7 @@ def engine(spec_json: str) -> None:
     import torch
 
     import weightcache as wc
-    from weightcache.bench import _holder
+    from weightcache.tools.bench import _holder
 
     spec = json.loads(spec_json)
     device = spec["device"]
@@ -149,7 +149,7 @@ def engine(spec_json: str) -> None:
 
 def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "weightcache.bench_restart", "engine", json.dumps(spec)],
+        [sys.executable, "-m", "weightcache.tools.bench_restart", "engine", json.dumps(spec)],
         capture_output=True,
         text=True,
         check=False,
@@ -163,8 +163,8 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
 def run(args: Any) -> int:
     import torch
 
+    from ..cache import Cache
     from .bench import layout
-    from .cache import Cache
 
     device = args.device
     sizes = [float(s) for s in args.sizes.split(",")]
@@ -264,8 +264,8 @@ def _report(args: Any, device: str, h2d: float | None, rows: list[dict[str, Any]
 
 
 def _evict_all(socket_dir: Path) -> None:
-    from .client import KeeperConnection
-    from .messages import EVERY_ENTRY
+    from ..client import KeeperConnection
+    from ..messages import EVERY_ENTRY
 
     with KeeperConnection.connect(socket_dir) as conn:
         conn.evict(EVERY_ENTRY, force=True, every=True)
@@ -275,4 +275,6 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "engine":
         engine(sys.argv[2])
     else:
-        raise SystemExit("usage: python -m weightcache.bench_restart engine SPEC (use `weightcache bench --restart`)")
+        raise SystemExit(
+            "usage: python -m weightcache.tools.bench_restart engine SPEC (use `weightcache bench --restart`)"
+        )
