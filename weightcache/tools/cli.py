@@ -1,6 +1,13 @@
 """The ``weightcache`` command: serve | load | ls | inspect | evict | stop | parity | doctor | bench.
 
-Keeper commands (serve, ls, inspect, evict, stop) do not import torch, so they answer in milliseconds.
+Argument parsing and the commands; each command translates its arguments into calls of the library's public
+API (``weightcache.attach``/``preload``/``Cache``, :class:`weightcache.client.KeeperConnection` for the keeper
+commands) or of the other tools (doctor, bench, engine parity).
+
+Keeper commands (serve, ls, inspect, evict, stop) do not import torch, so they answer in milliseconds. So a
+command imports at its start what only it needs: torch (load, through ``wc.preload``; bench; doctor's GPU
+checks), the keeper's server (serve), and the keeper client with filelock, which ``serve`` has no use for
+(~20-60 ms of every keeper start).
 """
 
 from __future__ import annotations
@@ -9,40 +16,43 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from .._version import __version__
-from ..errors import WeightCacheError
-from ..messages import EVERY_ENTRY
-from ..units import format_age, format_bytes
+import weightcache as wc
+from weightcache.budget import parse_budget
+from weightcache.messages import EVERY_ENTRY
+from weightcache.parity import compare, read_table
+from weightcache.rundir import resolve_group
+from weightcache.units import format_age, format_bytes
+
+from .engine_parity import engine_parity
 
 if TYPE_CHECKING:
-    from ..client import KeeperConnection
+    from weightcache.client import KeeperConnection
 
 
 def _connect(args: argparse.Namespace) -> KeeperConnection:
-    from ..client import KeeperConnection  # filelock, which it imports, costs `weightcache serve` ~60 ms
+    from weightcache.client import KeeperConnection  # filelock, which it imports: serve does without
 
     return KeeperConnection.connect(args.socket_dir)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from .. import keeper
-    from ..budget import parse_budget
-    from ..rundir import resolve_group
+    from weightcache import keeper  # the server: only this command runs it
 
     try:
         budget = parse_budget(args.max_bytes, args.max_fraction)
     except (ValueError, OSError) as exc:
-        raise WeightCacheError(f"bad budget: {exc}") from exc
+        raise wc.WeightCacheError(f"bad budget: {exc}") from exc
     try:
         group = None if args.allow_group is None else resolve_group(args.allow_group)
     except ValueError as exc:
-        raise WeightCacheError(f"--allow-group: {exc}") from exc
+        raise wc.WeightCacheError(f"--allow-group: {exc}") from exc
     if args.detach:
         keeper.detach_and_serve(args.socket_dir, args.ready_fd, budget, group)
         return 0
@@ -140,12 +150,11 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from ..client import stop_keeper
-    from ..errors import KeeperUnavailable
+    from weightcache.client import stop_keeper
 
     try:
         conn = _connect(args)
-    except KeeperUnavailable as exc:
+    except wc.KeeperUnavailable as exc:
         print(f"no keeper to stop: {exc}", file=sys.stderr)
         return 1
     pid = stop_keeper(
@@ -159,14 +168,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from ..api import preload
-
     try:
         quant_config = json.loads(args.quant_config) if args.quant_config else None
     except ValueError as exc:
-        raise WeightCacheError(f"bad argument: --quant-config is not JSON: {exc}") from exc
+        raise wc.WeightCacheError(f"bad argument: --quant-config is not JSON: {exc}") from exc
     t0 = time.perf_counter()
-    handle = preload(
+    handle = wc.preload(  # imports torch
         args.checkpoint,
         device=args.device,
         dtype=args.dtype,
@@ -189,12 +196,10 @@ def cmd_load(args: argparse.Namespace) -> int:
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    from ..parity import compare, read_table
-
     if args.engine:
         return _engine_parity(args)
     if len(args.tables) != 2:
-        raise WeightCacheError("parity needs two tables (LEFT RIGHT), or --engine ENGINE --model MODEL")
+        raise wc.WeightCacheError("parity needs two tables (LEFT RIGHT), or --engine ENGINE --model MODEL")
     left, right = read_table(args.tables[0]), read_table(args.tables[1])
     differences = compare(left, right)
     if args.json:
@@ -215,17 +220,13 @@ def _print_limited(lines: list[str], limit: int) -> None:
 
 
 def _engine_parity(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from ..parity import engine_parity
-
     if args.tables or not args.model:
-        raise WeightCacheError("with --engine, give the model with --model and no table files")
+        raise wc.WeightCacheError("with --engine, give the model with --model and no table files")
     engine_args: dict[str, Any] = {}
     for item in args.engine_arg:
         key, sep, value = item.partition("=")
         if not sep:
-            raise WeightCacheError(f"--engine-arg takes KEY=VALUE (JSON values, or plain strings); found {item!r}")
+            raise wc.WeightCacheError(f"--engine-arg takes KEY=VALUE (JSON values, or plain strings); found {item!r}")
         try:
             engine_args[key] = json.loads(value)
         except ValueError:
@@ -249,27 +250,55 @@ def _engine_parity(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from . import doctor
+    from . import doctor  # imports the segment transports; its GPU checks import torch
 
     checks = doctor.run(args.socket_dir)
     if args.json:
         print(json.dumps([c.to_json() for c in checks], indent=2))
         return 1 if any(c.status == "fail" for c in checks) else 0
-    print(f"weightcache doctor: weightcache {__version__}")
+    print(f"weightcache doctor: weightcache {wc.__version__}")
     return doctor.report(checks)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import main as bench_main
+def _numbers(text: str | None, kind: type[float] | type[int], option: str) -> list[Any] | None:
+    if text is None:
+        return None
+    try:
+        return [kind(item) for item in text.split(",")]
+    except ValueError:
+        raise wc.WeightCacheError(f"{option} takes comma-separated numbers, e.g. 1,2,8; found {text!r}") from None
 
-    return bench_main(args)
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    sizes = _numbers(args.sizes, float, "--sizes")
+    tensors = _numbers(args.tensors, int, "--tensors")
+    options: dict[str, Any] = {
+        "device": args.device,
+        "repeat": args.repeat,
+        "dtype": args.dtype,
+        "json_out": args.json_out,
+    }
+    if args.restart:
+        from . import bench_restart  # imports torch
+
+        return bench_restart.run(
+            sizes=sizes or bench_restart.DEFAULT_SIZES_GIB,
+            tensors=tensors or bench_restart.DEFAULT_TENSORS,
+            workdir=args.workdir,
+            keep=args.keep,
+            progress=args.progress,
+            **options,
+        )
+    from . import bench  # imports torch
+
+    return bench.run(sizes=sizes or bench.DEFAULT_SIZES_GIB, tensors=tensors or bench.DEFAULT_TENSORS, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightcache", description="Keep post-processed model weights resident; attach them in milliseconds."
     )
-    parser.add_argument("--version", action="version", version=f"weightcache {__version__}")
+    parser.add_argument("--version", action="version", version=f"weightcache {wc.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, help: str) -> argparse.ArgumentParser:
@@ -370,9 +399,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     # No --socket-dir: the benchmark always runs a private keeper in a temporary directory.
     p = sub.add_parser("bench", help="measure attach time (see docs/benchmarks.md)", description="measure attach time")
-    from .bench import add_arguments
-
-    add_arguments(p)
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
+    p.add_argument("--sizes", default=None, help="comma-separated sizes in GiB (default 1,2,8)")
+    p.add_argument("--tensors", default=None, help="comma-separated tensor counts (default 500)")
+    p.add_argument(
+        "--repeat", type=int, default=7, help="attaches timed per size (--restart: fresh client processes; default 7)"
+    )
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="the restart benchmark: disk and H2D bandwidth, mode off, daemon first start and client attach "
+        "on a synthetic checkpoint (default sizes then 1,8,32 and tensors 300,3000)",
+    )
+    p.add_argument("--workdir", default=None, help="--restart: where to write checkpoints (default a temp dir)")
+    p.add_argument("--keep", action="store_true", help="--restart: keep the checkpoints")
+    p.add_argument("--progress", action="store_true", help="show progress bars even without a terminal")
     p.set_defaults(func=cmd_bench)
     return parser
 
@@ -382,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result: int = args.func(args)
         return result
-    except WeightCacheError as exc:
+    except wc.WeightCacheError as exc:
         print(f"weightcache {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
