@@ -17,35 +17,38 @@ from pathlib import Path
 
 import torch
 
-from weightcache.bench import layout
-from weightcache.bench_restart import write_checkpoint
+import weightcache as wc
+from weightcache import loader
 from weightcache.checkpoint import drop_page_cache
+from weightcache.tools.bench import layout
+from weightcache.tools.bench_restart import write_checkpoint
 
 CLIENT = r"""
-import cProfile, gc, json, pstats, sys, time, torch
+import cProfile, gc, json, os, pstats, sys, time, torch
 import weightcache as wc
-from weightcache.bench import _holder
-from weightcache import cache as C, segments as S
+from weightcache.client import KeeperConnection
+from weightcache.manifest import Manifest
+from weightcache.tools.bench import meta_holder
+from weightcache.views import map_entry
 ckpt, sock = sys.argv[1], sys.argv[2]
 torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
 shapes = json.loads(open(ckpt + "/config.json").read())["shapes"]
 attach = wc.attach
 for rep in range(3):
-    model = _holder(shapes, torch.bfloat16, prefix="w")
+    model = meta_holder(shapes, torch.bfloat16, prefix="w")
     gc.collect()
     t = {}
     t0 = time.perf_counter()
     fp = wc.Fingerprint.create(ckpt, device="cuda:0"); t["fingerprint"] = time.perf_counter() - t0
-    cache = wc.Cache(sock)
-    t1 = time.perf_counter(); conn = cache._connect(); t["connect"] = time.perf_counter() - t1
-    t1 = time.perf_counter(); reply, fds = conn.request({"op": "get", "digest": fp.digest, "placement": fp.placement}); t["request"] = time.perf_counter() - t1
-    t1 = time.perf_counter(); m = C.Manifest.from_keeper(reply["manifest"]); t["parse"] = time.perf_counter() - t1
-    t1 = time.perf_counter(); bases = [S.transport(i.kind).map(fd, i) for fd, i in zip(fds, m.segments)]; t["map"] = time.perf_counter() - t1
-    t1 = time.perf_counter(); views = C._cut(m, bases, {}, {}); t["views"] = time.perf_counter() - t1
+    t1 = time.perf_counter(); conn = KeeperConnection.connect(sock); t["connect"] = time.perf_counter() - t1
+    t1 = time.perf_counter(); reply, fds = conn.get(fp.digest, fp.placement); t["request"] = time.perf_counter() - t1
+    t1 = time.perf_counter(); m = Manifest.from_keeper(reply.manifest); t["parse"] = time.perf_counter() - t1
+    t1 = time.perf_counter(); views = map_entry(m, fds); t["map_views"] = time.perf_counter() - t1
     t1 = time.perf_counter(); wc.bind(model, views, device="cuda:0"); torch.cuda.synchronize(); t["bind"] = time.perf_counter() - t1
     print(json.dumps({k: round(v * 1e3, 2) for k, v in t.items()} | {"segments": len(m.segments)}), flush=True)
+    for fd in fds: os.close(fd)  # the mappings keep the memory; the lease ends with the connection
     conn.close()
-model = _holder(shapes, torch.bfloat16, prefix="w")
+model = meta_holder(shapes, torch.bfloat16, prefix="w")
 gc.collect()
 pr = cProfile.Profile(); pr.enable()
 t0 = time.perf_counter(); h = attach(model, ckpt, mode="client", device="cuda:0", socket_dir=sock); torch.cuda.synchronize()
@@ -64,8 +67,6 @@ def main() -> None:
     shapes = layout(int(gib * 2**30), n, 2)
     write_checkpoint(ckpt, shapes, "bfloat16", False)
     torch.zeros(1, device="cuda:0")
-    from weightcache import loader
-
     t0 = time.perf_counter()
     bufs = torch.empty(loader.STAGING_BUFFERS * loader.CHUNK_BYTES, dtype=torch.uint8).pin_memory()
     print("pin staging buffers ms", round((time.perf_counter() - t0) * 1e3, 1))
@@ -82,8 +83,6 @@ def main() -> None:
         del state
     pstats.Stats(pr).sort_stats("tottime").print_stats(15)
     sock = work / "s"
-    import weightcache as wc
-
     cache = wc.Cache(sock, spawn=True)
     model_fp = wc.Fingerprint.create(ckpt, device="cuda:0")
     drop_page_cache(ckpt, system=True)

@@ -11,18 +11,19 @@ import sys
 import tempfile
 from pathlib import Path
 
-from weightcache.bench import layout
-from weightcache.bench_restart import write_checkpoint
+import weightcache as wc
 from weightcache.checkpoint import drop_page_cache
+from weightcache.tools.bench import layout
+from weightcache.tools.bench_restart import write_checkpoint
 
 ENGINE = r"""
 import cProfile, gc, json, pstats, sys, time, torch
 import weightcache as wc
-from weightcache.bench import _holder
+from weightcache.tools.bench import meta_holder
 ckpt, sock, mode = sys.argv[1], sys.argv[2], sys.argv[3]
 torch.zeros(1, device="cuda:0"); torch.cuda.synchronize()
 shapes = json.loads(open(ckpt + "/config.json").read())["shapes"]
-model = _holder(shapes, torch.bfloat16, prefix="w")
+model = meta_holder(shapes, torch.bfloat16, prefix="w")
 attach = wc.attach
 gc.collect()
 pr = cProfile.Profile(); pr.enable()
@@ -45,8 +46,6 @@ def main() -> None:
         drop_page_cache(ckpt, system=True)
         out = subprocess.run([sys.executable, "-c", ENGINE, str(ckpt), str(sock), mode], capture_output=True, text=True)
         print(out.stdout[-9000:], out.stderr[-3000:], flush=True)
-    import weightcache as wc
-
     wc.Cache(sock).stop()
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 import json
 import os
 import re
@@ -14,6 +15,8 @@ from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, start_keeper
 
 import weightcache as wc
 from weightcache.client import KeeperConnection, ensure_keeper
+
+ROOT = Path(__file__).resolve().parent.parent
 
 
 def wc_cli(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
@@ -136,7 +139,7 @@ def test_ls_shows_holders_and_budget(checkpoint: Path, socket_dir: Path) -> None
             table = wc_cli("ls", "--socket-dir", str(socket_dir)).stdout
             # the lease's age is whatever it is when `ls` runs: seconds on a loaded machine
             assert "HELD BY (PID SINCE)" in table and re.search(rf" {os.getpid()} \d+s\n", table)
-            assert "budget  cpu 4.00 KiB of 1.00 MiB" in table
+            assert "budget  cpu 4.0 KiB of 1.0 MiB" in table
             shown = wc_cli("inspect", wc.Fingerprint.create(checkpoint).digest, "--socket-dir", str(socket_dir)).stdout
             assert re.search(rf"leases     1  pid {os.getpid()} since \d+s", shown)
     finally:
@@ -210,3 +213,37 @@ def test_keeper_commands_work_without_torch(checkpoint: Path, socket_dir: Path, 
     assert cli("stop", "--wait").splitlines()[-1] == f"keeper pid {pid} stopped"
     assert "libtorch" not in maps
     assert not attempts.exists(), f"a keeper command imported torch:\n{attempts.read_text()}"
+
+
+def imported_modules(path: Path) -> set[str]:
+    """The absolute names of the modules ``path`` imports (relative imports resolved within weightcache)."""
+    package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])
+    out: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            out.update(a.name for a in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = package.rsplit(".", node.level - 1)[0] if node.level > 1 else package if node.level else ""
+            module = ".".join(filter(None, (base, node.module)))
+            out.add(module)
+            out.update(f"{module}.{a.name}" for a in node.names)
+    return out
+
+
+def test_the_tools_sit_on_top_of_the_library() -> None:
+    """weightcache/tools/ (L5) may use everything; nothing in the library uses it, or argparse, and neither the
+    tools nor the benchmarks and examples reach for another module's private names."""
+    library = [p for p in (ROOT / "weightcache").rglob("*.py") if "tools" not in p.relative_to(ROOT).parts]
+    for path in library:
+        imports = imported_modules(path)
+        if path.name != "__main__.py":  # `python -m weightcache` is the CLI
+            assert not any(m.startswith("weightcache.tools") for m in imports), f"{path} imports the tools"
+        assert "argparse" not in imports, f"{path}: library modules take plain arguments; the CLI parses them"
+    users = [*(ROOT / "weightcache" / "tools").glob("*.py"), *(ROOT / "benchmarks").glob("*.py")]
+    users += (ROOT / "examples").glob("*.py")
+    for path in users:
+        text = path.read_text()  # text, not the AST: the benchmarks' embedded client scripts count too
+        private = re.findall(r"import _[a-z]\w*|\b(?!self\.|os\._exit)\w+\._[a-z]\w*", text)
+        assert not private, f"{path} uses private names: {private}"
+    for old in ("cli", "doctor", "bench", "bench_restart"):
+        assert not (ROOT / "weightcache" / f"{old}.py").exists(), f"weightcache/{old}.py is in weightcache/tools/"

@@ -155,7 +155,7 @@ def status(field):
     with open("/proc/self/status") as f:
         return next(int(line.split()[1]) for line in f if line.startswith(field + ":")) * 1024
 before = status("VmRSS")
-from weightcache.cli import main
+from weightcache.tools.cli import main
 code = main(["load", sys.argv[1], "--device", "cuda:0", "--socket-dir", sys.argv[2]])
 print("RESULT " + json.dumps({"status": code, "rss_before": before, "rss_peak": status("VmHWM")}))
 """

@@ -17,7 +17,7 @@ from typing import Any
 import yaml  # PyYAML comes with the docs tools (the dev extra)
 
 from weightcache.budget import parse_budget
-from weightcache.cli import build_parser
+from weightcache.tools.cli import build_parser
 
 DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
 

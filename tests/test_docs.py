@@ -16,7 +16,7 @@ import pytest
 
 import weightcache.errors
 import weightcache.messages
-from weightcache.cli import build_parser
+from weightcache.tools.cli import build_parser
 
 ROOT = Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"

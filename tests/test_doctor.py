@@ -31,12 +31,12 @@ def test_no_keeper_is_a_warning_with_what_to_do(socket_dir: Path) -> None:
 
 
 def test_versions_of_a_source_tree_that_is_not_installed_are_a_warning() -> None:
-    from weightcache import doctor
+    from weightcache.tools import doctor
 
-    [check] = doctor._versions("weightcache-not-installed-here")
+    [check] = doctor.check_versions("weightcache-not-installed-here")
     assert check.status == "warn" and "without being installed" in check.detail, check
     assert check.fix is not None and check.fix.startswith("pip install -e ")
-    [installed] = doctor._versions()
+    [installed] = doctor.check_versions()
     assert installed.status == "ok" and "torch " in installed.detail and "packaging " in installed.detail, installed
 
 

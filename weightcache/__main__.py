@@ -1,5 +1,5 @@
-"""``python -m weightcache`` runs the CLI."""
+"""``python -m weightcache`` runs the CLI (weightcache/tools/cli.py)."""
 
-from .cli import main
+from .tools.cli import main
 
 raise SystemExit(main())

@@ -10,6 +10,8 @@ from typing import Any
 
 import attrs
 
+from .units import parse_size
+
 
 @attrs.frozen
 class Budget:
@@ -27,23 +29,6 @@ class Budget:
 
     def to_json(self) -> dict[str, Any]:
         return {"default": self.default, "per_placement": dict(self.per_placement)}
-
-
-_SIZE_SUFFIXES = {"": 1, "K": 1 << 10, "M": 1 << 20, "G": 1 << 30, "T": 1 << 40}
-
-
-def parse_size(text: str) -> int:
-    """``"512"``, ``"64M"``, ``"40G"``, ``"1.5T"`` (binary units, optional ``iB``/``B``) -> bytes."""
-    t = text.strip().upper().removesuffix("IB").removesuffix("B")
-    unit = t[-1:] if t[-1:] in _SIZE_SUFFIXES else ""
-    number = t[: len(t) - len(unit)]
-    try:
-        value = float(number)
-    except ValueError:
-        raise ValueError(f"size {text!r}: expected a number with an optional K, M, G or T suffix, e.g. 40G") from None
-    if not value > 0 or value != value or value == float("inf"):
-        raise ValueError(f"size {text!r} must be a positive number of bytes")
-    return int(value * _SIZE_SUFFIXES[unit])
 
 
 def host_memory_bytes() -> int:
@@ -79,12 +64,3 @@ def parse_budget(max_bytes: list[str] | None = None, max_fraction: float | None 
         cpu = per.get("cpu", default)  # what --max-bytes gave the CPU, if anything: the fraction only lowers it
         per["cpu"] = by_fraction if cpu is None else min(cpu, by_fraction)
     return Budget(default, per)
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``: sizes in messages."""
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024:
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} TiB"

@@ -28,10 +28,11 @@ from typing import Any
 import attrs
 
 from .. import fdcheck, messages
-from ..budget import Budget, format_bytes
+from ..budget import Budget
 from ..manifest import Manifest
 from ..messages import EntryInfo, InspectReply, PublishReply, RequestError, entry_key
 from ..protocol import close_fds
+from ..units import format_bytes
 
 log = logging.getLogger("weightcache.keeper")
 

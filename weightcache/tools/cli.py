@@ -1,6 +1,13 @@
 """The ``weightcache`` command: serve | load | ls | inspect | evict | stop | parity | doctor | bench.
 
-Keeper commands (serve, ls, inspect, evict, stop) do not import torch, so they answer in milliseconds.
+Argument parsing and the commands; each command translates its arguments into calls of the library's public
+API (``weightcache.attach``/``preload``/``Cache``, :class:`weightcache.client.KeeperConnection` for the keeper
+commands) or of the other tools (doctor, bench, engine parity).
+
+Keeper commands (serve, ls, inspect, evict, stop) do not import torch, so they answer in milliseconds. So a
+command imports at its start what only it needs: torch (load, through ``wc.preload``; bench; doctor's GPU
+checks), the keeper's server (serve), and the keeper client with filelock, which ``serve`` has no use for
+(~20-60 ms of every keeper start).
 """
 
 from __future__ import annotations
@@ -9,57 +16,43 @@ import argparse
 import json
 import logging
 import sys
+import tempfile
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
-from ._version import __version__
-from .errors import WeightCacheError
-from .messages import EVERY_ENTRY
+import weightcache as wc
+from weightcache.budget import parse_budget
+from weightcache.messages import EVERY_ENTRY
+from weightcache.parity import compare, read_table
+from weightcache.rundir import resolve_group
+from weightcache.units import format_age, format_bytes
+
+from .engine_parity import engine_parity
 
 if TYPE_CHECKING:
-    from .client import KeeperConnection
-
-
-def _human_bytes(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.2f} {unit}"
-        n /= 1024
-    return f"{n} B"
-
-
-def _human_age(seconds: float) -> str:
-    if seconds < 120:
-        return f"{seconds:.0f}s"
-    if seconds < 7200:
-        return f"{seconds / 60:.0f}m"
-    if seconds < 172800:
-        return f"{seconds / 3600:.1f}h"
-    return f"{seconds / 86400:.1f}d"
+    from weightcache.client import KeeperConnection
 
 
 def _connect(args: argparse.Namespace) -> KeeperConnection:
-    from .client import KeeperConnection  # filelock, which it imports, costs `weightcache serve` ~60 ms
+    from weightcache.client import KeeperConnection  # filelock, which it imports: serve does without
 
     return KeeperConnection.connect(args.socket_dir)
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from . import keeper
-    from .budget import parse_budget
-    from .rundir import resolve_group
+    from weightcache import keeper  # the server: only this command runs it
 
     try:
         budget = parse_budget(args.max_bytes, args.max_fraction)
     except (ValueError, OSError) as exc:
-        raise WeightCacheError(f"bad budget: {exc}") from exc
+        raise wc.WeightCacheError(f"bad budget: {exc}") from exc
     try:
         group = None if args.allow_group is None else resolve_group(args.allow_group)
     except ValueError as exc:
-        raise WeightCacheError(f"--allow-group: {exc}") from exc
+        raise wc.WeightCacheError(f"--allow-group: {exc}") from exc
     if args.detach:
         keeper.detach_and_serve(args.socket_dir, args.ready_fd, budget, group)
         return 0
@@ -79,13 +72,13 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps({"keeper": reply.keeper.to_json(), "entries": [e.to_json() for e in reply.entries]}, indent=2))
         return 0
     k = reply.keeper
-    print(f"keeper pid {k.pid}  weightcache {k.version}  {k.socket_dir}  up {_human_age(k.uptime_s)}")
+    print(f"keeper pid {k.pid}  weightcache {k.version}  {k.socket_dir}  up {format_age(k.uptime_s)}")
     limits = dict(k.budget.per_placement)
     if k.budget.default is not None:
         limits["*"] = k.budget.default
     if limits:
         used = k.bytes_by_placement
-        shown = (f"{p} {_human_bytes(used.get(p, 0))} of {_human_bytes(v)}" for p, v in limits.items())
+        shown = (f"{p} {format_bytes(used.get(p, 0))} of {format_bytes(v)}" for p, v in limits.items())
         print("budget  " + ", ".join(shown))
     if not reply.entries:
         print("(no entries)")
@@ -102,11 +95,11 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 e.digest[:12],
                 model,
                 e.device,
-                _human_bytes(e.bytes),
+                format_bytes(e.bytes),
                 str(e.tensors),
                 str(e.leases),
-                _human_age(e.age_s),
-                ", ".join(f"{pid} {_human_age(now - since)}" for pid, since in e.holders) or "-",
+                format_age(e.age_s),
+                ", ".join(f"{pid} {format_age(now - since)}" for pid, since in e.holders) or "-",
             )
         )
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
@@ -126,15 +119,15 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"entry      {entry.digest}")
     print(f"model      {entry.model}  ({fp.model_path})")
     print(f"placement  {entry.placement}")
-    print(f"size       {_human_bytes(entry.bytes)} in {entry.segments} segments, {entry.tensors} tensors")
+    print(f"size       {format_bytes(entry.bytes)} in {entry.segments} segments, {entry.tensors} tensors")
     now = time.time()
-    holders = ", ".join(f"pid {pid} since {_human_age(now - since)}" for pid, since in entry.holders)
+    holders = ", ".join(f"pid {pid} since {format_age(now - since)}" for pid, since in entry.holders)
     print(f"leases     {entry.leases}  {holders}")
     for key in ("dtype", "quant", "quant_config_hash", "transform", "engine", "engine_version", "torch_version"):
         print(f"{key:<10} {getattr(fp, key)}")
     print("parallel   " + (", ".join(f"{a} {r}/{s}" for a, r, s in fp.parallel) or "-"))
     for f in fp.checkpoint:
-        print(f"file       {f.name}  {_human_bytes(f.size)}  header {f.header_sha256[:12]}")
+        print(f"file       {f.name}  {format_bytes(f.size)}  header {f.header_sha256[:12]}")
     if args.tensors:
         t = manifest["tensors"]
         for i, name in enumerate(t["name"]):
@@ -157,12 +150,11 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
-    from .client import stop_keeper
-    from .errors import KeeperUnavailable
+    from weightcache.client import stop_keeper
 
     try:
         conn = _connect(args)
-    except KeeperUnavailable as exc:
+    except wc.KeeperUnavailable as exc:
         print(f"no keeper to stop: {exc}", file=sys.stderr)
         return 1
     pid = stop_keeper(
@@ -176,14 +168,12 @@ def cmd_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_load(args: argparse.Namespace) -> int:
-    from .api import preload
-
     try:
         quant_config = json.loads(args.quant_config) if args.quant_config else None
     except ValueError as exc:
-        raise WeightCacheError(f"bad argument: --quant-config is not JSON: {exc}") from exc
+        raise wc.WeightCacheError(f"bad argument: --quant-config is not JSON: {exc}") from exc
     t0 = time.perf_counter()
-    handle = preload(
+    handle = wc.preload(  # imports torch
         args.checkpoint,
         device=args.device,
         dtype=args.dtype,
@@ -201,17 +191,15 @@ def cmd_load(args: argparse.Namespace) -> int:
     if not handle.read_disk:
         print(f"already cached: {fp.digest[:12]}  {fp.describe()}")
         return 0
-    print(f"published {fp.digest[:12]}  {fp.describe()}\n  {count} tensors, {_human_bytes(size)} in {seconds:.2f} s")
+    print(f"published {fp.digest[:12]}  {fp.describe()}\n  {count} tensors, {format_bytes(size)} in {seconds:.2f} s")
     return 0
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
-    from .parity import compare, read_table
-
     if args.engine:
         return _engine_parity(args)
     if len(args.tables) != 2:
-        raise WeightCacheError("parity needs two tables (LEFT RIGHT), or --engine ENGINE --model MODEL")
+        raise wc.WeightCacheError("parity needs two tables (LEFT RIGHT), or --engine ENGINE --model MODEL")
     left, right = read_table(args.tables[0]), read_table(args.tables[1])
     differences = compare(left, right)
     if args.json:
@@ -232,17 +220,13 @@ def _print_limited(lines: list[str], limit: int) -> None:
 
 
 def _engine_parity(args: argparse.Namespace) -> int:
-    import tempfile
-
-    from .parity import engine_parity
-
     if args.tables or not args.model:
-        raise WeightCacheError("with --engine, give the model with --model and no table files")
+        raise wc.WeightCacheError("with --engine, give the model with --model and no table files")
     engine_args: dict[str, Any] = {}
     for item in args.engine_arg:
         key, sep, value = item.partition("=")
         if not sep:
-            raise WeightCacheError(f"--engine-arg takes KEY=VALUE (JSON values, or plain strings); found {item!r}")
+            raise wc.WeightCacheError(f"--engine-arg takes KEY=VALUE (JSON values, or plain strings); found {item!r}")
         try:
             engine_args[key] = json.loads(value)
         except ValueError:
@@ -266,27 +250,55 @@ def _engine_parity(args: argparse.Namespace) -> int:
 
 
 def cmd_doctor(args: argparse.Namespace) -> int:
-    from . import doctor
+    from . import doctor  # imports the segment transports; its GPU checks import torch
 
     checks = doctor.run(args.socket_dir)
     if args.json:
         print(json.dumps([c.to_json() for c in checks], indent=2))
         return 1 if any(c.status == "fail" for c in checks) else 0
-    print(f"weightcache doctor: weightcache {__version__}")
+    print(f"weightcache doctor: weightcache {wc.__version__}")
     return doctor.report(checks)
 
 
-def cmd_bench(args: argparse.Namespace) -> int:
-    from .bench import main as bench_main
+def _numbers(text: str | None, kind: type[float] | type[int], option: str) -> list[Any] | None:
+    if text is None:
+        return None
+    try:
+        return [kind(item) for item in text.split(",")]
+    except ValueError:
+        raise wc.WeightCacheError(f"{option} takes comma-separated numbers, e.g. 1,2,8; found {text!r}") from None
 
-    return bench_main(args)
+
+def cmd_bench(args: argparse.Namespace) -> int:
+    sizes = _numbers(args.sizes, float, "--sizes")
+    tensors = _numbers(args.tensors, int, "--tensors")
+    options: dict[str, Any] = {
+        "device": args.device,
+        "repeat": args.repeat,
+        "dtype": args.dtype,
+        "json_out": args.json_out,
+    }
+    if args.restart:
+        from . import bench_restart  # imports torch
+
+        return bench_restart.run(
+            sizes=sizes or bench_restart.DEFAULT_SIZES_GIB,
+            tensors=tensors or bench_restart.DEFAULT_TENSORS,
+            workdir=args.workdir,
+            keep=args.keep,
+            progress=args.progress,
+            **options,
+        )
+    from . import bench  # imports torch
+
+    return bench.run(sizes=sizes or bench.DEFAULT_SIZES_GIB, tensors=tensors or bench.DEFAULT_TENSORS, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="weightcache", description="Keep post-processed model weights resident; attach them in milliseconds."
     )
-    parser.add_argument("--version", action="version", version=f"weightcache {__version__}")
+    parser.add_argument("--version", action="version", version=f"weightcache {wc.__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     def add(name: str, help: str) -> argparse.ArgumentParser:
@@ -387,9 +399,23 @@ def build_parser() -> argparse.ArgumentParser:
 
     # No --socket-dir: the benchmark always runs a private keeper in a temporary directory.
     p = sub.add_parser("bench", help="measure attach time (see docs/benchmarks.md)", description="measure attach time")
-    from .bench import add_arguments
-
-    add_arguments(p)
+    p.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
+    p.add_argument("--sizes", default=None, help="comma-separated sizes in GiB (default 1,2,8)")
+    p.add_argument("--tensors", default=None, help="comma-separated tensor counts (default 500)")
+    p.add_argument(
+        "--repeat", type=int, default=7, help="attaches timed per size (--restart: fresh client processes; default 7)"
+    )
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
+    p.add_argument(
+        "--restart",
+        action="store_true",
+        help="the restart benchmark: disk and H2D bandwidth, mode off, daemon first start and client attach "
+        "on a synthetic checkpoint (default sizes then 1,8,32 and tensors 300,3000)",
+    )
+    p.add_argument("--workdir", default=None, help="--restart: where to write checkpoints (default a temp dir)")
+    p.add_argument("--keep", action="store_true", help="--restart: keep the checkpoints")
+    p.add_argument("--progress", action="store_true", help="show progress bars even without a terminal")
     p.set_defaults(func=cmd_bench)
     return parser
 
@@ -399,7 +425,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         result: int = args.func(args)
         return result
-    except WeightCacheError as exc:
+    except wc.WeightCacheError as exc:
         print(f"weightcache {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:

@@ -26,11 +26,24 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from .checkpoint import drop_page_cache
-from .progress import byte_bar
+import torch
+from safetensors.torch import save_file
+
+import weightcache as wc
+from weightcache.checkpoint import drop_page_cache
+from weightcache.client import KeeperConnection
+from weightcache.messages import EVERY_ENTRY
+from weightcache.progress import byte_bar
+
+from .bench import layout, meta_holder
+
+#: What ``weightcache bench --restart`` measures without ``--sizes`` and ``--tensors``.
+DEFAULT_SIZES_GIB = (1.0, 8.0, 32.0)
+DEFAULT_TENSORS = (300, 3000)
 
 #: Checkpoint shards are at most this big, like the files real checkpoints ship in.
 SHARD_BYTES = 4 << 30
@@ -38,9 +51,6 @@ SHARD_BYTES = 4 << 30
 
 def write_checkpoint(path: Path, shapes: list[int], dtype_name: str, progress: bool) -> int:
     """A synthetic checkpoint of 1-D tensors ``w{i}`` with deterministic contents, sharded, with an index."""
-    import torch
-    from safetensors.torch import save_file
-
     dtype = getattr(torch, dtype_name)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     path.mkdir(parents=True, exist_ok=True)
@@ -92,8 +102,6 @@ def disk_read_gbps(path: Path) -> float:
 
 
 def h2d_gbps(device: str) -> float:
-    import torch
-
     host = torch.empty(1 << 30, dtype=torch.uint8).pin_memory()
     dev = torch.empty(1 << 30, dtype=torch.uint8, device=device)
     dev.copy_(host)
@@ -107,18 +115,13 @@ def h2d_gbps(device: str) -> float:
 
 def engine(spec_json: str) -> None:
     """One engine start, in its own process. Prints one JSON line."""
-    import torch
-
-    import weightcache as wc
-    from weightcache.bench import _holder
-
     spec = json.loads(spec_json)
     device = spec["device"]
     if device.startswith("cuda"):
         torch.zeros(1, device=device)
         torch.cuda.synchronize(device)
     shapes = json.loads((Path(spec["checkpoint"]) / "config.json").read_text())["shapes"]
-    model = _holder(shapes, getattr(torch, spec["dtype"]), prefix="w")
+    model = meta_holder(shapes, getattr(torch, spec["dtype"]), prefix="w")
     attach = wc.attach  # an engine imported this at its start, not inside the timed region
     gc.collect()  # likewise the first full collection of torch's import-time objects (see docs/benchmarks.md)
     t0 = time.perf_counter()
@@ -149,7 +152,7 @@ def engine(spec_json: str) -> None:
 
 def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     out = subprocess.run(
-        [sys.executable, "-m", "weightcache.bench_restart", "engine", json.dumps(spec)],
+        [sys.executable, "-m", "weightcache.tools.bench_restart", "engine", json.dumps(spec)],
         capture_output=True,
         text=True,
         check=False,
@@ -160,36 +163,45 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
-def run(args: Any) -> int:
-    import torch
-
-    from .bench import layout
-    from .cache import Cache
-
-    device = args.device
-    sizes = [float(s) for s in args.sizes.split(",")]
-    counts = [int(c) for c in args.tensors.split(",")]
-    work = Path(args.workdir or tempfile.mkdtemp(prefix="wc-restart-"))
+def run(
+    *,
+    device: str = "cpu",
+    sizes: Sequence[float] = DEFAULT_SIZES_GIB,
+    tensors: Sequence[int] = DEFAULT_TENSORS,
+    repeat: int = 7,
+    dtype: str = "bfloat16",
+    json_out: str | os.PathLike[str] | None = None,
+    workdir: str | os.PathLike[str] | None = None,
+    keep: bool = False,
+    progress: bool = False,
+) -> int:
+    """The restart benchmark for each size (GiB) and tensor count: write a synthetic checkpoint under
+    ``workdir`` (default a temporary directory; removed afterwards unless ``keep``), measure the disk and H2D
+    bandwidth, mode off, mode daemon's first start and ``repeat`` mode client attaches, each in a fresh process.
+    Prints a line per configuration; writes the report to ``json_out`` after each one. Returns 0 when every
+    configuration's engines held identical weights, else 1. ``progress`` shows progress bars without a
+    terminal."""
+    work = Path(workdir or tempfile.mkdtemp(prefix="wc-restart-"))
     work.mkdir(parents=True, exist_ok=True)
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-")) / "s"
-    itemsize = torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+    itemsize = torch.empty(0, dtype=getattr(torch, dtype)).element_size()
     h2d = h2d_gbps(device) if device.startswith("cuda") else None
     rows = []
-    progress = sys.stderr.isatty() or args.progress
+    progress = sys.stderr.isatty() or progress
     try:
-        for n in counts:
+        for n in tensors:
             for gib in sizes:
                 ckpt = work / f"ckpt-{gib:g}g-{n}"
                 shapes = layout(int(gib * 2**30), n, itemsize)
-                total = write_checkpoint(ckpt, shapes, args.dtype, progress)
+                total = write_checkpoint(ckpt, shapes, dtype, progress)
                 disk = disk_read_gbps(ckpt)
-                spec = {"checkpoint": str(ckpt), "device": device, "dtype": args.dtype, "socket_dir": str(socket_dir)}
+                spec = {"checkpoint": str(ckpt), "device": device, "dtype": dtype, "socket_dir": str(socket_dir)}
                 dropped = drop_page_cache(ckpt, system=True)
                 off = _run_engine({**spec, "mode": "off"})
                 drop_page_cache(ckpt, system=True)
                 first = _run_engine({**spec, "mode": "daemon"})
                 # several fresh client processes: one attach is a few ms, so host noise matters
-                clients = [_run_engine({**spec, "mode": "client"}) for _ in range(max(1, args.repeat))]
+                clients = [_run_engine({**spec, "mode": "client"}) for _ in range(max(1, repeat))]
                 attach_ms = sorted(c["seconds"] * 1e3 for c in clients)
                 same = off["checksum"] == first["checksum"] and all(c["checksum"] == off["checksum"] for c in clients)
                 row = {
@@ -212,8 +224,8 @@ def run(args: Any) -> int:
                     "identical": same,
                 }
                 rows.append(row)
-                if args.json_out:  # after every configuration, so that a run cut short keeps what it measured
-                    Path(args.json_out).write_text(json.dumps(_report(args, device, h2d, rows, counts), indent=2))
+                if json_out:  # after every configuration, so that a run cut short keeps what it measured
+                    Path(json_out).write_text(json.dumps(_report(device, h2d, rows, tensors), indent=2))
                 print(
                     f"{gib:>5g} GiB {n:>5} tensors | disk {disk:5.2f} GB/s | off {row['off_s']:7.2f} s "
                     f"({row['off_vs_disk'] * 100:4.0f}% of disk) | daemon first {row['daemon_first_s']:7.2f} s "
@@ -223,23 +235,21 @@ def run(args: Any) -> int:
                     flush=True,
                 )
                 _evict_all(socket_dir)
-                if not args.keep:
+                if not keep:
                     shutil.rmtree(ckpt, ignore_errors=True)
     finally:
         with contextlib.suppress(Exception):
-            Cache(socket_dir).stop(wait=30)  # it writes into socket_dir until it exits
+            wc.Cache(socket_dir).stop(wait=30)  # it writes into socket_dir until it exits
         shutil.rmtree(socket_dir.parent, ignore_errors=True)
-        if not args.workdir and not args.keep:
+        if not workdir and not keep:
             shutil.rmtree(work, ignore_errors=True)
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(_report(args, device, h2d, rows, counts), indent=2))
-        print(f"wrote {args.json_out}")
+    if json_out:
+        Path(json_out).write_text(json.dumps(_report(device, h2d, rows, tensors), indent=2))
+        print(f"wrote {json_out}")
     return 0 if all(r["identical"] for r in rows) else 1
 
 
-def _report(args: Any, device: str, h2d: float | None, rows: list[dict[str, Any]], counts: list[int]) -> dict[str, Any]:
-    import torch
-
+def _report(device: str, h2d: float | None, rows: list[dict[str, Any]], counts: Sequence[int]) -> dict[str, Any]:
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "device": device,
@@ -264,9 +274,6 @@ def _report(args: Any, device: str, h2d: float | None, rows: list[dict[str, Any]
 
 
 def _evict_all(socket_dir: Path) -> None:
-    from .client import KeeperConnection
-    from .messages import EVERY_ENTRY
-
     with KeeperConnection.connect(socket_dir) as conn:
         conn.evict(EVERY_ENTRY, force=True, every=True)
 
@@ -275,4 +282,6 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "engine":
         engine(sys.argv[2])
     else:
-        raise SystemExit("usage: python -m weightcache.bench_restart engine SPEC (use `weightcache bench --restart`)")
+        raise SystemExit(
+            "usage: python -m weightcache.tools.bench_restart engine SPEC (use `weightcache bench --restart`)"
+        )

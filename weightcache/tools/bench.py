@@ -10,7 +10,6 @@ The result is a table on stdout and, with ``--json``, a JSON file; docs/benchmar
 
 from __future__ import annotations
 
-import argparse
 import gc
 import json
 import os
@@ -21,28 +20,19 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+import torch
+from safetensors.torch import save_file
+from torch import nn
 
-def add_arguments(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
-    p.add_argument("--sizes", default=None, help="comma-separated sizes in GiB (default 1,2,8)")
-    p.add_argument("--tensors", default=None, help="comma-separated tensor counts (default 500)")
-    p.add_argument(
-        "--repeat", type=int, default=7, help="attaches timed per size (--restart: fresh client processes; default 7)"
-    )
-    p.add_argument("--dtype", default="bfloat16")
-    p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
-    p.add_argument(
-        "--restart",
-        action="store_true",
-        help="the restart benchmark: disk and H2D bandwidth, mode off, daemon first start and client attach "
-        "on a synthetic checkpoint (default sizes then 1,8,32 and tensors 300,3000)",
-    )
-    p.add_argument("--workdir", default=None, help="--restart: where to write checkpoints (default a temp dir)")
-    p.add_argument("--keep", action="store_true", help="--restart: keep the checkpoints")
-    p.add_argument("--progress", action="store_true", help="show progress bars even without a terminal")
+import weightcache as wc
+
+#: What ``weightcache bench`` measures without ``--sizes`` and ``--tensors``.
+DEFAULT_SIZES_GIB = (1.0, 2.0, 8.0)
+DEFAULT_TENSORS = (500,)
 
 
 def layout(total_bytes: int, n: int, itemsize: int) -> list[int]:
@@ -55,10 +45,9 @@ def layout(total_bytes: int, n: int, itemsize: int) -> list[int]:
     return sizes
 
 
-def _holder(shapes: list[int], dtype: Any, prefix: str = "p") -> Any:
-    import torch
-    from torch import nn
-
+def meta_holder(shapes: list[int], dtype: torch.dtype, prefix: str = "p") -> nn.Module:
+    """A module built on the meta device with one 1-D parameter ``{prefix}{i}`` of ``shapes[i]`` elements per
+    tensor: what an engine's model is to :func:`weightcache.bind`, without the engine."""
     model = nn.Module()
     with torch.device("meta"):
         for i, n in enumerate(shapes):
@@ -68,48 +57,38 @@ def _holder(shapes: list[int], dtype: Any, prefix: str = "p") -> Any:
 
 def _marker_checkpoint(directory: Path) -> Path:
     """A tiny real checkpoint that gives the synthetic weights a genuine fingerprint."""
-    import torch
-    from safetensors.torch import save_file
-
     path = directory / "marker"
     path.mkdir(exist_ok=True)
     save_file({"marker": torch.zeros(1)}, str(path / "model.safetensors"))
     return path
 
 
-def _fingerprint(marker: Path, device: str, gib: float, n: int, dtype: str) -> Any:
-    from .fingerprint import Fingerprint
-
-    return Fingerprint.create(marker, device=device, dtype=dtype, extra={"bench_gib": gib, "bench_tensors": n})
+def _fingerprint(marker: Path, device: str, gib: float, n: int, dtype: str) -> wc.Fingerprint:
+    return wc.Fingerprint.create(marker, device=device, dtype=dtype, extra={"bench_gib": gib, "bench_tensors": n})
 
 
 def client(spec_path: str) -> None:
     """Runs in the fresh process: attach ``repeat`` times, print one JSON line of timings."""
-    import torch
-
-    from .binding import bind
-    from .cache import Cache
-
     spec = json.loads(Path(spec_path).read_text())
     dtype = getattr(torch, spec["dtype"])
     fp = _fingerprint(Path(spec["marker"]), spec["device"], spec["gib"], spec["n"], spec["dtype"])
-    cache = Cache(spec["socket_dir"])
+    cache = wc.Cache(spec["socket_dir"])
     runs = []
     # A fresh interpreter that imported torch owes CPython one full garbage collection of the import-time
     # objects (~60 ms here); whichever allocation comes next pays it. An engine pays it during its own start
     # either way, so settle it before timing instead of charging it to the first attach.
     gc.collect()
     for _ in range(spec["repeat"]):
-        model = _holder(spec["shapes"], dtype)
+        model = meta_holder(spec["shapes"], dtype)
         t0 = time.perf_counter()
         handle = cache.get(fp)
         t1 = time.perf_counter()
         assert handle is not None, "entry vanished"
-        bind(model, handle.tensors, device=spec["device"])
+        wc.bind(model, handle.tensors, device=spec["device"])
         if spec["device"] != "cpu":
             torch.cuda.synchronize()
         t2 = time.perf_counter()
-        first, last = model.p0, getattr(model, f"p{len(spec['shapes']) - 1}")
+        first, last = model.get_parameter("p0"), model.get_parameter(f"p{len(spec['shapes']) - 1}")
         check = [float(first.float().sum()), float(last[:4096].float().sum())]
         if check != spec["check"]:
             raise SystemExit(f"attached data differs from what was published: {check} != {spec['check']}")
@@ -122,15 +101,11 @@ def client(spec_path: str) -> None:
 def _run_one(
     socket_dir: Path, marker: Path, device: str, gib: float, n: int, dtype_name: str, repeat: int
 ) -> dict[str, Any]:
-    import torch
-
-    from .cache import Cache
-
     dtype = getattr(torch, dtype_name)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     shapes = layout(int(gib * 2**30), n, itemsize)
     fp = _fingerprint(marker, device, gib, n, dtype_name)
-    cache = Cache(socket_dir)
+    cache = wc.Cache(socket_dir)
     t0 = time.perf_counter()
     state = {}
     for i, numel in enumerate(shapes):
@@ -161,14 +136,17 @@ def _run_one(
         spec = f.name
     try:
         out = subprocess.run(
-            [sys.executable, "-m", "weightcache.bench", "client", spec], capture_output=True, text=True, check=False
+            [sys.executable, "-m", "weightcache.tools.bench", "client", spec],
+            capture_output=True,
+            text=True,
+            check=False,
         )
     finally:
         os.unlink(spec)
     if out.returncode != 0:
         raise SystemExit(f"bench client failed:\n{out.stderr[-3000:]}")
     runs = json.loads(out.stdout.strip().splitlines()[-1])
-    Cache(socket_dir).evict(fp, force=True)
+    cache.evict(fp, force=True)
     totals = [r["total_ms"] for r in runs]
     return {
         "gib": gib,
@@ -185,32 +163,27 @@ def _run_one(
     }
 
 
-def main(args: argparse.Namespace) -> int:
-    import torch
-
-    if args.restart:
-        from .bench_restart import run
-
-        args.sizes = args.sizes or "1,8,32"
-        args.tensors = args.tensors or "300,3000"
-        return run(args)
-    args.sizes = args.sizes or "1,2,8"
-    args.tensors = args.tensors or "500"
-
-    from .cache import Cache
-    from .client import ensure_keeper
-
-    sizes = [float(s) for s in args.sizes.split(",")]
-    counts = [int(c) for c in args.tensors.split(",")]
+def run(
+    *,
+    device: str = "cpu",
+    sizes: Sequence[float] = DEFAULT_SIZES_GIB,
+    tensors: Sequence[int] = DEFAULT_TENSORS,
+    repeat: int = 7,
+    dtype: str = "bfloat16",
+    json_out: str | os.PathLike[str] | None = None,
+) -> int:
+    """Publish a synthetic state dict of each size (GiB) and tensor count into a private keeper and time
+    ``repeat`` attaches of it in a fresh process; print a line per configuration and the flatness in size, and
+    write the report to ``json_out`` when given. Returns the exit status (0)."""
     tmp = Path(tempfile.mkdtemp(prefix="wc-bench-"))
     socket_dir = tmp / "sock"
-    ensure_keeper(socket_dir)
+    wc.Cache(socket_dir, spawn=True)  # starts the private keeper
     marker = _marker_checkpoint(tmp)
     results = []
     try:
-        for n in counts:
+        for n in tensors:
             for gib in sizes:
-                r = _run_one(socket_dir, marker, args.device, gib, n, args.dtype, args.repeat)
+                r = _run_one(socket_dir, marker, device, gib, n, dtype, repeat)
                 results.append(r)
                 summary = (
                     f"first {r['attach_ms_first']:.2f}, min {r['attach_ms_min']:.2f}; "
@@ -222,11 +195,11 @@ def main(args: argparse.Namespace) -> int:
                     flush=True,
                 )
     finally:
-        Cache(socket_dir).stop(wait=30)  # it writes into socket_dir until it exits
+        wc.Cache(socket_dir).stop(wait=30)  # it writes into socket_dir until it exits
         shutil.rmtree(tmp, ignore_errors=True)
     report: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
-        "device": args.device,
+        "device": device,
         "host": platform.node(),
         "cpu": platform.processor() or platform.machine(),
         "cpus": os.cpu_count(),
@@ -235,7 +208,7 @@ def main(args: argparse.Namespace) -> int:
         "command": "weightcache bench " + " ".join(sys.argv[2:]),
         "results": results,
     }
-    for n in counts:
+    for n in tensors:
         series = [r for r in results if r["tensors"] == n]
         if len(series) > 1:
             small, large = series[0], series[-1]
@@ -244,9 +217,9 @@ def main(args: argparse.Namespace) -> int:
                 {"tensors": n, "from_gib": small["gib"], "to_gib": large["gib"], "ratio": round(ratio, 3)}
             )
             print(f"{n} tensors: attach at {large['gib']:g} GiB is {ratio:.2f}x the time at {small['gib']:g} GiB")
-    if args.json_out:
-        Path(args.json_out).write_text(json.dumps(report, indent=2))
-        print(f"wrote {args.json_out}")
+    if json_out:
+        Path(json_out).write_text(json.dumps(report, indent=2))
+        print(f"wrote {json_out}")
     return 0
 
 
@@ -254,4 +227,4 @@ if __name__ == "__main__":
     if len(sys.argv) == 3 and sys.argv[1] == "client":
         client(sys.argv[2])
     else:
-        raise SystemExit("usage: python -m weightcache.bench client SPEC.json (use `weightcache bench`)")
+        raise SystemExit("usage: python -m weightcache.tools.bench client SPEC.json (use `weightcache bench`)")

@@ -8,6 +8,7 @@ is changed: no keeper is started, no directory is created, nothing is published.
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 import socket
@@ -19,7 +20,24 @@ from typing import Any, Literal
 
 import attrs
 
-from ._version import __version__
+import weightcache as wc
+from weightcache import protocol
+from weightcache.client import KeeperConnection
+from weightcache.manifest import SegmentInfo
+from weightcache.rundir import (
+    MAX_SOCKET_PATH,
+    STOPPED_NAME,
+    check_socket_dir,
+    is_explicit,
+    resolve_socket_dir,
+    socket_path,
+)
+from weightcache.segments.cuda_vmm import CudaVmmSegment, CudaVmmTransport, placement_of, read_only_mappings
+from weightcache.segments.memfd import MemfdSegment, MemfdTransport
+from weightcache.units import format_bytes
+
+# torch and cuda-bindings are imported inside the checks that need them: each check reports its own failure,
+# so a broken torch install fails the cuda check (and says so) instead of the whole doctor.
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -43,7 +61,7 @@ def run(socket_dir: str | os.PathLike[str] | None = None) -> list[Check]:
     checks: list[Check] = []
     probes: list[tuple[str, Callable[[], Iterator[Check]]]] = [
         ("platform", _platform),
-        ("versions", _versions),
+        ("versions", check_versions),
         ("memfd", _memfd),
         ("fd passing", _fd_passing),
         ("socket dir", lambda: _socket_dir(socket_dir)),
@@ -79,19 +97,20 @@ def _version(dist: str) -> str | None:
         return None
 
 
-def _versions(dist: str = "weightcache") -> Iterator[Check]:
-    """weightcache's own requirements (from its installed metadata), each found and recent enough."""
-    from packaging.requirements import Requirement
+def check_versions(dist: str = "weightcache") -> Iterator[Check]:
+    """weightcache's own requirements (from the installed metadata of ``dist``), each found and recent enough;
+    a warning when ``dist`` is not installed (a source tree on the path)."""
+    from packaging.requirements import Requirement  # a requirement like any other: its absence fails this check
 
-    found = {"weightcache": __version__}
+    found = {"weightcache": wc.__version__}
     try:
         requirements = metadata.requires(dist) or []
     except metadata.PackageNotFoundError:
-        where = Path(__file__).resolve().parent.parent
+        where = Path(__file__).resolve().parents[2]  # the source tree: weightcache/tools/doctor.py
         yield Check(
             "versions",
             "warn",
-            f"weightcache {__version__} is imported from {where} without being installed, so its requirements "
+            f"weightcache {wc.__version__} is imported from {where} without being installed, so its requirements "
             f"cannot be checked (torch {_version('torch')})",
             f"pip install -e {where}",
         )
@@ -117,11 +136,6 @@ def _versions(dist: str = "weightcache") -> Iterator[Check]:
 
 
 def _memfd() -> Iterator[Check]:
-    import mmap
-
-    from .manifest import SegmentInfo
-    from .segments.memfd import MemfdSegment, MemfdTransport
-
     size = mmap.PAGESIZE
     segment = MemfdSegment(size, "cpu", name="weightcache-doctor")
     try:
@@ -146,8 +160,6 @@ def _memfd() -> Iterator[Check]:
 
 
 def _fd_passing() -> Iterator[Check]:
-    from . import protocol
-
     left, right = socket.socketpair(socket.AF_UNIX, socket.SOCK_STREAM)
     fd = os.open("/dev/null", os.O_RDONLY | os.O_CLOEXEC)
     try:
@@ -167,9 +179,6 @@ def _fd_passing() -> Iterator[Check]:
 
 
 def _socket_dir(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
-    from .errors import SocketDirError
-    from .rundir import MAX_SOCKET_PATH, check_socket_dir, is_explicit, resolve_socket_dir, socket_path
-
     directory = resolve_socket_dir(socket_dir)
     how = "named" if is_explicit(socket_dir) else "default"
     if len(str(socket_path(directory))) > MAX_SOCKET_PATH:
@@ -201,7 +210,7 @@ def _socket_dir(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
         return
     try:
         owner, gid = check_socket_dir(directory, explicit=is_explicit(socket_dir))
-    except SocketDirError as exc:
+    except wc.SocketDirError as exc:
         yield Check("socket dir", "fail", f"{directory} ({how}): {exc}", _fix_from(str(exc)))
         return
     if gid is None:
@@ -218,14 +227,10 @@ def _fix_from(message: str) -> str:
 
 
 def _keeper(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
-    from .client import KeeperConnection
-    from .errors import KeeperUnavailable, ProtocolVersionError, SocketDirError, WeightCacheError
-    from .rundir import STOPPED_NAME, resolve_socket_dir
-
     directory = resolve_socket_dir(socket_dir)
     try:
         conn = KeeperConnection.connect(socket_dir)
-    except KeeperUnavailable as exc:
+    except wc.KeeperUnavailable as exc:
         stopped = (directory / STOPPED_NAME).exists()
         why = " (it was stopped on request)" if stopped else ""
         yield Check(
@@ -236,13 +241,13 @@ def _keeper(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
             "one; mode client falls back to disk meanwhile",
         )
         return
-    except SocketDirError:
+    except wc.SocketDirError:
         yield Check("keeper", "skip", "not checked: the socket directory is unusable (see above)")
         return
-    except ProtocolVersionError as exc:
+    except wc.ProtocolVersionError as exc:
         yield Check("keeper", "fail", str(exc), "restart the keeper with this weightcache version (`weightcache stop`)")
         return
-    except WeightCacheError as exc:
+    except wc.WeightCacheError as exc:
         yield Check("keeper", "fail", f"{type(exc).__name__}: {exc}", "see docs/troubleshooting.md for this error")
         return
     with conn:
@@ -251,13 +256,13 @@ def _keeper(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
     held = sum(e.bytes for e in reply.entries)
     detail = (
         f"pid {k.pid}, weightcache {k.version}, protocol {k.protocol}, up {k.uptime_s:.0f} s, "
-        f"{len(reply.entries)} entries ({held / 2**30:.2f} GiB), {k.connections - 1} other connections"
+        f"{len(reply.entries)} entries ({format_bytes(held)}), {k.connections - 1} other connections"
     )
-    if k.version != __version__:
+    if k.version != wc.__version__:
         yield Check(
             "keeper",
             "warn",
-            f"{detail}; this client is weightcache {__version__}",
+            f"{detail}; this client is weightcache {wc.__version__}",
             "restart the keeper after upgrading (`weightcache stop`; attached engines keep running)",
         )
     else:
@@ -316,8 +321,6 @@ def _cuda() -> Iterator[Check]:
 def _gpu(index: int, cu: Any) -> Check:
     import torch
 
-    from .segments.cuda_vmm import CudaVmmSegment, CudaVmmTransport, placement_of, read_only_mappings
-
     name = f"cuda:{index}"
     props = torch.cuda.get_device_properties(index)
     attr = cu.CUdevice_attribute
@@ -338,8 +341,6 @@ def _gpu(index: int, cu: Any) -> Check:
             f"{label}: no {' or '.join(missing)} support",
             "GPU segments need CUDA VMM with POSIX-fd handles (driver >= 450 on Linux); use device='cpu' here",
         )
-    from .manifest import SegmentInfo
-
     placement = placement_of(index)
     segment = CudaVmmSegment(1, placement)
     try:
@@ -355,7 +356,7 @@ def _gpu(index: int, cu: Any) -> Check:
     free, total = torch.cuda.mem_get_info(index)
     if not ok:
         return Check(name, "fail", f"{label}: a VMM segment mapped back did not hold the bytes written to it")
-    memory = f"{free / 2**30:.1f} of {total / 2**30:.1f} GiB free"
+    memory = f"{format_bytes(free)} of {format_bytes(total)} free"
     if not read_only:
         why = (
             "WEIGHTCACHE_CUDA_WRITABLE is set"
