@@ -70,17 +70,7 @@ def attach(
         (or leave the ``with`` block) to release the lease; the model keeps working either way.
     """
     check_mode(mode)
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    torch_dtype = resolve_dtype(dtype)
-    fingerprint = Fingerprint.create(
-        checkpoint,
-        dtype=torch_dtype,
-        quant=quant,
-        quant_config=quant_config,
-        parallel=parallel,
-        transform=transform,
-        device=dev,
-    )
+    dev, torch_dtype, fingerprint = _identify(checkpoint, device, dtype, quant, quant_config, parallel, transform)
     steps = ModuleSteps(model, checkpoint, dev, torch_dtype, transform, progress)
     return run(Request(fingerprint, mode, strict, socket_dir, progress, quant_config=quant_config), steps)
 
@@ -111,6 +101,23 @@ def preload(
         digests: record a SHA-256 per tensor (what :meth:`Handle.verify` checks); default True.
         max_segment_bytes: largest segment (default: :func:`weightcache.publish.default_segment_bytes`).
     """
+    dev, torch_dtype, fingerprint = _identify(checkpoint, device, dtype, quant, quant_config, parallel, transform)
+    steps = CheckpointSteps(checkpoint, dev, torch_dtype, transform, progress)
+    request = Request(fingerprint, "daemon", True, socket_dir, progress, digests, max_segment_bytes, quant_config)
+    return run(request, steps)
+
+
+def _identify(
+    checkpoint: str | os.PathLike[str],
+    device: torch.device | str | None,
+    dtype: torch.dtype | str | None,
+    quant: str,
+    quant_config: Mapping[str, Any] | None,
+    parallel: Mapping[str, tuple[int, int]] | None,
+    transform: Transform | None,
+) -> tuple[torch.device, torch.dtype | None, Fingerprint]:
+    """The device, dtype and fingerprint that :func:`attach` and :func:`preload` derive from the same arguments,
+    so that both name the same entry."""
     dev = torch.device(device) if device is not None else torch.device("cpu")
     torch_dtype = resolve_dtype(dtype)
     fingerprint = Fingerprint.create(
@@ -122,9 +129,7 @@ def preload(
         transform=transform,
         device=dev,
     )
-    steps = CheckpointSteps(checkpoint, dev, torch_dtype, transform, progress)
-    request = Request(fingerprint, "daemon", True, socket_dir, progress, digests, max_segment_bytes, quant_config)
-    return run(request, steps)
+    return dev, torch_dtype, fingerprint
 
 
 class CheckpointSteps(Steps[Handle]):
