@@ -3,6 +3,7 @@ bad checkpoints, full or unwritable socket directories, and long attach/detach r
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -11,6 +12,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from pathlib import Path
 
 import pytest
@@ -19,6 +21,7 @@ from conftest import Holder, keeper_pid, open_fds, process_gone, run_worker, sta
 from models import make_checkpoint, meta_model
 
 import weightcache as wc
+from weightcache.client import KeeperConnection
 
 #: How long a client may take to notice a new keeper and re-publish (it polls at most once a second).
 REPUBLISH_S = 15.0
@@ -233,6 +236,7 @@ def test_client_killed_mid_publish_or_attach(checkpoint: Path, socket_dir: Path,
 ATTACH_8 = r"""
 import hashlib, json, sys, threading
 import weightcache as wc
+from weightcache.client import KeeperConnection
 socket_dir, fp = sys.argv[1], wc.Fingerprint.from_json(json.loads(sys.argv[2]))
 cache = wc.Cache(socket_dir)
 handles = [None] * 8
@@ -393,3 +397,36 @@ def test_1000_attach_detach_cycles_leak_nothing(checkpoint: Path, socket_dir: Pa
     finally:
         keeper.terminate()
         keeper.wait(10)
+
+
+def test_socket_directory_appearing_mid_connect_means_no_keeper(tmp_path: Path) -> None:
+    """A directory created by a racing engine while we connect is "no keeper yet", never a SocketDirError.
+
+    Racing engines in mode daemon each find no keeper; one creates the directory while another is between
+    checking it and connecting. That other engine must spawn or wait, not fall back to disk (CI saw it do so).
+    """
+    directory = tmp_path / "s"
+    stop = threading.Event()
+
+    def churn() -> None:
+        while not stop.is_set():
+            with contextlib.suppress(FileExistsError):
+                os.mkdir(directory, 0o700)
+            with contextlib.suppress(FileNotFoundError):
+                os.rmdir(directory)
+
+    thread = threading.Thread(target=churn)
+    thread.start()
+    errors: list[str] = []
+    try:
+        for _ in range(20000):
+            try:
+                KeeperConnection.connect(directory).close()
+            except wc.KeeperUnavailable:
+                pass
+            except wc.WeightCacheError as exc:
+                errors.append(f"{type(exc).__name__}: {exc}")
+    finally:
+        stop.set()
+        thread.join()
+    assert errors == []

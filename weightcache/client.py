@@ -28,7 +28,6 @@ from .errors import (
     KeeperUnavailable,
     PeerRejected,
     ProtocolError,
-    SocketDirError,
     WeightCacheError,
     keeper_error,
 )
@@ -52,6 +51,7 @@ from .messages import (
 from .rundir import (
     LOG_NAME,
     SPAWN_LOCK_NAME,
+    MissingSocketDir,
     check_socket_dir,
     ensure_private_dir,
     is_explicit,
@@ -96,13 +96,12 @@ class KeeperConnection:
         path = socket_path(directory)
         try:
             keeper_uid, _ = check_socket_dir(directory, explicit=explicit)
-        except SocketDirError as exc:
-            if not os.path.lexists(directory):
-                raise KeeperUnavailable(
-                    f"no keeper runs for {directory} (the directory does not exist); start one with "
-                    f"`weightcache serve --socket-dir {directory}` or use mode='daemon'"
-                ) from None
-            raise exc
+        except MissingSocketDir:
+            # Also when a racing engine creates it meanwhile: either way no keeper serves it yet.
+            raise KeeperUnavailable(
+                f"no keeper runs for {directory} (the directory does not exist); start one with "
+                f"`weightcache serve --socket-dir {directory}` or use mode='daemon'"
+            ) from None
         sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         sock.settimeout(CONNECT_TIMEOUT_S)  # a keeper whose backlog is full must not hang an engine's start
         try:

@@ -46,12 +46,16 @@ def resolve_socket_dir(socket_dir: str | os.PathLike[str] | None = None) -> Path
     return Path(f"/tmp/weightcache-{os.getuid()}")
 
 
+class MissingSocketDir(SocketDirError):
+    """The socket directory does not exist (yet): to a client, no keeper runs there."""
+
+
 def check_private_dir(path: Path) -> None:
     """Raise SocketDirError unless ``path`` is a directory, not a symlink, owned by us, mode 0700 or stricter."""
     try:
         st = os.lstat(path)
     except FileNotFoundError:
-        raise SocketDirError(f"socket directory {path} does not exist") from None
+        raise MissingSocketDir(f"socket directory {path} does not exist") from None
     except OSError as exc:
         raise SocketDirError(f"cannot inspect socket directory {path}: {exc}") from exc
     if stat.S_ISLNK(st.st_mode):
