@@ -152,8 +152,15 @@ def keeper(socket_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
             proc.wait()
 
 
-def start_keeper(socket_dir: Path, *args: str) -> subprocess.Popen[bytes]:
-    """A foreground keeper (`weightcache serve --socket-dir socket_dir *args`) as a child, once it serves."""
+def start_keeper(socket_dir: Path, *args: str, nofile: int | None = None) -> subprocess.Popen[bytes]:
+    """A foreground keeper (`weightcache serve --socket-dir socket_dir *args`) as a child, once it serves;
+    ``nofile`` sets its open-file limit (soft and hard)."""
+    import resource
+
+    def limit() -> None:
+        if nofile is not None:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))
+
     read_fd, write_fd = os.pipe()
     proc = subprocess.Popen(
         [
@@ -170,6 +177,7 @@ def start_keeper(socket_dir: Path, *args: str) -> subprocess.Popen[bytes]:
         pass_fds=(write_fd,),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
+        preexec_fn=limit,
     )
     os.close(write_fd)
     with os.fdopen(read_fd, "rb") as ready:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import pwd
 import re
 import subprocess
 import sys
@@ -41,9 +42,12 @@ def test_load_ls_inspect_evict_stop(checkpoint: Path, socket_dir: Path) -> None:
 
     table = wc_cli("ls", *sd).stdout
     assert "ENTRY" in table and entry["digest"][:12] in table and "TinyLM [bfloat16]" in table
+    assert "PUBLISHER" in table and pwd.getpwuid(os.getuid()).pw_name in table
+    assert entry["publisher"] == os.getuid() and entry["key"] == f"{entry['digest']}@cpu"
 
     shown = wc_cli("inspect", entry["digest"][:8], "--tensors", *sd).stdout
     assert "embed.weight" in shown and "bfloat16" in shown and "model.safetensors" in shown
+    assert f"publisher  {pwd.getpwuid(os.getuid()).pw_name} (uid {os.getuid()})" in shown
     assert json.loads(wc_cli("inspect", entry["digest"], "--json", *sd).stdout)["manifest"]["version"] == 1
 
     assert "evicted" in wc_cli("evict", entry["digest"][:8], *sd).stdout
@@ -247,3 +251,14 @@ def test_the_tools_sit_on_top_of_the_library() -> None:
         assert not private, f"{path} uses private names: {private}"
     for old in ("cli", "doctor", "bench", "bench_restart"):
         assert not (ROOT / "weightcache" / f"{old}.py").exists(), f"weightcache/{old}.py is in weightcache/tools/"
+
+
+def test_a_second_detached_serve_fails_like_the_foreground(socket_dir: Path) -> None:
+    """`serve --detach` while a keeper serves: the same message and exit status as `serve`, never a silent 0
+    that drops its options."""
+    wc_cli("serve", "--detach", "--socket-dir", str(socket_dir))
+    foreground = wc_cli("serve", "--socket-dir", str(socket_dir), check=False)
+    detached = wc_cli("serve", "--detach", "--max-bytes", "1GiB", "--socket-dir", str(socket_dir), check=False)
+    assert foreground.returncode == detached.returncode == 1
+    assert "already serves" in foreground.stderr
+    assert detached.stderr.strip() == foreground.stderr.strip()

@@ -13,6 +13,10 @@ import subprocess
 import sys
 import tempfile
 import threading
+import time
+import warnings
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
@@ -430,3 +434,129 @@ def test_socket_directory_appearing_mid_connect_means_no_keeper(tmp_path: Path) 
         stop.set()
         thread.join()
     assert errors == []
+
+
+# --- a keeper that stops answering (SIGSTOP, a debugger, a wedged host) ---------------------------------------
+
+
+def _in_thread(call: Callable[[], object], timeout: float) -> tuple[object, float]:
+    """``(what call returned or raised, seconds it took)``; AssertionError if it is still blocked after
+    ``timeout`` (the thread is left behind, stuck: that is the failure)."""
+    box: list[object] = []
+
+    def run() -> None:
+        try:
+            box.append(call())
+        except BaseException as exc:
+            box.append(exc)
+
+    start = time.monotonic()
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(timeout)
+    assert box, f"still blocked after {timeout} s"
+    return box[0], time.monotonic() - start
+
+
+def test_a_stopped_keeper_is_a_deadline_not_a_hang(checkpoint: Path, socket_dir: Path) -> None:
+    keeper = start_keeper(socket_dir)
+    try:
+        with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir) as handle:
+            fingerprint = handle.fingerprint
+        conn = KeeperConnection.connect(socket_dir)
+        keeper.send_signal(signal.SIGSTOP)
+        # Stopped between hello and get: the get has a deadline and says which op went unanswered.
+        error, took = _in_thread(lambda: conn.get(fingerprint.digest, fingerprint.placement), 60)
+        assert isinstance(error, wc.KeeperUnavailable), error
+        assert "did not answer 'get'" in str(error) and "SIGSTOP" in str(error), error
+        assert took < 20
+        # Stopped before the attach: mode client falls back within the deadline and says the keeper is silent.
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            result, took = _in_thread(
+                lambda: wc.attach(meta_model(), checkpoint, mode="client", socket_dir=socket_dir), 60
+            )
+        assert isinstance(result, wc.Handle) and result.source == "disk", result
+        assert took < 20
+        [warning] = [w for w in caught if issubclass(w.category, wc.FallbackWarning)]
+        assert "did not answer 'hello'" in str(warning.message) and "partial frame" not in str(warning.message)
+        # mode daemon does not try to spawn a second keeper beside the silent one: one deadline, then disk
+        with pytest.warns(wc.FallbackWarning, match="did not answer"):
+            result, took = _in_thread(
+                lambda: wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir), 60
+            )
+        assert isinstance(result, wc.Handle) and result.source == "disk", result
+        assert took < 20
+    finally:
+        keeper.send_signal(signal.SIGCONT)
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_200_engines_connect_while_the_keeper_pauses(socket_dir: Path) -> None:
+    """A full listen backlog is retried within the connect timeout: all 200 connect after a 2 s pause."""
+    keeper = start_keeper(socket_dir)
+    try:
+        keeper.send_signal(signal.SIGSTOP)
+        barrier = threading.Barrier(201)
+
+        def connect() -> str:
+            barrier.wait()
+            try:
+                KeeperConnection.connect(socket_dir).close()
+                return "ok"
+            except wc.WeightCacheError as exc:
+                return f"{type(exc).__name__}: {exc}"
+
+        with ThreadPoolExecutor(200) as pool:
+            futures = [pool.submit(connect) for _ in range(200)]
+            barrier.wait()
+            time.sleep(2)
+            keeper.send_signal(signal.SIGCONT)
+            results = [f.result(timeout=60) for f in futures]
+        failed = [r for r in results if r != "ok"]
+        assert failed == [], f"{len(failed)} of 200 failed, e.g. {failed[0]}"
+    finally:
+        keeper.send_signal(signal.SIGCONT)
+        keeper.terminate()
+        keeper.wait(10)
+
+
+# --- engines always start ------------------------------------------------------------------------------------
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as another uid")
+def test_a_squatted_default_socket_directory_does_not_stop_an_engine(
+    tmp_path: Path, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    runtime = tmp_path / "run"
+    runtime.mkdir()
+    squatted = runtime / "weightcache"
+    squatted.mkdir(mode=0o700)
+    os.chown(squatted, 65534, 65534)  # another local user got there first
+    monkeypatch.delenv("WEIGHTCACHE_DIR", raising=False)
+    monkeypatch.setenv("XDG_RUNTIME_DIR", str(runtime))
+    with pytest.warns(wc.FallbackWarning, match="owned by uid 65534"):
+        assert wc.attach(meta_model(), checkpoint, mode="daemon").source == "disk"
+    with pytest.raises(wc.SocketDirError, match="owned by uid 65534"):
+        wc.attach(meta_model(), checkpoint, mode="daemon", strict=True)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to mount a tmpfs")
+def test_a_read_only_socket_directory_says_so(checkpoint: Path) -> None:
+    base = Path(tempfile.mkdtemp(prefix="wc-ro-", dir="/tmp"))
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k,mode=0700", "tmpfs", str(base)]).returncode != 0:
+        pytest.skip("cannot mount a tmpfs here")
+    try:
+        os.mkdir(base / "made", 0o700)
+        subprocess.run(["mount", "-o", "remount,ro", str(base)], check=True)
+        for missing_or_not in ("new", "made"):
+            with pytest.raises(wc.SocketDirError, match="read-only file system") as info:
+                wc.Cache(base / missing_or_not, spawn=True)
+            assert "permission" not in str(info.value).lower()
+            with pytest.warns(wc.FallbackWarning, match="read-only file system"):
+                handle = wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=base / missing_or_not)
+            assert handle.source == "disk"
+    finally:
+        subprocess.run(["umount", str(base)])
+        shutil.rmtree(base, ignore_errors=True)

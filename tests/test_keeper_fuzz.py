@@ -4,6 +4,7 @@ serving everyone else (truncated frames, huge lengths, wrong types, wrong or mis
 from __future__ import annotations
 
 import array
+import contextlib
 import json
 import os
 import shutil
@@ -11,11 +12,13 @@ import socket
 import struct
 import subprocess
 import tempfile
+import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import one_tensor_manifest, sealed_memfd, start_keeper, stop_keeper
+from conftest import one_tensor_manifest, open_fds, sealed_memfd, start_keeper, stop_keeper
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
@@ -220,3 +223,111 @@ def test_mutated_publish(
     finally:
         os.close(fd)
     assert_serving(socket_dir, proc)
+
+
+# --- hostile peers: what one connection may cost the keeper --------------------------------------------------
+
+
+def greeted(socket_dir: Path) -> socket.socket:
+    """A raw connection that has said hello (so the keeper treats it as a client)."""
+    s = socket.socket(socket.AF_UNIX)
+    s.settimeout(10)
+    s.connect(str(socket_dir / "keeper.sock"))
+    s.sendall(frame(json.dumps({"op": "hello", "protocol": 1}).encode(), 0))
+    header = s.recv(8)
+    s.recv(struct.unpack("!I", header[4:])[0])
+    return s
+
+
+def keeper_status(pid: int, key: str) -> int:
+    """A ``/proc/<pid>/status`` value in kB (VmRSS, VmHWM)."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith(f"{key}:"):
+            return int(line.split()[1])
+    raise KeyError(key)
+
+
+def test_stalled_peers_cannot_exhaust_the_keepers_fds(tmp_path: Path) -> None:
+    """fds riding on the one-byte pieces of a frame header are refused at once, and a connection that sends
+    more than a frame may carry is dropped: a dozen stalled peers leave the keeper far from its fd limit, and a
+    legitimate client gets in at once."""
+    socket_dir = tmp_path / "s"
+    proc = start_keeper(socket_dir, nofile=16384)
+    memfd = os.memfd_create("weightcache")
+    peers = []
+    try:
+        rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [memfd] * 250))]
+        for _ in range(12):
+            s = greeted(socket_dir)
+            peers.append(s)
+            with contextlib.suppress(OSError):
+                for piece in frame(b"{}", 250)[:7]:  # the header, byte by byte, each with 250 fds; never finished
+                    s.sendmsg([bytes([piece])], rights)
+                    time.sleep(0.005)
+        time.sleep(0.5)
+        assert open_fds(proc.pid) < 4096, "the keeper holds the stalled peers' fds"
+        start = time.monotonic()
+        with KeeperConnection.connect(socket_dir) as conn:
+            conn.list()
+        assert time.monotonic() - start < 5
+    finally:
+        for s in peers:
+            s.close()
+        os.close(memfd)
+        stop_keeper(socket_dir)
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("kind", ["list", "publish"])
+def test_big_frames_cost_the_keeper_little_memory(tmp_path: Path, kind: str) -> None:
+    """16 peers at once each send a 64 MiB frame (the largest a publish may be): frames of ops other than
+    publish are refused from their header, and the bytes in flight across connections are capped."""
+    socket_dir = tmp_path / "s"
+    proc = start_keeper(socket_dir)
+    body = b'{"op":"' + kind.encode() + b'","pad":['
+    payload = body + b"0," * ((64 * 2**20 - len(body) - 4) // 2) + b"0]}"
+    memfd = os.memfd_create("weightcache")
+    try:
+        before = keeper_status(proc.pid, "VmRSS")
+
+        def send() -> None:
+            with contextlib.suppress(OSError), greeted(socket_dir) as s:
+                rights = [(socket.SOL_SOCKET, socket.SCM_RIGHTS, array.array("i", [memfd]))]
+                data = frame(payload, 1 if kind == "publish" else 0)
+                s.sendmsg([data[:8]], rights if kind == "publish" else [])
+                s.sendall(data[8:])
+                s.recv(4096)
+
+        threads = [threading.Thread(target=send) for _ in range(16)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(120)
+        peak = keeper_status(proc.pid, "VmHWM")
+        assert peak - before < 512 * 1024, f"the keeper grew by {(peak - before) // 1024} MiB"
+        assert proc.poll() is None
+        with KeeperConnection.connect(socket_dir) as conn:
+            conn.list()
+    finally:
+        os.close(memfd)
+        stop_keeper(socket_dir)
+        proc.wait(10)
+
+
+def test_deeply_nested_json_is_a_bad_frame_not_a_traceback(tmp_path: Path) -> None:
+    socket_dir = tmp_path / "s"
+    proc = start_keeper(socket_dir)
+    try:
+        with greeted(socket_dir) as s:
+            s.sendall(frame(b'{"op":"list","x":' + b"[" * 30000 + b"]" * 30000 + b"}", 0))
+            header = s.recv(8)
+            reply = json.loads(s.recv(struct.unpack("!I", header[4:])[0]))
+        assert reply["ok"] is False and reply["error"] == "bad_frame" and "nested" in reply["message"]
+        with KeeperConnection.connect(socket_dir) as conn:
+            conn.list()
+    finally:
+        stop_keeper(socket_dir)
+        proc.wait(10)
+    assert proc.stderr is not None
+    log = proc.stderr.read().decode()
+    assert "Traceback" not in log and "RecursionError" not in log

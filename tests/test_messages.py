@@ -113,6 +113,8 @@ def test_every_shape_round_trips(checkpoint: Path) -> None:
         age_s=3.0,
         fingerprint=fp,
         tensor_bytes=16,
+        publisher=1000,
+        key=f"{fp.digest}@cpu~1000",
     )
     keeper = KeeperInfo(1, "0.1.0", 1, "/tmp/x", 1.0, 2.0, 3, Budget(None, {"cpu": 1024}), {"cpu": 512})
     values = [
@@ -123,8 +125,10 @@ def test_every_shape_round_trips(checkpoint: Path) -> None:
         PublishReply("d", "d@cpu", True, ("e@cpu",)),
         PublishReply("d", "d@cpu", False),
         GetRequest("d", "cpu"),
+        GetRequest("d", "cpu", (1000, 0)),
         GetReply(False),
-        GetReply(True, "d@cpu", {"version": 1}),
+        GetReply(False, others=(1000,)),
+        GetReply(True, "d@cpu", {"version": 1}, 0),
         ListRequest(),
         ListReply(keeper, (entry,), (ClientInfo(42, 1.5, (entry.key,)),)),
         InspectRequest("ab"),
@@ -142,10 +146,11 @@ def test_every_shape_round_trips(checkpoint: Path) -> None:
         if type(value) in op_of:
             assert value.to_json()["op"] == op_of[type(value)]
     assert {type(v) for v in values} >= {shape for pair in messages.SHAPES.values() for shape in pair}
-    assert entry.key == f"{fp.digest}@cpu" == messages.entry_key(fp.digest, "cpu")
+    assert entry.key == f"{fp.digest}@cpu~1000" == messages.entry_key(fp.digest, "cpu", 1000)
+    assert messages.entry_key(fp.digest, "cpu") == f"{fp.digest}@cpu"
     assert entry.to_json()["model_path"] == fp.model_path
-    found = GetReply.encode_found("d@cpu", '{"version":1}')
-    assert GetReply.from_json(json.loads(found)) == GetReply(True, "d@cpu", {"version": 1})
+    found = GetReply.encode_found("d@cpu", '{"version":1}', 0)
+    assert GetReply.from_json(json.loads(found)) == GetReply(True, "d@cpu", {"version": 1}, 0)
 
 
 def test_a_wrong_field_is_named() -> None:

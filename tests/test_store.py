@@ -17,6 +17,7 @@ from weightcache.errors import SegmentError
 from weightcache.fingerprint import Fingerprint
 from weightcache.keeper.store import Store
 from weightcache.messages import RequestError
+from weightcache.protocol import close_fds
 
 
 class Clock:
@@ -81,7 +82,9 @@ def test_publish_get_and_leases_released_on_disconnect(make: Any) -> None:
     [dup] = found.fds
     assert dup != fd and os.fstat(dup).st_ino == os.fstat(fd).st_ino  # a dup of the store's fd, the caller's to close
     os.close(dup)
-    assert messages.GetReply.encode_found(found.key, found.manifest_text).startswith(b'{"ok":true,"found":true')
+    assert messages.GetReply.encode_found(found.key, found.manifest_text, found.publisher).startswith(
+        b'{"ok":true,"found":true'
+    )
     assert store.get(2, 222, digest, "GPU-elsewhere") is None
     assert store.snapshot().leases == {1: (reply.key,), 2: (reply.key,)}
 
@@ -250,3 +253,54 @@ def test_store_imports_no_sockets_or_threads_machinery() -> None:
     source = (Path(__file__).resolve().parent.parent / "weightcache" / "keeper" / "store.py").read_text()
     for name in ("import socket", "import signal", "threading.Thread", "import torch"):
         assert name not in source
+
+
+def test_publishers_live_side_by_side_and_get_follows_trust(make: Any) -> None:
+    """A member's publish of the owner's digest is its own entry: it never replaces or shadows the owner's, and
+    a get returns an entry only of a publisher it trusts, in the order it names them."""
+    store = Store(owner=0)
+    manifest, fd = make("a")
+    digest = digest_of(manifest)
+    member = store.publish(1, 111, manifest, [fd], uid=1000)
+    assert member.created and member.key == f"{digest}@cpu~1000"
+    assert store.get(2, 222, digest, "cpu", (0,)) is None  # the owner trusts only itself
+    assert store.publishers(digest, "cpu") == [1000]
+    manifest, owner_fd = make("a")
+    owner = store.publish(3, 333, manifest, [owner_fd], uid=0)
+    assert owner.created and owner.key == f"{digest}@cpu"  # beside the member's, not replaced by it
+    assert sorted(e.publisher for e in store.snapshot().entries) == [0, 1000]
+    for trust, expected in [((0,), 0), ((1000, 0), 1000), ((0, 1000), 0), ((5,), None)]:
+        found = store.get(4, 444, digest, "cpu", trust)
+        assert (found and found.publisher) == expected
+        if found is not None:
+            close_fds(found.fds)
+    store.close()
+
+
+def test_budget_eviction_takes_only_the_publishers_own_entries(make: Any) -> None:
+    store = Store(Budget(None, {"cpu": 768}), owner=0)
+    manifest, fd = make("a")
+    owners = store.publish(1, 1, manifest, [fd], uid=0)
+    store.release(1)  # unleased: evictable, but only for the owner's own publishes
+    manifest, fd = make("b")
+    with pytest.raises(RequestError, match="uid 1000 needs .* other uids 512 B") as info:
+        store.publish(2, 2, manifest, [fd], uid=1000)
+    assert info.value.code == messages.OVER_BUDGET and store.keys() == [owners.key]
+    manifest, fd = make("c")
+    reply = store.publish(3, 3, manifest, [fd], uid=0)
+    assert reply.evicted == (owners.key,)  # the owner's own unleased entry made room
+    store.close()
+
+
+def test_segment_fds_held_are_capped(make: Any) -> None:
+    store = Store(max_fds=1)
+    manifest, fd = make("a")
+    store.publish(1, 1, manifest, [fd])
+    manifest, fd = make("b")
+    with pytest.raises(RequestError, match="holds 1 segment fds of its limit of 1") as info:
+        store.publish(1, 1, manifest, [fd])
+    assert info.value.code == messages.OVER_BUDGET and not is_open(fd)
+    store.evict("*", every=True, force=True)
+    manifest, fd = make("b")
+    assert store.publish(1, 1, manifest, [fd]).created  # evicting gave the fd back
+    store.close()

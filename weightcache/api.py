@@ -8,7 +8,7 @@ transformed), and serving them is binding them into the model.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -20,6 +20,7 @@ from .handle import Handle
 from .loader import StoredTensor, checkpoint_layout, load_weights
 from .pipeline import Mode, Request, Steps, check_mode, run
 from .publish import stored_as_is
+from .rundir import resolve_user
 from .torch_dtypes import resolve_dtype
 
 Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
@@ -39,6 +40,7 @@ def attach(
     strict: bool = False,
     socket_dir: str | os.PathLike[str] | None = None,
     progress: bool | None = None,
+    trusted_publishers: Iterable[int | str] = (),
 ) -> Handle:
     """Bind the weights of ``checkpoint`` into ``model`` and return a :class:`Handle` (a context manager).
 
@@ -64,6 +66,8 @@ def attach(
         socket_dir: the keeper's socket directory (default: see :mod:`weightcache.rundir`).
         progress: show a bar of the bytes read on stderr while loading from disk. None (default): only when
             stderr is a terminal and the checkpoint is at least 1 GiB; True/False: always/never.
+        trusted_publishers: other users (names or uids) whose published entries may be attached. Entries
+            published by this process's uid or the keeper's owner always may; see :class:`Cache`.
 
     Returns:
         A Handle with ``source`` ("cache" or "disk"), ``fingerprint``, ``tensors`` and ``read_disk``. Close it
@@ -72,7 +76,9 @@ def attach(
     check_mode(mode)
     dev, torch_dtype, fingerprint = _identify(checkpoint, device, dtype, quant, quant_config, parallel, transform)
     steps = ModuleSteps(model, checkpoint, dev, torch_dtype, transform, progress)
-    return run(Request(fingerprint, mode, strict, socket_dir, progress, quant_config=quant_config), steps)
+    trusted = tuple(resolve_user(user) for user in trusted_publishers)
+    request = Request(fingerprint, mode, strict, socket_dir, progress, quant_config=quant_config, trusted=trusted)
+    return run(request, steps)
 
 
 def preload(

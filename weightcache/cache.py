@@ -7,7 +7,7 @@ Packing (:mod:`weightcache.publish`), mapping (:mod:`weightcache.views`) and wha
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 
 import torch
 
@@ -22,6 +22,7 @@ from .manifest import Manifest
 from .messages import EntryInfo
 from .protocol import close_fds
 from .publish import Packed, pack_checkpoint, pack_state
+from .rundir import resolve_user
 from .views import map_entry
 
 try:  # import the CUDA driver bindings with the library, not inside the first attach (~10 ms once)
@@ -38,9 +39,23 @@ class Cache:
             ``/tmp/weightcache-<uid>``).
         spawn: start a detached keeper if none runs (exactly one, even when processes race); and if the keeper
             crashes while this process holds handles from this cache, start a new one to re-publish them to.
+        trusted_publishers: users (names or uids) whose published entries :meth:`get` also accepts. It always
+            accepts entries published by this process's uid, then by the keeper's owner; a keeper shared with a
+            group (``serve --allow-group``) may hold entries of its members under the same fingerprint, and those
+            are attached only if named here (see docs/deployment.md, "Trust").
+
+    Raises ValueError for a user name that does not exist on this host.
     """
 
-    def __init__(self, socket_dir: str | os.PathLike[str] | None = None, *, spawn: bool = False) -> None:
+    def __init__(
+        self,
+        socket_dir: str | os.PathLike[str] | None = None,
+        *,
+        spawn: bool = False,
+        trusted_publishers: Iterable[int | str] = (),
+    ) -> None:
+        #: The uids named by ``trusted_publishers``.
+        self.trusted_publishers = tuple(resolve_user(user) for user in trusted_publishers)
         if spawn:
             ensure_keeper(socket_dir)
         # As given (None: the default location): whether the caller named it decides how much it is trusted.
@@ -51,6 +66,11 @@ class Cache:
     def _connect(self) -> KeeperConnection:
         return KeeperConnection.connect(self.socket_dir)
 
+    def trust(self, conn: KeeperConnection) -> tuple[int, ...]:
+        """The publishers this cache accepts through ``conn``, in order of preference: this process's uid, the
+        keeper's owner, then :attr:`trusted_publishers`."""
+        return tuple(dict.fromkeys((os.getuid(), conn.keeper_uid, *self.trusted_publishers)))
+
     # --- queries -----------------------------------------------------------------------------------------
 
     def keeper_info(self) -> dict[str, object]:
@@ -59,9 +79,21 @@ class Cache:
             return conn.list().keeper.to_json()
 
     def entries(self) -> list[EntryInfo]:
-        """Everything the keeper holds: digest, bytes, device, leases (and their holders), age."""
+        """Everything the keeper holds: digest, bytes, device, publisher, leases (and their holders), age."""
         with self._connect() as conn:
             return list(conn.list().entries)
+
+    def entry(self, fingerprint: Fingerprint) -> EntryInfo | None:
+        """The entry :meth:`get` would attach for ``fingerprint`` (its trusted publishers' first), without
+        attaching it; None if there is none."""
+        with self._connect() as conn:
+            trust = self.trust(conn)
+            found = [
+                e
+                for e in conn.list().entries
+                if e.digest == fingerprint.digest and e.placement == fingerprint.placement and e.publisher in trust
+            ]
+        return min(found, key=lambda e: trust.index(e.publisher), default=None)
 
     def evict(self, fingerprint_or_digest: Fingerprint | str, *, force: bool = False) -> list[str]:
         """Drop entries from the keeper (by fingerprint, digest or unique digest prefix).
@@ -89,15 +121,16 @@ class Cache:
     # --- attach -----------------------------------------------------------------------------------------
 
     def get(self, fingerprint: Fingerprint) -> Handle | None:
-        """Attach the entry with this fingerprint (and placement), or return None if the keeper has none.
+        """Attach the entry with this fingerprint (and placement), or return None if the keeper has none published
+        by a trusted user (see ``trusted_publishers``).
 
-        Raises UnsupportedQuantError for a refused quantization method and KeeperUnavailable when no keeper
-        runs.
+        Raises UnsupportedQuantError for a refused quantization method, KeeperUnavailable when no keeper runs and
+        KeeperNotResponding when it does not answer in time.
         """
         quant_registry.get(fingerprint.quant).check()
         conn = self._connect()
         try:
-            reply, fds = conn.get(fingerprint.digest, fingerprint.placement)
+            reply, fds = conn.get(fingerprint.digest, fingerprint.placement, trust=self.trust(conn))
         except BaseException:
             conn.close()
             raise
@@ -115,14 +148,26 @@ class Cache:
             close_fds(fds)
             conn.close()
             raise
-        return self._attached(manifest, tensors, conn, fds)
+        return self._attached(manifest, tensors, conn, fds, reply.publisher)
 
     def _attached(
-        self, manifest: Manifest, tensors: dict[str, torch.Tensor], conn: KeeperConnection, fds: list[int]
+        self,
+        manifest: Manifest,
+        tensors: dict[str, torch.Tensor],
+        conn: KeeperConnection,
+        fds: list[int],
+        publisher: int | None,
     ) -> Handle:
         """The Handle of an entry this process now maps: it owns the lease connection and the fds."""
         lease = Lease(conn, fds, manifest, respawn=self.respawn)
-        return Handle(source="cache", fingerprint=manifest.fingerprint, tensors=tensors, manifest=manifest, lease=lease)
+        return Handle(
+            source="cache",
+            fingerprint=manifest.fingerprint,
+            tensors=tensors,
+            manifest=manifest,
+            lease=lease,
+            publisher=publisher,
+        )
 
     # --- publish ----------------------------------------------------------------------------------------
 
@@ -191,7 +236,7 @@ class Cache:
             close_fds(fds)
             conn.close()
             raise
-        return self._attached(manifest, views, conn, fds)
+        return self._attached(manifest, views, conn, fds, os.getuid())
 
 
 __all__ = ["Cache"]

@@ -25,6 +25,7 @@ from . import protocol
 from ._version import __version__
 from .errors import (
     KeeperError,
+    KeeperNotResponding,
     KeeperUnavailable,
     PeerRejected,
     ProtocolError,
@@ -61,8 +62,51 @@ from .rundir import (
 
 #: Seconds to wait for a spawned keeper to report readiness.
 SPAWN_TIMEOUT_S = 30.0
-#: Seconds to wait for the keeper to accept a connection.
+#: Seconds to wait for the keeper to accept a connection (a full listen backlog is retried until then).
 CONNECT_TIMEOUT_S = 10.0
+#: Seconds the keeper has to answer a request (hello, get, list, inspect, evict, stop) once it was sent.
+REPLY_TIMEOUT_S = 10.0
+#: A publish gets :data:`REPLY_TIMEOUT_S` plus this many seconds per GiB of its segments (the keeper checks each
+#: segment's kind, size and seals; it copies nothing).
+PUBLISH_S_PER_GIB = 0.25
+
+
+def publish_timeout(nbytes: int) -> float:
+    """Seconds the keeper has to answer a publish of ``nbytes`` of segments."""
+    return REPLY_TIMEOUT_S + PUBLISH_S_PER_GIB * nbytes / 2**30
+
+
+def _silent(op: str, waited: float, path: Path | str) -> KeeperNotResponding:
+    return KeeperNotResponding(
+        f"the keeper at {path} did not answer {op!r} within {waited:.0f} s: it accepted the connection but sends "
+        "nothing (stopped with SIGSTOP or a debugger, or its host is wedged). Check it (`weightcache doctor`, its "
+        "keeper.log); `kill -CONT` a stopped keeper, or restart it"
+    )
+
+
+def _connect_socket(path: Path, timeout: float) -> socket.socket:
+    """A socket connected to ``path``. A full listen backlog (EAGAIN: the keeper is busy for a moment) is retried,
+    with growing pauses, until ``timeout``; anything else is raised at once."""
+    deadline = time.monotonic() + timeout
+    pause = 0.001
+    while True:
+        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        sock.settimeout(max(0.001, deadline - time.monotonic()))
+        try:
+            sock.connect(str(path))
+            return sock
+        except BlockingIOError:
+            sock.close()
+            if time.monotonic() + pause > deadline:
+                raise KeeperNotResponding(
+                    f"the keeper at {path} did not accept the connection within {timeout:.0f} s: its listen backlog "
+                    "stayed full (it is stopped, wedged, or overwhelmed by connections)"
+                ) from None
+            time.sleep(pause)
+            pause = min(pause * 2, 0.05)
+        except BaseException:
+            sock.close()
+            raise
 
 
 class KeeperConnection:
@@ -102,19 +146,15 @@ class KeeperConnection:
                 f"no keeper runs for {directory} (the directory does not exist); start one with "
                 f"`weightcache serve --socket-dir {directory}` or use mode='daemon'"
             ) from None
-        sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        sock.settimeout(CONNECT_TIMEOUT_S)  # a keeper whose backlog is full must not hang an engine's start
         try:
-            sock.connect(str(path))
+            sock = _connect_socket(path, CONNECT_TIMEOUT_S)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
-            sock.close()
             what = "no socket" if isinstance(exc, FileNotFoundError) else "a stale socket (its keeper died)"
             raise KeeperUnavailable(
                 f"no keeper is running at {path} ({what}); start one with `weightcache serve` or use "
                 "mode='daemon' to spawn one"
             ) from None
         except OSError as exc:
-            sock.close()
             raise KeeperUnavailable(f"cannot connect to the keeper at {path}: {exc}") from exc
         try:
             _, uid, _ = protocol.peer_credentials(sock)
@@ -125,12 +165,14 @@ class KeeperConnection:
                 )
             hello = HelloRequest(protocol_version, min_protocol_version, __version__, os.getpid())
             protocol.send_frame(sock, hello.to_json())
-            reply, fds = protocol.recv_frame(sock, idle_timeout=protocol.FRAME_TIMEOUT_S)
+            reply, fds = protocol.recv_frame(sock, idle_timeout=REPLY_TIMEOUT_S)
             protocol.close_fds(fds)
             if reply.get("ok") is not False:
                 HelloReply.from_json(reply)  # check it
         except (ProtocolError, OSError) as exc:
             sock.close()
+            if isinstance(exc, protocol.NoFrame):
+                raise _silent("hello", REPLY_TIMEOUT_S, path) from None
             if isinstance(exc, ProtocolError):
                 raise KeeperUnavailable(f"the keeper at {path} did not answer hello: {exc}") from exc
             raise KeeperUnavailable(f"the keeper at {path} failed during hello: {exc}") from exc
@@ -144,17 +186,21 @@ class KeeperConnection:
         return cls(sock, directory, reply, explicit)
 
     def request(
-        self, message: dict[str, Any], fds: Sequence[int] = (), *, timeout: float | None = None
+        self, message: dict[str, Any], fds: Sequence[int] = (), *, timeout: float = REPLY_TIMEOUT_S
     ) -> tuple[dict[str, Any], list[int]]:
         """Send one request and return ``(reply, fds)``; the caller owns the returned fds.
 
         Raises what :func:`~weightcache.errors.keeper_error` makes of a failed reply (KeeperError carrying the
-        keeper's error code, BudgetExceeded for ``over_budget``, ...), and KeeperUnavailable when the connection
-        breaks or no reply starts within ``timeout`` seconds (None: wait as long as it takes).
+        keeper's error code, BudgetExceeded for ``over_budget``, ...), KeeperNotResponding when no reply starts
+        within ``timeout`` seconds (the connection is then closed: a late reply would answer the wrong request),
+        and KeeperUnavailable when the connection breaks.
         """
         try:
             protocol.send_frame(self._sock, message, fds)
             reply, out = protocol.recv_frame(self._sock, idle_timeout=timeout)
+        except protocol.NoFrame:
+            self.close()
+            raise _silent(str(message.get("op")), timeout, socket_path(self.socket_dir)) from None
         except protocol.PeerClosed as exc:
             raise KeeperUnavailable("the keeper closed the connection (stopped or crashed)") from exc
         except (ProtocolError, OSError) as exc:
@@ -171,20 +217,42 @@ class KeeperConnection:
         self, manifest_json: dict[str, Any], fds: Sequence[int], *, timeout: float | None = None
     ) -> PublishReply:
         """Hand an entry (its manifest, one fd per segment) to the keeper; this connection then leases it. The
-        fds stay open on this side."""
+        fds stay open on this side. ``timeout``: seconds for the reply (default :func:`publish_timeout` of the
+        manifest's segment bytes)."""
+        if timeout is None:
+            sizes = [s.get("size", 0) for s in manifest_json.get("segments", ()) if isinstance(s, dict)]
+            timeout = publish_timeout(sum(n for n in sizes if isinstance(n, int)))
         reply, out = self.request(PublishRequest(manifest_json).to_json(), fds, timeout=timeout)
         protocol.close_fds(out)
         return PublishReply.from_json(reply)
 
-    def get(self, digest: str, placement: str) -> tuple[GetReply, list[int]]:
-        """The entry ``digest@placement`` and its segments' fds (the caller's to close); this connection then
-        leases it. ``reply.found`` is False (and no fds come) when the keeper lacks it."""
-        reply, fds = self.request(GetRequest(digest, placement).to_json())
+    def get(self, digest: str, placement: str, *, trust: Sequence[int] = ()) -> tuple[GetReply, list[int]]:
+        """The entry for ``digest`` on ``placement`` and its segments' fds (the caller's to close); this connection
+        then leases it. ``trust``: the uids whose publications to accept, in order of preference (default: this
+        process's uid, then the keeper's owner). ``reply.found`` is False (and no fds come) when no trusted
+        publisher has one; ``reply.others`` then names the uids that do.
+
+        Raises PeerRejected if the keeper answers with an entry of a publisher not trusted.
+        """
+        reply, fds = self.request(GetRequest(digest, placement, tuple(trust)).to_json())
         try:
-            return GetReply.from_json(reply), fds
+            found = GetReply.from_json(reply)
+            allowed = tuple(trust) or (os.getuid(), self.keeper_uid)
+            if found.found and found.publisher not in allowed:
+                raise PeerRejected(
+                    f"the keeper answered with an entry published by uid {found.publisher}, which this client does "
+                    f"not trust (it trusts {', '.join(map(str, allowed))}); refusing it"
+                )
+            return found, fds
         except BaseException:
             protocol.close_fds(fds)
             raise
+
+    @property
+    def keeper_uid(self) -> int:
+        """The uid the keeper runs as (its owner), from its hello reply."""
+        uid = self.hello.get("uid")
+        return uid if isinstance(uid, int) else os.getuid()
 
     def inspect(self, prefix: str) -> InspectReply:
         """One entry (by key, digest or unique prefix) with its manifest."""

@@ -18,6 +18,11 @@ class KeeperUnavailable(WeightCacheError):
     """No keeper answers on the socket (none running, stale socket, or it could not be started)."""
 
 
+class KeeperNotResponding(KeeperUnavailable):
+    """The keeper accepted the connection but did not answer a request within its deadline: it is stopped
+    (SIGSTOP, a debugger), wedged, or its host is overloaded. The connection is closed; nothing was changed."""
+
+
 class KeeperAlreadyRunning(WeightCacheError):
     """`weightcache serve` found another keeper already serving the same socket directory."""
 
@@ -148,6 +153,7 @@ __all__ = [
     "KeeperAlreadyRunning",
     "KeeperError",
     "KeeperForbidden",
+    "KeeperNotResponding",
     "KeeperUnavailable",
     "ManifestError",
     "PeerRejected",

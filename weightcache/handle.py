@@ -33,6 +33,7 @@ class Handle:
         fallback_reason: why weightcache served weights from disk when the mode asked for the cache, else None.
         read_disk: whether this start read the checkpoint (True for every disk source, and for mode daemon's
             first start, which loads, publishes and then runs on the published copy).
+        publisher: the uid that published the entry (as the keeper saw it); None for weights held privately.
 
     While a cache handle is open it holds its entry's segment fds and a lease. If the keeper goes away, a
     background thread re-publishes the entry (those fds, no disk read) to the next keeper that serves the same
@@ -50,6 +51,7 @@ class Handle:
         lease: Lease | None = None,
         fallback_reason: str | None = None,
         read_disk: bool | None = None,
+        publisher: int | None = None,
     ) -> None:
         self.source: Source = source
         self.fingerprint = fingerprint
@@ -57,6 +59,7 @@ class Handle:
         self.manifest = manifest
         self.fallback_reason = fallback_reason
         self.read_disk = source == "disk" if read_disk is None else read_disk
+        self.publisher = publisher
         self._lease = lease
         if lease is not None:
             republish.watch(lease)

@@ -69,9 +69,14 @@ ERROR_CODES: tuple[str, ...] = (
 MAX_MANIFEST_BYTES = protocol.MAX_PAYLOAD_BYTES - 64 * 1024
 
 
-def entry_key(digest: str, placement: str) -> str:
-    """The key of an entry: ``<digest>@<placement>``."""
-    return f"{digest}@{placement}"
+#: Most uids a ``get`` may name as trusted publishers.
+MAX_TRUSTED = 64
+
+
+def entry_key(digest: str, placement: str, publisher: int | None = None) -> str:
+    """The key of an entry: ``<digest>@<placement>`` for one the keeper's owner published, and
+    ``<digest>@<placement>~<uid>`` for one published by another uid (``publisher``; see docs/protocol.md)."""
+    return f"{digest}@{placement}" if publisher is None else f"{digest}@{placement}~{publisher}"
 
 
 class RequestError(WeightCacheError):
@@ -193,40 +198,68 @@ class PublishReply(NamedTuple):
 
 
 class GetRequest(NamedTuple):
-    """Ask for an entry by digest and placement; when found, its fds (one per segment) ride on the reply."""
+    """Ask for an entry by digest and placement; when found, its fds (one per segment) ride on the reply.
+
+    ``trust``: the uids whose publications the client accepts, in order of preference. Empty (or absent on the
+    wire): the asking peer's own uid, then the keeper's owner.
+    """
 
     digest: str
     placement: str
+    trust: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
-        return {"op": GET, "digest": self.digest, "placement": self.placement}
+        message: dict[str, Any] = {"op": GET, "digest": self.digest, "placement": self.placement}
+        if self.trust:
+            message["trust"] = list(self.trust)
+        return message
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GetRequest:
-        return cls(digest=field(data, "digest", str), placement=field(data, "placement", str))
+        trust = field(data, "trust", list, optional=True) or []
+        if len(trust) > MAX_TRUSTED or not all(
+            isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in trust
+        ):
+            raise ProtocolError(f"field 'trust' must list at most {MAX_TRUSTED} uids (non-negative integers)")
+        return cls(digest=field(data, "digest", str), placement=field(data, "placement", str), trust=tuple(trust))
 
 
 class GetReply(NamedTuple):
+    """A get's answer. When found: the entry's key, manifest and ``publisher`` (the uid that published it, as
+    the keeper saw it through SO_PEERCRED); ``others`` lists the uids whose entries of this digest and placement
+    were passed over because the request did not trust them."""
+
     found: bool
     key: str | None = None
     manifest: dict[str, Any] | None = None
+    publisher: int | None = None
+    others: tuple[int, ...] = ()
 
     def to_json(self) -> dict[str, Any]:
         if not self.found:
-            return {"ok": True, "found": False}
-        return {"ok": True, "found": True, "key": self.key, "manifest": self.manifest}
+            return {"ok": True, "found": False, "others": list(self.others)}
+        return {"ok": True, "found": True, "key": self.key, "manifest": self.manifest, "publisher": self.publisher}
 
     @staticmethod
-    def encode_found(key: str, manifest_text: str) -> bytes:
+    def encode_found(key: str, manifest_text: str, publisher: int) -> bytes:
         """The found reply's payload around a manifest encoded once at publish: what every get sends."""
-        return f'{{"ok":true,"found":true,"key":{json.dumps(key)},"manifest":{manifest_text}}}'.encode()
+        head = f'{{"ok":true,"found":true,"key":{json.dumps(key)},"publisher":{int(publisher)},"manifest":'
+        return f"{head}{manifest_text}}}".encode()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GetReply:
         _ok(data)
         if not field(data, "found", bool):
-            return cls(found=False)
-        return cls(found=True, key=field(data, "key", str), manifest=field(data, "manifest", dict))
+            others = field(data, "others", list, optional=True) or []
+            if not all(isinstance(u, int) and not isinstance(u, bool) for u in others):
+                raise ProtocolError("field 'others' must list uids")
+            return cls(found=False, others=tuple(others))
+        return cls(
+            found=True,
+            key=field(data, "key", str),
+            manifest=field(data, "manifest", dict),
+            publisher=field(data, "publisher", int),
+        )
 
 
 # --- list --------------------------------------------------------------------------------------------------------
@@ -251,10 +284,10 @@ class EntryInfo:
     age_s: float
     fingerprint: Fingerprint
     tensor_bytes: int
-
-    @property
-    def key(self) -> str:
-        return entry_key(self.digest, self.placement)
+    #: The uid that published it (SO_PEERCRED, as the keeper saw it).
+    publisher: int
+    #: ``<digest>@<placement>``, with ``~<uid>`` when another uid than the keeper's owner published it.
+    key: str
 
     @property
     def model_path(self) -> str:
@@ -277,6 +310,7 @@ class EntryInfo:
             "created": self.created,
             "last_used": self.last_used,
             "age_s": self.age_s,
+            "publisher": self.publisher,
             "fingerprint": self.fingerprint.to_json(),
         }
 
@@ -302,6 +336,8 @@ class EntryInfo:
             age_s=_float(data, "age_s"),
             fingerprint=Fingerprint.from_json(field(data, "fingerprint", dict)),
             tensor_bytes=field(data, "tensor_bytes", int),
+            publisher=field(data, "publisher", int),
+            key=field(data, "key", str),
         )
 
 

@@ -42,6 +42,7 @@ from .errors import (
     EntryNotFound,
     FallbackWarning,
     FingerprintMismatch,
+    KeeperNotResponding,
     KeeperUnavailable,
     UnsupportedQuantError,
     WeightCacheError,
@@ -78,6 +79,8 @@ class Request:
     max_segment_bytes: int | None = None
     #: The quantization method's configuration, checked by its strategy (the fingerprint holds only its hash).
     quant_config: Mapping[str, Any] | None = None
+    #: uids whose entries are attached besides this process's own and the keeper owner's.
+    trusted: tuple[int, ...] = ()
 
 
 class Steps(abc.ABC, Generic[T]):
@@ -139,11 +142,15 @@ def _client(request: Request, steps: Steps[T], start: float) -> T:
     fingerprint = request.fingerprint
     diffs: list[tuple[str, object, object]] = []
     try:
-        cache = Cache(request.socket_dir)
+        cache = Cache(request.socket_dir, trusted_publishers=request.trusted)
         handle = cache.get(fingerprint)
         if handle is not None:
             return _serve(request, steps, handle, "hit", start)
         reason, diffs = why_missing(cache, fingerprint)
+    except KeeperNotResponding as exc:
+        if request.strict:
+            raise
+        reason = f"the keeper is not responding ({exc})"
     except KeeperUnavailable as exc:
         if request.strict:
             raise
@@ -162,12 +169,16 @@ def _client(request: Request, steps: Steps[T], start: float) -> T:
 
 
 def _daemon(request: Request, steps: Steps[T], start: float) -> T:
-    cache = Cache(request.socket_dir)
+    cache = Cache(request.socket_dir, trusted_publishers=request.trusted)
     cache.respawn = True  # mode daemon keeps a keeper running: also after a crash, to re-publish to
     with ThreadPoolExecutor(max_workers=1) as pool:
         spawning: Future[object] | None = None
         try:
             handle = cache.get(request.fingerprint)
+        except KeeperNotResponding as exc:  # a keeper holds the socket but is silent: no second one can start
+            if request.strict:
+                raise
+            return _fallback(request, steps, f"the keeper is not responding ({exc})", start)
         except KeeperUnavailable:
             # No keeper, so nothing is cached: start one while the weights load instead of before.
             spawning = pool.submit(ensure_keeper, request.socket_dir)
@@ -266,10 +277,23 @@ def _report(request: Request, outcome: str, start: float, handle: Handle | None 
 
 
 def why_missing(cache: Cache, fingerprint: Fingerprint) -> tuple[str, list[tuple[str, object, object]]]:
-    """Explain a miss: the closest cached entry of the same checkpoint and placement, and how it differs."""
+    """Explain a miss: entries of this fingerprint whose publishers are not trusted, else the closest cached entry
+    of the same checkpoint and placement, and how it differs."""
+    entries = cache.entries()
+    untrusted = sorted(
+        {e.publisher for e in entries if e.digest == fingerprint.digest and e.placement == fingerprint.placement}
+    )
+    if untrusted:  # the get found none of them trusted
+        uids = ", ".join(map(str, untrusted))
+        return (
+            f"the keeper holds entry {fingerprint.digest[:12]} only as published by uid {uids}, which this engine "
+            "does not trust (by default only its own uid and the keeper's owner are); name that user in "
+            "trusted_publishers to attach it, or let mode daemon publish this engine's own",
+            [],
+        )
     same_model = [
         e
-        for e in cache.entries()
+        for e in entries
         if e.fingerprint.model_path == fingerprint.model_path and e.placement == fingerprint.placement
     ]
     if not same_model:

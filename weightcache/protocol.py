@@ -4,9 +4,11 @@ Specified in docs/protocol.md. A frame is an 8-byte header followed by a UTF-8 J
 
     magic b"WC" | wire version (u8) | number of fds attached (u8) | payload length (u32, big endian)
 
-The fds ride as SCM_RIGHTS ancillary data on the header bytes; the header's count lets the receiver check
-that exactly the announced fds arrived. Every length is bounded before anything is allocated, and nothing
-received is ever unpickled or evaluated: JSON is parsed into plain values and checked field by field.
+The fds ride as SCM_RIGHTS ancillary data on the first byte of the header (a sender passes header and payload
+to one ``sendmsg``); the header's count lets the receiver check that exactly the announced fds arrived. fds on
+any later piece of a frame, or more than the receiver allows, are closed at once and end the connection. Every
+length is bounded before anything is allocated, and nothing received is ever unpickled or evaluated: JSON is
+parsed into plain values and checked field by field.
 
 Layer L1: never imports torch (the keeper uses it; tests/test_layers.py checks).
 """
@@ -18,6 +20,7 @@ import json
 import os
 import socket
 import struct
+import threading
 import time
 from collections.abc import Sequence
 from typing import Any
@@ -38,6 +41,8 @@ MAX_PAYLOAD_BYTES = 64 * 1024 * 1024
 MAX_FDS = 250
 #: Largest payload accepted before a peer has said hello.
 MAX_HELLO_BYTES = 64 * 1024
+#: Largest payload the keeper accepts in a frame without fds (every op but ``publish``).
+MAX_REQUEST_BYTES = 64 * 1024
 #: Seconds a peer may take to deliver a whole frame once its first byte arrived.
 FRAME_TIMEOUT_S = 30.0
 _FD_SIZE = array.array("i").itemsize
@@ -45,6 +50,64 @@ _FD_SIZE = array.array("i").itemsize
 
 class PeerClosed(ProtocolError):
     """The peer closed the connection cleanly between frames."""
+
+
+class NoFrame(ProtocolError):
+    """Nothing arrived within the idle timeout: the peer is silent (not: it sent part of a frame)."""
+
+
+class Busy(ProtocolError):
+    """The receiver cannot take this frame now: the bytes in flight across its connections are at their cap."""
+
+
+class Allowance:
+    """Payload bytes and fds that frames being received may hold at once, across every connection of a receiver.
+
+    A frame of ``n`` bytes takes ``n`` before its payload is read and gives them back once it is parsed. When the
+    byte cap is reached the reader waits (for at most the frame's deadline) instead of reading: a frame that would
+    never fit, or a wait that runs out, is :class:`Busy`. fds are taken as they arrive and given back when the
+    frame is returned (or refused); over the fd cap they are closed at once (:class:`Busy`, no waiting: they are
+    already here).
+    """
+
+    def __init__(self, max_bytes: int, max_fds: int) -> None:
+        self.max_bytes = max_bytes
+        self.max_fds = max_fds
+        self._used = 0
+        self._fds = 0
+        self._cond = threading.Condition()
+
+    @property
+    def used(self) -> tuple[int, int]:
+        """``(bytes, fds)`` held now."""
+        return self._used, self._fds
+
+    def take_fds(self, count: int) -> None:
+        with self._cond:
+            if self._fds + count > self.max_fds:
+                raise Busy(f"the receiver holds {self._fds} fds of frames in flight (cap {self.max_fds}): retry")
+            self._fds += count
+
+    def give_fds(self, count: int) -> None:
+        with self._cond:
+            self._fds -= count
+
+    def take(self, nbytes: int, deadline: float) -> None:
+        with self._cond:
+            while self._used + nbytes > self.max_bytes:
+                remaining = deadline - time.monotonic()
+                if nbytes > self.max_bytes or remaining <= 0:
+                    raise Busy(
+                        f"the receiver holds {self._used} bytes of frames in flight (cap {self.max_bytes}); a frame "
+                        f"of {nbytes} more did not fit in time: retry"
+                    )
+                self._cond.wait(remaining)
+            self._used += nbytes
+
+    def give(self, nbytes: int) -> None:
+        with self._cond:
+            self._used -= nbytes
+            self._cond.notify_all()
 
 
 def send_frame(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> None:
@@ -87,18 +150,28 @@ def _fds_from_ancillary(ancdata: list[tuple[int, int, bytes]]) -> list[int]:
 
 
 def recv_frame(
-    sock: socket.socket, *, idle_timeout: float | None = None, max_payload: int = MAX_PAYLOAD_BYTES
+    sock: socket.socket,
+    *,
+    idle_timeout: float | None = None,
+    max_payload: int = MAX_PAYLOAD_BYTES,
+    max_plain_payload: int | None = None,
+    max_fds: int = MAX_FDS,
+    allowance: Allowance | None = None,
 ) -> tuple[dict[str, Any], list[int]]:
     """Receive one frame: ``(message, fds)``. The caller owns (and must close) the returned fds.
 
-    ``idle_timeout`` bounds the wait for the first byte (None: forever); once it arrived, the whole frame must
-    follow within :data:`FRAME_TIMEOUT_S`. Memory for the payload grows as it arrives, so a peer that only
-    announces a large frame costs nothing. Raises :class:`PeerClosed` if the peer closed between frames and
-    :class:`ProtocolError` for anything malformed; in both cases every fd received so far is closed first.
+    ``idle_timeout`` bounds the wait for the first byte (None: forever; past it :class:`NoFrame`); once it
+    arrived, the whole frame must follow within :data:`FRAME_TIMEOUT_S`. Limits: ``max_payload`` bytes, or
+    ``max_plain_payload`` for a frame without fds; ``max_fds`` fds, all on the frame's first byte; and, with an
+    ``allowance``, the payload bytes in flight across the receiver's connections (frames of at most
+    :data:`MAX_REQUEST_BYTES` do not count). The payload buffer is allocated once the announced length passed
+    these checks. Raises :class:`PeerClosed` if the peer closed between frames
+    and :class:`ProtocolError` for anything malformed; in every case every fd received so far is closed first.
     """
     sock.settimeout(idle_timeout)
     fds: list[int] = []
     deadline = 0.0
+    taken = taken_fds = 0
 
     def arm() -> None:
         remaining = deadline - time.monotonic()
@@ -109,10 +182,23 @@ def recv_frame(
     try:
         header = b""
         while len(header) < HEADER.size:
-            data, ancdata, flags, _ = sock.recvmsg(
-                HEADER.size - len(header), socket.CMSG_SPACE(MAX_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
-            )
-            fds.extend(_fds_from_ancillary(ancdata))
+            try:
+                data, ancdata, flags, _ = sock.recvmsg(
+                    HEADER.size - len(header), socket.CMSG_SPACE(MAX_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
+                )
+            except TimeoutError:
+                if not header:
+                    raise NoFrame(f"nothing arrived within {idle_timeout:g} s") from None
+                raise
+            arrived = _fds_from_ancillary(ancdata)
+            fds.extend(arrived)
+            if arrived and allowance is not None:
+                allowance.take_fds(len(arrived))
+                taken_fds += len(arrived)
+            if arrived and header:
+                raise ProtocolError("fds arrived after the first byte of a frame; they ride on its first byte only")
+            if len(fds) > max_fds:
+                raise ProtocolError(f"a frame here carries at most {max_fds} fds; {len(fds)} arrived")
             if flags & socket.MSG_CTRUNC:
                 raise ProtocolError(
                     f"fds were dropped from a frame: the peer sent more than {MAX_FDS}, or this process "
@@ -135,23 +221,38 @@ def recv_frame(
             raise ProtocolError(f"frame announces {length} payload bytes; the limit here is {max_payload}")
         if nfds != len(fds):
             raise ProtocolError(f"frame announces {nfds} fds but {len(fds)} arrived")
-        payload = bytearray()
-        while len(payload) < length:
+        if not fds and max_plain_payload is not None and length > max_plain_payload:
+            raise ProtocolError(
+                f"frame without fds announces {length} payload bytes; only a publish (which carries fds) may exceed "
+                f"{max_plain_payload}"
+            )
+        if allowance is not None and length > MAX_REQUEST_BYTES:
+            allowance.take(length, deadline)
+            taken = length
+        payload = bytearray(length)  # only now: the length passed every limit, and the allowance holds it
+        view = memoryview(payload)
+        received = 0
+        while received < length:
             arm()
-            chunk, ancdata, flags, _ = sock.recvmsg(
-                min(length - len(payload), 1 << 20), socket.CMSG_SPACE(MAX_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
+            count, ancdata, flags, _ = sock.recvmsg_into(
+                [view[received : received + (1 << 20)]],
+                socket.CMSG_SPACE(MAX_FDS * _FD_SIZE),
+                socket.MSG_CMSG_CLOEXEC,
             )
             stray = _fds_from_ancillary(ancdata)
             if stray:
                 fds.extend(stray)
                 raise ProtocolError("fds arrived in the middle of a frame payload")
-            if not chunk:
-                raise ProtocolError(f"peer closed the connection after {len(payload)} of {length} payload bytes")
-            payload += chunk
+            if not count:
+                raise ProtocolError(f"peer closed the connection after {received} of {length} payload bytes")
+            received += count
+        view.release()
         try:
-            message = json.loads(payload.decode("utf-8"))
+            message = json.loads(payload)
         except (UnicodeDecodeError, ValueError) as exc:
             raise ProtocolError(f"frame payload is not UTF-8 JSON: {exc}") from exc
+        except RecursionError:
+            raise ProtocolError("frame payload is JSON nested too deeply (messages are a few levels deep)") from None
         if not isinstance(message, dict):
             raise ProtocolError(f"frame payload must be a JSON object; found {type(message).__name__}")
         return message, fds
@@ -164,6 +265,12 @@ def recv_frame(
     except BaseException:
         close_fds(fds)
         raise
+    finally:
+        if allowance is not None:
+            if taken:
+                allowance.give(taken)
+            if taken_fds:
+                allowance.give_fds(taken_fds)
 
 
 # --- field checks for messages read off the wire -----------------------------------------------------------
@@ -196,10 +303,14 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 
 
 __all__ = [
+    "Allowance",
+    "Busy",
     "FRAME_TIMEOUT_S",
     "MAX_FDS",
     "MAX_PAYLOAD_BYTES",
+    "MAX_REQUEST_BYTES",
     "MIN_PROTOCOL_VERSION",
+    "NoFrame",
     "PROTOCOL_VERSION",
     "PeerClosed",
     "WIRE_VERSION",

@@ -15,8 +15,10 @@ means trusting that user with the weights it serves.
 
 from __future__ import annotations
 
+import errno
 import grp
 import os
+import pwd
 import stat
 from pathlib import Path
 
@@ -80,6 +82,16 @@ def check_private_dir(path: Path) -> None:
 def is_explicit(socket_dir: str | os.PathLike[str] | None) -> bool:
     """Whether the socket directory was named by the caller (argument or ``$WEIGHTCACHE_DIR``)."""
     return socket_dir is not None or bool(os.environ.get("WEIGHTCACHE_DIR"))
+
+
+def resolve_user(user: str | int) -> int:
+    """A user name or number -> uid (numbers need not have a name)."""
+    if isinstance(user, int) or user.isdigit():
+        return int(user)
+    try:
+        return pwd.getpwnam(user).pw_uid
+    except KeyError:
+        raise ValueError(f"no user named {user!r} on this host; give a user name from /etc/passwd or a uid") from None
 
 
 def resolve_group(group: str | int) -> int:
@@ -188,12 +200,27 @@ def ensure_private_dir(path: Path) -> Path:
             pass  # created by a racing process; checked below
         except OSError as exc:
             raise SocketDirError(
-                f"cannot create socket directory {path}: {exc}. Pick a writable socket_dir or set $WEIGHTCACHE_DIR."
+                f"cannot create socket directory {path}: {exc}{filesystem_problem(exc)}. Pick a writable socket_dir "
+                "or set $WEIGHTCACHE_DIR."
             ) from exc
     check_private_dir(path)
     if not os.access(path, os.W_OK | os.X_OK):
+        if os.statvfs(path).f_flag & os.ST_RDONLY:
+            raise SocketDirError(
+                f"socket directory {path} is on a read-only file system; pick a socket_dir on a writable one "
+                "(e.g. under $XDG_RUNTIME_DIR) or set $WEIGHTCACHE_DIR"
+            )
         raise SocketDirError(f"socket directory {path} is not writable by this user; fix its permissions")
     return path
+
+
+def filesystem_problem(exc: OSError) -> str:
+    """What an error of the file system itself means, for messages (empty for other errors)."""
+    if exc.errno == errno.EROFS:
+        return " (the directory is on a read-only file system)"
+    if exc.errno in (errno.ENOSPC, errno.EDQUOT):
+        return " (the file system is full: free space there)"
+    return ""
 
 
 def socket_path(socket_dir: Path) -> Path:

@@ -49,6 +49,7 @@ from ..errors import (
 from ..fingerprint import Fingerprint
 from ..handle import Handle
 from ..pipeline import Request, Steps, run
+from ..rundir import resolve_user
 
 EngineMode = Literal["daemon", "client"]
 ENGINE_MODES: tuple[EngineMode, ...] = ("daemon", "client")
@@ -72,11 +73,14 @@ class LoaderOptions:
             (attach; fall back to disk with a FallbackWarning, or raise with ``strict``).
         socket_dir: the keeper's socket directory (default: see :mod:`weightcache.rundir`).
         strict: in mode client, raise instead of falling back to disk.
+        trusted_publishers: other users (names or uids) whose published entries may be attached, besides the
+            engine's own uid and the keeper's owner (see :class:`~weightcache.cache.Cache`).
     """
 
     mode: EngineMode = "daemon"
     socket_dir: str | None = None
     strict: bool = False
+    trusted_publishers: tuple[int, ...] = ()
 
     @classmethod
     def parse(cls, raw: Mapping[str, object] | None, *, where: str) -> LoaderOptions:
@@ -104,7 +108,21 @@ class LoaderOptions:
         strict = raw.get("strict", False)
         if not isinstance(strict, bool):
             raise BackendConfigError(f"{where}: strict must be true or false; found {strict!r}")
-        return cls(mode=mode, socket_dir=None if socket_dir is None else os.fspath(socket_dir), strict=strict)
+        users = raw.get("trusted_publishers", [])
+        if not isinstance(users, (list, tuple)) or not all(isinstance(u, (str, int)) for u in users):
+            raise BackendConfigError(
+                f"{where}: trusted_publishers must be a list of user names or uids; found {users!r}"
+            )
+        try:
+            trusted = tuple(resolve_user(u) for u in users)
+        except ValueError as exc:
+            raise BackendConfigError(f"{where}: trusted_publishers: {exc}") from None
+        return cls(
+            mode=mode,
+            socket_dir=None if socket_dir is None else os.fspath(socket_dir),
+            strict=strict,
+            trusted_publishers=trusted,
+        )
 
 
 class Backend(abc.ABC):
@@ -196,7 +214,9 @@ class Backend(abc.ABC):
         the engine loads from disk without the cache (mode client's fallback) its own model is returned as is.
         """
         steps = _EngineSteps(self, context, torch.device(device))
-        request = Request(fingerprint, options.mode, options.strict, options.socket_dir)
+        request = Request(
+            fingerprint, options.mode, options.strict, options.socket_dir, trusted=options.trusted_publishers
+        )
         model = run(request, steps)
         return Loaded(model=model, handle=steps.handle, source=steps.source)
 
@@ -230,7 +250,7 @@ class Backend(abc.ABC):
         """Bytes of the keeper's entry for ``fingerprint`` (0 when no keeper runs or it holds no such entry): the
         memory an engine attaching it will map rather than allocate, for engines that size caches first."""
         try:
-            entries = Cache(options.socket_dir).entries()
+            entry = Cache(options.socket_dir, trusted_publishers=options.trusted_publishers).entry(fingerprint)
         except KeeperUnavailable:
             return 0
         except WeightCacheError as exc:  # asked before loading: the load itself falls back (or raises if strict)
@@ -238,10 +258,7 @@ class Backend(abc.ABC):
                 raise
             warnings.warn(f"weightcache: cannot size the cached entry ({type(exc).__name__}: {exc})", stacklevel=2)
             return 0
-        for entry in entries:
-            if entry.digest == fingerprint.digest and entry.placement == fingerprint.placement:
-                return entry.bytes
-        return 0
+        return 0 if entry is None else entry.bytes
 
     def __repr__(self) -> str:
         return f"<{type(self).__name__} {self.name!r} ({'available' if self.available() else 'not installed'})>"

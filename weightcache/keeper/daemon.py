@@ -22,9 +22,12 @@ import socket
 import sys
 from pathlib import Path
 
+import attrs
+
+from .. import protocol
 from .._version import __version__
 from ..budget import Budget
-from ..errors import KeeperAlreadyRunning, SocketDirError
+from ..errors import KeeperAlreadyRunning, SocketDirError, WeightCacheError
 from ..pidlock import close_lock_file, open_lock_file, write_pid
 from ..rundir import (
     INSTANCE_LOCK_NAME,
@@ -32,6 +35,7 @@ from ..rundir import (
     STOPPED_NAME,
     ensure_private_dir,
     ensure_shared_dir,
+    filesystem_problem,
     resolve_socket_dir,
     socket_path,
 )
@@ -46,18 +50,32 @@ def prepare_dir(directory: Path, allow_group: int | None) -> Path:
     return ensure_private_dir(directory) if allow_group is None else ensure_shared_dir(directory, allow_group)
 
 
-def connection_limit() -> int:
-    """Raise the open-file limit to its hard limit and return how many connections leave room for entries' fds.
+@attrs.frozen
+class FdLimits:
+    """How the keeper shares its open-file limit: connections, entries' segment fds, fds of frames in flight.
 
-    Every segment of every entry is an open fd here: take all the fds the system allows us, and admit no more
-    connections than a quarter of them.
+    Together they stay under seven eighths of the limit, leaving room for the fds a ``get`` dups to send and for
+    the process itself.
     """
+
+    connections: int
+    entry_fds: int
+    inflight_fds: int
+
+
+def fd_limits() -> FdLimits:
+    """Raise the open-file limit to its hard limit and share it out: a quarter for connections, half for the
+    segments of entries, an eighth for fds arriving in frames."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard > soft:
         with contextlib.suppress(ValueError, OSError):
             resource.setrlimit(resource.RLIMIT_NOFILE, (hard if hard != resource.RLIM_INFINITY else 1 << 20, hard))
     soft = resource.getrlimit(resource.RLIMIT_NOFILE)[0]
-    return max(16, min(MAX_CONNECTIONS, soft // 4))
+    return FdLimits(
+        connections=max(16, min(MAX_CONNECTIONS, soft // 4)),
+        entry_fds=max(protocol.MAX_FDS, soft // 2),
+        inflight_fds=max(protocol.MAX_FDS, soft // 8),
+    )
 
 
 def take_instance_lock(directory: Path) -> int:
@@ -82,8 +100,8 @@ def take_instance_lock(directory: Path) -> int:
     except OSError as exc:
         close_lock_file(fd)
         raise SocketDirError(
-            f"cannot write in the socket directory {directory}: {exc}. Free space there (or pick another "
-            "socket_dir / $WEIGHTCACHE_DIR) and start the keeper again."
+            f"cannot write in the socket directory {directory}: {exc}{filesystem_problem(exc)}. Free space there (or "
+            "pick another socket_dir / $WEIGHTCACHE_DIR) and start the keeper again."
         ) from exc
     return fd
 
@@ -106,15 +124,17 @@ def bind_socket(directory: Path, allow_group: int | None) -> socket.socket:
         else:  # the group connects; the directory (2750) keeps it from touching the socket file itself
             os.chown(tmp, -1, allow_group)
             os.chmod(tmp, 0o660)
-        listener.listen(128)
+        # A deep backlog: a burst of engines starting while the keeper is busy queues instead of failing (the
+        # kernel caps it at net.core.somaxconn); clients also retry a full backlog within their connect timeout.
+        listener.listen(max(socket.SOMAXCONN, 4096))
         os.replace(tmp, final)
     except OSError as exc:
         listener.close()
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise SocketDirError(
-            f"cannot create the keeper's socket in {directory}: {exc}. Make room there (or pick another "
-            "socket_dir / $WEIGHTCACHE_DIR) and start the keeper again."
+            f"cannot create the keeper's socket in {directory}: {exc}{filesystem_problem(exc)}. Make room there (or "
+            "pick another socket_dir / $WEIGHTCACHE_DIR) and start the keeper again."
         ) from exc
     finally:
         os.umask(old_umask)
@@ -128,7 +148,7 @@ class Daemon:
         self.socket_dir = socket_dir
         self.budget = budget
         self.allow_group = allow_group
-        self.store = Store(budget)
+        self.store = Store(budget)  # its fd cap is set in start(), from the open-file limit
         self.server: Server | None = None
         self._lock_fd = -1
         self._sock_ino: int | None = None
@@ -136,7 +156,8 @@ class Daemon:
     def start(self) -> Server:
         """Take the instance lock, raise the fd limit, bind and listen, then publish the socket (rename)."""
         prepare_dir(self.socket_dir, self.allow_group)
-        max_connections = connection_limit()
+        limits = fd_limits()
+        self.store.max_fds = limits.entry_fds
         self._lock_fd = take_instance_lock(self.socket_dir)
         try:
             listener = bind_socket(self.socket_dir, self.allow_group)
@@ -149,7 +170,8 @@ class Daemon:
             listener,
             socket_dir=self.socket_dir,
             allow_group=self.allow_group,
-            max_connections=max_connections,
+            max_connections=limits.connections,
+            max_inflight_fds=limits.inflight_fds,
         )
         log.info("keeper %d serving %s (weightcache %s)", os.getpid(), socket_path(self.socket_dir), __version__)
         return self.server
@@ -219,18 +241,28 @@ def serve(
 def detach_and_serve(
     socket_dir: str | None, ready_fd: int | None, budget: Budget | None = None, allow_group: int | None = None
 ) -> None:
-    """Fork into the background (new session, stdio to the log), then :func:`serve`. The caller returns."""
+    """Fork into the background (new session, stdio to the log), then :func:`serve`.
+
+    The caller returns once the keeper serves, or raises what stopped it (KeeperAlreadyRunning when another keeper
+    serves the directory, with the message the foreground ``serve`` gives): a detached start fails exactly as a
+    foreground one does. ``ready_fd``, when given, receives the keeper's status line as well.
+    """
     directory = prepare_dir(resolve_socket_dir(socket_dir), allow_group)
     try:
         log_fd = os.open(directory / LOG_NAME, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_CLOEXEC, 0o600)
     except OSError as exc:
         message = f"cannot open {directory / LOG_NAME}: {exc}; make room in or fix the socket directory"
-        if ready_fd is not None:
-            with contextlib.suppress(OSError):
-                os.write(ready_fd, f"error: {message}\n".encode())
+        _report(ready_fd, f"error: {message}")
         raise SocketDirError(message) from exc
+    status_r, status_w = os.pipe()
     if os.fork() != 0:
-        os._exit(0)  # the spawner waits for this intermediate process only; the keeper is re-parented
+        os.close(log_fd)
+        os.close(status_w)
+        _relay_status(status_r, ready_fd)
+        return
+    os.close(status_r)
+    if ready_fd is not None:
+        os.close(ready_fd)  # the parent relays our status to it
     os.setsid()
     devnull = os.open(os.devnull, os.O_RDWR)
     os.dup2(devnull, 0)
@@ -241,11 +273,27 @@ def detach_and_serve(
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     try:
-        serve(directory, ready_fd=ready_fd, budget=budget, allow_group=allow_group)
+        serve(directory, ready_fd=status_w, budget=budget, allow_group=allow_group)
     except KeeperAlreadyRunning as exc:
         log.info("%s", exc)
-        os._exit(0)
+        os._exit(1)
     except Exception:
         log.exception("keeper failed")
         os._exit(1)
     os._exit(0)
+
+
+def _relay_status(status_r: int, ready_fd: int | None) -> None:
+    """In ``serve --detach``'s foreground process: wait for the keeper's status line, pass it on to ``ready_fd``,
+    and raise its error, if any."""
+    status = b""
+    with os.fdopen(status_r, "rb") as pipe:
+        status = pipe.readline()  # EOF without a line: the keeper died before it could say anything
+    text = status.decode(errors="replace").strip()
+    _report(ready_fd, text or "error: the keeper exited before it served; see its log")
+    if text == "ok":
+        return
+    message = text[len("error:") :].strip() if text.startswith("error:") else ""
+    if "already serves" in message:
+        raise KeeperAlreadyRunning(message)
+    raise WeightCacheError(message or "the detached keeper exited before it served; see keeper.log in its directory")

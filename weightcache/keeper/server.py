@@ -52,6 +52,12 @@ from .store import Store
 log = logging.getLogger("weightcache.keeper")
 
 MAX_CONNECTIONS = 1024
+#: Payload bytes of large frames (publishes) being received at once, across all connections: one frame of the
+#: largest size, or several smaller ones; the rest wait their turn (see :class:`~weightcache.protocol.Allowance`).
+MAX_INFLIGHT_BYTES = protocol.MAX_PAYLOAD_BYTES
+#: Default cap on the fds of frames being received at once, across all connections (the daemon sizes it from its
+#: open-file limit).
+MAX_INFLIGHT_FDS = 4096
 
 #: A reply: a JSON object, or a payload already encoded (a get's manifest is encoded once, at publish).
 Reply = dict[str, Any] | bytes
@@ -64,6 +70,8 @@ class Peer:
     id: int
     sock: socket.socket
     pid: int
+    #: The peer's uid (SO_PEERCRED): what its publications are recorded under.
+    uid: int
     #: Whether the peer runs as the keeper's own uid (else: a member of the allowed group).
     owner: bool
     since: float
@@ -81,6 +89,7 @@ class Server:
         socket_dir: Path,
         allow_group: int | None = None,
         max_connections: int = MAX_CONNECTIONS,
+        max_inflight_fds: int = MAX_INFLIGHT_FDS,
     ) -> None:
         self.store = store
         self.socket_dir = socket_dir
@@ -94,6 +103,7 @@ class Server:
         self._next_id = 0
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
+        self._allowance = protocol.Allowance(MAX_INFLIGHT_BYTES, max_inflight_fds)
 
     # --- the accept loop ---------------------------------------------------------------------------------------
 
@@ -147,7 +157,7 @@ class Server:
                 peer = None
             else:
                 self._next_id += 1
-                peer = self._peers[self._next_id] = Peer(self._next_id, sock, pid, owner, time.time())
+                peer = self._peers[self._next_id] = Peer(self._next_id, sock, pid, uid, owner, time.time())
         if peer is None:
             _refuse(sock, messages.BUSY, f"over {self.max_connections} connections")
             return
@@ -191,19 +201,24 @@ class Server:
     def _receive(self, peer: Peer) -> tuple[dict[str, Any], list[int]] | None:
         """The next request, or None when the connection is over (closed, or a broken frame answered)."""
         try:
-            # Until hello, a silent peer is dropped after the frame timeout; after it, an idle connection is a
-            # lease and may stay open for as long as its engine runs.
+            # Until hello, a silent peer is dropped after the frame timeout, and no fds are taken; after it, an
+            # idle connection is a lease and may stay open for as long as its engine runs. Only a publish (the
+            # one op with fds) may be larger than a small request, and large frames share one allowance.
             return recv_frame(
                 peer.sock,
                 idle_timeout=None if peer.greeted else protocol.FRAME_TIMEOUT_S,
                 max_payload=protocol.MAX_PAYLOAD_BYTES if peer.greeted else protocol.MAX_HELLO_BYTES,
+                max_plain_payload=protocol.MAX_REQUEST_BYTES,
+                max_fds=protocol.MAX_FDS if peer.greeted else 0,
+                allowance=self._allowance,
             )
-        except protocol.PeerClosed:
+        except (protocol.PeerClosed, protocol.NoFrame):
             return None
         except ProtocolError as exc:
             log.info("connection %d (pid %d): %s", peer.id, peer.pid, exc)
+            code = messages.BUSY if isinstance(exc, protocol.Busy) else messages.BAD_FRAME
             with contextlib.suppress(OSError):
-                send_frame(peer.sock, ErrorReply(messages.BAD_FRAME, str(exc)).to_json())
+                send_frame(peer.sock, ErrorReply(code, str(exc)).to_json())
             return None
 
     def _answer(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int], bool]:
@@ -263,14 +278,18 @@ class Server:
         except BaseException:
             close_fds(fds)
             raise
-        return self.store.publish(peer.id, peer.pid, request.manifest, fds).to_json(), []  # the store owns fds
+        # the store owns fds from here
+        return self.store.publish(peer.id, peer.pid, request.manifest, fds, uid=peer.uid).to_json(), []
 
     def _get(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
         request = GetRequest.from_json(message)
-        found = self.store.get(peer.id, peer.pid, request.digest, request.placement)
+        # Unless the client names whom it trusts: its own publications, then the owner's.
+        trust = request.trust or (peer.uid, self.store.owner)
+        found = self.store.get(peer.id, peer.pid, request.digest, request.placement, trust)
         if found is None:
-            return GetReply(found=False).to_json(), []
-        return GetReply.encode_found(found.key, found.manifest_text), found.fds
+            others = tuple(self.store.publishers(request.digest, request.placement))
+            return GetReply(found=False, others=others).to_json(), []
+        return GetReply.encode_found(found.key, found.manifest_text, found.publisher), found.fds
 
     def _list(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
         held = self.store.snapshot()

@@ -4,9 +4,16 @@ An entry is one published model on one placement, keyed ``<digest>@<placement>``
 fds of its segments, which the store owns and closes when the entry goes. A lease is held per connection id
 (an opaque int the server picks); the server calls :meth:`Store.release` when that connection closes.
 
-Memory budgets are per placement: a publish that would exceed its placement's budget first evicts unleased
-entries there, least recently used first, and is refused (``over_budget``) if even that cannot make room.
-Evicting only closes the store's fds; memory that clients map stays valid until they let go.
+Every entry records its publisher (the uid the server saw through ``SO_PEERCRED``). Entries of one digest and
+placement from different uids live side by side (keys ``<digest>@<placement>`` for the keeper's owner,
+``...~<uid>`` for others): a publish never replaces or shadows another uid's entry, and a ``get`` returns only an
+entry whose publisher the asker trusts.
+
+Memory budgets are per placement: a publish that would exceed its placement's budget first evicts its own
+publisher's unleased entries there, least recently used first, and is refused (``over_budget``) if even that
+cannot make room; another uid's entries are never evicted for it. The segment fds held are capped too
+(``max_fds``), so that publishers cannot take the keeper to its open-file limit. Evicting only closes the
+store's fds; memory that clients map stays valid until they let go.
 
 What this module must never do: open sockets, start threads, or touch process state (signals, files, the
 socket directory). It takes plain values, returns plain values or raises
@@ -48,6 +55,9 @@ class Entry:
     """What the store holds for one (digest, placement)."""
 
     digest: str
+    #: The uid that published it; ``key`` carries it unless it is the keeper's owner.
+    publisher: int
+    key: str
     manifest: Manifest
     manifest_json: dict[str, Any]
     #: The manifest encoded once, at publish: every get sends these bytes instead of encoding it again.
@@ -57,10 +67,6 @@ class Entry:
     last_used: float
     #: connection id -> lease
     leases: dict[int, Lease] = attrs.field(factory=dict)
-
-    @property
-    def key(self) -> str:
-        return entry_key(self.digest, self.placement)
 
     @property
     def placement(self) -> str:
@@ -87,6 +93,8 @@ class Entry:
             age_s=round(now - self.created, 3),
             fingerprint=fp,
             tensor_bytes=self.manifest.tensor_bytes,
+            publisher=self.publisher,
+            key=self.key,
         )
 
     def close(self) -> None:
@@ -98,9 +106,11 @@ class Entry:
 
 @attrs.frozen
 class Checkout:
-    """A found entry for a ``get``: its key, its encoded manifest, and dups of its fds (the caller's to close)."""
+    """A found entry for a ``get``: its key, publisher, encoded manifest, and dups of its fds (the caller's to
+    close)."""
 
     key: str
+    publisher: int
     manifest_text: str
     fds: list[int]
 
@@ -115,14 +125,33 @@ class Snapshot:
     bytes_by_placement: dict[str, int]
 
 
-class Store:
-    """Entries, leases and the budget. ``clock`` gives the time that LRU order and ages are measured in."""
+#: Default cap on the segment fds all entries together may hold.
+MAX_FDS = 65536
 
-    def __init__(self, budget: Budget | None = None, *, clock: Callable[[], float] = time.time) -> None:
+
+class Store:
+    """Entries, leases and the budget. ``owner`` is the keeper's uid (its entries' keys carry no uid);
+    ``max_fds`` caps the segment fds held; ``clock`` gives the time that LRU order and ages are measured in."""
+
+    def __init__(
+        self,
+        budget: Budget | None = None,
+        *,
+        owner: int | None = None,
+        max_fds: int = MAX_FDS,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.budget = budget or Budget()
+        self.owner = os.getuid() if owner is None else owner
+        self.max_fds = max_fds
         self._clock = clock
         self._entries: dict[str, Entry] = {}
+        self._fds_held = 0
         self._lock = threading.Lock()
+
+    def key(self, digest: str, placement: str, publisher: int) -> str:
+        """The key of ``publisher``'s entry for ``digest`` on ``placement``."""
+        return entry_key(digest, placement, None if publisher == self.owner else publisher)
 
     def __len__(self) -> int:
         with self._lock:
@@ -134,37 +163,56 @@ class Store:
 
     # --- publish and get ---------------------------------------------------------------------------------------
 
-    def publish(self, conn: int, pid: int, manifest_json: dict[str, Any], fds: Sequence[int]) -> PublishReply:
-        """Check ``manifest_json`` and ``fds`` (one per segment) and hold them as an entry leased by ``conn``.
+    def publish(
+        self, conn: int, pid: int, manifest_json: dict[str, Any], fds: Sequence[int], *, uid: int | None = None
+    ) -> PublishReply:
+        """Check ``manifest_json`` and ``fds`` (one per segment) and hold them as an entry of publisher ``uid``
+        (default: the owner) leased by ``conn``.
 
         The store owns ``fds`` from here on, whatever happens: it keeps them, or closes them when the entry
         already exists (``conn`` then leases that one) or the publish is refused.
         """
         try:
             manifest, text = _checked(manifest_json, fds)
-            return self._insert(conn, pid, manifest, manifest_json, text, fds)
+            return self._insert(conn, pid, self.owner if uid is None else uid, manifest, manifest_json, text, fds)
         except BaseException:
             close_fds(fds)
             raise
 
     def _insert(
-        self, conn: int, pid: int, manifest: Manifest, manifest_json: dict[str, Any], text: str, fds: Sequence[int]
+        self,
+        conn: int,
+        pid: int,
+        uid: int,
+        manifest: Manifest,
+        manifest_json: dict[str, Any],
+        text: str,
+        fds: Sequence[int],
     ) -> PublishReply:
         digest, placement = manifest.fingerprint.digest, manifest.fingerprint.placement
-        key = entry_key(digest, placement)
+        key = self.key(digest, placement, uid)
         now = self._clock()
         evicted: list[Entry] = []
         with self._lock:
             existing = self._entries.get(key)
             if existing is not None:
-                # Idempotent: the same weights published again (a race, or clients re-publishing after a keeper
-                # restart) make the publisher a lease holder of the entry that is already there.
+                # Idempotent: the same weights published again by the same uid (a race, or clients re-publishing
+                # after a keeper restart) make the publisher a lease holder of the entry that is already there.
                 existing.last_used = now
                 existing.leases.setdefault(conn, Lease(pid, now))
             else:
-                evicted = self._make_room(key, placement, manifest.total_bytes)
+                if self._fds_held + len(fds) > self.max_fds:
+                    raise RequestError(
+                        messages.OVER_BUDGET,
+                        f"entry {key[:16]}... has {len(fds)} segments, but the keeper already holds "
+                        f"{self._fds_held} segment fds of its limit of {self.max_fds} (set by its open-file limit). "
+                        "Evict entries (`weightcache evict`), or publish with fewer, larger segments.",
+                    )
+                evicted = self._make_room(key, placement, manifest.total_bytes, uid)
                 lease = {conn: Lease(pid, now)}
-                self._entries[key] = Entry(digest, manifest, manifest_json, text, list(fds), now, now, lease)
+                entry = Entry(digest, uid, key, manifest, manifest_json, text, list(fds), now, now, lease)
+                self._entries[key] = entry
+                self._fds_held += len(fds)
         if existing is not None:
             close_fds(fds)
             return PublishReply(digest=digest, key=key, created=False)
@@ -172,13 +220,16 @@ class Store:
             log.info(
                 "evicted %s (%d bytes, unleased, least recently used) to make room for %s", entry.key, entry.size, key
             )
-        log.info("published %s (%d bytes, %d tensors) from pid %d", key, manifest.total_bytes, len(manifest), pid)
+        log.info(
+            "published %s (%d bytes, %d tensors) from pid %d uid %d", key, manifest.total_bytes, len(manifest), pid, uid
+        )
         return PublishReply(digest=digest, key=key, created=True, evicted=tuple(e.key for e in evicted))
 
-    def _make_room(self, key: str, placement: str, needed: int) -> list[Entry]:
-        """Evict unleased entries on ``placement``, least recently used first, until ``needed`` more bytes fit
-        its budget; return them (their fds closed). Evicts nothing and raises ``over_budget`` if even evicting
-        every unleased entry there would not be enough. Called with the lock held."""
+    def _make_room(self, key: str, placement: str, needed: int, uid: int) -> list[Entry]:
+        """Evict ``uid``'s own unleased entries on ``placement``, least recently used first, until ``needed`` more
+        bytes fit its budget; return them (their fds closed). Evicts nothing and raises ``over_budget`` if even
+        evicting all of them would not be enough: entries of other uids are never evicted for this publish.
+        Called with the lock held."""
         limit = self.budget.limit(placement)
         if limit is None:
             return []
@@ -186,31 +237,47 @@ class Store:
         held = sum(e.size for e in here)
         if held + needed <= limit:
             return []
-        leased = sum(e.size for e in here if e.leases)
-        if leased + needed > limit:
-            need, have, pinned, spare = (format_bytes(n) for n in (needed, limit, leased, held - leased))
+        evictable = [e for e in here if not e.leases and e.publisher == uid]
+        spare = sum(e.size for e in evictable)
+        if held - spare + needed > limit:
+            leased = sum(e.size for e in here if e.leases)
+            others = sum(e.size for e in here if not e.leases and e.publisher != uid)
+            need, have, pinned, theirs, own = (format_bytes(n) for n in (needed, limit, leased, others, spare))
             raise RequestError(
                 messages.OVER_BUDGET,
-                f"entry {key[:16]}... needs {need} on {placement}, but the keeper's budget there is {have} and leased "
-                f"entries hold {pinned} of it ({spare} more is unleased and could be evicted, which is not enough). "
-                "Release or evict entries (`weightcache ls`, `weightcache evict --force`), publish a smaller model, "
-                "or restart the keeper with a larger `weightcache serve --max-bytes`.",
+                f"entry {key[:16]}... of uid {uid} needs {need} on {placement}, but the keeper's budget there is "
+                f"{have}: leased entries hold {pinned}, unleased entries of other uids {theirs} (never evicted for "
+                f"another uid's publish), and uid {uid}'s own unleased entries {own} (evictable, not enough). Release "
+                "or evict entries (`weightcache ls`, `weightcache evict --force`), publish a smaller model, or "
+                "restart the keeper with a larger `weightcache serve --max-bytes`.",
             )
         out: list[Entry] = []
-        for e in sorted((e for e in here if not e.leases), key=lambda e: e.last_used):
+        for e in sorted(evictable, key=lambda e: e.last_used):
             if held + needed <= limit:
                 break
-            del self._entries[e.key]
-            e.close()
+            self._drop(e)
             held -= e.size
             out.append(e)
         return out
 
-    def get(self, conn: int, pid: int, digest: str, placement: str) -> Checkout | None:
-        """The entry ``digest@placement`` leased by ``conn``, with dups of its fds; None if the store lacks it."""
-        key = entry_key(digest, placement)
+    def _drop(self, entry: Entry) -> None:
+        """Forget ``entry`` and close its fds. Called with the lock held."""
+        del self._entries[entry.key]
+        self._fds_held -= len(entry.fds)
+        entry.close()
+
+    def get(
+        self, conn: int, pid: int, digest: str, placement: str, trust: Sequence[int] | None = None
+    ) -> Checkout | None:
+        """The entry for ``digest`` on ``placement`` of the first publisher in ``trust`` (default: the owner only)
+        that has one, leased by ``conn``, with dups of its fds; None if no trusted publisher has one (see
+        :meth:`publishers`)."""
         with self._lock:
-            entry = self._entries.get(key)
+            entry = None
+            for uid in (self.owner,) if trust is None else trust:
+                entry = self._entries.get(self.key(digest, placement, uid))
+                if entry is not None:
+                    break
             if entry is None:
                 return None
             now = self._clock()
@@ -225,7 +292,14 @@ class Store:
                 close_fds(out)
                 entry.leases.pop(conn, None)
                 raise RequestError(messages.BUSY, f"keeper is out of file descriptors ({exc}); retry later") from exc
-            return Checkout(key, entry.manifest_text, out)
+            return Checkout(entry.key, entry.publisher, entry.manifest_text, out)
+
+    def publishers(self, digest: str, placement: str) -> list[int]:
+        """The uids that hold an entry for ``digest`` on ``placement``."""
+        with self._lock:
+            return sorted(
+                e.publisher for e in self._entries.values() if e.digest == digest and e.placement == placement
+            )
 
     def release(self, conn: int) -> None:
         """Drop every lease ``conn`` holds (its connection closed)."""
@@ -280,8 +354,7 @@ class Store:
                     "processes until they exit)",
                 )
             for e in found:
-                del self._entries[e.key]
-                e.close()
+                self._drop(e)
         return [e.key for e in found]
 
     def _match(self, prefix: str) -> list[Entry]:
@@ -297,6 +370,7 @@ class Store:
             for entry in self._entries.values():
                 entry.close()
             self._entries.clear()
+            self._fds_held = 0
 
 
 def _checked(manifest_json: dict[str, Any], fds: Sequence[int]) -> tuple[Manifest, str]:

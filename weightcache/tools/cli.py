@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import json
 import logging
+import pwd
 import sys
 import tempfile
 import time
@@ -84,7 +85,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print("(no entries)")
         return 0
     now = time.time()
-    rows = [("ENTRY", "MODEL", "DEVICE", "SIZE", "TENSORS", "LEASES", "AGE", "HELD BY (PID SINCE)")]
+    rows = [("ENTRY", "MODEL", "DEVICE", "PUBLISHER", "SIZE", "TENSORS", "LEASES", "AGE", "HELD BY (PID SINCE)")]
     for e in reply.entries:
         fp = e.fingerprint
         model = e.model + (f" [{fp.dtype}]" if fp.dtype else "")
@@ -92,9 +93,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
             model += f" {fp.quant}"
         rows.append(
             (
-                e.digest[:12],
+                e.digest[:12] + e.key.partition("~")[1] + e.key.partition("~")[2],
                 model,
                 e.device,
+                user_name(e.publisher),
                 format_bytes(e.bytes),
                 str(e.tensors),
                 str(e.leases),
@@ -108,6 +110,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def user_name(uid: int) -> str:
+    """A uid's user name, or the number where the host has no name for it."""
+    try:
+        return pwd.getpwuid(uid).pw_name
+    except KeyError:
+        return str(uid)
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     with _connect(args) as conn:
         reply = conn.inspect(args.digest)
@@ -119,6 +129,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     print(f"entry      {entry.digest}")
     print(f"model      {entry.model}  ({fp.model_path})")
     print(f"placement  {entry.placement}")
+    print(f"publisher  {user_name(entry.publisher)} (uid {entry.publisher})")
     print(f"size       {format_bytes(entry.bytes)} in {entry.segments} segments, {entry.tensors} tensors")
     now = time.time()
     holders = ", ".join(f"pid {pid} since {format_age(now - since)}" for pid, since in entry.holders)

@@ -1,0 +1,199 @@
+"""Trust between the users of one keeper (``serve --allow-group``): an engine attaches only weights published by
+its own uid or by the keeper's owner, unless it names other publishers it trusts; a member's publish never
+replaces, shadows or evicts another uid's entry. Real keeper processes, a real second uid (needs root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import tempfile
+import warnings
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import start_keeper
+from models import meta_model
+from safetensors.torch import load_file
+
+import weightcache as wc
+from weightcache.fingerprint import Fingerprint
+
+pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second uid")
+
+MEMBER_UID, GROUP = 65534, 4242
+
+#: Run as a member of GROUP: ``MEMBER socket_dir fingerprint-json action``. Imports come first: this Python's own
+#: files may not be readable by that user.
+MEMBER = r"""
+import json, os, sys, secrets
+import torch
+import weightcache as wc
+import weightcache.cache, weightcache.publish, weightcache.digests, weightcache.views, weightcache.segments.memfd
+from weightcache.fingerprint import Fingerprint
+socket_dir, fingerprint, action = sys.argv[1], Fingerprint.from_json(json.loads(sys.argv[2])), sys.argv[3]
+shapes = json.loads(sys.argv[4])
+os.setgroups([4242]); os.setgid(65534); os.setuid(65534)
+cache = wc.Cache(socket_dir)
+try:
+    if action == "publish-forged":  # tensors of the member's choosing, under the owner's fingerprint
+        state = {name: torch.full(shape, 7.0) for name, shape in shapes.items()}
+        handle = cache.put(fingerprint, state)
+        print(json.dumps({"key": [e.key for e in cache.entries() if e.publisher == 65534][0]}))
+        handle.close()
+    elif action == "hold":  # attach, and keep the entry (re-publishing it to a restarted keeper)
+        cache.respawn = True
+        handle = cache.get(fingerprint)
+        print(json.dumps({"publisher": handle.publisher}), flush=True)
+        sys.stdin.read()
+    elif action == "get":
+        handle = cache.get(fingerprint)
+        print(json.dumps({"found": handle is not None,
+                          "publisher": None if handle is None else handle.publisher}))
+except wc.WeightCacheError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+"""
+
+
+def shapes(checkpoint: Path) -> str:
+    """The checkpoint's tensor names and shapes (JSON): what the member forges tensors for."""
+    return json.dumps({k: list(v.shape) for k, v in load_file(checkpoint / "model.safetensors").items()})
+
+
+def as_member(socket_dir: Path, fingerprint: Fingerprint, action: str, checkpoint: Path) -> dict:
+    out = subprocess.run(
+        [sys.executable, "-c", MEMBER, str(socket_dir), json.dumps(fingerprint.to_json()), action, shapes(checkpoint)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode == 0, out.stderr
+    result: dict = json.loads(out.stdout.strip().splitlines()[-1])
+    return result
+
+
+@pytest.fixture
+def shared_dir() -> Iterator[Path]:
+    base = Path(tempfile.mkdtemp(prefix="wc-", dir="/tmp"))
+    os.chmod(base, 0o711)
+    yield base / "s"
+    shutil.rmtree(base, ignore_errors=True)
+
+
+def owner_fingerprint(checkpoint: Path, socket_dir: Path) -> Fingerprint:
+    """The fingerprint the owner's engines use (what a member reads off `weightcache ls`)."""
+    with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir) as handle:
+        fingerprint = handle.fingerprint
+    wc.Cache(socket_dir).evict(fingerprint)
+    return fingerprint
+
+
+def test_a_members_forged_entry_is_never_served_to_the_owner(checkpoint: Path, shared_dir: Path) -> None:
+    keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
+    try:
+        fingerprint = owner_fingerprint(checkpoint, shared_dir)
+        forged = as_member(shared_dir, fingerprint, "publish-forged", checkpoint)
+        assert "key" in forged, forged
+        cache = wc.Cache(shared_dir)
+        [entry] = cache.entries()
+        assert entry.publisher == MEMBER_UID and entry.key == forged["key"]
+
+        # The owner's client does not attach it: a miss that says whose entry is there.
+        assert cache.get(fingerprint) is None
+        model = meta_model()
+        with pytest.warns(wc.FallbackWarning, match=f"published by uid {MEMBER_UID}.*trusted_publishers"):
+            handle = wc.attach(model, checkpoint, mode="client", socket_dir=shared_dir)
+        assert handle.source == "disk" and not bool((model.embed.weight == 7.0).all())
+        with pytest.raises(wc.EntryNotFound, match=f"uid {MEMBER_UID}"):
+            wc.attach(meta_model(), checkpoint, mode="client", socket_dir=shared_dir, strict=True)
+
+        # Mode daemon publishes the owner's own entry beside it (nothing replaced or shadowed).
+        model = meta_model()
+        with warnings.catch_warnings():
+            warnings.simplefilter("error", wc.FallbackWarning)
+            with wc.attach(model, checkpoint, mode="daemon", socket_dir=shared_dir) as handle:
+                assert handle.source == "cache" and handle.read_disk and handle.publisher == 0
+        assert sorted(e.publisher for e in cache.entries()) == [0, MEMBER_UID]
+        with wc.attach(meta_model(), checkpoint, mode="client", socket_dir=shared_dir, strict=True) as handle:
+            assert handle.source == "cache" and handle.publisher == 0
+            assert not bool((handle.tensors["embed.weight"] == 7.0).all())
+
+        # The member's own engines attach the member's entry first; a named publisher is trusted.
+        assert as_member(shared_dir, fingerprint, "get", checkpoint) == {"found": True, "publisher": MEMBER_UID}
+        trusting = wc.Cache(shared_dir, trusted_publishers=[MEMBER_UID])
+        cache.evict(f"{fingerprint.digest}@cpu")  # the owner's own entry: a bare key is the owner's
+        with trusting.get(fingerprint) as handle:  # type: ignore[union-attr]
+            assert handle.publisher == MEMBER_UID
+            assert bool((handle.tensors["embed.weight"] == 7.0).all())
+        with pytest.raises(ValueError, match="no user named"):
+            wc.Cache(shared_dir, trusted_publishers=["no-such-user-here"])
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_a_members_publish_never_evicts_the_owners_entries(checkpoint: Path, shared_dir: Path) -> None:
+    keeper = start_keeper(shared_dir, "--allow-group", str(GROUP), "--max-bytes", "400KiB")
+    try:
+        with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=shared_dir) as handle:
+            fingerprint = handle.fingerprint
+        cache = wc.Cache(shared_dir)
+        [owners] = cache.entries()
+        assert owners.leases == 0 and owners.publisher == 0  # unleased: the owner's own publish could evict it
+        other = Fingerprint.from_json({**fingerprint.to_json(), "dtype": "float16"})
+        refused = as_member(shared_dir, other, "publish-forged", checkpoint)
+        assert refused["error"] == "BudgetExceeded" and "uid 65534" in refused["message"], refused
+        assert [e.key for e in cache.entries()] == [owners.key]
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_republication_after_a_restart_follows_the_same_rules(checkpoint: Path, shared_dir: Path) -> None:
+    """A member that held the owner's entry re-publishes it to a restarted keeper under its own uid: the
+    owner's engines then load from disk and publish their own instead of trusting the member's copy."""
+    keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
+    holder = None
+    try:
+        with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=shared_dir) as handle:
+            fingerprint = handle.fingerprint
+            holder = subprocess.Popen(
+                [
+                    sys.executable,
+                    "-c",
+                    MEMBER,
+                    str(shared_dir),
+                    json.dumps(fingerprint.to_json()),
+                    "hold",
+                    shapes(checkpoint),
+                ],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            assert holder.stdout is not None
+            line = holder.stdout.readline()
+            assert line, holder.stderr.read() if holder.stderr else ""
+            assert json.loads(line) == {"publisher": 0}
+        keeper.kill()
+        keeper.wait(10)
+        keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
+        cache = wc.Cache(shared_dir)
+        from conftest import wait_until
+
+        assert wait_until(lambda: len(cache.entries()) == 1, timeout=20)
+        assert cache.entries()[0].publisher == MEMBER_UID
+        assert cache.get(fingerprint) is None
+        with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=shared_dir) as handle:
+            assert handle.read_disk and handle.publisher == 0
+        assert sorted(e.publisher for e in cache.entries()) == [0, MEMBER_UID]
+    finally:
+        if holder is not None:
+            holder.kill()
+            holder.wait(10)
+        keeper.terminate()
+        keeper.wait(10)
