@@ -248,3 +248,34 @@ def _same_device(a: torch.device, b: torch.device) -> bool:
     if a.type != b.type:
         return False
     return a.index == b.index or a.index is None or b.index is None
+
+
+def tensor_attributes(model: nn.Module) -> dict[str, torch.Tensor]:
+    """Tensors that modules keep as plain attributes (neither parameters nor buffers), by full name.
+
+    Post-processing derives such tensors and engines read them directly: SGLang's and vLLM's MLA attention keep
+    ``w_kc``/``w_vc`` this way, split from ``kv_b_proj`` after loading. Tensors on the meta device (placeholders
+    never filled) are left out.
+    """
+    found: dict[str, torch.Tensor] = {}
+    for prefix, module in model.named_modules():
+        dot = f"{prefix}." if prefix else ""
+        for attr, value in vars(module).items():
+            if isinstance(value, torch.Tensor) and not isinstance(value, nn.Parameter) and not value.is_meta:
+                found[dot + attr] = value
+    return found
+
+
+def set_tensor_attributes(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Set each ``"module.path.attr"`` of ``tensors`` as a plain attribute of its module (the inverse of
+    :func:`tensor_attributes`). Raises BindError for a name whose module is not in ``model``."""
+    modules = dict(model.named_modules())
+    for name, tensor in tensors.items():
+        module_name, _, attr = name.rpartition(".")
+        module = modules.get(module_name)
+        if module is None:
+            raise BindError(
+                f"published attribute {name!r} has no module {module_name!r} in {type(model).__name__}; the entry "
+                "was made from another model structure"
+            )
+        module.__dict__[attr] = tensor

@@ -1,7 +1,8 @@
 """Parity: does a cache-attached model hold exactly what a disk-loaded one holds, tensor by tensor?
 
-A model's *tensor table* lists every parameter and buffer by name (tied names included) with its shape, dtype,
-stride, kind (parameter or buffer) and the SHA-256 of its bytes. Where a tensor lives (device address, offset
+A model's *tensor table* lists every parameter, buffer and tensor attribute (a tensor a module keeps as a plain
+attribute, such as MLA's ``w_kc``) by name (tied names included) with its shape, dtype, stride, kind
+(parameter, buffer or attribute) and the SHA-256 of its bytes. Where a tensor lives (device address, offset
 in its storage) is not compared: attached tensors are views into shared segments by design.
 
 Record one table for the model an engine loaded from disk and one for the model it attached from the cache,
@@ -47,7 +48,7 @@ class TensorRecord:
     shape: tuple[int, ...]
     dtype: str
     stride: tuple[int, ...]
-    kind: str  # "parameter" or "buffer"
+    kind: str  # "parameter", "buffer" or "attribute"
     sha256: str
 
     def to_json(self) -> dict[str, Any]:
@@ -80,14 +81,18 @@ def tensor_sha256(tensor: torch.Tensor) -> str:
 
 
 def record(model: nn.Module | Mapping[str, torch.Tensor]) -> dict[str, TensorRecord]:
-    """The tensor table of a model (every parameter and buffer, tied names included) or of a state dict."""
+    """The tensor table of a model (every parameter, buffer and tensor attribute, tied names included) or of a
+    state dict."""
     from torch import nn
+
+    from .binding import tensor_attributes
 
     if isinstance(model, nn.Module):
         items: list[tuple[str, torch.Tensor, str]] = [
             (name, p, "parameter") for name, p in model.named_parameters(remove_duplicate=False)
         ]
         items += [(name, b, "buffer") for name, b in model.named_buffers(remove_duplicate=False)]
+        items += [(name, t, "attribute") for name, t in tensor_attributes(model).items()]
     else:
         items = [(name, t, "parameter" if isinstance(t, nn.Parameter) else "buffer") for name, t in model.items()]
     return {

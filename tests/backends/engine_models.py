@@ -42,6 +42,61 @@ def make_tiny_llama(directory: str | os.PathLike[str], *, seed: int = 0) -> Path
     return path
 
 
+def make_tiny_deepseek_v2(directory: str | os.PathLike[str], *, seed: int = 0) -> Path:
+    """A tiny random DeepSeek-V2 (MLA attention, dense MLPs) checkpoint. SGLang's loader splits each layer's
+    ``kv_b_proj`` into ``w_kc``/``w_vc`` after loading and keeps them as plain attributes (``post_load_weights``).
+
+    The config says what SGLang needs on a CPU: a YaRN rope (as DeepSeek ships) and ``moe_layer_freq``.
+    """
+    import json
+
+    import torch
+    from transformers import DeepseekV2Config, DeepseekV2ForCausalLM
+
+    path = Path(directory)
+    torch.manual_seed(seed)
+    config = DeepseekV2Config(
+        vocab_size=4096,
+        hidden_size=64,
+        intermediate_size=128,
+        moe_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        q_lora_rank=None,
+        kv_lora_rank=32,
+        qk_nope_head_dim=32,
+        qk_rope_head_dim=16,
+        v_head_dim=32,
+        first_k_dense_replace=2,  # every layer dense: SGLang's MoE kernels do not run on this CPU
+        n_routed_experts=4,
+        num_experts_per_tok=2,
+        n_shared_experts=1,
+        max_position_embeddings=256,
+        tie_word_embeddings=False,
+    )
+    model = DeepseekV2ForCausalLM(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, safe_serialization=True)
+    saved = json.loads((path / "config.json").read_text())
+    yarn = {
+        "rope_type": "yarn",
+        "factor": 4.0,
+        "original_max_position_embeddings": 64,
+        "beta_fast": 32,
+        "beta_slow": 1,
+        "mscale": 1.0,
+        "mscale_all_dim": 1.0,
+        "rope_theta": 10000.0,
+    }
+    saved.update(rope_parameters=yarn, rope_scaling={**yarn, "type": "yarn"}, moe_layer_freq=1)
+    (path / "config.json").write_text(json.dumps(saved, indent=1))
+    return path
+
+
 def weight_files(checkpoint: str | os.PathLike[str]) -> list[Path]:
     return sorted(Path(checkpoint).glob("*.safetensors"))
 

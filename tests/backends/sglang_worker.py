@@ -5,7 +5,8 @@ model-parallel initialisation, then get_model_loader(LoadConfig(...)).load_model
 device_config=DeviceConfig("cpu")), as SGLang's own weight-cache daemon does it.
 
 Usage: python sglang_worker.py '<json spec>'; spec keys: model, table (output path), loader ("default" or
-"weightcache"), options (weightcache loader options), evict, fsize_limit (RLIMIT_FSIZE in bytes: memfd
+"weightcache", or "launch_server": the plugin's --load-format weightcache, parsed as SGLang's CLI does), options
+(weightcache loader options), evict, fsize_limit (RLIMIT_FSIZE in bytes: memfd
 segments fail). Prints one RESULT line.
 """
 
@@ -62,6 +63,16 @@ def main() -> None:
 
     if spec["loader"] == "weightcache":
         load_config = LoadConfig(load_format=WeightCacheLoader, model_loader_extra_config=spec.get("options", {}))
+    elif spec["loader"] == "launch_server":  # as `python -m sglang.launch_server --load-format weightcache` does
+        from sglang.srt.plugins import load_plugins
+        from sglang.srt.server_args import prepare_server_args
+
+        load_plugins()
+        argv = ["--model-path", spec["model"], "--device", "cpu", "--load-format", "weightcache"]
+        server_args = prepare_server_args([*argv, "--model-loader-extra-config", json.dumps(spec.get("options", {}))])
+        load_config = LoadConfig(
+            load_format=server_args.load_format, model_loader_extra_config=server_args.model_loader_extra_config
+        )
     else:
         load_config = LoadConfig(load_format="auto")
     loader = get_model_loader(load_config, model_config)

@@ -22,7 +22,7 @@ from weightcache.backends.sglang import SglangBackend, WeightCacheLoader  # noqa
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from engine_models import make_tiny_llama  # noqa: E402
+from engine_models import make_tiny_deepseek_v2, make_tiny_llama  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -94,6 +94,39 @@ def test_attached_model_equals_sglangs_own_load_tensor_by_tensor(
         assert parity.compare(disk_table, parity.read_table(tmp_path / f"{name}.json")) == []
         result = cli_parity(tmp_path / "disk.json", tmp_path / f"{name}.json")
         assert result.returncode == 0 and "identical" in result.stdout, result.stdout + result.stderr
+
+
+def test_mla_model_attaches_with_the_tensors_post_load_weights_derives(socket_dir: Path, tmp_path: Path) -> None:
+    """DeepSeek-V2's MLA attention keeps ``w_kc``/``w_vc`` (split from ``kv_b_proj`` by ``post_load_weights``)
+    as plain attributes: they are published, and a client's meta-built model gets them set, layout included."""
+    model = make_tiny_deepseek_v2(tmp_path / "tiny-ds2")
+    options = {"socket_dir": str(socket_dir)}
+    run_sglang({"model": str(model), "table": str(tmp_path / "disk.json"), "loader": "default"})
+    for mode in ("daemon", "client"):
+        spec = {"model": str(model), "table": str(tmp_path / f"{mode}.json"), "loader": "weightcache"}
+        result = run_sglang({**spec, "options": {**options, "mode": mode, "strict": True}})
+        assert result["source"] == "cache" and result["warnings"] == [], result
+    disk_table = parity.read_table(tmp_path / "disk.json")
+    for layer in (0, 1):
+        w_kc = disk_table[f"model.layers.{layer}.self_attn.w_kc"]
+        assert w_kc.kind == "attribute" and w_kc.shape == (2, 32, 32)
+    for mode in ("daemon", "client"):
+        assert parity.compare(disk_table, parity.read_table(tmp_path / f"{mode}.json")) == []
+
+
+def test_launch_server_takes_load_format_weightcache(tiny_llama: Path, socket_dir: Path, tmp_path: Path) -> None:
+    """The ``sglang.srt.plugins`` entry point: after SGLang loads its plugins (as ``sglang.launch_server`` does
+    first), ``--load-format weightcache --model-loader-extra-config '{...}'`` parses and loads through
+    WeightCacheLoader, daemon then client, with the same tensors as SGLang's own load."""
+    options = {"socket_dir": str(socket_dir)}
+    run_sglang({"model": str(tiny_llama), "table": str(tmp_path / "disk.json"), "loader": "default"})
+    for mode in ("daemon", "client"):
+        spec = {"model": str(tiny_llama), "table": str(tmp_path / f"{mode}.json"), "loader": "launch_server"}
+        result = run_sglang({**spec, "options": {**options, "mode": mode, "strict": True}})
+        assert result["loader"] == "WeightCacheLoader" and result["source"] == "cache", result
+    disk_table = parity.read_table(tmp_path / "disk.json")
+    for mode in ("daemon", "client"):
+        assert parity.compare(disk_table, parity.read_table(tmp_path / f"{mode}.json")) == []
 
 
 def test_parity_reports_a_different_checkpoint(tiny_llama: Path, tmp_path: Path) -> None:
@@ -173,6 +206,11 @@ def test_quant_configs_map_to_strategies_and_refusals_raise() -> None:
     w8a8 = get_quantization_config("w8a8_int8").from_config({})
     with pytest.raises(wc.UnsupportedQuantError, match="'w8a8_int8' has no weightcache strategy"):
         backend.check_quant(w8a8)
+    # An fp8 config whose routed experts run MXFP4 kernels (SGLang sets is_fp4_experts from the checkpoint's
+    # routed_experts_quant_method): the experts are not block FP8, so it is refused, not mapped to fp8_block.
+    mixed = fp8(is_checkpoint_fp8_serialized=True, weight_block_size=[128, 128], is_fp4_experts=True)
+    with pytest.raises(wc.UnsupportedQuantError, match="MXFP4"):
+        backend.check_quant(mixed)
 
 
 def test_refused_quant_raises_before_anything_is_loaded(tiny_llama: Path, tmp_path: Path) -> None:
@@ -197,3 +235,33 @@ def test_refused_quant_raises_before_anything_is_loaded(tiny_llama: Path, tmp_pa
         with pytest.raises(wc.UnsupportedQuantError, match="'awq' cannot be shared"):
             loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
     assert not socket_dir.exists()  # no keeper was started, nothing was read
+
+
+def test_fp8_with_fp4_experts_is_refused_before_anything_is_loaded(tiny_llama: Path, tmp_path: Path) -> None:
+    """A checkpoint declared fp8 whose routed experts are MXFP4 (``routed_experts_quant_method``): SGLang runs
+    those experts with FP4 kernels, so the loader refuses it in both modes, before reading or spawning."""
+    import shutil
+
+    from sglang.srt.configs.device_config import DeviceConfig
+    from sglang.srt.configs.load_config import LoadConfig
+    from sglang.srt.configs.model_config import ModelConfig
+
+    sys.path.insert(0, str(HERE / "sglang_shims"))  # SGLang's model registry imports it (see sglang_worker.py)
+    mixed = tmp_path / "mixed"
+    shutil.copytree(tiny_llama, mixed)
+    config = json.loads((mixed / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "activation_scheme": "dynamic",
+        "weight_block_size": [128, 128],
+        "routed_experts_quant_method": "mxfp4",
+    }
+    (mixed / "config.json").write_text(json.dumps(config))
+    model_config = ModelConfig(model_path=str(mixed), dtype="bfloat16")
+    assert model_config.is_fp4_experts
+    socket_dir = tmp_path / "never"
+    for mode in ("daemon", "client"):
+        loader = WeightCacheLoader.configure(mode=mode, socket_dir=socket_dir)(LoadConfig(load_format="auto"))
+        with pytest.raises(wc.UnsupportedQuantError, match="MXFP4 kernels"):
+            loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+    assert not socket_dir.exists()

@@ -36,7 +36,7 @@ import torch
 from torch import nn
 
 from .. import quant as quant_registry
-from ..binding import bind
+from ..binding import bind, set_tensor_attributes
 from ..cache import Cache
 from ..errors import (
     BackendConfigError,
@@ -307,8 +307,9 @@ class _EngineSteps(Steps[nn.Module]):
     def serve(self, handle: Handle) -> nn.Module:
         with torch.device("meta"):
             model = self.backend.build_model(self.context)
-        adopt_published_layout(model, handle)
-        bind(model, handle.tensors, device=self.device)
+        attributes = adopt_published_layout(model, handle)
+        bind(model, {n: t for n, t in handle.tensors.items() if n not in attributes}, device=self.device)
+        set_tensor_attributes(model, {n: handle.tensors[n] for n in attributes})
         self.backend.after_bind(model, handle, self.context)
         model.__dict__["weightcache_handle"] = handle  # the lease lives as long as the model
         self.handle, self.source = handle, handle.source
@@ -406,8 +407,11 @@ def own_tensors(module: nn.Module, prefix: str) -> Iterator[tuple[str, torch.Ten
             yield dot + attr, b
 
 
-def adopt_published_layout(model: nn.Module, handle: Handle) -> None:
-    """Make a model built on meta hold exactly the tensors that were published, before binding them.
+def adopt_published_layout(model: nn.Module, handle: Handle) -> frozenset[str]:
+    """Make a model built on meta hold exactly the tensors that were published, before binding them; return the
+    published names that are plain tensor attributes of their module (see
+    :func:`~weightcache.binding.tensor_attributes`: the module has an attribute of that name that is neither a
+    parameter, a buffer nor a submodule, e.g. ``self.w_kc = None``), for the caller to set rather than bind.
 
     Post-processing may replace a parameter by one of another shape or dtype (e.g. a transposed or re-scaled
     FP8 weight), register new ones, or drop some. The published tensors are that result, so their layout
@@ -453,12 +457,16 @@ def adopt_published_layout(model: nn.Module, handle: Handle) -> None:
             + ". Unquantized weights never change shape in post-processing, so the entry was made under a "
             "setting its fingerprint does not record; evict it (`weightcache evict`) and report the setting."
         )
+    attributes: set[str] = set()
     for name, tensor in published.items():
         current = present.get(name)
         module_name, _, leaf = name.rpartition(".")
         module = modules.get(module_name)
         if module is None:
             raise BindError(f"published tensor {name!r} has no module {module_name!r} in {type(model).__name__}")
+        if current is None and leaf in vars(module):
+            attributes.add(name)
+            continue
         if current is not None and current.shape == tensor.shape and current.dtype == tensor.dtype:
             continue
         if current is not None and not current.is_meta:
@@ -486,6 +494,7 @@ def adopt_published_layout(model: nn.Module, handle: Handle) -> None:
         # Dropped by post-processing where the weights were made: the engine does not read it afterwards.
         module._parameters.pop(leaf, None)
         module._buffers.pop(leaf, None)
+    return frozenset(attributes)
 
 
 __all__ = [

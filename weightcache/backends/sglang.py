@@ -26,6 +26,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import json
+import logging
 import os
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
@@ -34,7 +35,8 @@ import attrs
 import torch
 from torch import nn
 
-from ..errors import BackendError
+from ..binding import tensor_attributes
+from ..errors import BackendError, UnsupportedQuantError
 from ..fingerprint import Fingerprint
 from ..handle import Handle
 from .base import Backend, LoaderOptions, QuantSpec, plain_json, quant_spec_from_config
@@ -75,7 +77,23 @@ class SglangBackend(Backend):
 
     def quant(self, engine_quant: object) -> QuantSpec:
         """Map an SGLang ``QuantizationConfig`` (None: unquantized) to a strategy (see
-        :func:`~weightcache.backends.base.quant_spec_from_config`)."""
+        :func:`~weightcache.backends.base.quant_spec_from_config`).
+
+        An ``fp8`` config whose MoE experts run FP4 kernels is refused, not mapped to ``fp8_block``: SGLang marks
+        it ``is_fp4_experts`` (routed experts stored as MXFP4, e.g. ``routed_experts_quant_method: mxfp4``, or
+        DeepSeek-V4's layout) unless they are dequantized to FP8 (``dequant_fp4_to_fp8``), and wraps it in a
+        hybrid config for NVFP4 experts. Those expert weights are FP4 kernels' layouts, which no strategy covers.
+        """
+        fp4 = getattr(engine_quant, "is_fp4_experts", False) and not getattr(engine_quant, "dequant_fp4_to_fp8", False)
+        nvfp4 = getattr(engine_quant, "nvfp4_config", None) is not None
+        if fp4 or nvfp4:
+            kind = "NVFP4" if nvfp4 else "MXFP4"
+            raise UnsupportedQuantError(
+                f"SGLang's {type(engine_quant).__name__} runs this model's MoE experts with {kind} kernels "
+                f"({'nvfp4_config' if nvfp4 else 'is_fp4_experts'} is set): those expert weights are not block "
+                "FP8, and no weightcache strategy covers FP4 layouts, so they cannot be shared safely. Load this "
+                "model without weightcache."
+            )
         return quant_spec_from_config("SGLang", engine_quant)
 
     def quant_config(self, model_config: Any, load_config: Any) -> Any:
@@ -212,7 +230,9 @@ def _disk_load_config(load_config: Any) -> Any:
 
 
 def shareable_state(model: nn.Module) -> dict[str, torch.Tensor]:
-    """What mode daemon publishes: every parameter and buffer (tied ones once) after post-processing.
+    """What mode daemon publishes: every parameter and buffer (tied ones once) after post-processing, and the
+    tensors ``post_load_weights`` leaves as plain attributes (MLA's ``w_kc``/``w_vc``, split from ``kv_b_proj``),
+    which attaching sets again on the meta-built model.
 
     Raises BackendError when post-processing left state outside the tensors that attaching cannot re-create
     (SGLang's AMX packing on CPU marks layers with ``use_intel_amx_backend``).
@@ -224,7 +244,10 @@ def shareable_state(model: nn.Module) -> dict[str, torch.Tensor]:
             "attributes, which a client cannot re-create from the published tensors. Run without weightcache here, "
             "or disable AMX packing."
         )
-    return {name: tensor for name, tensor in [*model.named_parameters(), *model.named_buffers()]}
+    state = dict([*model.named_parameters(), *model.named_buffers()])
+    for name, tensor in tensor_attributes(model).items():
+        state.setdefault(name, tensor)
+    return state
 
 
 @contextlib.contextmanager
@@ -233,6 +256,48 @@ def _engine_dtype(dtype: torch.dtype) -> Iterator[None]:
 
     with set_default_torch_dtype(dtype):
         yield
+
+
+#: The ``--load-format`` that :func:`register` adds to ``sglang.launch_server`` (and ``sglang serve``).
+LOAD_FORMAT = "weightcache"
+
+
+def register() -> None:
+    """The ``sglang.srt.plugins`` entry point: make ``--load-format weightcache`` available to
+    ``python -m sglang.launch_server`` and ``sglang serve``, with the options in ``--model-loader-extra-config``
+    (JSON, e.g. ``'{"mode": "client"}'``).
+
+    SGLang runs its general plugins in every process before it parses arguments. This adds the load format to
+    the accepted choices and wraps ``LoadConfig._verify_load_format`` so that the name becomes
+    :class:`WeightCacheLoader` (a loader class, which SGLang's ``get_model_loader`` instantiates) instead of one
+    of SGLang's own formats. A failure here is logged, not raised: engines that do not ask for weightcache keep
+    working.
+    """
+    try:
+        from sglang.srt.arg_groups.choices import LOAD_FORMAT_CHOICES, add_load_format_choices
+        from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+        if LOAD_FORMAT not in LOAD_FORMAT_CHOICES:
+            add_load_format_choices([LOAD_FORMAT])
+        HookRegistry.register(
+            "sglang.srt.configs.load_config.LoadConfig._verify_load_format", _verify_load_format, HookType.AROUND
+        )
+    except Exception as exc:
+        logging.getLogger(__name__).warning(
+            "weightcache could not register --load-format %s with this SGLang (%s: %s); weightcache supports the "
+            "plugin API of SGLang 0.5.23. Use LoadConfig(load_format=WeightCacheLoader) instead.",
+            LOAD_FORMAT,
+            type(exc).__name__,
+            exc,
+        )
+
+
+def _verify_load_format(original: Any, load_config: Any) -> Any:
+    """Around ``LoadConfig._verify_load_format``: ``"weightcache"`` becomes :class:`WeightCacheLoader`."""
+    if isinstance(load_config.load_format, str) and load_config.load_format.lower() == LOAD_FORMAT:
+        load_config.load_format = WeightCacheLoader
+        return None
+    return original(load_config)
 
 
 class WeightCacheLoader:
@@ -291,11 +356,13 @@ class WeightCacheLoader:
 
 
 __all__ = [
+    "LOAD_FORMAT",
     "PARALLEL_AXES",
     "SglangBackend",
     "SglangLoad",
     "WeightCacheLoader",
     "model_identity",
     "parallel_layout",
+    "register",
     "shareable_state",
 ]
