@@ -112,7 +112,7 @@ def test_inspect_unknown_digest(socket_dir: Path, keeper: object) -> None:
 
 
 def test_bench_runs_small(tmp_path: Path) -> None:
-    report = tmp_path / "bench.json"
+    report = tmp_path / "results" / "bench.json"  # a directory that does not exist yet, as on a fresh clone
     out = wc_cli("bench", "--sizes", "0.01,0.02", "--tensors", "30", "--repeat", "2", "--json", str(report))
     assert "attach median" in out.stdout
     data = json.loads(report.read_text())
@@ -122,7 +122,7 @@ def test_bench_runs_small(tmp_path: Path) -> None:
 
 
 def test_restart_bench_runs_small_on_cpu(tmp_path: Path) -> None:
-    report = tmp_path / "restart.json"
+    report = tmp_path / "results" / "restart.json"
     args = ("--sizes", "0.01", "--tensors", "40", "--repeat", "2", "--json", str(report))
     out = wc_cli("bench", "--restart", "--device", "cpu", *args)
     assert "client attach" in out.stdout and "identical True" in out.stdout

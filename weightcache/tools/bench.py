@@ -45,6 +45,21 @@ def layout(total_bytes: int, n: int, itemsize: int) -> list[int]:
     return sizes
 
 
+def report_path(json_out: str | os.PathLike[str] | None) -> Path | None:
+    """Where ``--json`` writes, with its directory created now: before the work, not after it (a fresh clone
+    has no ``bench-results/``). WeightCacheError when the directory cannot be created."""
+    if json_out is None:
+        return None
+    path = Path(json_out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise wc.WeightCacheError(
+            f"--json {json_out}: cannot create its directory ({exc}); give a path in a writable directory"
+        ) from exc
+    return path
+
+
 def meta_holder(shapes: list[int], dtype: torch.dtype, prefix: str = "p") -> nn.Module:
     """A module built on the meta device with one 1-D parameter ``{prefix}{i}`` of ``shapes[i]`` elements per
     tensor: what an engine's model is to :func:`weightcache.bind`, without the engine."""
@@ -174,7 +189,8 @@ def run(
 ) -> int:
     """Publish a synthetic state dict of each size (GiB) and tensor count into a private keeper and time
     ``repeat`` attaches of it in a fresh process; print a line per configuration and the flatness in size, and
-    write the report to ``json_out`` when given. Returns the exit status (0)."""
+    write the report to ``json_out`` when given (its directory is created first). Returns the exit status (0)."""
+    report_file = report_path(json_out)
     tmp = Path(tempfile.mkdtemp(prefix="wc-bench-"))
     socket_dir = tmp / "sock"
     wc.Cache(socket_dir, spawn=True)  # starts the private keeper
@@ -217,8 +233,8 @@ def run(
                 {"tensors": n, "from_gib": small["gib"], "to_gib": large["gib"], "ratio": round(ratio, 3)}
             )
             print(f"{n} tensors: attach at {large['gib']:g} GiB is {ratio:.2f}x the time at {small['gib']:g} GiB")
-    if json_out:
-        Path(json_out).write_text(json.dumps(report, indent=2))
+    if report_file is not None:
+        report_file.write_text(json.dumps(report, indent=2))
         print(f"wrote {json_out}")
     return 0
 

@@ -39,7 +39,7 @@ from weightcache.client import KeeperConnection
 from weightcache.messages import EVERY_ENTRY
 from weightcache.progress import byte_bar
 
-from .bench import layout, meta_holder
+from .bench import layout, meta_holder, report_path
 
 #: What ``weightcache bench --restart`` measures without ``--sizes`` and ``--tensors``.
 DEFAULT_SIZES_GIB = (1.0, 8.0, 32.0)
@@ -181,6 +181,7 @@ def run(
     Prints a line per configuration; writes the report to ``json_out`` after each one. Returns 0 when every
     configuration's engines held identical weights, else 1. ``progress`` shows progress bars without a
     terminal."""
+    report_file = report_path(json_out)  # its directory exists before the first minute of work
     work = Path(workdir or tempfile.mkdtemp(prefix="wc-restart-"))
     work.mkdir(parents=True, exist_ok=True)
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-")) / "s"
@@ -224,8 +225,8 @@ def run(
                     "identical": same,
                 }
                 rows.append(row)
-                if json_out:  # after every configuration, so that a run cut short keeps what it measured
-                    Path(json_out).write_text(json.dumps(_report(device, h2d, rows, tensors), indent=2))
+                if report_file is not None:  # after every configuration: a run cut short keeps what it measured
+                    report_file.write_text(json.dumps(_report(device, h2d, rows, tensors), indent=2))
                 print(
                     f"{gib:>5g} GiB {n:>5} tensors | disk {disk:5.2f} GB/s | off {row['off_s']:7.2f} s "
                     f"({row['off_vs_disk'] * 100:4.0f}% of disk) | daemon first {row['daemon_first_s']:7.2f} s "
@@ -243,8 +244,8 @@ def run(
         shutil.rmtree(socket_dir.parent, ignore_errors=True)
         if not workdir and not keep:
             shutil.rmtree(work, ignore_errors=True)
-    if json_out:
-        Path(json_out).write_text(json.dumps(_report(device, h2d, rows, tensors), indent=2))
+    if report_file is not None:
+        report_file.write_text(json.dumps(_report(device, h2d, rows, tensors), indent=2))
         print(f"wrote {json_out}")
     return 0 if all(r["identical"] for r in rows) else 1
 
