@@ -103,6 +103,11 @@ def test_errors_are_one_clear_line(socket_dir: Path, checkpoint: Path) -> None:
     out = wc_cli("load", str(checkpoint.parent / "missing"), *sd, check=False)
     assert out.returncode == 1 and "does not exist" in out.stderr
     assert wc_cli("stop", *sd, check=False).returncode == 1
+    for device in ("gpu", f"cuda:{torch.cuda.device_count()}"):
+        out = wc_cli("load", str(checkpoint), "--device", device, *sd, check=False)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith(f"weightcache load: device '{device}'") and len(out.stderr.splitlines()) == 1
+    assert not socket_dir.exists()
     assert wc_cli("--version").stdout.startswith("weightcache ")
 
 

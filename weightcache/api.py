@@ -118,17 +118,17 @@ def _identify(
 ) -> tuple[torch.device, torch.dtype | None, Fingerprint]:
     """The device, dtype and fingerprint that :func:`attach` and :func:`preload` derive from the same arguments,
     so that both name the same entry."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
     torch_dtype = resolve_dtype(dtype)
-    fingerprint = Fingerprint.create(
+    fingerprint = Fingerprint.create(  # first: it checks the device (InvalidArgument), before torch.device() does
         checkpoint,
         dtype=torch_dtype,
         quant=quant,
         quant_config=quant_config,
         parallel=parallel,
         transform=transform,
-        device=dev,
+        device=device,
     )
+    dev = torch.device(device) if device is not None else torch.device("cpu")
     return dev, torch_dtype, fingerprint
 
 

@@ -20,6 +20,7 @@ Each start logs one line on the ``weightcache`` logger: hit or miss, bytes, mill
 from __future__ import annotations
 
 import abc
+import difflib
 import gc
 import logging
 import os
@@ -42,6 +43,7 @@ from .errors import (
     EntryNotFound,
     FallbackWarning,
     FingerprintMismatch,
+    InvalidArgument,
     KeeperUnavailable,
     UnsupportedQuantError,
     WeightCacheError,
@@ -110,9 +112,11 @@ class Steps(abc.ABC, Generic[T]):
 
 
 def check_mode(mode: object) -> Mode:
-    """``mode`` if it is one of :data:`MODES`; ValueError naming them otherwise."""
+    """``mode`` if it is one of :data:`MODES`; otherwise InvalidArgument naming them (and the likely one)."""
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; found {mode!r}")
+        close = difflib.get_close_matches(str(mode), MODES, n=1)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        raise InvalidArgument(f"mode must be one of {', '.join(MODES)}; found {mode!r}{guess}")
     return mode
 
 
