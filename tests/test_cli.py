@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import os
@@ -15,6 +16,8 @@ from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, start_keeper
 
 import weightcache as wc
 from weightcache.client import KeeperConnection, ensure_keeper
+from weightcache.tools.cli import build_parser
+from weightcache.units import format_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -146,7 +149,7 @@ def test_ls_shows_holders_and_budget(checkpoint: Path, socket_dir: Path) -> None
             assert "HELD BY (PID SINCE)" in table and re.search(rf" {os.getpid()} \d+s\n", table)
             assert "budget  cpu 4.0 KiB of 1.0 MiB" in table
             shown = wc_cli("inspect", wc.Fingerprint.create(checkpoint).digest, "--socket-dir", str(socket_dir)).stdout
-            assert re.search(rf"leases     1  pid {os.getpid()} since \d+s", shown)
+            assert re.search(rf"leases +1  pid {os.getpid()} since \d+s", shown)
     finally:
         keeper.terminate()
         keeper.wait(10)
@@ -252,3 +255,81 @@ def test_the_tools_sit_on_top_of_the_library() -> None:
         assert not private, f"{path} uses private names: {private}"
     for old in ("cli", "doctor", "bench", "bench_restart"):
         assert not (ROOT / "weightcache" / f"{old}.py").exists(), f"weightcache/{old}.py is in weightcache/tools/"
+
+
+def test_without_a_keeper_ls_json_is_json_and_stop_says_its_name(socket_dir: Path) -> None:
+    out = wc_cli("ls", "--json", "--socket-dir", str(socket_dir), check=False)
+    assert out.returncode == 1
+    listing = json.loads(out.stdout)  # a script reading --json gets JSON, also when nothing runs
+    assert listing["keeper"] is None and listing["entries"] == [] and "no keeper" in listing["error"]
+    out = wc_cli("stop", "--socket-dir", str(socket_dir), check=False)
+    assert out.returncode == 1 and out.stderr.startswith("weightcache stop: no keeper to stop")
+
+
+def test_evict_all_evicts_what_is_free_and_names_the_flag_for_the_rest(
+    checkpoint: Path, socket_dir: Path, keeper: object
+) -> None:
+    sd = ["--socket-dir", str(socket_dir)]
+    cache = wc.Cache(socket_dir)
+    free = wc.Fingerprint.create(checkpoint, dtype="float32")
+    held = wc.Fingerprint.create(checkpoint, dtype="bfloat16")
+    cache.put(free, {"w": torch.ones(1024)}).close()
+    with cache.put(held, {"w": torch.ones(1024, dtype=torch.bfloat16)}):
+        out = wc_cli("evict", "--all", *sd, check=False)
+        assert out.returncode == 1
+        assert out.stdout.splitlines() == [f"evicted {free.digest}@cpu"]
+        assert out.stderr.splitlines() == [
+            f"weightcache evict: kept {held.digest}@cpu: leased by pid {os.getpid()} (an engine uses it); "
+            "--force evicts it too (its memory stays mapped in that process until it lets go)"
+        ]
+        out = wc_cli("evict", held.digest[:10], *sd, check=False)
+        assert out.returncode == 1 and "--force evicts it" in out.stderr and "with force" not in out.stderr
+        assert wc_cli("evict", "--all", "--force", *sd).stdout.splitlines() == [f"evicted {held.digest}@cpu"]
+
+
+def test_ls_shows_each_shard_and_inspect_lines_up(checkpoint: Path, socket_dir: Path, keeper: object) -> None:
+    sd = ["--socket-dir", str(socket_dir)]
+    cache = wc.Cache(socket_dir)
+    for rank in (0, 1):
+        fp = wc.Fingerprint.create(checkpoint, parallel={"tp": (rank, 2)})
+        cache.put(fp, {"w": torch.ones(4)}).close()
+    table = wc_cli("ls", *sd).stdout
+    assert re.search(r"TinyLM tp 0/2 ", table) and re.search(r"TinyLM tp 1/2 ", table), table
+    shown = wc_cli("inspect", fp.digest[:10], *sd).stdout.splitlines()
+    assert "in 1 segment, 1 tensor" in shown[3], shown[3]
+    fields = [line for line in shown if not line.startswith("  ")]
+    column = fields[0].index(fp.digest)
+    for line in fields:  # every value starts in one column, however long its key
+        key, value = line[:column], line[column:]
+        assert key.rstrip() and not key[len(key.rstrip()) :].strip() and value[:1] != " ", line
+
+
+def test_ls_counts_bytes_under_a_bare_budget_and_load_reports_what_it_evicted(
+    checkpoint: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    sd = ["--socket-dir", str(socket_dir)]
+    size = 400 << 10  # a float32 entry of TinyLM's checkpoint fits; adding the bfloat16 one does not
+    keeper = start_keeper(socket_dir, "--max-bytes", str(size))
+    try:
+        first = wc_cli("load", str(checkpoint), "--dtype", "float32", *sd).stdout
+        digest = first.split()[1]
+        used = json.loads(wc_cli("ls", "--json", *sd).stdout)["entries"][0]["bytes"]
+        assert used > size // 2, "the test needs entries that cannot both fit the budget"
+        assert f"budget  cpu {format_bytes(used)} of {format_bytes(size)}" in wc_cli("ls", *sd).stdout
+        second = wc_cli("load", str(checkpoint), "--dtype", "bfloat16", *sd).stdout
+        assert re.search(rf"evicted {digest}\w*@cpu \(unleased, least recently used\) to make room", second), second
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_every_option_has_a_whole_help_text() -> None:
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        assert command.description and "..." not in command.description, f"weightcache {name}: no description"
+        for action in command._actions:
+            if "-h" in action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            text = action.help or ""
+            assert len(text.split()) >= 2 and "..." not in text, f"weightcache {name} {action.dest}: help {text!r}"

@@ -191,7 +191,9 @@ class Cache:
             close_fds(fds)
             conn.close()
             raise
-        return self._attached(manifest, views, conn, fds)
+        handle = self._attached(manifest, views, conn, fds)
+        handle.evicted = reply.evicted
+        return handle
 
 
 __all__ = ["Cache"]

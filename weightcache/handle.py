@@ -33,6 +33,8 @@ class Handle:
         fallback_reason: why weightcache served weights from disk when the mode asked for the cache, else None.
         read_disk: whether this start read the checkpoint (True for every disk source, and for mode daemon's
             first start, which loads, publishes and then runs on the published copy).
+        evicted: the keys of the entries the keeper evicted (unleased, least recently used) to make room under its
+            budget when this process published these weights; empty otherwise.
 
     While a cache handle is open it holds its entry's segment fds and a lease. If the keeper goes away, a
     background thread re-publishes the entry (those fds, no disk read) to the next keeper that serves the same
@@ -50,6 +52,7 @@ class Handle:
         lease: Lease | None = None,
         fallback_reason: str | None = None,
         read_disk: bool | None = None,
+        evicted: tuple[str, ...] = (),
     ) -> None:
         self.source: Source = source
         self.fingerprint = fingerprint
@@ -57,6 +60,7 @@ class Handle:
         self.manifest = manifest
         self.fallback_reason = fallback_reason
         self.read_disk = source == "disk" if read_disk is None else read_disk
+        self.evicted = evicted
         self._lease = lease
         if lease is not None:
             republish.watch(lease)

@@ -256,6 +256,8 @@ def _warn(message: str) -> None:
 def _report(request: Request, outcome: str, start: float, handle: Handle | None = None, reason: str = "") -> None:
     fp = request.fingerprint
     size = f", {handle.nbytes / 2**20:.1f} MiB" if handle is not None else ""
+    if handle is not None and handle.evicted:  # a budget made room: this process's log says so, not only the keeper's
+        size += f" (the keeper evicted {', '.join(key[:12] for key in handle.evicted)} to make room)"
     why = f": {reason}" if reason else ""
     log.info(
         "weightcache: %s (mode %s) %s on %s%s in %.1f ms%s",
