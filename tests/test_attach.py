@@ -294,6 +294,33 @@ def test_a_device_this_process_lacks_is_one_clear_error_in_every_mode(checkpoint
     assert not socket_dir.exists()  # no keeper was started for it
 
 
+def keep_all(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transform: the fit of its output is known only once the checkpoint is loaded."""
+    return state
+
+
+def test_daemon_refuses_a_model_that_does_not_fit_before_it_publishes(checkpoint: Path, socket_dir: Path) -> None:
+    """Mode daemon checks the model against the checkpoint's layout first: a model that cannot take these weights
+    is a BindError with no keeper started and nothing published (not a wrong-fit entry left behind)."""
+    with pytest.raises(wc.BindError, match="shape"):
+        wc.attach(meta_model(dim=32), checkpoint, mode="daemon", socket_dir=socket_dir)
+    assert keeper_pid(socket_dir) is None and not (socket_dir / "keeper.sock").exists()
+    keeper = start_keeper(socket_dir)
+    try:
+        for transform in (None, keep_all):  # known from the headers; known only after the load
+            with pytest.raises(wc.BindError, match="shape"):
+                wc.attach(meta_model(dim=32), checkpoint, mode="daemon", socket_dir=socket_dir, transform=transform)
+            assert wc.Cache(socket_dir).entries() == []
+        with pytest.raises(wc.BindError, match=r"dtype torch.bfloat16 vs model torch.float32"):  # converted dtype
+            wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir, dtype="bfloat16")
+        assert wc.Cache(socket_dir).entries() == []
+        with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir) as handle:  # one that fits
+            assert handle.source == "cache" and len(wc.Cache(socket_dir).entries()) == 1
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+
+
 def test_keeper_pid_is_recorded(checkpoint: Path, socket_dir: Path) -> None:
     with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir):
         pass

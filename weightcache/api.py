@@ -14,13 +14,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from .binding import bind
+from .binding import bind, check_fit
 from .fingerprint import Fingerprint
 from .handle import Handle
 from .loader import StoredTensor, checkpoint_layout, load_weights
 from .pipeline import Mode, Request, Steps, check_mode, run
 from .publish import stored_as_is
-from .torch_dtypes import resolve_dtype
+from .torch_dtypes import convertible, resolve_dtype
 
 Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -180,6 +180,19 @@ class ModuleSteps(CheckpointSteps):
     def serve(self, handle: Handle) -> Handle:
         bind(self.model, handle.tensors, device=self.device)
         return handle
+
+    def check_fit(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        if tensors is None:
+            if self.transform is not None:
+                return  # what it makes is known once the weights are loaded: checked then
+            tensors = {t.name: _stand_in(t, self.dtype) for t in checkpoint_layout(self.checkpoint)}
+        check_fit(self.model, tensors)
+
+
+def _stand_in(stored: StoredTensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A meta tensor of the shape and dtype that loading ``stored`` with ``dtype`` gives."""
+    converted = dtype is not None and stored.dtype != dtype and convertible(stored.dtype)
+    return torch.empty(stored.shape, dtype=dtype if converted else stored.dtype, device="meta")
 
 
 __all__ = ["CheckpointSteps", "ModuleSteps", "attach", "preload"]

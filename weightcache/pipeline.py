@@ -98,6 +98,12 @@ class Steps(abc.ABC, Generic[T]):
         """Serve the weights from disk without the cache (mode off, or a fallback saying ``reason``)."""
         return self.serve(self.private(self.load_state(), reason))
 
+    def check_fit(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        """Raise BindError now if weights like ``tensors`` cannot be served (meta stand-ins or the loaded weights;
+        None: as far as can be told before loading). Mode daemon calls it before it starts a keeper or reads the
+        checkpoint, and again with the loaded weights before it publishes them, so that weights no model can
+        take are never published. The default checks nothing."""
+
     def stream_layout(self) -> list[StoredTensor] | None:
         """The checkpoint's layout when its files can be streamed as stored straight into GPU segments (no
         conversion, no post-processing), else None (the default): then :meth:`load_state` runs."""
@@ -169,12 +175,11 @@ def _daemon(request: Request, steps: Steps[T], start: float) -> T:
     cache = Cache(request.socket_dir)
     cache.respawn = True  # mode daemon keeps a keeper running: also after a crash, to re-publish to
     with ThreadPoolExecutor(max_workers=1) as pool:
-        spawning: Future[object] | None = None
+        no_keeper = False
         try:
             handle = cache.get(request.fingerprint)
         except KeeperUnavailable:
-            # No keeper, so nothing is cached: start one while the weights load instead of before.
-            spawning = pool.submit(ensure_keeper, request.socket_dir)
+            no_keeper = True  # so nothing is cached
             handle = None
         except (UnsupportedQuantError, BindError, BackendError):
             raise
@@ -184,6 +189,9 @@ def _daemon(request: Request, steps: Steps[T], start: float) -> T:
             return _fallback(request, steps, f"the keeper cannot be used ({type(exc).__name__}: {exc})", start)
         if handle is not None:
             return _serve(request, steps, handle, "hit", start)
+        steps.check_fit(None)  # weights the model cannot take: before a keeper starts and anything is read
+        # No keeper: start one while the weights load instead of before.
+        spawning: Future[object] | None = pool.submit(ensure_keeper, request.socket_dir) if no_keeper else None
         return _load_and_publish(request, steps, cache, spawning, start)
 
 
@@ -200,6 +208,7 @@ def _load_and_publish(
                 packed = pack_checkpoint(fingerprint, layout, digests=request.digests, progress=request.progress)
             else:
                 state = steps.load_state()
+                steps.check_fit(state)  # what a transform made is known only now: still before publishing
                 gc.collect()  # whatever held the loaded tensors besides `state` (a dropped model's cycles) goes now
                 # consume: each tensor is released once copied into its sealed segment.
                 packed = pack_state(
@@ -212,8 +221,8 @@ def _load_and_publish(
             if spawning is not None:
                 spawning.result()  # the keeper started while the weights loaded
             handle = cache.publish(packed)
-        except CheckpointError:
-            raise
+        except (CheckpointError, BindError):
+            raise  # no fault of the cache: serving these weights without it would fail the same way
         except PUBLISH_FAILURES as exc:
             if request.strict:
                 raise
