@@ -7,14 +7,17 @@ import ast
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
 import torch
 from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, start_keeper, wait_until
+from safetensors.torch import save_file
 
 import weightcache as wc
+from weightcache.checkpoint import drop_page_cache
 from weightcache.client import KeeperConnection, ensure_keeper
 from weightcache.tools.cli import build_parser
 from weightcache.units import format_bytes
@@ -333,3 +336,36 @@ def test_every_option_has_a_whole_help_text() -> None:
                 continue
             text = action.help or ""
             assert len(text.split()) >= 2 and "..." not in text, f"weightcache {name} {action.dest}: help {text!r}"
+
+
+def test_ctrl_c_while_load_reads_the_checkpoint_is_a_clean_exit(tmp_path: Path, socket_dir: Path) -> None:
+    """SIGINT while `weightcache load` reads a checkpoint from a cold page cache (inside safetensors, which turned
+    the KeyboardInterrupt into an unrelated ValueError): one line, exit status 130, nothing published."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    state = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(96)}  # 384 MiB in 96 tensors
+    save_file(state, str(ckpt / "model.safetensors"))
+    del state
+    wc.Cache(socket_dir, spawn=True)  # a keeper already runs: the load goes straight to reading
+    drop_page_cache(ckpt)
+    load = subprocess.Popen(
+        [sys.executable, "-m", "weightcache", "load", str(ckpt), "--socket-dir", str(socket_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # reading has begun once the file is mapped (safetensors maps it) or open
+        def reading() -> bool:
+            fds = Path(f"/proc/{load.pid}/fd")
+            mapped = str(ckpt / "model.safetensors") in Path(f"/proc/{load.pid}/maps").read_text()
+            return mapped or any(str(ckpt) in os.path.realpath(fd) for fd in fds.iterdir())
+
+        assert wait_until(reading, 120), "the load never started reading"
+        load.send_signal(signal.SIGINT)
+        out, err = load.communicate(timeout=120)
+    finally:
+        load.kill()
+    assert (load.returncode, err) == (130, "weightcache load: interrupted\n"), err
+    assert "published" not in out
+    assert wc.Cache(socket_dir).entries() == []

@@ -509,4 +509,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"weightcache {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print(f"weightcache {args.command}: interrupted", file=sys.stderr)
         return 130
