@@ -62,8 +62,9 @@ def attach(
             FingerprintMismatch; in mode daemon the error that stopped publishing (BudgetExceeded, SegmentError,
             KeeperUnavailable, ...), where without it the engine serves the weights it loaded, with a warning.
         socket_dir: the keeper's socket directory (default: see :mod:`weightcache.rundir`).
-        progress: show a bar of the bytes read on stderr while loading from disk. None (default): only when
-            stderr is a terminal and the checkpoint is at least 1 GiB; True/False: always/never.
+        progress: show a bar of the bytes read on stderr while loading from disk, and in mode daemon one of the
+            bytes packed while publishing. None (default): only when stderr is a terminal and the checkpoint is at
+            least 1 GiB; True/False: always/never.
 
     Returns:
         A Handle with ``source`` ("cache" or "disk"), ``fingerprint``, ``tensors`` and ``read_disk``. Close it

@@ -72,7 +72,8 @@ class Request:
     mode: Mode = "off"
     strict: bool = False
     socket_dir: str | os.PathLike[str] | None = None
-    #: A byte bar on stderr while a checkpoint streams into segments (see :mod:`weightcache.progress`).
+    #: Byte bars on stderr while a checkpoint is read and while it is packed into segments to publish (see
+    #: :mod:`weightcache.progress`).
     progress: bool | None = False
     #: Record a SHA-256 per tensor when publishing (what :meth:`Handle.verify` checks).
     digests: bool = True
@@ -217,6 +218,7 @@ def _load_and_publish(
                     consume=True,
                     digests=request.digests,
                     max_segment_bytes=request.max_segment_bytes,
+                    progress=request.progress,
                 )
             if spawning is not None:
                 spawning.result()  # the keeper started while the weights loaded
