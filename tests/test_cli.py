@@ -12,6 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, start_keeper, wait_until
 from safetensors.torch import save_file
@@ -141,6 +142,32 @@ def test_restart_bench_runs_small_on_cpu(tmp_path: Path) -> None:
     assert row["sources"] == ["disk", "cache", "cache"] and row["identical"] is True
     assert row["client_attaches"] == 2 and row["client_attach_ms_min"] <= row["client_attach_ms"]
     assert row["disk_read_gbps"] > 0 and row["off_s"] > 0 and row["client_attach_ms"] > 0
+    # Only this checkpoint's pages were dropped: the whole machine's page cache (root) only with --drop-caches.
+    assert row["page_cache_drop"] == "fadvise" and "drop_caches" not in out.stdout
+
+
+def test_bench_refuses_sizes_this_machine_cannot_hold_before_writing_anything(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    for restart in ([], ["--restart", "--workdir", str(work)]):
+        out = wc_cli("bench", *restart, "--sizes", "0.01,100000", "--tensors", "30", check=False)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert re.match(r"weightcache bench: --sizes 100000 GiB needs about .* of memory; .* available", out.stderr)
+        assert not any(work.glob("*")) and "attach" not in out.stdout
+
+
+def test_default_bench_sizes_shrink_to_the_machine() -> None:
+    """Without --sizes, the defaults that do not fit this machine's memory are left out (and said so); given
+    sizes are never changed silently."""
+    from weightcache.tools.bench import sizes_that_fit
+
+    gib = 1 << 30
+    fit, note = sizes_that_fit((1.0, 8.0, 32.0), 20 * gib, explicit=False)
+    assert fit == [1.0, 8.0] and note is not None and note.startswith("left out 32 GiB: needs about 64.0 GiB")
+    assert sizes_that_fit((1.0, 8.0), 20 * gib, explicit=False) == ([1.0, 8.0], None)
+    with pytest.raises(wc.WeightCacheError, match="--sizes 32 GiB needs about 64.0 GiB of memory"):
+        sizes_that_fit((1.0, 32.0), 20 * gib, explicit=True)
+    with pytest.raises(wc.WeightCacheError, match="even the smallest default"):
+        sizes_that_fit((1.0, 8.0), gib, explicit=False)
 
 
 def test_ls_shows_holders_and_budget(checkpoint: Path, socket_dir: Path) -> None:

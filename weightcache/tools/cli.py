@@ -356,16 +356,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from . import bench_restart  # imports torch
 
         return bench_restart.run(
-            sizes=sizes or bench_restart.DEFAULT_SIZES_GIB,
+            sizes=sizes,  # None: the defaults that fit this machine
             tensors=tensors or bench_restart.DEFAULT_TENSORS,
             workdir=args.workdir,
             keep=args.keep,
             progress=args.progress,
+            drop_caches=args.drop_caches,
             **options,
         )
+    if args.drop_caches:
+        raise wc.WeightCacheError("--drop-caches goes with --restart (only the restart benchmark reads a checkpoint)")
     from . import bench  # imports torch
 
-    return bench.run(sizes=sizes or bench.DEFAULT_SIZES_GIB, tensors=tensors or bench.DEFAULT_TENSORS, **options)
+    return bench.run(sizes=sizes, tensors=tensors or bench.DEFAULT_TENSORS, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -480,7 +483,11 @@ def build_parser() -> argparse.ArgumentParser:
     bench_help = "measure attach time and its flatness in size on synthetic weights; --restart: a whole engine restart"
     p = sub.add_parser("bench", help=bench_help, description=bench_help + " (see docs/benchmarks.md)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
-    p.add_argument("--sizes", default=None, help="comma-separated sizes in GiB (default 1,2,8)")
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help="comma-separated sizes in GiB (default 1,2,8; with --restart 1,8,32; either: those that fit in memory)",
+    )
     p.add_argument("--tensors", default=None, help="comma-separated tensor counts (default 500)")
     p.add_argument(
         "--repeat", type=int, default=7, help="attaches timed per size (--restart: fresh client processes; default 7)"
@@ -495,6 +502,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workdir", default=None, help="--restart: where to write checkpoints (default a temp dir)")
     p.add_argument("--keep", action="store_true", help="--restart: keep the checkpoints")
+    p.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="--restart, as root: before each cold load drop the whole machine's page cache (libraries too, as after "
+        "a reboot; slows every process on the machine), not only the checkpoint's pages",
+    )
     p.add_argument("--progress", action="store_true", help="show progress bars even without a terminal")
     p.set_defaults(func=cmd_bench)
     return parser
