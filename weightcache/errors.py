@@ -13,7 +13,8 @@ class WeightCacheError(Exception):
 
 class InvalidArgument(WeightCacheError, ValueError):
     """An argument has a value weightcache cannot use here: an unknown mode, a device that is no device or that
-    this process lacks (a CUDA device with a CPU build of torch). The message names what is accepted."""
+    this process lacks (a CUDA device with a CPU build of torch), an unknown dtype, a bad parallel layout, a
+    transform without a stable identity. The message names what is accepted."""
 
 
 # --- the keeper and the wire ------------------------------------------------------------------------------

@@ -60,9 +60,9 @@ def normalise_parallel(parallel: Mapping[str, tuple[int, int] | list[int]] | Non
         try:
             rank, size = (int(v) for v in value)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"parallel[{axis!r}] must be (rank, size); found {value!r}") from exc
+            raise InvalidArgument(f"parallel[{axis!r}] must be (rank, size); found {value!r}") from exc
         if size < 1 or not 0 <= rank < size:
-            raise ValueError(f"parallel[{axis!r}] = ({rank}, {size}): expected 0 <= rank < size")
+            raise InvalidArgument(f"parallel[{axis!r}] = ({rank}, {size}): expected 0 <= rank < size")
         out.append((str(axis), rank, size))
     return tuple(sorted(out))
 
@@ -85,7 +85,7 @@ def transform_identity(transform: Callable[..., Any] | str) -> str:
         try:
             arguments = canonical_json({"args": list(transform.args), "keywords": dict(transform.keywords)})
         except (TypeError, ValueError) as exc:
-            raise ValueError(
+            raise InvalidArgument(
                 f"transform {transform!r} binds arguments that are not JSON-serialisable; set its weightcache_id "
                 "attribute to a string that names what it does"
             ) from exc
@@ -93,12 +93,14 @@ def transform_identity(transform: Callable[..., Any] | str) -> str:
     name = qualified_name(transform)
     hint = "define a module-level function, or set transform.weightcache_id = 'name-v1'"
     if "<lambda>" in name:
-        raise ValueError(f"transform {name} is a lambda, which has no stable identity; {hint}")
+        raise InvalidArgument(f"transform {name} is a lambda, which has no stable identity; {hint}")
     if inspect.ismethod(transform) or getattr(transform, "__closure__", None):
-        raise ValueError(f"transform {name} carries state (a bound method or closure) that no name reveals; {hint}")
+        raise InvalidArgument(
+            f"transform {name} carries state (a bound method or closure) that no name reveals; {hint}"
+        )
     code = getattr(transform, "__code__", None)
     if code is None:
-        raise ValueError(f"transform {name} is a callable object whose state no name reveals; {hint}")
+        raise InvalidArgument(f"transform {name} is a callable object whose state no name reveals; {hint}")
     return f"{name}#{_code_hash(code)[:16]}"
 
 
