@@ -153,6 +153,8 @@ def test_bench_refuses_sizes_this_machine_cannot_hold_before_writing_anything(tm
         assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
         assert re.match(r"weightcache bench: --sizes 100000 GiB needs about .* of memory; .* available", out.stderr)
         assert not any(work.glob("*")) and "attach" not in out.stdout
+        out = wc_cli("bench", *restart, "--device", "gpu", check=False)
+        assert out.returncode == 1 and out.stderr.startswith("weightcache bench: device 'gpu' is not a device")
 
 
 def test_default_bench_sizes_shrink_to_the_machine() -> None:

@@ -145,6 +145,12 @@ def _device_markers(device: object) -> tuple[str, str, str | None]:
     raise InvalidArgument(_not_a_device(text))
 
 
+def placement_of(device: object) -> str:
+    """Where weights for ``device`` live: ``"cpu"`` or ``"GPU-<uuid>"``; InvalidArgument for a device that is no
+    device or that this process cannot use (what :meth:`Fingerprint.create` checks)."""
+    return _device_markers(device)[1]
+
+
 def _not_a_device(text: str) -> str:
     return f"device {text!r} is not a device weightcache can place weights on: expected 'cpu' or 'cuda:N' (e.g. cuda:0)"
 

@@ -29,6 +29,7 @@ from safetensors.torch import save_file
 from torch import nn
 
 import weightcache as wc
+from weightcache.fingerprint import placement_of
 from weightcache.units import format_bytes
 
 #: What ``weightcache bench`` measures without ``--sizes`` and ``--tensors``.
@@ -258,6 +259,7 @@ def run(
     memory) and tensor count into a private keeper and time
     ``repeat`` attaches of it in a fresh process; print a line per configuration and the flatness in size, and
     write the report to ``json_out`` when given (its directory is created first). Returns the exit status (0)."""
+    placement_of(device)  # InvalidArgument for a device this process lacks, before any work
     report_file = report_path(json_out)
     sizes = plan_sizes(sizes, DEFAULT_SIZES_GIB, device)
     tmp = Path(tempfile.mkdtemp(prefix="wc-bench-"))

@@ -36,6 +36,7 @@ from safetensors.torch import save_file
 import weightcache as wc
 from weightcache.checkpoint import drop_page_cache
 from weightcache.client import KeeperConnection
+from weightcache.fingerprint import placement_of
 from weightcache.messages import EVERY_ENTRY
 from weightcache.progress import byte_bar
 
@@ -189,6 +190,7 @@ def run(
     from the page cache (``posix_fadvise``); with ``drop_caches`` (root only) also the whole machine's page cache,
     libraries included, as after a reboot: that slows every other process on the machine, so it is asked for.
     """
+    placement_of(device)  # InvalidArgument for a device this process lacks, before any work
     report_file = report_path(json_out)  # its directory exists before the first minute of work
     sizes = plan_sizes(sizes, DEFAULT_SIZES_GIB, device)
     if drop_caches:
