@@ -212,7 +212,7 @@ def transcript(code: str) -> list[tuple[str, list[str]]]:
 class Reader:
     """A new user in a fresh directory: ``python`` and ``weightcache`` on the PATH, a private keeper directory."""
 
-    def __init__(self, tmp: Path) -> None:
+    def __init__(self, tmp: Path, socket_dir: Path) -> None:
         self.cwd = tmp / "work"
         self.cwd.mkdir()
         shims = tmp / "bin"
@@ -225,7 +225,7 @@ class Reader:
             **os.environ,
             "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}",
             "PYTHONPATH": os.pathsep.join(path),
-            "WEIGHTCACHE_DIR": str(tmp / "sock"),
+            "WEIGHTCACHE_DIR": str(socket_dir),
         }
         self.env.pop("XDG_RUNTIME_DIR", None)
 
@@ -282,14 +282,14 @@ def run_snippet(reader: Reader, s: Snippet) -> None:
 
 
 @pytest.mark.parametrize("page", SNIPPET_PAGES)
-def test_the_snippets_of_a_page_run(page: str, tmp_path: Path) -> None:
+def test_the_snippets_of_a_page_run(page: str, tmp_path: Path, socket_dir: Path) -> None:
     """Each block runs (a Python block as a script, a shell block line by line, a transcript command by command
     with its documented output), or is marked with why not: ``<!-- snippet: skip: REASON -->`` (a GPU, an engine,
     minutes of work), ``<!-- snippet: file NAME -->`` (a file later blocks use), ``<!-- snippet: output
     illustrative: REASON -->`` (run; the output shown is another machine's)."""
     found = snippets(page)
     assert found, f"docs/{page} has no snippets"
-    reader = Reader(tmp_path)
+    reader = Reader(tmp_path, socket_dir)  # a short socket path, its keeper stopped afterwards (conftest)
     if page != "quickstart.md":  # the other pages use the quickstart's checkpoint, ./ckpt
         [model] = [s for s in snippets("quickstart.md") if s.marker == "file"]
         (reader.cwd / model.arg).write_text(model.code)
