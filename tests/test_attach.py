@@ -269,10 +269,56 @@ def test_dtype_conversion_and_transform(checkpoint: Path, socket_dir: Path) -> N
 
 
 def test_bad_mode_and_bad_model(checkpoint: Path, socket_dir: Path) -> None:
-    with pytest.raises(ValueError, match="mode must be one of"):
+    with pytest.raises(wc.InvalidArgument, match="mode must be one of"):
         wc.attach(meta_model(), checkpoint, mode="sometimes")  # type: ignore[arg-type]
     with pytest.raises(wc.BindError, match="shape"):
         wc.attach(meta_model(dim=32), checkpoint, mode="off")
+
+
+def test_a_device_this_process_lacks_is_one_clear_error_in_every_mode(checkpoint: Path, socket_dir: Path) -> None:
+    """A CUDA device that torch cannot give (a CPU build: any; else one index past the last GPU) and a device that
+    is no device at all are a WeightCacheError naming the device and what to do, in every mode and before anything
+    else happens: no keeper spawned, nothing read. (Falling back to disk would not help: the disk load needs the
+    device too.)"""
+    missing = f"cuda:{torch.cuda.device_count()}"
+    for mode in ("off", "daemon", "client"):
+        with pytest.raises(wc.InvalidArgument, match=rf"device '{missing}'.*device 'cpu'") as info:
+            wc.attach(meta_model(), checkpoint, mode=mode, device=missing, socket_dir=socket_dir)
+        assert isinstance(info.value, ValueError)
+        with pytest.raises(wc.InvalidArgument, match=r"device 'gpu' .*expected 'cpu' or 'cuda:N'"):
+            wc.attach(meta_model(), checkpoint, mode=mode, device="gpu", socket_dir=socket_dir)
+    with pytest.raises(wc.InvalidArgument, match=rf"device '{missing}'"):
+        wc.preload(checkpoint, device=missing, socket_dir=socket_dir)
+    with pytest.raises(wc.InvalidArgument, match=rf"device '{missing}'"):
+        wc.Fingerprint.create(checkpoint, device=missing)
+    assert not socket_dir.exists()  # no keeper was started for it
+
+
+def keep_all(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A transform: the fit of its output is known only once the checkpoint is loaded."""
+    return state
+
+
+def test_daemon_refuses_a_model_that_does_not_fit_before_it_publishes(checkpoint: Path, socket_dir: Path) -> None:
+    """Mode daemon checks the model against the checkpoint's layout first: a model that cannot take these weights
+    is a BindError with no keeper started and nothing published (not a wrong-fit entry left behind)."""
+    with pytest.raises(wc.BindError, match="shape"):
+        wc.attach(meta_model(dim=32), checkpoint, mode="daemon", socket_dir=socket_dir)
+    assert keeper_pid(socket_dir) is None and not (socket_dir / "keeper.sock").exists()
+    keeper = start_keeper(socket_dir)
+    try:
+        for transform in (None, keep_all):  # known from the headers; known only after the load
+            with pytest.raises(wc.BindError, match="shape"):
+                wc.attach(meta_model(dim=32), checkpoint, mode="daemon", socket_dir=socket_dir, transform=transform)
+            assert wc.Cache(socket_dir).entries() == []
+        with pytest.raises(wc.BindError, match=r"dtype torch.bfloat16 vs model torch.float32"):  # converted dtype
+            wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir, dtype="bfloat16")
+        assert wc.Cache(socket_dir).entries() == []
+        with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir) as handle:  # one that fits
+            assert handle.source == "cache" and len(wc.Cache(socket_dir).entries()) == 1
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
 
 
 def test_keeper_pid_is_recorded(checkpoint: Path, socket_dir: Path) -> None:

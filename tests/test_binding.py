@@ -117,3 +117,17 @@ def test_parameter_subclasses_survive() -> None:
     wc.bind(m, {"w": data})
     assert type(m.w) is EngineParam and m.w.loader() == "engine" and m.w.output_dim == 0  # type: ignore[attr-defined]
     assert m.w.data_ptr() == data.data_ptr()
+
+
+def test_the_advice_fits_the_problem() -> None:
+    """A dtype mismatch names both dtypes and the two ways out; a shape mismatch does not talk about dtype=."""
+    state = {k: v.to(torch.bfloat16) if v.is_floating_point() else v for k, v in full_state().items()}
+    with pytest.raises(wc.BindError) as info:
+        wc.bind(meta_model(), state)
+    text = str(info.value)
+    assert "weights are torch.bfloat16 where the model has torch.float32" in text, text
+    assert "build the model in torch.bfloat16, or load the weights with dtype=torch.float32" in text, text
+    assert "pass dtype=" not in text
+    with pytest.raises(wc.BindError) as info:
+        wc.bind(meta_model(dim=32), full_state())
+    assert "dtype=" not in str(info.value) and "same architecture" in str(info.value)

@@ -95,3 +95,22 @@ def test_dtype_leaves_fp8_alone(tmp_path: Path) -> None:
     save_file({"w": torch.randn(4).to(torch.float8_e4m3fn), "s": torch.ones(1)}, str(d / "m.safetensors"))
     state = load_state_dict(d, dtype=torch.bfloat16)
     assert state["w"].dtype == torch.float8_e4m3fn and state["s"].dtype == torch.bfloat16
+
+
+def test_a_pytorch_bin_checkpoint_is_named_with_how_to_convert_it(tmp_path: Path) -> None:
+    """A directory of .bin weights: the error says what it found there and how to convert it."""
+    ckpt = tmp_path / "bin"
+    ckpt.mkdir()
+    torch.save({"w": torch.ones(2)}, ckpt / "pytorch_model.bin")
+    (ckpt / "config.json").write_text("{}")
+    with pytest.raises(wc.CheckpointError) as info:
+        safetensors_files(ckpt)
+    text = str(info.value)
+    assert "holds no .safetensors files (found config.json, pytorch_model.bin)" in text, text
+    assert "save_file(torch.load(" in text and "save_pretrained" in text
+    with pytest.raises(wc.CheckpointError, match=r"pytorch_model.bin is not a .safetensors file.*save_file"):
+        safetensors_files(ckpt / "pytorch_model.bin")
+    (ckpt / "pytorch_model.bin").unlink()
+    (ckpt / "config.json").unlink()
+    with pytest.raises(wc.CheckpointError, match=r"holds no .safetensors files \(it is empty\)"):
+        safetensors_files(ckpt)

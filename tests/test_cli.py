@@ -2,20 +2,27 @@
 
 from __future__ import annotations
 
+import argparse
 import ast
 import json
 import os
 import pwd
 import re
+import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, start_keeper, wait_until
+from safetensors.torch import save_file
 
 import weightcache as wc
+from weightcache.checkpoint import drop_page_cache
 from weightcache.client import KeeperConnection, ensure_keeper
+from weightcache.tools.cli import build_parser
+from weightcache.units import format_bytes
 
 ROOT = Path(__file__).resolve().parent.parent
 
@@ -107,6 +114,11 @@ def test_errors_are_one_clear_line(socket_dir: Path, checkpoint: Path) -> None:
     out = wc_cli("load", str(checkpoint.parent / "missing"), *sd, check=False)
     assert out.returncode == 1 and "does not exist" in out.stderr
     assert wc_cli("stop", *sd, check=False).returncode == 1
+    for device in ("gpu", f"cuda:{torch.cuda.device_count()}"):
+        out = wc_cli("load", str(checkpoint), "--device", device, *sd, check=False)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert out.stderr.startswith(f"weightcache load: device '{device}'") and len(out.stderr.splitlines()) == 1
+    assert not socket_dir.exists()
     assert wc_cli("--version").stdout.startswith("weightcache ")
 
 
@@ -116,7 +128,7 @@ def test_inspect_unknown_digest(socket_dir: Path, keeper: object) -> None:
 
 
 def test_bench_runs_small(tmp_path: Path) -> None:
-    report = tmp_path / "bench.json"
+    report = tmp_path / "results" / "bench.json"  # a directory that does not exist yet, as on a fresh clone
     out = wc_cli("bench", "--sizes", "0.01,0.02", "--tensors", "30", "--repeat", "2", "--json", str(report))
     assert "attach median" in out.stdout
     data = json.loads(report.read_text())
@@ -126,7 +138,7 @@ def test_bench_runs_small(tmp_path: Path) -> None:
 
 
 def test_restart_bench_runs_small_on_cpu(tmp_path: Path) -> None:
-    report = tmp_path / "restart.json"
+    report = tmp_path / "results" / "restart.json"
     args = ("--sizes", "0.01", "--tensors", "40", "--repeat", "2", "--json", str(report))
     out = wc_cli("bench", "--restart", "--device", "cpu", *args)
     assert "client attach" in out.stdout and "identical True" in out.stdout
@@ -134,6 +146,34 @@ def test_restart_bench_runs_small_on_cpu(tmp_path: Path) -> None:
     assert row["sources"] == ["disk", "cache", "cache"] and row["identical"] is True
     assert row["client_attaches"] == 2 and row["client_attach_ms_min"] <= row["client_attach_ms"]
     assert row["disk_read_gbps"] > 0 and row["off_s"] > 0 and row["client_attach_ms"] > 0
+    # Only this checkpoint's pages were dropped: the whole machine's page cache (root) only with --drop-caches.
+    assert row["page_cache_drop"] == "fadvise" and "drop_caches" not in out.stdout
+
+
+def test_bench_refuses_sizes_this_machine_cannot_hold_before_writing_anything(tmp_path: Path) -> None:
+    work = tmp_path / "work"
+    for restart in ([], ["--restart", "--workdir", str(work)]):
+        out = wc_cli("bench", *restart, "--sizes", "0.01,100000", "--tensors", "30", check=False)
+        assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+        assert re.match(r"weightcache bench: --sizes 100000 GiB needs about .* of memory; .* available", out.stderr)
+        assert not any(work.glob("*")) and "attach" not in out.stdout
+        out = wc_cli("bench", *restart, "--device", "gpu", check=False)
+        assert out.returncode == 1 and out.stderr.startswith("weightcache bench: device 'gpu' is not a device")
+
+
+def test_default_bench_sizes_shrink_to_the_machine() -> None:
+    """Without --sizes, the defaults that do not fit this machine's memory are left out (and said so); given
+    sizes are never changed silently."""
+    from weightcache.tools.bench import sizes_that_fit
+
+    gib = 1 << 30
+    fit, note = sizes_that_fit((1.0, 8.0, 32.0), 20 * gib, explicit=False)
+    assert fit == [1.0, 8.0] and note is not None and note.startswith("left out 32 GiB: needs about 64.0 GiB")
+    assert sizes_that_fit((1.0, 8.0), 20 * gib, explicit=False) == ([1.0, 8.0], None)
+    with pytest.raises(wc.WeightCacheError, match="--sizes 32 GiB needs about 64.0 GiB of memory"):
+        sizes_that_fit((1.0, 32.0), 20 * gib, explicit=True)
+    with pytest.raises(wc.WeightCacheError, match="even the smallest default"):
+        sizes_that_fit((1.0, 8.0), gib, explicit=False)
 
 
 def test_ls_shows_holders_and_budget(checkpoint: Path, socket_dir: Path) -> None:
@@ -145,7 +185,7 @@ def test_ls_shows_holders_and_budget(checkpoint: Path, socket_dir: Path) -> None
             assert "HELD BY (PID SINCE)" in table and re.search(rf" {os.getpid()} \d+s\n", table)
             assert "budget  cpu 4.0 KiB of 1.0 MiB" in table
             shown = wc_cli("inspect", wc.Fingerprint.create(checkpoint).digest, "--socket-dir", str(socket_dir)).stdout
-            assert re.search(rf"leases     1  pid {os.getpid()} since \d+s", shown)
+            assert re.search(rf"leases +1  pid {os.getpid()} since \d+s", shown)
     finally:
         keeper.terminate()
         keeper.wait(10)
@@ -262,3 +302,114 @@ def test_a_second_detached_serve_fails_like_the_foreground(socket_dir: Path) -> 
     assert foreground.returncode == detached.returncode == 1
     assert "already serves" in foreground.stderr
     assert detached.stderr.strip() == foreground.stderr.strip()
+
+
+def test_without_a_keeper_ls_json_is_json_and_stop_says_its_name(socket_dir: Path) -> None:
+    out = wc_cli("ls", "--json", "--socket-dir", str(socket_dir), check=False)
+    assert out.returncode == 1
+    listing = json.loads(out.stdout)  # a script reading --json gets JSON, also when nothing runs
+    assert listing["keeper"] is None and listing["entries"] == [] and "no keeper" in listing["error"]
+    out = wc_cli("stop", "--socket-dir", str(socket_dir), check=False)
+    assert out.returncode == 1 and out.stderr.startswith("weightcache stop: no keeper to stop")
+
+
+def test_evict_all_evicts_what_is_free_and_names_the_flag_for_the_rest(
+    checkpoint: Path, socket_dir: Path, keeper: object
+) -> None:
+    sd = ["--socket-dir", str(socket_dir)]
+    cache = wc.Cache(socket_dir)
+    free = wc.Fingerprint.create(checkpoint, dtype="float32")
+    held = wc.Fingerprint.create(checkpoint, dtype="bfloat16")
+    cache.put(free, {"w": torch.ones(1024)}).close()
+    with cache.put(held, {"w": torch.ones(1024, dtype=torch.bfloat16)}):
+        out = wc_cli("evict", "--all", *sd, check=False)
+        assert out.returncode == 1
+        assert out.stdout.splitlines() == [f"evicted {free.digest}@cpu"]
+        assert out.stderr.splitlines() == [
+            f"weightcache evict: kept {held.digest}@cpu: leased by pid {os.getpid()} (an engine uses it); "
+            "--force evicts it too (its memory stays mapped in that process until it lets go)"
+        ]
+        out = wc_cli("evict", held.digest[:10], *sd, check=False)
+        assert out.returncode == 1 and "--force evicts it" in out.stderr and "with force" not in out.stderr
+        assert wc_cli("evict", "--all", "--force", *sd).stdout.splitlines() == [f"evicted {held.digest}@cpu"]
+
+
+def test_ls_shows_each_shard_and_inspect_lines_up(checkpoint: Path, socket_dir: Path, keeper: object) -> None:
+    sd = ["--socket-dir", str(socket_dir)]
+    cache = wc.Cache(socket_dir)
+    for rank in (0, 1):
+        fp = wc.Fingerprint.create(checkpoint, parallel={"tp": (rank, 2)})
+        cache.put(fp, {"w": torch.ones(4)}).close()
+    table = wc_cli("ls", *sd).stdout
+    assert re.search(r"TinyLM tp 0/2 ", table) and re.search(r"TinyLM tp 1/2 ", table), table
+    shown = wc_cli("inspect", fp.digest[:10], *sd).stdout.splitlines()
+    assert "in 1 segment, 1 tensor" in shown[3], shown[3]
+    fields = [line for line in shown if not line.startswith("  ")]
+    column = fields[0].index(fp.digest)
+    for line in fields:  # every value starts in one column, however long its key
+        key, value = line[:column], line[column:]
+        assert key.rstrip() and not key[len(key.rstrip()) :].strip() and value[:1] != " ", line
+
+
+def test_ls_counts_bytes_under_a_bare_budget_and_load_reports_what_it_evicted(
+    checkpoint: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    sd = ["--socket-dir", str(socket_dir)]
+    size = 400 << 10  # a float32 entry of TinyLM's checkpoint fits; adding the bfloat16 one does not
+    keeper = start_keeper(socket_dir, "--max-bytes", str(size))
+    try:
+        first = wc_cli("load", str(checkpoint), "--dtype", "float32", *sd).stdout
+        digest = first.split()[1]
+        used = json.loads(wc_cli("ls", "--json", *sd).stdout)["entries"][0]["bytes"]
+        assert used > size // 2, "the test needs entries that cannot both fit the budget"
+        assert f"budget  cpu {format_bytes(used)} of {format_bytes(size)}" in wc_cli("ls", *sd).stdout
+        second = wc_cli("load", str(checkpoint), "--dtype", "bfloat16", *sd).stdout
+        assert re.search(rf"evicted {digest}\w*@cpu \(unleased, least recently used\) to make room", second), second
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_every_option_has_a_whole_help_text() -> None:
+    parser = build_parser()
+    [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]
+    for name, command in sub.choices.items():
+        assert command.description and "..." not in command.description, f"weightcache {name}: no description"
+        for action in command._actions:
+            if "-h" in action.option_strings or action.help == argparse.SUPPRESS:
+                continue
+            text = action.help or ""
+            assert len(text.split()) >= 2 and "..." not in text, f"weightcache {name} {action.dest}: help {text!r}"
+
+
+def test_ctrl_c_while_load_reads_the_checkpoint_is_a_clean_exit(tmp_path: Path, socket_dir: Path) -> None:
+    """SIGINT while `weightcache load` reads a checkpoint from a cold page cache (inside safetensors, which turned
+    the KeyboardInterrupt into an unrelated ValueError): one line, exit status 130, nothing published."""
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    state = {f"w{i}": torch.full((1 << 20,), float(i)) for i in range(96)}  # 384 MiB in 96 tensors
+    save_file(state, str(ckpt / "model.safetensors"))
+    del state
+    wc.Cache(socket_dir, spawn=True)  # a keeper already runs: the load goes straight to reading
+    drop_page_cache(ckpt)
+    load = subprocess.Popen(
+        [sys.executable, "-m", "weightcache", "load", str(ckpt), "--socket-dir", str(socket_dir)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        # reading has begun once the file is mapped (safetensors maps it) or open
+        def reading() -> bool:
+            fds = Path(f"/proc/{load.pid}/fd")
+            mapped = str(ckpt / "model.safetensors") in Path(f"/proc/{load.pid}/maps").read_text()
+            return mapped or any(str(ckpt) in os.path.realpath(fd) for fd in fds.iterdir())
+
+        assert wait_until(reading, 120), "the load never started reading"
+        load.send_signal(signal.SIGINT)
+        out, err = load.communicate(timeout=120)
+    finally:
+        load.kill()
+    assert (load.returncode, err) == (130, "weightcache load: interrupted\n"), err
+    assert "published" not in out
+    assert wc.Cache(socket_dir).entries() == []

@@ -9,9 +9,14 @@ from __future__ import annotations
 import argparse
 import ast
 import inspect
+import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
+import attrs
 import pytest
 
 import weightcache.errors
@@ -107,3 +112,198 @@ def test_every_example_is_described() -> None:
     text = (DOCS / "examples.md").read_text()
     for path in sorted((ROOT / "examples").glob("*.py")):
         assert f"examples/{path.name}" in text, f"docs/examples.md does not describe examples/{path.name}"
+
+
+# --- the snippets: every shell and Python block of these pages runs, on CPU, as a new user would run it --------
+
+#: The pages whose snippets run, in a fresh working directory each, top to bottom (a page's blocks build on each
+#: other, as a reader's commands do).
+SNIPPET_PAGES = [
+    "quickstart.md",
+    "cli.md",
+    "guides/pytorch.md",
+    "guides/transformers.md",
+    "guides/vllm.md",
+    "guides/sglang.md",
+]
+
+#: What a page's Python snippets may take as given (the names its prose says stand for your own): the
+#: quickstart's model and checkpoint, already written to ./ckpt.
+PRELUDE = {
+    "guides/pytorch.md": """
+import torch, weightcache as wc
+from safetensors.torch import load_file
+from torch import nn
+
+class MyModel(nn.Module):
+    def __init__(self, cfg: object) -> None:
+        super().__init__()
+        self.a, self.b = nn.Linear(1024, 1024), nn.Linear(1024, 10)
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.b(torch.relu(self.a(x)))
+
+cfg = None
+x = torch.ones(1, 1024, dtype=torch.bfloat16)
+state_dict = {k: v.to(torch.bfloat16) for k, v in load_file("ckpt/model.safetensors").items()}
+rank, world = 0, 1
+with torch.device("meta"):
+    model = MyModel(cfg)
+""",
+}
+
+FENCE = re.compile(r"^```(\w*)\n(.*?)^```$", re.MULTILINE | re.DOTALL)
+MARKER = re.compile(r"<!-- snippet: (skip|file|output illustrative)\b:? ?(.*?) -->\n$")
+
+
+@attrs.frozen
+class Snippet:
+    page: str
+    line: int
+    lang: str
+    code: str
+    #: None (run it), "skip", "file" (write it to ``arg``), "output illustrative" (run, check the status only)
+    marker: str | None
+    arg: str
+
+
+def snippets(page: str) -> list[Snippet]:
+    text = (DOCS / page).read_text()
+    out = []
+    for m in FENCE.finditer(text):
+        before = text[: m.start()]
+        marker = MARKER.search(before[before.rfind("<!--", max(0, len(before) - 400)) :] if "<!--" in before else "")
+        line = before.count("\n") + 1
+        out.append(
+            Snippet(
+                page,
+                line,
+                m.group(1),
+                m.group(2),
+                marker.group(1) if marker else None,
+                marker.group(2).strip() if marker else "",
+            )
+        )
+    return out
+
+
+#: The user name the docs' transcripts show; whoever runs them sees their own.
+EXAMPLE_USER = "alice"
+
+
+def loose(line: str) -> re.Pattern[str]:
+    """A documented output line as a pattern: numbers, hex digests, paths and the docs' example user (``alice``,
+    e.g. in `weightcache ls`'s PUBLISHER column) stand for any, spaces for any run."""
+    pieces = []
+    for token in line.split():
+        if "/" in token or token == EXAMPLE_USER:
+            pieces.append(r"\S+")
+            continue
+        piece = re.escape(re.sub(r"\b[0-9a-f]{8,}\b", "QHEXQ", token))
+        pieces.append(re.sub(r"\d+", r"\\d+", piece).replace("QHEXQ", "[0-9a-f]+"))
+    return re.compile(r"\s+".join(pieces))
+
+
+def transcript(code: str) -> list[tuple[str, list[str]]]:
+    """``$ command`` lines and the output documented under each."""
+    steps: list[tuple[str, list[str]]] = []
+    for line in code.splitlines():
+        if line.startswith("$ "):
+            steps.append((line[2:].split("  #")[0].strip(), []))
+        elif steps and line.strip():
+            steps[-1][1].append(line)
+    return steps
+
+
+class Reader:
+    """A new user in a fresh directory: ``python`` and ``weightcache`` on the PATH, a private keeper directory."""
+
+    def __init__(self, tmp: Path, socket_dir: Path) -> None:
+        self.cwd = tmp / "work"
+        self.cwd.mkdir()
+        shims = tmp / "bin"
+        shims.mkdir()
+        for name, line in (("python", '"$@"'), ("weightcache", '-m weightcache "$@"')):
+            (shims / name).write_text(f"#!/bin/sh\nexec {sys.executable} {line}\n")
+            (shims / name).chmod(0o755)
+        path = [str(ROOT), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+        self.env = {
+            **os.environ,
+            "PATH": f"{shims}{os.pathsep}{os.environ['PATH']}",
+            "PYTHONPATH": os.pathsep.join(path),
+            "WEIGHTCACHE_DIR": str(socket_dir),
+        }
+        self.env.pop("XDG_RUNTIME_DIR", None)
+
+    def run(self, command: str, where: str) -> subprocess.CompletedProcess[str]:
+        out = subprocess.run(
+            ["bash", "-c", command], cwd=self.cwd, env=self.env, capture_output=True, text=True, timeout=300
+        )
+        assert out.returncode == 0, f"{where}: `{command}` exited {out.returncode}:\n{out.stdout}\n{out.stderr}"
+        return out
+
+    def substitute(self, command: str) -> str:
+        """A digest (prefix) the page shows names the keeper's one entry here."""
+        words = command.split()
+        if words[:2] not in (["weightcache", "inspect"], ["weightcache", "evict"]):
+            return command
+        entries = json.loads(self.run("weightcache ls --json", "substitute").stdout)["entries"]
+        assert len(entries) == 1, f"`{command}`: the page's digest should name the one entry; found {entries}"
+        return re.sub(r"(?<= )[0-9a-f]{4,64}(?=\s|$)", entries[0]["digest"][:12], command)
+
+    def stop(self) -> None:
+        subprocess.run(
+            ["bash", "-c", "weightcache stop --wait"], cwd=self.cwd, env=self.env, capture_output=True, timeout=60
+        )
+
+
+def run_snippet(reader: Reader, s: Snippet) -> None:
+    where = f"docs/{s.page}:{s.line}"
+    if s.marker == "file":
+        (reader.cwd / s.arg).write_text(s.code)
+        return
+    if s.lang == "python":
+        script = reader.cwd / f"snippet_{s.line}.py"
+        script.write_text(PRELUDE.get(s.page, "") + "\n" + s.code)
+        reader.run(f"python {script.name}", where)
+        return
+    if s.lang in ("bash", "sh"):
+        for line in s.code.splitlines():
+            command = line.split("  #")[0].strip()
+            if command and not command.startswith("#"):
+                reader.run(command, where)
+        return
+    steps = transcript(s.code)
+    assert steps, f"{where}: a block without a language must be a transcript (`$ command` lines) or be marked"
+    for command, documented in steps:
+        out = reader.run(reader.substitute(command), where)
+        if s.marker == "output illustrative":
+            continue
+        got = (out.stdout + out.stderr).splitlines()
+        for want in documented:
+            pattern = loose(want)
+            assert any(pattern.search(line) for line in got), (
+                f"{where}: `{command}` printed no line like\n  {want}\nit printed:\n" + "\n".join(got)
+            )
+
+
+@pytest.mark.parametrize("page", SNIPPET_PAGES)
+def test_the_snippets_of_a_page_run(page: str, tmp_path: Path, socket_dir: Path) -> None:
+    """Each block runs (a Python block as a script, a shell block line by line, a transcript command by command
+    with its documented output), or is marked with why not: ``<!-- snippet: skip: REASON -->`` (a GPU, an engine,
+    minutes of work), ``<!-- snippet: file NAME -->`` (a file later blocks use), ``<!-- snippet: output
+    illustrative: REASON -->`` (run; the output shown is another machine's)."""
+    found = snippets(page)
+    assert found, f"docs/{page} has no snippets"
+    reader = Reader(tmp_path, socket_dir)  # a short socket path, its keeper stopped afterwards (conftest)
+    if page != "quickstart.md":  # the other pages use the quickstart's checkpoint, ./ckpt
+        [model] = [s for s in snippets("quickstart.md") if s.marker == "file"]
+        (reader.cwd / model.arg).write_text(model.code)
+        reader.run(f"python {model.arg} save", "the quickstart's checkpoint")
+    try:
+        for s in found:
+            if s.marker == "skip":
+                assert len(s.arg.split()) >= 3, f"docs/{page}:{s.line}: a skipped snippet says why"
+                continue
+            run_snippet(reader, s)
+    finally:
+        reader.stop()

@@ -143,9 +143,9 @@ def test_from_json_rejects_malformed_input(checkpoint: Path) -> None:
 def test_bad_arguments(checkpoint: Path) -> None:
     with pytest.raises(wc.UnsupportedQuantError, match="unknown quantization method"):
         wc.Fingerprint.create(checkpoint, quant="int3-magic")
-    with pytest.raises(ValueError, match="rank < size"):
+    with pytest.raises(wc.InvalidArgument, match="rank < size"):
         wc.Fingerprint.create(checkpoint, parallel={"tp": (2, 2)})
-    with pytest.raises(ValueError, match="device"):
+    with pytest.raises(wc.InvalidArgument, match="device"):
         wc.Fingerprint.create(checkpoint, device="tpu")
     with pytest.raises(TypeError, match="JSON"):
         wc.Fingerprint.create(checkpoint, extra={"f": object()})
@@ -168,18 +168,18 @@ def test_transform_identity(checkpoint: Path) -> None:
     b = transform_identity(functools.partial(_shard, rank=1))
     c = transform_identity(functools.partial(_scale, k=3.0))
     assert len({a, b, c}) == 3 and "_scale" in a and '"k":2.0' in a
-    with pytest.raises(ValueError, match="lambda"):
+    with pytest.raises(wc.InvalidArgument, match="lambda"):
         transform_identity(lambda s: s)
     x = 2
 
     def closure(s: dict) -> dict:
         return {k: v * x for k, v in s.items()}
 
-    with pytest.raises(ValueError, match="closure"):
+    with pytest.raises(wc.InvalidArgument, match="closure"):
         transform_identity(closure)
     closure.weightcache_id = "times-two-v1"  # type: ignore[attr-defined]
     assert transform_identity(closure) == "times-two-v1"
-    with pytest.raises(ValueError, match="JSON"):
+    with pytest.raises(wc.InvalidArgument, match="JSON"):
         transform_identity(functools.partial(_scale, k=object()))
 
     def v1(s: dict) -> dict:
@@ -199,5 +199,5 @@ def test_transform_identity(checkpoint: Path) -> None:
 def test_dtype_names_are_validated(checkpoint: Path) -> None:
     assert wc.Fingerprint.create(checkpoint, dtype="torch.bfloat16").dtype == "bfloat16"
     assert wc.Fingerprint.create(checkpoint, dtype=torch.bfloat16).dtype == "bfloat16"
-    with pytest.raises(ValueError, match="bf16"):
+    with pytest.raises(wc.InvalidArgument, match="bf16"):
         wc.Fingerprint.create(checkpoint, dtype="bf16")

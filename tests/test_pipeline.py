@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import ast
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ import weightcache as wc
 from weightcache import backends
 from weightcache.backends import LoaderOptions
 from weightcache.backends.torch import ModuleLoad
-from weightcache.pipeline import MODES
+from weightcache.pipeline import MODES, check_mode
 from weightcache.publish import pack_state
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,7 +66,7 @@ def test_attach_daemon_serves_the_loaded_weights_when_segments_cannot_be_allocat
 PARTIAL_PACK = """
 import resource, sys, torch
 from weightcache.fingerprint import Fingerprint
-from weightcache.pipeline import MODES
+from weightcache.pipeline import MODES, check_mode
 from weightcache.publish import pack_state
 torch.manual_seed(0)
 state = {f"t{i}": torch.randn(n) for i, n in enumerate([1024, 1024, 1 << 16, 1024])}
@@ -208,8 +209,13 @@ def test_each_start_logs_one_line(checkpoint: Path, socket_dir: Path, caplog: py
 
 
 def test_a_bad_mode_names_the_modes(checkpoint: Path) -> None:
-    with pytest.raises(ValueError, match="mode must be one of off, daemon, client; found 'deamon'"):
+    """A misspelled mode is a WeightCacheError (a ValueError too) that names the modes and the likely one."""
+    expected = "mode must be one of off, daemon, client; found 'deamon' (did you mean 'daemon'?)"
+    with pytest.raises(wc.InvalidArgument, match=re.escape(expected)) as info:
         wc.attach(meta_model(**model_kwargs(checkpoint)), checkpoint, mode="deamon")  # type: ignore[arg-type]
+    assert isinstance(info.value, ValueError)
+    with pytest.raises(wc.InvalidArgument, match=r"found 'sometimes'$"):  # nothing close: no guess
+        check_mode("sometimes")
 
 
 def test_no_module_but_the_pipeline_decides_modes_or_warns_of_fallbacks() -> None:

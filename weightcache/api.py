@@ -14,14 +14,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from .binding import bind
+from .binding import bind, check_fit
 from .fingerprint import Fingerprint
 from .handle import Handle
 from .loader import StoredTensor, checkpoint_layout, load_weights
 from .pipeline import Mode, Request, Steps, check_mode, run
 from .publish import stored_as_is
 from .rundir import resolve_user
-from .torch_dtypes import resolve_dtype
+from .torch_dtypes import convertible, resolve_dtype
 
 Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -64,8 +64,9 @@ def attach(
             FingerprintMismatch; in mode daemon the error that stopped publishing (BudgetExceeded, SegmentError,
             KeeperUnavailable, ...), where without it the engine serves the weights it loaded, with a warning.
         socket_dir: the keeper's socket directory (default: see :mod:`weightcache.rundir`).
-        progress: show a bar of the bytes read on stderr while loading from disk. None (default): only when
-            stderr is a terminal and the checkpoint is at least 1 GiB; True/False: always/never.
+        progress: show a bar of the bytes read on stderr while loading from disk, and in mode daemon one of the
+            bytes packed while publishing. None (default): only when stderr is a terminal and the checkpoint is at
+            least 1 GiB; True/False: always/never.
         trusted_publishers: other users (names or uids) whose published entries may be attached. Entries
             published by this process's uid or the keeper's owner always may; see :class:`Cache`.
 
@@ -124,17 +125,17 @@ def _identify(
 ) -> tuple[torch.device, torch.dtype | None, Fingerprint]:
     """The device, dtype and fingerprint that :func:`attach` and :func:`preload` derive from the same arguments,
     so that both name the same entry."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
     torch_dtype = resolve_dtype(dtype)
-    fingerprint = Fingerprint.create(
+    fingerprint = Fingerprint.create(  # first: it checks the device (InvalidArgument), before torch.device() does
         checkpoint,
         dtype=torch_dtype,
         quant=quant,
         quant_config=quant_config,
         parallel=parallel,
         transform=transform,
-        device=dev,
+        device=device,
     )
+    dev = torch.device(device) if device is not None else torch.device("cpu")
     return dev, torch_dtype, fingerprint
 
 
@@ -186,6 +187,19 @@ class ModuleSteps(CheckpointSteps):
     def serve(self, handle: Handle) -> Handle:
         bind(self.model, handle.tensors, device=self.device)
         return handle
+
+    def check_fit(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        if tensors is None:
+            if self.transform is not None:
+                return  # what it makes is known once the weights are loaded: checked then
+            tensors = {t.name: _stand_in(t, self.dtype) for t in checkpoint_layout(self.checkpoint)}
+        check_fit(self.model, tensors)
+
+
+def _stand_in(stored: StoredTensor, dtype: torch.dtype | None) -> torch.Tensor:
+    """A meta tensor of the shape and dtype that loading ``stored`` with ``dtype`` gives."""
+    converted = dtype is not None and stored.dtype != dtype and convertible(stored.dtype)
+    return torch.empty(stored.shape, dtype=dtype if converted else stored.dtype, device="meta")
 
 
 __all__ = ["CheckpointSteps", "ModuleSteps", "attach", "preload"]

@@ -94,9 +94,38 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
     if not tied and _bind_untied(places, tensors, want_device):
         return
     # Tied weights, or something does not fit: group by tensor object and explain every problem.
+    for slot, tensor in _plan(model, places, tensors, want_device, stand_ins=False):
+        if slot.is_param:
+            new = _parameter_like(slot.original, tensor)
+            for module, attr in slot.places:
+                module._parameters[attr] = new  # type: ignore[assignment]
+        else:
+            for module, attr in slot.places:
+                module._buffers[attr] = tensor
+    # Nothing is left on meta by construction: every slot was bound, or skipped as a materialised
+    # non-persistent buffer; slots on meta without data were reported as missing above.
+
+
+def check_fit(model: nn.Module, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Raise the BindError that :func:`bind` would raise for tensors of these names, shapes and dtypes, without
+    binding anything. ``tensors`` may be stand-ins on the meta device (e.g. made from a checkpoint's headers):
+    what is checked is that the weights fit the model, not where they are."""
+    places, _ = _places(model)
+    _plan(model, places, tensors, None, stand_ins=True)
+
+
+def _plan(
+    model: nn.Module,
+    places: list[_Place],
+    tensors: Mapping[str, torch.Tensor],
+    want_device: torch.device | None,
+    stand_ins: bool,
+) -> list[tuple[_Slot, torch.Tensor]]:
+    """Which tensor goes into which slot; BindError listing every problem when something does not fit."""
     missing: list[str] = []
     computed: list[str] = []  # non-persistent buffers left on meta: checkpoints do not hold them
     mismatched: list[str] = []
+    dtypes: set[tuple[torch.dtype, torch.dtype]] = set()  # (weights, model) of each dtype mismatch
     used = 0
     plan: list[tuple[_Slot, torch.Tensor]] = []
     for slot in _slots(places):
@@ -117,10 +146,12 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
             (missing if slot.persistent else computed).append(" = ".join(names))
             continue
         orig = slot.original
-        if len(names) > 1 or _misfits(tensor, orig, want_device):
-            problems = _problems(tensor, orig, want_device, source_name, names, tensors)
+        if len(names) > 1 or _misfits(tensor, orig, want_device, stand_ins):
+            problems = _problems(tensor, orig, want_device, source_name, names, tensors, stand_ins)
             if problems:
                 mismatched.append(f"{source_name}: " + "; ".join(problems))
+                if tensor.dtype != orig.dtype:
+                    dtypes.add((tensor.dtype, orig.dtype))
                 continue
         plan.append((slot, tensor))
     unexpected = sorted(set(tensors) - {place[5] for place in places}) if used < len(tensors) else []
@@ -141,20 +172,20 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
             "(drop or rename them with transform=)"
         )
     if errors:
-        raise BindError(
-            "cannot bind weights into " + type(model).__name__ + ": " + ". ".join(errors) + ". Build the model "
-            "with the same architecture, dtype (or pass dtype=) and parallel layout as the weights."
-        )
-    for slot, tensor in plan:
-        if slot.is_param:
-            new = _parameter_like(slot.original, tensor)
-            for module, attr in slot.places:
-                module._parameters[attr] = new  # type: ignore[assignment]
-        else:
-            for module, attr in slot.places:
-                module._buffers[attr] = tensor
-    # Nothing is left on meta by construction: every slot was bound, or skipped as a materialised
-    # non-persistent buffer; slots on meta without data were reported as missing above.
+        advice = "Build the model with the same architecture and parallel layout as the weights."
+        if len(dtypes) == 1:
+            [(theirs, ours)] = dtypes
+            advice = (
+                f"The weights are {theirs} where the model has {ours}: build the model in {theirs}, or load the "
+                f"weights with dtype={ours} (attach, preload and `weightcache load --dtype` convert floating point "
+                "weights)."
+            )
+            if len(mismatched) > len(dtypes) or missing or unexpected or computed:
+                advice += " Otherwise the model needs the same architecture and parallel layout as the weights."
+        elif dtypes:
+            advice = "Build the model with the same architecture, dtypes and parallel layout as the weights."
+        raise BindError(f"cannot bind weights into {type(model).__name__}: " + ". ".join(errors) + ". " + advice)
+    return plan
 
 
 _make_subclass = torch.Tensor._make_subclass
@@ -205,12 +236,14 @@ def _bind_untied(places: list[_Place], tensors: Mapping[str, torch.Tensor], want
     return True
 
 
-def _misfits(tensor: torch.Tensor, orig: torch.Tensor, want_device: torch.device | None) -> bool:
+def _misfits(
+    tensor: torch.Tensor, orig: torch.Tensor, want_device: torch.device | None, stand_ins: bool = False
+) -> bool:
     """Whether ``tensor`` cannot stand in for ``orig`` (shape, dtype, meta, device); :func:`_problems` says why."""
     return (
         tensor.shape != orig.shape
         or tensor.dtype != orig.dtype
-        or tensor.is_meta
+        or (tensor.is_meta and not stand_ins)
         or (want_device is not None and tensor.device != want_device and not _same_device(tensor.device, want_device))
     )
 
@@ -222,6 +255,7 @@ def _problems(
     source_name: str,
     names: list[str],
     tensors: Mapping[str, torch.Tensor],
+    stand_ins: bool = False,
 ) -> list[str]:
     problems = []
     if tensor.shape != orig.shape:
@@ -230,7 +264,7 @@ def _problems(
         problems.append(f"dtype {tensor.dtype} vs model {orig.dtype}")
     if want_device is not None and not _same_device(tensor.device, want_device):
         problems.append(f"device {tensor.device}, expected {want_device}")
-    if tensor.is_meta:
+    if tensor.is_meta and not stand_ins:
         problems.append("the given tensor is on meta")
     for other in names:
         if other != source_name and other in tensors:

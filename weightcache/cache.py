@@ -236,7 +236,9 @@ class Cache:
             close_fds(fds)
             conn.close()
             raise
-        return self._attached(manifest, views, conn, fds, os.getuid())
+        handle = self._attached(manifest, views, conn, fds, os.getuid())
+        handle.evicted = reply.evicted
+        return handle
 
 
 __all__ = ["Cache"]

@@ -59,7 +59,10 @@ def safetensors_files(checkpoint: str | os.PathLike[str]) -> list[Path]:
     path = Path(checkpoint)
     if path.is_file():
         if path.suffix != ".safetensors":
-            raise CheckpointError(f"expected a .safetensors file or a directory of them, found file {path}")
+            raise CheckpointError(
+                f"{path} is not a .safetensors file; weightcache reads safetensors checkpoints (a file, or a directory "
+                f"of them) only. {_CONVERT}"
+            )
         return [path]
     if not path.is_dir():
         raise CheckpointError(f"checkpoint {path} does not exist; pass a directory of .safetensors files")
@@ -84,8 +87,27 @@ def safetensors_files(checkpoint: str | os.PathLike[str]) -> list[Path]:
         return files
     files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" and p.is_file())
     if not files:
-        raise CheckpointError(f"checkpoint directory {path} holds no .safetensors files")
+        names = sorted(p.name for p in path.iterdir())
+        found = f"found {_listing(names)}" if names else "it is empty"
+        pickled = any(n.endswith((".bin", ".pt", ".pth")) for n in names)
+        raise CheckpointError(
+            f"checkpoint directory {path} holds no .safetensors files ({found}); pass a directory of .safetensors "
+            "files" + (f". {_CONVERT}" if pickled else "")
+        )
     return files
+
+
+#: How to turn a pickled PyTorch checkpoint into safetensors, once (weightcache never unpickles).
+_CONVERT = (
+    'To convert a PyTorch .bin/.pt checkpoint once: `python -c "import torch; from safetensors.torch import '
+    "save_file; save_file(torch.load('pytorch_model.bin', weights_only=True), 'model.safetensors')\"` (a model "
+    "with tied weights: load it with transformers and `model.save_pretrained(OUT_DIR)`, which writes safetensors)"
+)
+
+
+def _listing(names: list[str], limit: int = 8) -> str:
+    shown = ", ".join(names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")
 
 
 def read_header(file: Path) -> tuple[bytes, dict[str, object]]:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .errors import InvalidArgument
+
 
 class DType(NamedTuple):
     """One element type."""
@@ -88,7 +90,7 @@ def dtype_name(dtype: object) -> str | None:
     name = text.removeprefix("torch.")
     name = ALIASES.get(name, name)
     if name not in DTYPES:
-        raise ValueError(f"dtype must be a torch.dtype or its name, e.g. 'bfloat16'; found {dtype!r}")
+        raise InvalidArgument(f"dtype must be a torch.dtype or its name, e.g. 'bfloat16'; found {dtype!r}")
     return name
 
 

@@ -11,6 +11,12 @@ class WeightCacheError(Exception):
     """Base class of every error raised by weightcache."""
 
 
+class InvalidArgument(WeightCacheError, ValueError):
+    """An argument has a value weightcache cannot use here: an unknown mode, a device that is no device or that
+    this process lacks (a CUDA device with a CPU build of torch), an unknown dtype, a bad parallel layout, a
+    transform without a stable identity. The message names what is accepted."""
+
+
 # --- the keeper and the wire ------------------------------------------------------------------------------
 
 
@@ -149,6 +155,7 @@ __all__ = [
     "EntryNotFound",
     "FallbackWarning",
     "FingerprintMismatch",
+    "InvalidArgument",
     "KEEPER_ERRORS",
     "KeeperAlreadyRunning",
     "KeeperError",

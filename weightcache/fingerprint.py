@@ -27,7 +27,7 @@ import attrs
 from . import quant as quant_registry
 from .checkpoint import CheckpointFile, checkpoint_files, qualified_name, read_model_config
 from .dtypes import dtype_name
-from .errors import ManifestError
+from .errors import InvalidArgument, ManifestError
 
 #: Bumped whenever the layout of cached data or the meaning of a field changes: old entries stop matching.
 FORMAT_VERSION = 1
@@ -60,9 +60,9 @@ def normalise_parallel(parallel: Mapping[str, tuple[int, int] | list[int]] | Non
         try:
             rank, size = (int(v) for v in value)
         except (TypeError, ValueError) as exc:
-            raise ValueError(f"parallel[{axis!r}] must be (rank, size); found {value!r}") from exc
+            raise InvalidArgument(f"parallel[{axis!r}] must be (rank, size); found {value!r}") from exc
         if size < 1 or not 0 <= rank < size:
-            raise ValueError(f"parallel[{axis!r}] = ({rank}, {size}): expected 0 <= rank < size")
+            raise InvalidArgument(f"parallel[{axis!r}] = ({rank}, {size}): expected 0 <= rank < size")
         out.append((str(axis), rank, size))
     return tuple(sorted(out))
 
@@ -85,7 +85,7 @@ def transform_identity(transform: Callable[..., Any] | str) -> str:
         try:
             arguments = canonical_json({"args": list(transform.args), "keywords": dict(transform.keywords)})
         except (TypeError, ValueError) as exc:
-            raise ValueError(
+            raise InvalidArgument(
                 f"transform {transform!r} binds arguments that are not JSON-serialisable; set its weightcache_id "
                 "attribute to a string that names what it does"
             ) from exc
@@ -93,12 +93,14 @@ def transform_identity(transform: Callable[..., Any] | str) -> str:
     name = qualified_name(transform)
     hint = "define a module-level function, or set transform.weightcache_id = 'name-v1'"
     if "<lambda>" in name:
-        raise ValueError(f"transform {name} is a lambda, which has no stable identity; {hint}")
+        raise InvalidArgument(f"transform {name} is a lambda, which has no stable identity; {hint}")
     if inspect.ismethod(transform) or getattr(transform, "__closure__", None):
-        raise ValueError(f"transform {name} carries state (a bound method or closure) that no name reveals; {hint}")
+        raise InvalidArgument(
+            f"transform {name} carries state (a bound method or closure) that no name reveals; {hint}"
+        )
     code = getattr(transform, "__code__", None)
     if code is None:
-        raise ValueError(f"transform {name} is a callable object whose state no name reveals; {hint}")
+        raise InvalidArgument(f"transform {name} is a callable object whose state no name reveals; {hint}")
     return f"{name}#{_code_hash(code)[:16]}"
 
 
@@ -111,19 +113,46 @@ def _code_hash(code: types.CodeType) -> str:
 
 
 def _device_markers(device: object) -> tuple[str, str, str | None]:
-    """(device kind, placement, compute capability) for a device spec."""
+    """(device kind, placement, compute capability) for a device spec; InvalidArgument for a device that is no
+    device, or a CUDA device this process cannot use (a CPU build of torch, an index past its last GPU)."""
     text = "cpu" if device is None else str(device)
     if text == "cpu":
         return "cpu", "cpu", None
-    if text.startswith("cuda"):
+    if text == "cuda" or text.startswith("cuda:"):
         torch: Any = sys.modules.get("torch")  # a CUDA device is torch's: its caller has imported torch
         if torch is None:
-            raise ValueError(f"device {text!r} is a torch CUDA device: import torch before fingerprinting for it")
-        dev = torch.device(text)
+            raise InvalidArgument(f"device {text!r} is a torch CUDA device: import torch before fingerprinting for it")
+        try:
+            dev = torch.device(text)
+        except RuntimeError:
+            raise InvalidArgument(_not_a_device(text)) from None
+        count = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if count == 0:
+            build = "has no CUDA" if torch.version.cuda is None else "sees no GPU"
+            raise InvalidArgument(
+                f"device {text!r} needs a CUDA build of PyTorch and a visible NVIDIA GPU; this torch "
+                f"({torch.__version__}) {build}. Use device 'cpu', or install a CUDA build of torch "
+                "(`weightcache doctor` checks the GPU set-up)"
+            )
         index = dev.index if dev.index is not None else torch.cuda.current_device()
+        if index >= count:
+            raise InvalidArgument(
+                f"device {text!r} does not exist: this process sees {count} GPU(s), cuda:0 to cuda:{count - 1} "
+                "(CUDA_VISIBLE_DEVICES decides which). Use one of those, or device 'cpu'"
+            )
         props = torch.cuda.get_device_properties(index)
         return "cuda", f"GPU-{props.uuid}", f"{props.major}.{props.minor}"
-    raise ValueError(f"device must be 'cpu' or 'cuda[:N]'; found {device!r}")
+    raise InvalidArgument(_not_a_device(text))
+
+
+def placement_of(device: object) -> str:
+    """Where weights for ``device`` live: ``"cpu"`` or ``"GPU-<uuid>"``; InvalidArgument for a device that is no
+    device or that this process cannot use (what :meth:`Fingerprint.create` checks)."""
+    return _device_markers(device)[1]
+
+
+def _not_a_device(text: str) -> str:
+    return f"device {text!r} is not a device weightcache can place weights on: expected 'cpu' or 'cuda:N' (e.g. cuda:0)"
 
 
 def torch_version() -> str:

@@ -34,6 +34,8 @@ class Handle:
         read_disk: whether this start read the checkpoint (True for every disk source, and for mode daemon's
             first start, which loads, publishes and then runs on the published copy).
         publisher: the uid that published the entry (as the keeper saw it); None for weights held privately.
+        evicted: the keys of the entries the keeper evicted (unleased, least recently used) to make room under its
+            budget when this process published these weights; empty otherwise.
 
     While a cache handle is open it holds its entry's segment fds and a lease. If the keeper goes away, a
     background thread re-publishes the entry (those fds, no disk read) to the next keeper that serves the same
@@ -52,6 +54,7 @@ class Handle:
         fallback_reason: str | None = None,
         read_disk: bool | None = None,
         publisher: int | None = None,
+        evicted: tuple[str, ...] = (),
     ) -> None:
         self.source: Source = source
         self.fingerprint = fingerprint
@@ -60,6 +63,7 @@ class Handle:
         self.fallback_reason = fallback_reason
         self.read_disk = source == "disk" if read_disk is None else read_disk
         self.publisher = publisher
+        self.evicted = evicted
         self._lease = lease
         if lease is not None:
             republish.watch(lease)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+import signal
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
@@ -111,7 +112,8 @@ def iter_tensors(
                     if name in seen:
                         raise CheckpointError(f"tensor {name!r} is in both {seen[name].name} and {file.name}")
                     seen[name] = file
-                    tensor = f.get_tensor(name)
+                    with interrupts_deferred():
+                        tensor = f.get_tensor(name)
                     if progress is not None:
                         progress(tensor.numel() * tensor.element_size())
                     if dtype is not None and tensor.dtype != dtype and convertible(tensor.dtype):
@@ -119,6 +121,43 @@ def iter_tensors(
                     yield name, tensor
         except SafetensorError as exc:
             raise CheckpointError(f"cannot read {file}: {exc}; the file is corrupt or truncated") from exc
+
+
+@contextlib.contextmanager
+def interrupts_deferred() -> Iterator[None]:
+    """Hold a Ctrl-C (SIGINT) that arrives inside the block until it ends, then raise KeyboardInterrupt.
+
+    safetensors turns a KeyboardInterrupt raised while it reads a tensor into an unrelated ValueError ("could not
+    determine the shape of object type 'torch.storage.UntypedStorage'"), so reading never sees one: a first Ctrl-C
+    is noted and raised when the read returns; a second one is raised at once. Only where Python's own handler
+    is in place (the main thread, no handler of the application's); elsewhere the block runs as it is.
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if previous is not signal.default_int_handler:
+        yield
+        return
+    pending = False
+
+    def note(signum: int, frame: object) -> None:
+        nonlocal pending
+        if pending:
+            raise KeyboardInterrupt  # asked twice
+        pending = True
+
+    signal.signal(signal.SIGINT, note)
+    try:
+        yield
+    except BaseException:
+        if pending:
+            raise KeyboardInterrupt from None  # whatever the read made of the interrupt, it was an interrupt
+        raise
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pending:
+        raise KeyboardInterrupt
 
 
 def load_state_dict(

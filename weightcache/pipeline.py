@@ -20,6 +20,7 @@ Each start logs one line on the ``weightcache`` logger: hit or miss, bytes, mill
 from __future__ import annotations
 
 import abc
+import difflib
 import gc
 import logging
 import os
@@ -42,6 +43,7 @@ from .errors import (
     EntryNotFound,
     FallbackWarning,
     FingerprintMismatch,
+    InvalidArgument,
     KeeperNotResponding,
     KeeperUnavailable,
     UnsupportedQuantError,
@@ -71,7 +73,8 @@ class Request:
     mode: Mode = "off"
     strict: bool = False
     socket_dir: str | os.PathLike[str] | None = None
-    #: A byte bar on stderr while a checkpoint streams into segments (see :mod:`weightcache.progress`).
+    #: Byte bars on stderr while a checkpoint is read and while it is packed into segments to publish (see
+    #: :mod:`weightcache.progress`).
     progress: bool | None = False
     #: Record a SHA-256 per tensor when publishing (what :meth:`Handle.verify` checks).
     digests: bool = True
@@ -99,6 +102,12 @@ class Steps(abc.ABC, Generic[T]):
         """Serve the weights from disk without the cache (mode off, or a fallback saying ``reason``)."""
         return self.serve(self.private(self.load_state(), reason))
 
+    def check_fit(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        """Raise BindError now if weights like ``tensors`` cannot be served (meta stand-ins or the loaded weights;
+        None: as far as can be told before loading). Mode daemon calls it before it starts a keeper or reads the
+        checkpoint, and again with the loaded weights before it publishes them, so that weights no model can
+        take are never published. The default checks nothing."""
+
     def stream_layout(self) -> list[StoredTensor] | None:
         """The checkpoint's layout when its files can be streamed as stored straight into GPU segments (no
         conversion, no post-processing), else None (the default): then :meth:`load_state` runs."""
@@ -113,9 +122,11 @@ class Steps(abc.ABC, Generic[T]):
 
 
 def check_mode(mode: object) -> Mode:
-    """``mode`` if it is one of :data:`MODES`; ValueError naming them otherwise."""
+    """``mode`` if it is one of :data:`MODES`; otherwise InvalidArgument naming them (and the likely one)."""
     if mode not in MODES:
-        raise ValueError(f"mode must be one of {', '.join(MODES)}; found {mode!r}")
+        close = difflib.get_close_matches(str(mode), MODES, n=1)
+        guess = f" (did you mean {close[0]!r}?)" if close else ""
+        raise InvalidArgument(f"mode must be one of {', '.join(MODES)}; found {mode!r}{guess}")
     return mode
 
 
@@ -172,7 +183,7 @@ def _daemon(request: Request, steps: Steps[T], start: float) -> T:
     cache = Cache(request.socket_dir, trusted_publishers=request.trusted)
     cache.respawn = True  # mode daemon keeps a keeper running: also after a crash, to re-publish to
     with ThreadPoolExecutor(max_workers=1) as pool:
-        spawning: Future[object] | None = None
+        no_keeper = False
         try:
             handle = cache.get(request.fingerprint)
         except KeeperNotResponding as exc:  # a keeper holds the socket but is silent: no second one can start
@@ -180,8 +191,7 @@ def _daemon(request: Request, steps: Steps[T], start: float) -> T:
                 raise
             return _fallback(request, steps, f"the keeper is not responding ({exc})", start)
         except KeeperUnavailable:
-            # No keeper, so nothing is cached: start one while the weights load instead of before.
-            spawning = pool.submit(ensure_keeper, request.socket_dir)
+            no_keeper = True  # so nothing is cached
             handle = None
         except (UnsupportedQuantError, BindError, BackendError):
             raise
@@ -191,6 +201,9 @@ def _daemon(request: Request, steps: Steps[T], start: float) -> T:
             return _fallback(request, steps, f"the keeper cannot be used ({type(exc).__name__}: {exc})", start)
         if handle is not None:
             return _serve(request, steps, handle, "hit", start)
+        steps.check_fit(None)  # weights the model cannot take: before a keeper starts and anything is read
+        # No keeper: start one while the weights load instead of before.
+        spawning: Future[object] | None = pool.submit(ensure_keeper, request.socket_dir) if no_keeper else None
         return _load_and_publish(request, steps, cache, spawning, start)
 
 
@@ -207,6 +220,7 @@ def _load_and_publish(
                 packed = pack_checkpoint(fingerprint, layout, digests=request.digests, progress=request.progress)
             else:
                 state = steps.load_state()
+                steps.check_fit(state)  # what a transform made is known only now: still before publishing
                 gc.collect()  # whatever held the loaded tensors besides `state` (a dropped model's cycles) goes now
                 # consume: each tensor is released once copied into its sealed segment.
                 packed = pack_state(
@@ -215,12 +229,13 @@ def _load_and_publish(
                     consume=True,
                     digests=request.digests,
                     max_segment_bytes=request.max_segment_bytes,
+                    progress=request.progress,
                 )
             if spawning is not None:
                 spawning.result()  # the keeper started while the weights loaded
             handle = cache.publish(packed)
-        except CheckpointError:
-            raise
+        except (CheckpointError, BindError):
+            raise  # no fault of the cache: serving these weights without it would fail the same way
         except PUBLISH_FAILURES as exc:
             if request.strict:
                 raise
@@ -263,6 +278,8 @@ def _warn(message: str) -> None:
 def _report(request: Request, outcome: str, start: float, handle: Handle | None = None, reason: str = "") -> None:
     fp = request.fingerprint
     size = f", {handle.nbytes / 2**20:.1f} MiB" if handle is not None else ""
+    if handle is not None and handle.evicted:  # a budget made room: this process's log says so, not only the keeper's
+        size += f" (the keeper evicted {', '.join(key[:12] for key in handle.evicted)} to make room)"
     why = f": {reason}" if reason else ""
     log.info(
         "weightcache: %s (mode %s) %s on %s%s in %.1f ms%s",

@@ -18,7 +18,7 @@ the caller opts out. A :class:`Packed` that the keeper refused can still be serv
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Callable, Mapping, MutableMapping
 from concurrent.futures import ThreadPoolExecutor
 
 import attrs
@@ -97,6 +97,7 @@ def pack_state(
     digests: bool = True,
     max_segment_bytes: int | None = None,
     consume: bool = False,
+    progress: bool | None = False,
 ) -> Packed:
     """Copy a state dict into sealed segments of the fingerprint's placement.
 
@@ -108,6 +109,9 @@ def pack_state(
             GPU memory the originals held to the driver before the next segment is created. Only references
             held elsewhere (e.g. by a model) keep originals alive. If packing fails, the tensors already removed
             are put back as views of their sealed segments, and the error is raised.
+        progress: a bar of the bytes packed, on stderr (None: only on a terminal and for at least 1 GiB; see
+            :mod:`weightcache.progress`): after a load's own bar, the copies and digests of a big CPU load take
+            longer than the read.
     """
     transport = segments.transport_for_placement(fingerprint.placement)
     names = list(tensors)
@@ -121,8 +125,10 @@ def pack_state(
         max_segment_bytes = default_segment_bytes(fingerprint.placement, nbytes)
     placements, sizes = segments.pack(nbytes, transport.alignment, max_segment_bytes)
     packed = Packed(fingerprint, transport, [], [])
+    total = sum(nbytes)
     try:
-        _fill(packed, sizes, names, placements, tensors, digests, consume)
+        with byte_bar(total, "publishing into the cache", wanted(progress, total)) as update:
+            _fill(packed, sizes, names, placements, tensors, digests, consume, update)
     except BaseException:
         if consume and isinstance(tensors, MutableMapping) and packed.segments:
             _restore(packed, tensors)
@@ -147,6 +153,7 @@ def _fill(
     tensors: Mapping[str, torch.Tensor],
     digests: bool,
     consume: bool,
+    progress: Callable[[int], None] | None = None,
 ) -> None:
     """Create the segments one at a time and copy their tensors in (a few threads: copies and hashing release
     the GIL), appending each segment and its tensors' rows to ``packed`` as it is sealed."""
@@ -158,7 +165,7 @@ def _fill(
         name, where = names[i], placements[i]
         t = tensors[name]
         seg.write(where.offset, t)
-        return TensorInfo(
+        info = TensorInfo(
             name=name,
             segment=where.segment,
             offset=where.offset,
@@ -169,6 +176,9 @@ def _fill(
             requires_grad=bool(t.requires_grad),
             digest=content_digest(t) if digests else None,
         )
+        if progress is not None:
+            progress(t.numel() * t.element_size())
+        return info
 
     on_gpu = any(tensors[n].is_cuda for n in names)
     # Threads pay off where copies block on the host (page faults in mapped files, pwrite, hashing); copies

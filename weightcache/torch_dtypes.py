@@ -5,6 +5,7 @@ from __future__ import annotations
 import torch
 
 from .dtypes import BY_SAFETENSORS, DTYPES, dtype_name
+from .errors import InvalidArgument
 
 #: dtype name -> torch.dtype, for every name of the table that this torch has (newer types come and go)
 TORCH_DTYPES: dict[str, torch.dtype] = {
@@ -25,7 +26,7 @@ def resolve_dtype(dtype: object) -> torch.dtype | None:
     try:
         return TORCH_DTYPES[name]
     except KeyError:
-        raise ValueError(f"dtype {name!r} is not supported by torch {torch.__version__}") from None
+        raise InvalidArgument(f"dtype {name!r} is not supported by torch {torch.__version__}") from None
 
 
 def convertible(dtype: torch.dtype) -> bool:

@@ -42,6 +42,59 @@ def make_tiny_llama(directory: str | os.PathLike[str], *, seed: int = 0) -> Path
     return path
 
 
+#: Tiny configs of architectures besides Llama, by name: (transformers config class, model class, config).
+#: vLLM's CPU attention needs head_dim >= 32.
+TINY_ARCHITECTURES: dict[str, tuple[str, str, dict[str, object]]] = {
+    "qwen2": (
+        "Qwen2Config",
+        "Qwen2ForCausalLM",
+        {"intermediate_size": 128, "num_key_value_heads": 1, "tie_word_embeddings": True},
+    ),
+    "mixtral": (  # MoE: 4 experts, 2 per token
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {"intermediate_size": 64, "num_key_value_heads": 1, "num_local_experts": 4, "num_experts_per_tok": 2},
+    ),
+    "qwen3_moe": (  # MoE with per-head q/k norms
+        "Qwen3MoeConfig",
+        "Qwen3MoeForCausalLM",
+        {
+            "intermediate_size": 128,
+            "moe_intermediate_size": 32,
+            "num_key_value_heads": 1,
+            "num_experts": 4,
+            "num_experts_per_tok": 2,
+            "head_dim": 32,
+        },
+    ),
+}
+
+
+def make_tiny_model(directory: str | os.PathLike[str], architecture: str, *, seed: int = 0) -> Path:
+    """A tiny random checkpoint of one of :data:`TINY_ARCHITECTURES` (2 layers, width 64, vocabulary 4096)."""
+    import torch
+    import transformers
+
+    config_name, model_name, extra = TINY_ARCHITECTURES[architecture]
+    path = Path(directory)
+    torch.manual_seed(seed)
+    config = getattr(transformers, config_name)(
+        vocab_size=4096,
+        hidden_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        max_position_embeddings=256,
+        **extra,
+    )
+    model = getattr(transformers, model_name)(config).to(torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+    model.save_pretrained(path, safe_serialization=True)
+    return path
+
+
 def make_tiny_deepseek_v2(directory: str | os.PathLike[str], *, seed: int = 0) -> Path:
     """A tiny random DeepSeek-V2 (MLA attention, dense MLPs) checkpoint. SGLang's loader splits each layer's
     ``kv_b_proj`` into ``w_kc``/``w_vc`` after loading and keeps them as plain attributes (``post_load_weights``).

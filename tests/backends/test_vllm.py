@@ -24,7 +24,7 @@ from weightcache.backends.vllm import LOAD_FORMAT, VllmBackend  # noqa: E402
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from engine_models import make_tiny_llama  # noqa: E402
+from engine_models import make_tiny_llama, make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -47,6 +47,30 @@ def run_vllm(spec: dict, *, multiprocessing: bool = False, timeout: float = 300)
     if out.returncode != 0 or not results:
         raise AssertionError(f"vLLM worker failed ({out.returncode}):\n{out.stderr[-6000:]}\n{out.stdout[-3000:]}")
     return json.loads(results[-1].removeprefix("RESULT "))
+
+
+@pytest.mark.parametrize("architecture", ["qwen2", "mixtral", "qwen3_moe"])
+def test_other_architectures_and_moe_give_identical_tokens(architecture: str, socket_dir: Path, tmp_path: Path) -> None:
+    """Besides Llama: a dense Qwen2 (q/k/v biases, tied embeddings) and two MoE models (Mixtral, Qwen3-MoE, whose
+    experts vLLM fuses at load): greedy ids identical across load format auto, daemon and client, each a new
+    process, the client attaching (strict) without reading the weights."""
+    model = make_tiny_model(tmp_path / architecture, architecture)
+    options = {"socket_dir": str(socket_dir)}
+    disk = run_vllm({"model": str(model), "load_format": "auto"})
+    daemon = run_vllm({"model": str(model), "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}})
+    client = run_vllm(
+        {
+            "model": str(model),
+            "load_format": LOAD_FORMAT,
+            "extra": {**options, "mode": "client", "strict": True},
+            "evict": True,
+        }
+    )
+    assert len(disk["tokens"]) == 12 and disk["tokens"] == daemon["tokens"] == client["tokens"]
+    assert daemon["warnings"] == client["warnings"] == []
+    assert client["resident_after_load"] < 0.05, client
+    [entry] = wc.Cache(socket_dir).entries()
+    assert client["external_weight_memory"] == entry.bytes > 0
 
 
 def test_greedy_tokens_identical_from_disk_daemon_and_client(

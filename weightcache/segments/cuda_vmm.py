@@ -40,8 +40,8 @@ def _driver() -> Any:
         from cuda.bindings import driver  # lazy: a CPU-only install has no cuda-bindings
     except ImportError as exc:
         raise SegmentError(
-            "CUDA segments need NVIDIA's cuda-bindings: pip install 'weightcache[cuda]' (or cuda-bindings "
-            "matching your driver)"
+            "CUDA segments need NVIDIA's cuda-bindings: pip install 'cuda-bindings>=12.8' (matching your driver), or "
+            "install weightcache with its cuda extra from a clone: pip install '.[cuda]'"
         ) from exc
     return driver
 

@@ -29,6 +29,8 @@ from safetensors.torch import save_file
 from torch import nn
 
 import weightcache as wc
+from weightcache.fingerprint import placement_of
+from weightcache.units import format_bytes
 
 #: What ``weightcache bench`` measures without ``--sizes`` and ``--tensors``.
 DEFAULT_SIZES_GIB = (1.0, 2.0, 8.0)
@@ -43,6 +45,87 @@ def layout(total_bytes: int, n: int, itemsize: int) -> list[int]:
     rest = total_bytes // itemsize - sum(sizes)
     sizes += [max(256, (rest // big) // 256 * 256)] * big
     return sizes
+
+
+def report_path(json_out: str | os.PathLike[str] | None) -> Path | None:
+    """Where ``--json`` writes, with its directory created now: before the work, not after it (a fresh clone
+    has no ``bench-results/``). WeightCacheError when the directory cannot be created."""
+    if json_out is None:
+        return None
+    path = Path(json_out)
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise wc.WeightCacheError(
+            f"--json {json_out}: cannot create its directory ({exc}); give a path in a writable directory"
+        ) from exc
+    return path
+
+
+#: Memory a size needs, per byte of weights: the loaded or filled copy, and the keeper's copy while it is packed
+#: (CPU); on a GPU the weights once, plus room for the CUDA context and staging.
+CPU_FACTOR = 2.0
+GPU_HEADROOM = 1 << 30
+
+
+def memory_available(device: str) -> int:
+    """Bytes free for the benchmark's weights: MemAvailable on CPU, the GPU's free memory on ``cuda:N``."""
+    if device.startswith("cuda"):
+        free, _ = torch.cuda.mem_get_info(device)
+        return int(free)
+    with open("/proc/meminfo") as f:
+        for line in f:
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    raise wc.WeightCacheError("/proc/meminfo has no MemAvailable line: cannot tell how big a benchmark fits")
+
+
+def memory_needed(gib: float, device: str = "cpu") -> int:
+    """About how much memory a benchmark of ``gib`` GiB of weights takes at its peak."""
+    size = int(gib * 2**30)
+    return size + GPU_HEADROOM if device.startswith("cuda") else int(size * CPU_FACTOR)
+
+
+def sizes_that_fit(
+    sizes: Sequence[float], available: int, *, explicit: bool, device: str = "cpu"
+) -> tuple[list[float], str | None]:
+    """The sizes (GiB) to run with ``available`` bytes of memory, and a note of the ones left out.
+
+    Sizes the user gave (``explicit``) are never changed: one that does not fit is a WeightCacheError, before
+    anything is written. Default sizes that do not fit are left out (the note says which); none fitting is an
+    error that says what to pass.
+    """
+    fit = [g for g in sizes if memory_needed(g, device) <= available]
+    left = [g for g in sizes if g not in fit]
+    if not left:
+        return fit, None
+    where = f"{format_bytes(available)} available on {device}"
+    if explicit:
+        g = left[0]
+        raise wc.WeightCacheError(
+            f"--sizes {g:g} GiB needs about {format_bytes(memory_needed(g, device))} of memory; this machine has "
+            f"{where}. Give smaller --sizes"
+        )
+    if not fit:
+        g = min(sizes)
+        raise wc.WeightCacheError(
+            f"even the smallest default size, {g:g} GiB, needs about {format_bytes(memory_needed(g, device))} of "
+            f"memory; this machine has {where}. Give smaller --sizes, e.g. --sizes 0.25"
+        )
+    shown = ", ".join(f"{g:g} GiB" for g in left)
+    return fit, (
+        f"left out {shown}: needs about {format_bytes(memory_needed(max(left), device))} of memory, {where} "
+        "(pass --sizes to choose)"
+    )
+
+
+def plan_sizes(sizes: Sequence[float] | None, defaults: Sequence[float], device: str) -> list[float]:
+    """:func:`sizes_that_fit` for this machine: ``sizes`` as given, or the ``defaults`` that fit (printing what
+    was left out)."""
+    fit, note = sizes_that_fit(sizes or defaults, memory_available(device), explicit=sizes is not None, device=device)
+    if note:
+        print(f"weightcache bench: {note}", flush=True)
+    return fit
 
 
 def meta_holder(shapes: list[int], dtype: torch.dtype, prefix: str = "p") -> nn.Module:
@@ -166,15 +249,19 @@ def _run_one(
 def run(
     *,
     device: str = "cpu",
-    sizes: Sequence[float] = DEFAULT_SIZES_GIB,
+    sizes: Sequence[float] | None = None,
     tensors: Sequence[int] = DEFAULT_TENSORS,
     repeat: int = 7,
     dtype: str = "bfloat16",
     json_out: str | os.PathLike[str] | None = None,
 ) -> int:
-    """Publish a synthetic state dict of each size (GiB) and tensor count into a private keeper and time
+    """Publish a synthetic state dict of each size (GiB; default :data:`DEFAULT_SIZES_GIB`, those that fit in
+    memory) and tensor count into a private keeper and time
     ``repeat`` attaches of it in a fresh process; print a line per configuration and the flatness in size, and
-    write the report to ``json_out`` when given. Returns the exit status (0)."""
+    write the report to ``json_out`` when given (its directory is created first). Returns the exit status (0)."""
+    placement_of(device)  # InvalidArgument for a device this process lacks, before any work
+    report_file = report_path(json_out)
+    sizes = plan_sizes(sizes, DEFAULT_SIZES_GIB, device)
     tmp = Path(tempfile.mkdtemp(prefix="wc-bench-"))
     socket_dir = tmp / "sock"
     wc.Cache(socket_dir, spawn=True)  # starts the private keeper
@@ -217,8 +304,8 @@ def run(
                 {"tensors": n, "from_gib": small["gib"], "to_gib": large["gib"], "ratio": round(ratio, 3)}
             )
             print(f"{n} tensors: attach at {large['gib']:g} GiB is {ratio:.2f}x the time at {small['gib']:g} GiB")
-    if json_out:
-        Path(json_out).write_text(json.dumps(report, indent=2))
+    if report_file is not None:
+        report_file.write_text(json.dumps(report, indent=2))
         print(f"wrote {json_out}")
     return 0
 

@@ -36,10 +36,11 @@ from safetensors.torch import save_file
 import weightcache as wc
 from weightcache.checkpoint import drop_page_cache
 from weightcache.client import KeeperConnection
+from weightcache.fingerprint import placement_of
 from weightcache.messages import EVERY_ENTRY
 from weightcache.progress import byte_bar
 
-from .bench import layout, meta_holder
+from .bench import layout, meta_holder, plan_sizes, report_path
 
 #: What ``weightcache bench --restart`` measures without ``--sizes`` and ``--tensors``.
 DEFAULT_SIZES_GIB = (1.0, 8.0, 32.0)
@@ -84,9 +85,10 @@ def write_checkpoint(path: Path, shapes: list[int], dtype_name: str, progress: b
     return total
 
 
-def disk_read_gbps(path: Path) -> float:
-    """Sequential read of every file with 64 MiB reads, page cache dropped."""
-    drop_page_cache(path, system=True)
+def disk_read_gbps(path: Path, drop_caches: bool = False) -> float:
+    """Sequential read of every file with 64 MiB reads, the files' pages dropped from the page cache first (with
+    ``drop_caches``, the whole machine's page cache: see :func:`run`)."""
+    drop_page_cache(path, system=drop_caches)
     buf = bytearray(64 << 20)
     total = 0
     t0 = time.perf_counter()
@@ -166,7 +168,7 @@ def _run_engine(spec: dict[str, Any]) -> dict[str, Any]:
 def run(
     *,
     device: str = "cpu",
-    sizes: Sequence[float] = DEFAULT_SIZES_GIB,
+    sizes: Sequence[float] | None = None,
     tensors: Sequence[int] = DEFAULT_TENSORS,
     repeat: int = 7,
     dtype: str = "bfloat16",
@@ -174,13 +176,25 @@ def run(
     workdir: str | os.PathLike[str] | None = None,
     keep: bool = False,
     progress: bool = False,
+    drop_caches: bool = False,
 ) -> int:
     """The restart benchmark for each size (GiB) and tensor count: write a synthetic checkpoint under
     ``workdir`` (default a temporary directory; removed afterwards unless ``keep``), measure the disk and H2D
     bandwidth, mode off, mode daemon's first start and ``repeat`` mode client attaches, each in a fresh process.
     Prints a line per configuration; writes the report to ``json_out`` after each one. Returns 0 when every
     configuration's engines held identical weights, else 1. ``progress`` shows progress bars without a
-    terminal."""
+    terminal.
+
+    Sizes: default :data:`DEFAULT_SIZES_GIB`, those that fit this machine's memory; given ones that do not fit
+    are an error before anything is written. Before each cold load only the checkpoint's own pages are dropped
+    from the page cache (``posix_fadvise``); with ``drop_caches`` (root only) also the whole machine's page cache,
+    libraries included, as after a reboot: that slows every other process on the machine, so it is asked for.
+    """
+    placement_of(device)  # InvalidArgument for a device this process lacks, before any work
+    report_file = report_path(json_out)  # its directory exists before the first minute of work
+    sizes = plan_sizes(sizes, DEFAULT_SIZES_GIB, device)
+    if drop_caches:
+        print("weightcache bench: dropping the whole machine's page cache before each cold load (--drop-caches)")
     work = Path(workdir or tempfile.mkdtemp(prefix="wc-restart-"))
     work.mkdir(parents=True, exist_ok=True)
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-")) / "s"
@@ -194,11 +208,11 @@ def run(
                 ckpt = work / f"ckpt-{gib:g}g-{n}"
                 shapes = layout(int(gib * 2**30), n, itemsize)
                 total = write_checkpoint(ckpt, shapes, dtype, progress)
-                disk = disk_read_gbps(ckpt)
+                disk = disk_read_gbps(ckpt, drop_caches)
                 spec = {"checkpoint": str(ckpt), "device": device, "dtype": dtype, "socket_dir": str(socket_dir)}
-                dropped = drop_page_cache(ckpt, system=True)
+                dropped = drop_page_cache(ckpt, system=drop_caches)
                 off = _run_engine({**spec, "mode": "off"})
-                drop_page_cache(ckpt, system=True)
+                drop_page_cache(ckpt, system=drop_caches)
                 first = _run_engine({**spec, "mode": "daemon"})
                 # several fresh client processes: one attach is a few ms, so host noise matters
                 clients = [_run_engine({**spec, "mode": "client"}) for _ in range(max(1, repeat))]
@@ -224,8 +238,8 @@ def run(
                     "identical": same,
                 }
                 rows.append(row)
-                if json_out:  # after every configuration, so that a run cut short keeps what it measured
-                    Path(json_out).write_text(json.dumps(_report(device, h2d, rows, tensors), indent=2))
+                if report_file is not None:  # after every configuration: a run cut short keeps what it measured
+                    report_file.write_text(json.dumps(_report(device, h2d, rows, tensors), indent=2))
                 print(
                     f"{gib:>5g} GiB {n:>5} tensors | disk {disk:5.2f} GB/s | off {row['off_s']:7.2f} s "
                     f"({row['off_vs_disk'] * 100:4.0f}% of disk) | daemon first {row['daemon_first_s']:7.2f} s "
@@ -243,8 +257,8 @@ def run(
         shutil.rmtree(socket_dir.parent, ignore_errors=True)
         if not workdir and not keep:
             shutil.rmtree(work, ignore_errors=True)
-    if json_out:
-        Path(json_out).write_text(json.dumps(_report(device, h2d, rows, tensors), indent=2))
+    if report_file is not None:
+        report_file.write_text(json.dumps(_report(device, h2d, rows, tensors), indent=2))
         print(f"wrote {json_out}")
     return 0 if all(r["identical"] for r in rows) else 1
 

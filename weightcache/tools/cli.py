@@ -19,14 +19,14 @@ import pwd
 import sys
 import tempfile
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 import attrs
 
 import weightcache as wc
 from weightcache.budget import parse_budget
-from weightcache.messages import EVERY_ENTRY
+from weightcache.messages import EVERY_ENTRY, LEASED, NOT_FOUND, EntryInfo
 from weightcache.parity import compare, read_table
 from weightcache.rundir import resolve_group
 from weightcache.units import format_age, format_bytes
@@ -67,20 +67,23 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
-    with _connect(args) as conn:
+    try:
+        conn = _connect(args)
+    except wc.KeeperUnavailable as exc:
+        if not args.json:
+            raise
+        print(json.dumps({"keeper": None, "entries": [], "error": str(exc)}, indent=2))  # a script still gets JSON
+        return 1
+    with conn:
         reply = conn.list()
     if args.json:
         print(json.dumps({"keeper": reply.keeper.to_json(), "entries": [e.to_json() for e in reply.entries]}, indent=2))
         return 0
     k = reply.keeper
     print(f"keeper pid {k.pid}  weightcache {k.version}  {k.socket_dir}  up {format_age(k.uptime_s)}")
-    limits = dict(k.budget.per_placement)
-    if k.budget.default is not None:
-        limits["*"] = k.budget.default
-    if limits:
-        used = k.bytes_by_placement
-        shown = (f"{p} {format_bytes(used.get(p, 0))} of {format_bytes(v)}" for p, v in limits.items())
-        print("budget  " + ", ".join(shown))
+    budget = _budget_line(k.budget.default, k.budget.per_placement, k.bytes_by_placement)
+    if budget:
+        print("budget  " + budget)
     if not reply.entries:
         print("(no entries)")
         return 0
@@ -88,7 +91,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = [("ENTRY", "MODEL", "DEVICE", "PUBLISHER", "SIZE", "TENSORS", "LEASES", "AGE", "HELD BY (PID SINCE)")]
     for e in reply.entries:
         fp = e.fingerprint
-        model = e.model + (f" [{fp.dtype}]" if fp.dtype else "")
+        model = e.model + "".join(f" {axis} {rank}/{size}" for axis, rank, size in fp.parallel)  # which shard
+        model += f" [{fp.dtype}]" if fp.dtype else ""
         if fp.quant not in (None, "none"):
             model += f" {fp.quant}"
         rows.append(
@@ -118,6 +122,27 @@ def user_name(uid: int) -> str:
         return str(uid)
 
 
+def _budget_line(default: int | None, per_placement: Mapping[str, int], used: Mapping[str, int]) -> str:
+    """``cpu 4.0 KiB of 1.0 MiB, GPU-... 0 B of 60.0 GiB``: each placement with a limit or with entries, against
+    its limit (its own, else the bare one), and the bare limit for placements that hold nothing yet."""
+    shown = []
+    for placement in dict.fromkeys([*per_placement, *used]):
+        limit = per_placement.get(placement, default)
+        if limit is not None:
+            shown.append(f"{placement} {format_bytes(used.get(placement, 0))} of {format_bytes(limit)}")
+    if default is not None:
+        shown.append(f"{format_bytes(default)} for each other placement" if shown else f"{format_bytes(default)} each")
+    return ", ".join(shown)
+
+
+#: The fingerprint fields `inspect` shows one per line.
+INSPECTED = ("dtype", "quant", "quant_config_hash", "transform", "engine", "engine_version", "torch_version")
+
+
+def _count(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
+
+
 def cmd_inspect(args: argparse.Namespace) -> int:
     with _connect(args) as conn:
         reply = conn.inspect(args.digest)
@@ -126,19 +151,23 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         print(json.dumps({"entry": entry.to_json(), "manifest": manifest}, indent=2))
         return 0
     fp = entry.fingerprint
-    print(f"entry      {entry.digest}")
-    print(f"model      {entry.model}  ({fp.model_path})")
-    print(f"placement  {entry.placement}")
-    print(f"publisher  {user_name(entry.publisher)} (uid {entry.publisher})")
-    print(f"size       {format_bytes(entry.bytes)} in {entry.segments} segments, {entry.tensors} tensors")
     now = time.time()
     holders = ", ".join(f"pid {pid} since {format_age(now - since)}" for pid, since in entry.holders)
-    print(f"leases     {entry.leases}  {holders}")
-    for key in ("dtype", "quant", "quant_config_hash", "transform", "engine", "engine_version", "torch_version"):
-        print(f"{key:<10} {getattr(fp, key)}")
-    print("parallel   " + (", ".join(f"{a} {r}/{s}" for a, r, s in fp.parallel) or "-"))
-    for f in fp.checkpoint:
-        print(f"file       {f.name}  {format_bytes(f.size)}  header {f.header_sha256[:12]}")
+    size = f"{format_bytes(entry.bytes)} in {_count(entry.segments, 'segment')}, {_count(entry.tensors, 'tensor')}"
+    fields = [
+        ("entry", entry.digest),
+        ("model", f"{entry.model}  ({fp.model_path})"),
+        ("placement", entry.placement),
+        ("publisher", f"{user_name(entry.publisher)} (uid {entry.publisher})"),
+        ("size", size),
+        ("leases", f"{entry.leases}  {holders}".rstrip()),
+        *((key, str(getattr(fp, key))) for key in INSPECTED),
+        ("parallel", ", ".join(f"{a} {r}/{s}" for a, r, s in fp.parallel) or "-"),
+        *(("file", f"{f.name}  {format_bytes(f.size)}  header {f.header_sha256[:12]}") for f in fp.checkpoint),
+    ]
+    width = max(len(key) for key, _ in fields) + 2
+    for key, value in fields:
+        print(f"{key:<{width}}{value}")
     if args.tensors:
         t = manifest["tensors"]
         for i, name in enumerate(t["name"]):
@@ -152,12 +181,55 @@ def cmd_evict(args: argparse.Namespace) -> int:
         print(f"weightcache evict: give a digest (prefix) or --all; found {found}", file=sys.stderr)
         return 2
     with _connect(args) as conn:
-        reply = conn.evict(EVERY_ENTRY if args.all else args.digest, force=args.force, every=args.all)
+        if args.all and not args.force:
+            return _evict_unleased(conn)
+        try:
+            reply = conn.evict(EVERY_ENTRY if args.all else args.digest, force=args.force, every=args.all)
+        except wc.KeeperError as exc:
+            if exc.code != LEASED:
+                raise
+            _print_kept([conn.inspect(args.digest).entry])
+            return 1
     for key in reply.evicted:
         print(f"evicted {key}")
     if not reply.evicted:  # only --all evicts nothing without an error: every entry of none
         print("nothing to evict")
     return 0
+
+
+def _evict_unleased(conn: KeeperConnection) -> int:
+    """``evict --all`` without ``--force``: every entry nobody leases, one by one; the leased ones are named."""
+    kept = []
+    evicted = 0
+    for entry in conn.list().entries:
+        if entry.leases:
+            kept.append(entry)
+            continue
+        try:
+            for key in conn.evict(entry.key).evicted:
+                print(f"evicted {key}")
+                evicted += 1
+        except wc.KeeperError as exc:
+            if exc.code == LEASED:  # leased since the listing
+                kept.append(conn.inspect(entry.key).entry)
+            elif exc.code != NOT_FOUND:  # evicted since the listing: fine
+                raise
+    if not evicted and not kept:
+        print("nothing to evict")
+    _print_kept(kept)
+    return 1 if kept else 0
+
+
+def _print_kept(entries: Sequence[EntryInfo]) -> None:
+    for e in entries:
+        pids = ", ".join(str(pid) for pid, _ in e.holders) or "?"
+        one = len(e.holders) <= 1
+        print(
+            f"weightcache evict: kept {e.key}: leased by pid {pids} (an engine uses it); --force evicts it too "
+            f"(its memory stays mapped in {'that process' if one else 'those processes'} until "
+            f"{'it lets' if one else 'they let'} go)",
+            file=sys.stderr,
+        )
 
 
 def cmd_stop(args: argparse.Namespace) -> int:
@@ -166,7 +238,7 @@ def cmd_stop(args: argparse.Namespace) -> int:
     try:
         conn = _connect(args)
     except wc.KeeperUnavailable as exc:
-        print(f"no keeper to stop: {exc}", file=sys.stderr)
+        print(f"weightcache stop: no keeper to stop: {exc}", file=sys.stderr)
         return 1
     pid = stop_keeper(
         conn,
@@ -203,6 +275,8 @@ def cmd_load(args: argparse.Namespace) -> int:
         print(f"already cached: {fp.digest[:12]}  {fp.describe()}")
         return 0
     print(f"published {fp.digest[:12]}  {fp.describe()}\n  {count} tensors, {format_bytes(size)} in {seconds:.2f} s")
+    for key in handle.evicted:  # the keeper's budget made room: say so here, not only in its log
+        print(f"  evicted {key} (unleased, least recently used) to make room under the keeper's budget")
     return 0
 
 
@@ -293,16 +367,19 @@ def cmd_bench(args: argparse.Namespace) -> int:
         from . import bench_restart  # imports torch
 
         return bench_restart.run(
-            sizes=sizes or bench_restart.DEFAULT_SIZES_GIB,
+            sizes=sizes,  # None: the defaults that fit this machine
             tensors=tensors or bench_restart.DEFAULT_TENSORS,
             workdir=args.workdir,
             keep=args.keep,
             progress=args.progress,
+            drop_caches=args.drop_caches,
             **options,
         )
+    if args.drop_caches:
+        raise wc.WeightCacheError("--drop-caches goes with --restart (only the restart benchmark reads a checkpoint)")
     from . import bench  # imports torch
 
-    return bench.run(sizes=sizes or bench.DEFAULT_SIZES_GIB, tensors=tensors or bench.DEFAULT_TENSORS, **options)
+    return bench.run(sizes=sizes, tensors=tensors or bench.DEFAULT_TENSORS, **options)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -314,7 +391,12 @@ def build_parser() -> argparse.ArgumentParser:
 
     def add(name: str, help: str) -> argparse.ArgumentParser:
         p = sub.add_parser(name, help=help, description=help)
-        p.add_argument("--socket-dir", default=None, help="keeper socket directory (default: $WEIGHTCACHE_DIR, ...)")
+        p.add_argument(
+            "--socket-dir",
+            default=None,
+            help="the keeper's socket directory (default: $WEIGHTCACHE_DIR, else $XDG_RUNTIME_DIR/weightcache, else "
+            "/tmp/weightcache-<uid>)",
+        )
         return p
 
     p = add("serve", "run the keeper in the foreground (or --detach)")
@@ -337,7 +419,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also serve members of GROUP (name or gid): the socket directory becomes group GROUP, mode 2750, the "
         "socket 0660; members may publish, get, list and inspect, not evict or stop",
     )
-    p.add_argument("-v", "--verbose", action="store_true")
+    p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=cmd_serve)
 
     p = add("load", "load a checkpoint from disk and publish it into the keeper (starting one if needed)")
@@ -356,7 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = add("inspect", "show one entry's fingerprint and layout")
     p.add_argument("digest", help="entry digest or a unique prefix of it")
-    p.add_argument("--json", action="store_true")
+    p.add_argument("--json", action="store_true", help="the entry and its full manifest as JSON")
     p.add_argument("--tensors", action="store_true", help="list every tensor")
     p.set_defaults(func=cmd_inspect)
 
@@ -409,14 +491,19 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=cmd_doctor)
 
     # No --socket-dir: the benchmark always runs a private keeper in a temporary directory.
-    p = sub.add_parser("bench", help="measure attach time (see docs/benchmarks.md)", description="measure attach time")
+    bench_help = "measure attach time and its flatness in size on synthetic weights; --restart: a whole engine restart"
+    p = sub.add_parser("bench", help=bench_help, description=bench_help + " (see docs/benchmarks.md)")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
-    p.add_argument("--sizes", default=None, help="comma-separated sizes in GiB (default 1,2,8)")
+    p.add_argument(
+        "--sizes",
+        default=None,
+        help="comma-separated sizes in GiB (default 1,2,8; with --restart 1,8,32; either: those that fit in memory)",
+    )
     p.add_argument("--tensors", default=None, help="comma-separated tensor counts (default 500)")
     p.add_argument(
         "--repeat", type=int, default=7, help="attaches timed per size (--restart: fresh client processes; default 7)"
     )
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help="dtype of the synthetic weights (default bfloat16)")
     p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
     p.add_argument(
         "--restart",
@@ -426,6 +513,12 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--workdir", default=None, help="--restart: where to write checkpoints (default a temp dir)")
     p.add_argument("--keep", action="store_true", help="--restart: keep the checkpoints")
+    p.add_argument(
+        "--drop-caches",
+        action="store_true",
+        help="--restart, as root: before each cold load drop the whole machine's page cache (libraries too, as after "
+        "a reboot; slows every process on the machine), not only the checkpoint's pages",
+    )
     p.add_argument("--progress", action="store_true", help="show progress bars even without a terminal")
     p.set_defaults(func=cmd_bench)
     return parser
@@ -440,4 +533,5 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"weightcache {args.command}: {exc}", file=sys.stderr)
         return 1
     except KeyboardInterrupt:
+        print(f"weightcache {args.command}: interrupted", file=sys.stderr)
         return 130

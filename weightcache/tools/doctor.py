@@ -295,7 +295,7 @@ def _cuda() -> Iterator[Check]:
             "cuda",
             "fail",
             f"torch sees {torch.cuda.device_count()} GPU(s) but NVIDIA's cuda-bindings is not installed",
-            "pip install 'weightcache[cuda]'",
+            "pip install 'cuda-bindings>=12.8' (or, in a clone of weightcache, pip install '.[cuda]')",
         )
         return
     err, version = cu.cuDriverGetVersion()
@@ -390,7 +390,8 @@ def _engines() -> Iterator[Check]:
                 "engines",
                 "fail",
                 f"{detail}; weightcache's vLLM plugin is not registered, so --load-format weightcache is unknown",
-                "pip install weightcache into vLLM's environment (its vllm.general_plugins entry point)",
+                "install weightcache into vLLM's environment: pip install /path/to/weightcache (a clone; it registers "
+                "the vllm.general_plugins entry point)",
             )
             return
         detail += " (--load-format weightcache registered)"
