@@ -144,15 +144,15 @@ class KeeperConnection:
             # Also when a racing engine creates it meanwhile: either way no keeper serves it yet.
             raise KeeperUnavailable(
                 f"no keeper runs for {directory} (the directory does not exist); start one with "
-                f"`weightcache serve --socket-dir {directory}` or use mode='daemon'"
+                f"`weightcache serve --socket-dir {directory}`, or start an engine in mode daemon, which starts one"
             ) from None
         try:
             sock = _connect_socket(path, CONNECT_TIMEOUT_S)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             what = "no socket" if isinstance(exc, FileNotFoundError) else "a stale socket (its keeper died)"
             raise KeeperUnavailable(
-                f"no keeper is running at {path} ({what}); start one with `weightcache serve` or use "
-                "mode='daemon' to spawn one"
+                f"no keeper is running at {path} ({what}); start one with `weightcache serve`, or start an engine "
+                "in mode daemon, which starts one"
             ) from None
         except OSError as exc:
             raise KeeperUnavailable(f"cannot connect to the keeper at {path}: {exc}") from exc

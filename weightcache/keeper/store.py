@@ -350,8 +350,8 @@ class Store:
                 raise RequestError(
                     messages.LEASED,
                     f"entr{'y' if one else 'ies'} {', '.join(e.key[:16] for e in leased)} {'is' if one else 'are'} "
-                    f"leased by pid {', '.join(pids)}; evict anyway with force (memory stays mapped in those "
-                    "processes until they exit)",
+                    f"leased by pid {', '.join(pids)}; evict anyway with force=True (CLI: --force; memory stays "
+                    "mapped in those processes until they exit)",
                 )
             for e in found:
                 self._drop(e)
