@@ -15,7 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from conftest import start_keeper
+from conftest import start_keeper, wait_until
 from models import meta_model
 from safetensors.torch import load_file
 
@@ -87,7 +87,9 @@ def owner_fingerprint(checkpoint: Path, socket_dir: Path) -> Fingerprint:
     """The fingerprint the owner's engines use (what a member reads off `weightcache ls`)."""
     with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir) as handle:
         fingerprint = handle.fingerprint
-    wc.Cache(socket_dir).evict(fingerprint)
+    cache = wc.Cache(socket_dir)
+    assert wait_until(lambda: cache.entries()[0].leases == 0)  # the keeper notices the closed lease async
+    cache.evict(fingerprint)
     return fingerprint
 
 
@@ -141,6 +143,7 @@ def test_a_members_publish_never_evicts_the_owners_entries(checkpoint: Path, sha
         with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=shared_dir) as handle:
             fingerprint = handle.fingerprint
         cache = wc.Cache(shared_dir)
+        assert wait_until(lambda: cache.entries()[0].leases == 0)  # the keeper notices the closed lease async
         [owners] = cache.entries()
         assert owners.leases == 0 and owners.publisher == 0  # unleased: the owner's own publish could evict it
         other = Fingerprint.from_json({**fingerprint.to_json(), "dtype": "float16"})
@@ -183,8 +186,6 @@ def test_republication_after_a_restart_follows_the_same_rules(checkpoint: Path, 
         keeper.wait(10)
         keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
         cache = wc.Cache(shared_dir)
-        from conftest import wait_until
-
         assert wait_until(lambda: len(cache.entries()) == 1, timeout=20)
         assert cache.entries()[0].publisher == MEMBER_UID
         assert cache.get(fingerprint) is None
