@@ -128,3 +128,47 @@ def save(name: str, directory: Path, dtype: torch.dtype = torch.bfloat16) -> Pat
     path = directory / name
     model.to(dtype).save_pretrained(path)
     return path
+
+
+#: Projections that block FP8 checkpoints (DeepSeek-V3, Qwen3-FP8) store in float8_e4m3fn with block scales.
+FP8_PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def save_fp8(name: str, directory: Path, block: int = 32) -> Path:
+    """A random model saved as block FP8 checkpoints ship: each projection's weight in ``float8_e4m3fn`` with a
+    float32 ``weight_scale_inv`` per ``block x block`` tile, and ``quantization_config`` ``{"quant_method":
+    "fp8", "weight_block_size": [block, block]}`` in config.json. Returns the checkpoint's path."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+
+    path = save(name, directory / "fp8-source")
+    out = directory / f"{name}-fp8"
+    out.mkdir(parents=True)
+    state = load_file(str(path / "model.safetensors"))
+    quantized: dict[str, torch.Tensor] = {}
+    fp8_max = torch.finfo(torch.float8_e4m3fn).max
+    for key, tensor in state.items():
+        module = key.rsplit(".", 2)[-2] if key.endswith(".weight") else ""
+        if module not in FP8_PROJECTIONS:
+            quantized[key] = tensor
+            continue
+        rows, cols = tensor.shape
+        tiles = tensor.float().reshape(rows // block, block, cols // block, block)
+        scale = tiles.abs().amax(dim=(1, 3)).clamp(min=1e-12) / fp8_max
+        q = (tiles / scale[:, None, :, None]).to(torch.float8_e4m3fn).reshape(rows, cols)
+        quantized[key] = q
+        quantized[key.removesuffix(".weight") + ".weight_scale_inv"] = scale.contiguous()
+    save_file(quantized, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = {
+        "quant_method": "fp8",
+        "weight_block_size": [block, block],
+        "activation_scheme": "dynamic",
+        "fmt": "e4m3",
+    }
+    (out / "config.json").write_text(json.dumps(config, indent=2))
+    for extra in ("generation_config.json",):
+        if (path / extra).exists():
+            (out / extra).write_text((path / extra).read_text())
+    return out

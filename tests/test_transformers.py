@@ -34,9 +34,16 @@ def models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
     return {name: hf_models.save(name, directory) for name in hf_models.names()}
 
 
-def worker(mode: str, socket_dir: Path, device: str, models: dict[str, Path], timeout: float = 400) -> dict:
+def worker(
+    mode: str,
+    socket_dir: Path,
+    device: str,
+    models: dict[str, Path],
+    timeout: float = 400,
+    env: dict[str, str] | None = None,
+) -> dict:
     """Run tests/hf_worker.py in a new process; return its results by architecture."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
     out = subprocess.run(
         [sys.executable, str(HERE / "hf_worker.py"), mode, str(socket_dir), device]
         + [f"{name}={path}" for name, path in models.items()],
@@ -73,6 +80,30 @@ def test_every_architecture_matches_transformers_in_every_mode_on_gpu(
     models: dict[str, Path], socket_dir: Path
 ) -> None:
     check_modes(models, socket_dir, "cuda:0")
+
+
+@pytest.mark.cuda
+def test_a_block_fp8_model_through_transformers_fp8_path_on_gpu(tmp_path: Path, socket_dir: Path) -> None:
+    """Weights in float8_e4m3fn with 32x32 block scales, as DeepSeek-V3 and Qwen3-FP8 ship: transformers' FP8
+    quantizer substitutes FP8Linear modules and loads them; the entry (strategy fp8_block) holds the FP8 weights
+    and scales; greedy tokens are identical in every mode and to transformers' own load."""
+    models = {"qwen3-fp8": hf_models.save_fp8("qwen3", tmp_path)}
+    env = {"HF_HUB_OFFLINE": "1"}
+    runs = {mode: worker(mode, socket_dir, "cuda:0", models, env=env)["qwen3-fp8"] for mode in MODES}
+    assert [runs[m]["source"] for m in MODES] == ["disk", "cache", "cache"]
+    assert [runs[m]["read_disk"] for m in MODES] == [True, True, False]
+    assert all(runs[m]["quant"] == "fp8_block" and "torch.float8_e4m3fn" in runs[m]["dtypes"] for m in MODES), runs
+    assert [runs[m]["tokens"] for m in MODES] == [runs["off"]["reference"]] * 3
+    print("FP8 matmul:", runs["off"]["fp8_matmul"])
+
+
+def test_a_block_fp8_model_on_cpu_is_dequantized_by_transformers(tmp_path: Path, socket_dir: Path) -> None:
+    """On a CPU, transformers dequantizes block FP8 at load; the entry holds what it made, in every mode."""
+    models = {"qwen3-fp8": hf_models.save_fp8("qwen3", tmp_path)}
+    runs = {mode: worker(mode, socket_dir, "cpu", models)["qwen3-fp8"] for mode in MODES}
+    assert [runs[m]["source"] for m in MODES] == ["disk", "cache", "cache"]
+    assert all(runs[m]["quant"] == "fp8_block" for m in MODES)
+    assert [runs[m]["tokens"] for m in MODES] == [runs["off"]["reference"]] * 3
 
 
 def meta_model(path: Path, **overrides: object) -> torch.nn.Module:
