@@ -185,7 +185,8 @@ def from_pretrained(
     Args:
         checkpoint: a local ``save_pretrained`` directory.
         model_class: a transformers model class or auto class (default ``AutoModelForCausalLM``).
-        mode, device: as for :func:`weightcache.attach`.
+        mode: as for :func:`weightcache.attach`.
+        device: as for :func:`weightcache.attach`.
         dtype: the dtype to build and load in (default: the configuration's).
         options: further keyword arguments of :func:`weightcache.attach` (``socket_dir``, ``strict``, ...).
 
