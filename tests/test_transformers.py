@@ -42,8 +42,10 @@ def worker(
     timeout: float = 400,
     env: dict[str, str] | None = None,
 ) -> dict:
-    """Run tests/hf_worker.py in a new process; return its results by architecture."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]), **(env or {})}
+    """Run tests/hf_worker.py in a new process; return its results by architecture. The Hub is off: nothing is
+    downloaded (transformers' FP8 kernel included, whose absence the worker reports)."""
+    path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
+    env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", **(env or {})}
     out = subprocess.run(
         [sys.executable, str(HERE / "hf_worker.py"), mode, str(socket_dir), device]
         + [f"{name}={path}" for name, path in models.items()],
@@ -88,8 +90,7 @@ def test_a_block_fp8_model_through_transformers_fp8_path_on_gpu(tmp_path: Path, 
     quantizer substitutes FP8Linear modules and loads them; the entry (strategy fp8_block) holds the FP8 weights
     and scales; greedy tokens are identical in every mode and to transformers' own load."""
     models = {"qwen3-fp8": hf_models.save_fp8("qwen3", tmp_path)}
-    env = {"HF_HUB_OFFLINE": "1"}
-    runs = {mode: worker(mode, socket_dir, "cuda:0", models, env=env)["qwen3-fp8"] for mode in MODES}
+    runs = {mode: worker(mode, socket_dir, "cuda:0", models)["qwen3-fp8"] for mode in MODES}
     assert [runs[m]["source"] for m in MODES] == ["disk", "cache", "cache"]
     assert [runs[m]["read_disk"] for m in MODES] == [True, True, False]
     assert all(runs[m]["quant"] == "fp8_block" and "torch.float8_e4m3fn" in runs[m]["dtypes"] for m in MODES), runs
