@@ -219,6 +219,11 @@ def test_refused_quantization_raises_before_anything_loads(
     assert all(p.is_meta for p in model.parameters())
 
 
+def test_a_quant_argument_that_contradicts_the_configuration_is_refused(models: dict[str, Path]) -> None:
+    with pytest.raises(ValueError, match="configuration says 'none'"):
+        wc.attach(meta_model(models["gpt2"]), models["gpt2"], quant="fp8_block")
+
+
 def test_plain_modules_have_no_loader() -> None:
     assert loaders.for_model(torch.nn.Linear(2, 2)) is None
     with torch.device("meta"):

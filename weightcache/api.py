@@ -88,6 +88,11 @@ def attach(
         load_dtype, fingerprint, identity = loaders.identify(
             loader, model, checkpoint, device=dev, dtype=resolve_dtype(dtype), parallel=parallel, transform=transform
         )
+        if quant not in ("none", identity.quant):
+            raise ValueError(
+                f"quant={quant!r}, but {type(model).__name__}'s configuration says {identity.quant!r}: the quantization"
+                " of a transformers model comes from its quantization_config; leave quant= out"
+            )
         quant_config = identity.quant_config
         steps = loaders.LoaderSteps(loader, model, checkpoint, dev, load_dtype, transform)
     trusted = tuple(resolve_user(user) for user in trusted_publishers)
