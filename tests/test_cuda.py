@@ -293,8 +293,6 @@ def test_transformers_llama_greedy_generation_matches(tmp_path: Path, socket_dir
         config = transformers.AutoConfig.from_pretrained(ckpt)
         with torch.device("meta"):
             model = transformers.LlamaForCausalLM(config)
-        # non-persistent buffers are computed, not stored: build the rotary embedding on the real device
-        model.model.rotary_emb = type(model.model.rotary_emb)(config=config, device="cuda:0")
         handle = wc.attach(model, ckpt, mode=mode, device="cuda:0", socket_dir=sock, strict=mode == "client")
         assert model.lm_head.weight is model.model.embed_tokens.weight
         model.eval()

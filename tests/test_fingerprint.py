@@ -60,7 +60,6 @@ def test_json_round_trip(checkpoint: Path) -> None:
         ({"quant_config": {"x": 1}}, "quant_config_hash"),
         ({"parallel": {"tp": (0, 2)}}, "parallel"),
         ({"transform": "other"}, "transform"),
-        ({"extra": {"k": "v"}}, "extra"),
     ],
 )
 def test_diff_names_each_differing_field(checkpoint: Path, change: dict, field: str) -> None:
@@ -70,6 +69,19 @@ def test_diff_names_each_differing_field(checkpoint: Path, change: dict, field: 
     assert [d[0] for d in diffs] == [field]
     assert diffs[0][1] == getattr(base, field) and diffs[0][2] == getattr(other, field)
     assert base.digest != other.digest
+
+
+def test_diff_names_each_differing_key_of_extra(checkpoint: Path) -> None:
+    """A model loader's identity (a whole model configuration) differs in one leaf: the diff names that leaf."""
+    config = {"rope": {"theta": 10000.0, "type": "default"}, "layers": 2}
+    base = wc.Fingerprint.create(checkpoint, extra={"transformers": config, "structure": "a"})
+    other = wc.Fingerprint.create(
+        checkpoint, extra={"transformers": {**config, "rope": {"theta": 5e5, "type": "default"}}, "structure": "b"}
+    )
+    assert base.diff(other) == [("extra.structure", "a", "b"), ("extra.transformers.rope.theta", 10000.0, 5e5)]
+    assert wc.Fingerprint.create(checkpoint).diff(wc.Fingerprint.create(checkpoint, extra={"k": "v"})) == [
+        ("extra.k", None, "v")
+    ]
 
 
 def test_rewrite_with_same_shapes_changes_identity(tmp_path: Path) -> None:

@@ -60,6 +60,8 @@ LAYERS: dict[str, int] = {
     "progress.py": 3,
     "parity.py": 3,
     "pipeline.py": 3,
+    "structure.py": 3,
+    "loaders.py": 3,
     "api.py": 3,
     # L4: engine adapters
     "backends/*.py": 4,

@@ -14,8 +14,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import loaders
 from .binding import bind, check_fit
-from .fingerprint import Fingerprint
+from .errors import InvalidArgument
+from .fingerprint import Fingerprint, placement_of
 from .handle import Handle
 from .loader import StoredTensor, checkpoint_layout, load_weights
 from .pipeline import Mode, Request, Steps, check_mode, run
@@ -46,7 +48,10 @@ def attach(
 
     Args:
         model: the model, typically built under ``torch.device("meta")``; its parameters and buffers are
-            replaced by the loaded or attached tensors.
+            replaced by the loaded or attached tensors. A model of a framework with its own loader (a
+            transformers ``PreTrainedModel``) gets what that loader makes of the checkpoint, computed buffers
+            included, and ``quant`` and ``quant_config`` come from its configuration (see
+            :mod:`weightcache.loaders`).
         checkpoint: a directory of ``.safetensors`` files (with or without an index), or one such file.
         mode: ``"off"`` (load from disk), ``"daemon"`` (attach if cached, else load, publish and attach) or
             ``"client"`` (attach; fall back to disk with a FallbackWarning); see :mod:`weightcache.pipeline`.
@@ -75,8 +80,24 @@ def attach(
         (or leave the ``with`` block) to release the lease; the model keeps working either way.
     """
     check_mode(mode)
-    dev, torch_dtype, fingerprint = _identify(checkpoint, device, dtype, quant, quant_config, parallel, transform)
-    steps = ModuleSteps(model, checkpoint, dev, torch_dtype, transform, progress)
+    loader = loaders.for_model(model)
+    steps: Steps[Handle]
+    if loader is None:
+        dev, torch_dtype, fingerprint = _identify(checkpoint, device, dtype, quant, quant_config, parallel, transform)
+        steps = ModuleSteps(model, checkpoint, dev, torch_dtype, transform, progress)
+    else:  # a framework's model (transformers): its own loader makes the weights (see weightcache.loaders)
+        placement_of(device)  # first: InvalidArgument for a device that is none or that this process lacks
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        load_dtype, fingerprint, identity = loaders.identify(
+            loader, model, checkpoint, device=dev, dtype=resolve_dtype(dtype), parallel=parallel, transform=transform
+        )
+        if quant not in ("none", identity.quant):
+            raise InvalidArgument(
+                f"quant={quant!r}, but {type(model).__name__}'s configuration says {identity.quant!r}: the quantization"
+                " of a transformers model comes from its quantization_config; leave quant= out"
+            )
+        quant_config = identity.quant_config
+        steps = loaders.LoaderSteps(loader, model, checkpoint, dev, load_dtype, transform)
     trusted = tuple(resolve_user(user) for user in trusted_publishers)
     request = Request(fingerprint, mode, strict, socket_dir, progress, quant_config=quant_config, trusted=trusted)
     return run(request, steps)

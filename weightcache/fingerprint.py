@@ -351,14 +351,21 @@ class Fingerprint:
         """``(field, self's value, other's value)`` for every identity field that differs.
 
         The checkpoint is compared per file, so a rewritten shard is named, e.g.
-        ``("checkpoint[model-00002-of-00004.safetensors].mtime_ns", 1700..., 1712...)``.
+        ``("checkpoint[model-00002-of-00004.safetensors].mtime_ns", 1700..., 1712...)``, and ``extra`` per
+        key, e.g. ``("extra.structure", "9f2c...", "41ab...")`` or
+        ``("extra.transformers.config.rope_parameters.rope_theta", 10000.0, 500000.0)``.
         """
         out: list[tuple[str, object, object]] = []
         for f in attrs.fields(Fingerprint):
             if f.name in ("placement", "checkpoint"):
                 continue
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
-            if mine != theirs:
+            if mine != theirs and f.name == "extra":
+                try:
+                    _diff_json("extra", json.loads(mine), json.loads(theirs), out)
+                except ValueError:  # a peer's extra that is no JSON: named whole
+                    out.append((f.name, mine, theirs))
+            elif mine != theirs:
                 out.append((f.name, mine, theirs))
         mine_files = {c.name: c for c in self.checkpoint}
         their_files = {c.name: c for c in other.checkpoint}
@@ -381,6 +388,15 @@ class Fingerprint:
             f"{model} ({self.model_path}) dtype={self.dtype or 'as-stored'} quant={self.quant} "
             f"parallel={layout} on {self.placement}"
         )
+
+
+def _diff_json(path: str, mine: object, theirs: object, out: list[tuple[str, object, object]]) -> None:
+    """The leaves where two JSON values differ, named by their dotted path (objects are compared per key)."""
+    if isinstance(mine, dict) and isinstance(theirs, dict):
+        for key in sorted(mine.keys() | theirs.keys()):
+            _diff_json(f"{path}.{key}", mine.get(key), theirs.get(key), out)
+    elif mine != theirs:
+        out.append((path, mine, theirs))
 
 
 def format_differences(diffs: list[tuple[str, object, object]], limit: int = 6) -> str:
