@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -17,10 +17,11 @@ from torch import nn
 from .binding import bind
 from .fingerprint import Fingerprint
 from .handle import Handle
-from .loader import StoredTensor, checkpoint_layout, load_weights
-from .pipeline import Mode, Request, Steps, check_mode, run
-from .publish import stored_as_is
+from .pipeline import Mode, Request, Steps, check_mode, collector_paused, run
 from .torch_dtypes import resolve_dtype
+
+if TYPE_CHECKING:
+    from .loader import StoredTensor
 
 Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -70,7 +71,8 @@ def attach(
         (or leave the ``with`` block) to release the lease; the model keeps working either way.
     """
     check_mode(mode)
-    dev, torch_dtype, fingerprint = _identify(checkpoint, device, dtype, quant, quant_config, parallel, transform)
+    with collector_paused():  # reading headers allocates little, but a collection owed by imports would land here
+        dev, torch_dtype, fingerprint = _identify(checkpoint, device, dtype, quant, quant_config, parallel, transform)
     steps = ModuleSteps(model, checkpoint, dev, torch_dtype, transform, progress)
     return run(Request(fingerprint, mode, strict, socket_dir, progress, quant_config=quant_config), steps)
 
@@ -150,6 +152,9 @@ class CheckpointSteps(Steps[Handle]):
         self.progress = progress
 
     def load_state(self) -> MutableMapping[str, torch.Tensor]:
+        # Reading checkpoints is imported on the disk path only: an attach from the cache never needs it.
+        from .loader import load_weights
+
         return load_weights(self.checkpoint, self.device, self.dtype, self.transform, self.progress)
 
     def serve(self, handle: Handle) -> Handle:
@@ -158,6 +163,9 @@ class CheckpointSteps(Steps[Handle]):
     def stream_layout(self) -> list[StoredTensor] | None:
         if self.device.type != "cuda" or self.transform is not None:
             return None
+        from .loader import checkpoint_layout
+        from .publish import stored_as_is
+
         layout = checkpoint_layout(self.checkpoint)
         return layout if stored_as_is(layout, self.dtype) else None
 

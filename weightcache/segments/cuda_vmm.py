@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -33,6 +34,7 @@ from .dense import dense_bytes
 
 _lock = threading.Lock()
 _placements: dict[str, int] = {}
+_prefetching = False
 
 
 def _driver() -> Any:
@@ -44,6 +46,24 @@ def _driver() -> Any:
             "matching your driver)"
         ) from exc
     return driver
+
+
+def prefetch_driver() -> None:
+    """Start importing ``cuda-bindings`` in a background thread (~10 ms of a process's first attach), so that it
+    runs while this thread waits for the keeper; the first :func:`_driver` call then finds it imported (or waits
+    for it: Python's import lock makes both see one module). Does nothing once it was imported or started, and
+    nothing (here) when it is not installed: :func:`_driver` reports that."""
+    global _prefetching
+    with _lock:
+        if _prefetching or "cuda.bindings.driver" in sys.modules:
+            return
+        _prefetching = True
+    threading.Thread(target=_import_quietly, name="weightcache-cuda-import", daemon=True).start()
+
+
+def _import_quietly() -> None:
+    with contextlib.suppress(ImportError):
+        from cuda.bindings import driver  # noqa: F401
 
 
 def _check(result: tuple[Any, ...], what: str) -> Any:
