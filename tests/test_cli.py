@@ -112,12 +112,19 @@ def test_inspect_unknown_digest(socket_dir: Path, keeper: object) -> None:
 
 
 def test_bench_runs_small(tmp_path: Path) -> None:
+    """Fresh engine processes per configuration: attach, import, the per-tensor floor and the collector's share
+    each as median, min and max; every process saw the published bits."""
     report = tmp_path / "bench.json"
     out = wc_cli("bench", "--sizes", "0.01,0.02", "--tensors", "30", "--repeat", "2", "--json", str(report))
-    assert "attach median" in out.stdout
+    assert "attach median" in out.stdout and "identical True" in out.stdout
     data = json.loads(report.read_text())
     assert [r["tensors"] for r in data["results"]] == [30, 30]
-    assert all(r["attach_ms_median"] > 0 for r in data["results"])
+    for r in data["results"]:
+        assert len(r["runs"]) == 2 and all(run["source"] == "cache" for run in r["runs"])
+        for column in ("attach_ms", "import_ms", "floor_ms", "gc_ms", "python_ms"):
+            assert r[column]["min"] <= r[column]["median"] <= r[column]["max"], column
+        assert r["attach_ms"]["min"] > 0 and r["import_ms"]["min"] > 0 and r["floor_ms"]["min"] > 0
+        assert r["attach_over_floor"] > 0 and r["identical"] is True and "peer" not in r  # the peer is CUDA's
     assert data["flatness"][0]["ratio"] > 0
 
 

@@ -291,7 +291,13 @@ def cmd_bench(args: argparse.Namespace) -> int:
         )
     from . import bench  # imports torch
 
-    return bench.run(sizes=sizes or bench.DEFAULT_SIZES_GIB, tensors=tensors or bench.DEFAULT_TENSORS, **options)
+    return bench.run(
+        sizes=sizes or bench.DEFAULT_SIZES_GIB,
+        tensors=tensors or bench.DEFAULT_TENSORS,
+        peer=not args.no_peer,
+        profile_dir=args.profile,
+        **options,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -400,11 +406,9 @@ def build_parser() -> argparse.ArgumentParser:
     # No --socket-dir: the benchmark always runs a private keeper in a temporary directory.
     p = sub.add_parser("bench", help="measure attach time (see docs/benchmarks.md)", description="measure attach time")
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
-    p.add_argument("--sizes", default=None, help="comma-separated sizes in GiB (default 1,2,8)")
-    p.add_argument("--tensors", default=None, help="comma-separated tensor counts (default 500)")
-    p.add_argument(
-        "--repeat", type=int, default=7, help="attaches timed per size (--restart: fresh client processes; default 7)"
-    )
+    p.add_argument("--sizes", default=None, help="comma-separated sizes in GiB (default 1,8)")
+    p.add_argument("--tensors", default=None, help="comma-separated tensor counts (default 3000)")
+    p.add_argument("--repeat", type=int, default=7, help="fresh engine processes per configuration (default 7)")
     p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
     p.add_argument(
@@ -416,6 +420,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--workdir", default=None, help="--restart: where to write checkpoints (default a temp dir)")
     p.add_argument("--keep", action="store_true", help="--restart: keep the checkpoints")
     p.add_argument("--progress", action="store_true", help="show progress bars even without a terminal")
+    p.add_argument(
+        "--no-peer", action="store_true", help="on CUDA, skip the legacy CUDA IPC attach measured side by side"
+    )
+    p.add_argument("--profile", default=None, metavar="DIR", help="each engine writes a cProfile of its attach here")
     p.set_defaults(func=cmd_bench)
     return parser
 
