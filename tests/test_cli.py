@@ -10,6 +10,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, start_keeper, wait_until
 
@@ -254,3 +255,26 @@ def test_the_tools_sit_on_top_of_the_library() -> None:
         assert not private, f"{path} uses private names: {private}"
     for old in ("cli", "doctor", "bench", "bench_restart"):
         assert not (ROOT / "weightcache" / f"{old}.py").exists(), f"weightcache/{old}.py is in weightcache/tools/"
+
+
+def test_the_llama_restart_runs_tiny_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/restart_llama.py end to end with a two-layer model: every step timed, modes off, daemon and
+    client served from where they should be, bitwise identical logits."""
+    pytest.importorskip("transformers")
+    report = tmp_path / "llama.json"
+    shape = ("--num-hidden-layers", "2", "--hidden-size", "128", "--intermediate-size", "256")
+    shape += ("--vocab-size", "512", "--num-attention-heads", "4", "--num-key-value-heads", "2")
+    script = str(ROOT / "benchmarks" / "restart_llama.py")
+    options = ("--device", "cpu", "--repeat", "1", "--workdir", str(tmp_path), "--no-drop", "--json", str(report))
+    out = subprocess.run(
+        [sys.executable, script, *options, *shape],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["identical"] is True
+    assert data["sources"] == {"off": ["disk"], "daemon": ["cache"], "client": ["cache"]}
+    steps = data["summary"]["client"]
+    assert steps["attach / load"]["median"] > 0 and steps["total to first token"]["median"] > 0
