@@ -21,7 +21,6 @@ from .lease import Lease
 from .manifest import Manifest
 from .messages import EntryInfo
 from .protocol import close_fds
-from .segments.cuda_vmm import prefetch_driver
 from .views import map_entry
 
 if TYPE_CHECKING:  # packing is imported when something is published: an attach never needs it
@@ -94,8 +93,6 @@ class Cache:
         runs.
         """
         quant_registry.get(fingerprint.quant).check()
-        if fingerprint.placement != "cpu":
-            prefetch_driver()  # imports the CUDA driver bindings while the keeper answers
         conn = self._connect()
         try:
             reply, fds = conn.get(fingerprint.digest, fingerprint.placement)

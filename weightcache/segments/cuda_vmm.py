@@ -13,14 +13,15 @@ Segments are placed by GPU UUID (``"GPU-<uuid>"``), never by index: ``CUDA_VISIB
 process to process, the UUID does not.
 
 What a received VMM fd must be is :func:`weightcache.fdcheck.verify_cuda_vmm`'s (the keeper checks it without
-torch or CUDA). ``cuda-bindings`` is imported on first use: a CPU-only install lacks it.
+torch or CUDA). ``cuda-bindings`` is imported on first use (a CPU-only install lacks it), by publishers only:
+a client maps received segments through the few ctypes declarations of :mod:`weightcache.segments.cuda_import`,
+so that a restarted engine does not pay for importing it (cuda-bindings remains the fallback).
 """
 
 from __future__ import annotations
 
 import contextlib
 import os
-import sys
 import threading
 from collections.abc import Iterator
 from typing import Any, ClassVar
@@ -29,12 +30,12 @@ import torch
 
 from ..errors import SegmentError
 from ..manifest import SegmentInfo
+from . import cuda_import
 from .base import Segment, Transport
 from .dense import dense_bytes
 
 _lock = threading.Lock()
 _placements: dict[str, int] = {}
-_prefetching = False
 
 
 def _driver() -> Any:
@@ -46,24 +47,6 @@ def _driver() -> Any:
             "matching your driver)"
         ) from exc
     return driver
-
-
-def prefetch_driver() -> None:
-    """Start importing ``cuda-bindings`` in a background thread (~10 ms of a process's first attach), so that it
-    runs while this thread waits for the keeper; the first :func:`_driver` call then finds it imported (or waits
-    for it: Python's import lock makes both see one module). Does nothing once it was imported or started, and
-    nothing (here) when it is not installed: :func:`_driver` reports that."""
-    global _prefetching
-    with _lock:
-        if _prefetching or "cuda.bindings.driver" in sys.modules:
-            return
-        _prefetching = True
-    threading.Thread(target=_import_quietly, name="weightcache-cuda-import", daemon=True).start()
-
-
-def _import_quietly() -> None:
-    with contextlib.suppress(ImportError):
-        from cuda.bindings import driver  # noqa: F401
 
 
 def _check(result: tuple[Any, ...], what: str) -> Any:
@@ -151,10 +134,11 @@ class _Mapping:
     when the last one goes, this object is collected and unmaps and frees the address range.
     """
 
-    def __init__(self, ptr: int, size: int, index: int) -> None:
+    def __init__(self, ptr: int, size: int, index: int, driver: cuda_import.Driver | None = None) -> None:
         self.ptr = ptr
         self.size = size
         self.index = index
+        self._ctypes = driver  # the ctypes driver that mapped it, or None: cuda-bindings did
         self.__cuda_array_interface__ = {
             "shape": (size,),
             "typestr": "|u1",
@@ -165,8 +149,11 @@ class _Mapping:
 
     def release(self) -> None:
         if self.ptr:
-            cu = _driver()
             ptr, self.ptr = self.ptr, 0
+            if self._ctypes is not None:
+                self._ctypes.unmap_and_free(ptr, self.size)
+                return
+            cu = _driver()
             cu.cuMemUnmap(ptr, self.size)
             cu.cuMemAddressFree(ptr, self.size)
 
@@ -299,9 +286,16 @@ class CudaVmmTransport(Transport):
         """:meth:`map`, also saying whether the mapping is read-only (False when ``WEIGHTCACHE_CUDA_WRITABLE``
         asked for writable mappings, or the driver refused read-only access and the segment was mapped
         read-write instead)."""
-        cu = _driver()
         index = device_index(info.placement)
+        drv = cuda_import.driver()  # ctypes: importing cuda-bindings would cost a restarted engine 10-15 ms
         with _on_device(index):
+            if drv is not None:
+                try:
+                    ptr, read_only = cuda_import.map_fd(drv, fd, info.size, index, read_only_mappings())
+                except cuda_import.DriverError as exc:
+                    raise SegmentError(f"cannot map a segment of {info.placement}: {exc}") from exc
+                return torch.as_tensor(_Mapping(ptr, info.size, index, drv), device=f"cuda:{index}"), read_only
+            cu = _driver()
             handle = _check(
                 cu.cuMemImportFromShareableHandle(
                     fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
