@@ -25,7 +25,11 @@ def map_entry(manifest: Manifest, fds: list[int]) -> dict[str, torch.Tensor]:
     """
     if len(fds) != len(manifest.segments):
         raise ManifestError(f"manifest lists {len(manifest.segments)} segments but {len(fds)} fds arrived")
-    bases = [segments.transport(info.kind).map(fd, info) for fd, info in zip(fds, manifest.segments)]
+    kinds = {info.kind for info in manifest.segments}
+    if len(kinds) == 1:  # every entry so far: one placement, one transport, which may map its segments together
+        bases = segments.transport(kinds.pop()).map_all(fds, manifest.segments)
+    else:
+        bases = [segments.transport(info.kind).map(fd, info) for fd, info in zip(fds, manifest.segments)]
     try:
         return _cut(manifest, bases)
     except (RuntimeError, TypeError, ValueError) as exc:  # torch refused a view: the manifest is wrong

@@ -23,7 +23,8 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import torch
@@ -282,6 +283,13 @@ class CudaVmmTransport(Transport):
     def map(self, fd: int, info: SegmentInfo) -> torch.Tensor:
         return self.map_checked(fd, info)[0]
 
+    def map_all(self, fds: Sequence[int], infos: Sequence[SegmentInfo]) -> list[torch.Tensor]:
+        threads = min(len(fds), map_threads())
+        if threads <= 1:
+            return super().map_all(fds, infos)
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightcache-map") as pool:
+            return list(pool.map(self.map, fds, infos))
+
     def map_checked(self, fd: int, info: SegmentInfo) -> tuple[torch.Tensor, bool]:
         """:meth:`map`, also saying whether the mapping is read-only (False when ``WEIGHTCACHE_CUDA_WRITABLE``
         asked for writable mappings, or the driver refused read-only access and the segment was mapped
@@ -307,6 +315,15 @@ class CudaVmmTransport(Transport):
             finally:
                 cu.cuMemRelease(handle)  # the mapping holds the memory from here on
             return torch.as_tensor(_Mapping(ptr, info.size, index), device=f"cuda:{index}"), read_only
+
+
+def map_threads() -> int:
+    """Threads that map one entry's segments (``WEIGHTCACHE_CUDA_MAP_THREADS``, default 1: one after the other).
+    The driver calls run without the GIL; whether the driver maps in parallel is for the benchmark to show."""
+    try:
+        return max(1, int(os.environ.get("WEIGHTCACHE_CUDA_MAP_THREADS", "1")))
+    except ValueError:
+        return 1
 
 
 def read_only_mappings() -> bool:
