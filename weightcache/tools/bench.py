@@ -374,6 +374,7 @@ def _run_one(
     repeat: int,
     peer: bool,
     profile_dir: Path | None,
+    segment_gib: float | None = None,
 ) -> dict[str, Any]:
     dtype = getattr(torch, dtype_name)
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -382,6 +383,8 @@ def _run_one(
     # exactly what attach() derives from (checkpoint, device): see weightcache.api
     fp = wc.Fingerprint.create(marker, device=torch.device(device))
     segment_bytes = CUDA_SEGMENT_BYTES if device.startswith("cuda") else CPU_SEGMENT_BYTES
+    if segment_gib is not None:
+        segment_bytes = int(segment_gib * 2**30)
     row: dict[str, Any] = {"gib": gib, "tensors": n}
     if peer and device.startswith("cuda"):  # first, alone on the device: at 120 GiB both would not fit
         expected_peer = _hash_sums(
@@ -437,12 +440,14 @@ def run(
     json_out: str | os.PathLike[str] | None = None,
     peer: bool = True,
     profile_dir: str | os.PathLike[str] | None = None,
+    segment_gib: float | None = None,
 ) -> int:
     """Publish a synthetic entry of each size (GiB) and tensor count into a private keeper and time its attach in
     ``repeat`` fresh engine processes (on CUDA, with ``peer``, also the legacy CUDA IPC attach of the same
     tensors); print a line per configuration and the flatness in size; write the report to ``json_out`` (after
     every configuration) when given. ``profile_dir``: each engine dumps a cProfile of its import and attach
-    there. Returns 0 when every process saw the published bits, else 1."""
+    there. ``segment_gib``: largest segment (default 16 GiB on a GPU, as ``weightcache load`` streams a
+    checkpoint; 8 GiB on the CPU). Returns 0 when every process saw the published bits, else 1."""
     if sys.flags.dont_write_bytecode:
         print(
             "note: PYTHONDONTWRITEBYTECODE is set: modules without a cached .pyc are compiled at every import, "
@@ -466,7 +471,7 @@ def run(
         cache.evict(warm_fp, force=True)
         for n in tensors:
             for gib in sizes:
-                r = _run_one(cache, socket_dir, tmp, device, gib, n, dtype, repeat, peer, profiles)
+                r = _run_one(cache, socket_dir, tmp, device, gib, n, dtype, repeat, peer, profiles, segment_gib)
                 results.append(r)
                 print(_line(r), flush=True)
                 if json_out:
@@ -497,6 +502,7 @@ def _report(device: str, results: list[dict[str, Any]], counts: Sequence[int]) -
         "python": platform.python_version(),
         "torch": torch.__version__,
         "bytecode_cached": not sys.flags.dont_write_bytecode,
+        "env": {k: v for k, v in sorted(os.environ.items()) if k.startswith("WEIGHTCACHE_")},
         "command": "weightcache bench " + " ".join(sys.argv[2:]),
         "results": results,
     }

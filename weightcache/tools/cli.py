@@ -296,6 +296,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         tensors=tensors or bench.DEFAULT_TENSORS,
         peer=not args.no_peer,
         profile_dir=args.profile,
+        segment_gib=args.segment_gib,
         **options,
     )
 
@@ -424,6 +425,9 @@ def build_parser() -> argparse.ArgumentParser:
         "--no-peer", action="store_true", help="on CUDA, skip the legacy CUDA IPC attach measured side by side"
     )
     p.add_argument("--profile", default=None, metavar="DIR", help="each engine writes a cProfile of its attach here")
+    p.add_argument(
+        "--segment-gib", type=float, default=None, help="largest segment of the entries (default: GPU 16, CPU 8)"
+    )
     p.set_defaults(func=cmd_bench)
     return parser
 
