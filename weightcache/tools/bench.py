@@ -297,7 +297,7 @@ def _child(code: str, spec: dict[str, Any], what: str) -> dict[str, Any]:
         [sys.executable, "-c", code, json.dumps(spec)], capture_output=True, text=True, check=False, timeout=600
     )
     if out.returncode != 0:
-        raise SystemExit(f"{what} failed:\n{out.stderr[-4000:]}")
+        raise SystemExit(f"{what} failed (exit status {out.returncode}):\n{out.stdout[-2000:]}{out.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     return result
 
