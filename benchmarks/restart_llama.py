@@ -10,7 +10,9 @@ engine is a fresh process that goes, with a timestamp after each step:
     cache dropped; mode client: attach from the keeper) -> first forward pass of a 16-token prompt and its
     greedy next token on the host
 
-Mode daemon's first start runs once between them (it loads, publishes and attaches). Every engine's logits of
+Each step also reports the time CPython spent in garbage collections inside it: a fresh interpreter owes one full
+collection of its import-time objects, and which step pays it shows. Mode daemon's first start runs once between
+them (it loads, publishes and attaches). Every engine's logits of
 the first forward pass are hashed: off, daemon and client must be bitwise identical. Needs transformers.
 
     PYTHONPATH=$PWD python benchmarks/restart_llama.py --device cuda:0 --workdir /tmp/llama8b --json out.json
@@ -51,6 +53,15 @@ LLAMA3_8B = {
 ENGINE = r"""
 import sys, time
 t = {"start": time.time()}
+import gc
+gc_ms = {}  # milliseconds of garbage collection per step (the step that ends at the next milestone)
+def on_gc(phase, info, _t=[0.0]):
+    if phase == "start":
+        _t[0] = time.perf_counter()
+    else:
+        step = ("torch", "cuda", "model", "weightcache", "attach", "forward")[len(t) - 1] if len(t) < 7 else "after"
+        gc_ms[step] = gc_ms.get(step, 0.0) + (time.perf_counter() - _t[0]) * 1e3
+gc.callbacks.append(on_gc)
 import hashlib, json
 import torch
 t["torch"] = time.time()
@@ -83,7 +94,8 @@ with torch.no_grad():
 token = int(logits.argmax())
 t["forward"] = time.time()
 digest = hashlib.sha256(logits.float().cpu().numpy().tobytes()).hexdigest()
-print(json.dumps({"mode": mode, "source": handle.source, "token": token, "logits": digest, "t": t}), flush=True)
+print(json.dumps({"mode": mode, "source": handle.source, "token": token, "logits": digest, "t": t, "gc_ms": gc_ms}),
+      flush=True)
 """
 
 #: (column, from milestone, to milestone); "launch" is the parent's clock just before it starts the process.
@@ -135,14 +147,23 @@ def engine(mode: str, ckpt: Path, device: str, socket_dir: Path) -> dict[str, An
 
 
 def summary(runs: list[dict[str, Any]]) -> dict[str, dict[str, float]]:
+    """Median, min and max of every step, and the median of the garbage collection time inside it."""
     return {
         name: {
             "median": round(statistics.median(r["ms"][name] for r in runs), 1),
             "min": round(min(r["ms"][name] for r in runs), 1),
             "max": round(max(r["ms"][name] for r in runs), 1),
+            "gc_median": round(statistics.median(_gc_in(r, a, b) for r in runs), 1),
         }
-        for name, _, _ in STEPS
+        for name, a, b in STEPS
     }
+
+
+def _gc_in(run: dict[str, Any], start: str, end: str) -> float:
+    """Collection time inside the steps from milestone ``start`` to ``end``."""
+    order = ("launch", "start", "torch", "cuda", "model", "weightcache", "attach", "forward")
+    steps = order[order.index(start) + 1 : order.index(end) + 1]
+    return float(sum(run["gc_ms"].get(step, 0.0) for step in steps))
 
 
 def main() -> int:
@@ -211,14 +232,17 @@ def main() -> int:
         "summary": {mode: summary(mode_runs) for mode, mode_runs in runs.items()},
         "runs": runs,
     }
-    print(f"{nbytes / 2**30:.2f} GiB checkpoint; medians in ms (min-max) over fresh processes; identical {identical}")
-    print(f"{'':28s}" + "".join(f"{m:>26s}" for m in runs))
+    print(
+        f"{nbytes / 2**30:.2f} GiB checkpoint; medians in ms (min-max) over fresh processes [median of it in garbage "
+        f"collection]; identical {identical}"
+    )
+    print(f"{'':28s}" + "".join(f"{m:>32s}" for m in runs))
     for name, _, _ in STEPS:
         cells = []
         for mode in runs:
             s = report["summary"][mode][name]
-            cells.append(f"{s['median']:9.1f} ({s['min']:.0f}-{s['max']:.0f})")
-        print(f"{name:28s}" + "".join(f"{c:>26s}" for c in cells))
+            cells.append(f"{s['median']:9.1f} ({s['min']:.0f}-{s['max']:.0f}) [{s['gc_median']:.0f}]")
+        print(f"{name:28s}" + "".join(f"{c:>32s}" for c in cells))
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json_out}")
