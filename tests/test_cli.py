@@ -278,3 +278,15 @@ def test_the_llama_restart_runs_tiny_on_cpu(tmp_path: Path) -> None:
     assert data["sources"] == {"off": ["disk"], "daemon": ["cache"], "client": ["cache"]}
     steps = data["summary"]["client"]
     assert steps["attach / load"]["median"] > 0 and steps["total to first token"]["median"] > 0
+
+
+def test_the_bench_peer_runs_its_holder_and_fresh_processes_on_cpu(tmp_path: Path) -> None:
+    """The peer's code path (a holder exports with torch's reductions, fresh processes unpickle and bind, each
+    checks the bits) without a GPU: on the CPU the reductions are shared-memory files instead of CUDA IPC."""
+    from weightcache.tools import bench
+
+    shapes = bench.layout(1 << 22, 12, 2)
+    expected = bench.checksum([bench.pattern(i, n, torch.bfloat16, "cpu") for i, n in enumerate(shapes)])
+    result = bench.peer_attach(tmp_path, shapes, "bfloat16", "cpu", 2, expected)
+    assert result["identical"] is True and len(result["runs"]) == 2
+    assert 0 < result["attach_ms"]["min"] <= result["attach_ms"]["median"] <= result["attach_ms"]["max"]

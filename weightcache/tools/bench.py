@@ -248,8 +248,9 @@ import torch
 t_torch = time.perf_counter()
 spec = json.loads(sys.argv[1])
 device = spec["device"]
-torch.zeros(1, device=device)
-torch.cuda.synchronize(device)
+if device.startswith("cuda"):
+    torch.zeros(1, device=device)
+    torch.cuda.synchronize(device)
 t_cuda = time.perf_counter()
 dtype = getattr(torch, spec["dtype"])
 model = torch.nn.Module()
@@ -264,7 +265,8 @@ with open(spec["exported"], "rb") as f:
     tensors = pickle.loads(f.read())
 for name, tensor in tensors.items():
     setattr(model, name, torch.nn.Parameter(tensor, requires_grad=False))
-torch.cuda.synchronize(device)
+if device.startswith("cuda"):
+    torch.cuda.synchronize(device)
 t3 = time.perf_counter()
 from weightcache.tools.bench import checksum
 sums = checksum(list(model.parameters()))
@@ -317,8 +319,12 @@ def _stats(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
     }
 
 
-def _peer(work: Path, shapes: list[int], dtype_name: str, device: str, repeat: int, expected: str) -> dict[str, Any]:
-    """The legacy CUDA IPC attach of the same tensors, in ``repeat`` fresh processes while a holder exports."""
+def peer_attach(
+    work: Path, shapes: list[int], dtype_name: str, device: str, repeat: int, expected: str
+) -> dict[str, Any]:
+    """The peer's attach of the same tensors, in ``repeat`` fresh processes while a holder exports them: on CUDA
+    torch's legacy CUDA IPC (what the bench reports); on the CPU torch's shared-memory files (only so that the
+    test suite can run this code without a GPU). ``expected``: the checksum every process must see."""
     exported = work / "peer.pkl"
     spec = {"device": device, "dtype": dtype_name, "shapes": shapes, "exported": str(exported)}
     holder = subprocess.Popen(
@@ -359,9 +365,12 @@ def holder(spec_json: str) -> None:
     reductions.init_reductions()  # type: ignore[no-untyped-call]
 
     spec = json.loads(spec_json)
+    if not spec["device"].startswith("cuda"):  # CPU tensors: shared memory files a fresh process can open by name
+        torch.multiprocessing.set_sharing_strategy("file_system")  # type: ignore[no-untyped-call]
     dtype = getattr(torch, spec["dtype"])
     tensors = {f"p{i}": pattern(i, n, dtype, spec["device"]) for i, n in enumerate(spec["shapes"])}
-    torch.cuda.synchronize(spec["device"])
+    if spec["device"].startswith("cuda"):
+        torch.cuda.synchronize(spec["device"])
     buf = io.BytesIO()
     ForkingPickler(buf).dump(tensors)
     Path(spec["exported"]).write_bytes(buf.getvalue())
@@ -396,7 +405,7 @@ def _run_one(
         expected_peer = _hash_sums(
             [pattern(i, s, dtype, device).view(torch.int16).sum(dtype=torch.int64) for i, s in enumerate(shapes)]
         )
-        row["peer"] = _peer(tmp, shapes, dtype_name, device, repeat, expected_peer)
+        row["peer"] = peer_attach(tmp, shapes, dtype_name, device, repeat, expected_peer)
         torch.cuda.empty_cache()
     t0 = time.perf_counter()
     total, nseg, expected = publish_synthetic(cache, fp, shapes, dtype, device, segment_bytes)
