@@ -60,7 +60,7 @@ test-engines: $(foreach e,$(ENGINES),$($(shell echo $(e) | tr a-z A-Z)_VENV)/.in
 		-p no:cacheprovider tests/backends/test_$(e).py &&) true
 
 bench: $(BIN)/.installed
-	$(BIN)/weightcache bench --tensors 500 --json bench-results/cpu-attach.json
+	$(BIN)/weightcache bench --json bench-results/cpu-attach.json
 
 clean:
 	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache site

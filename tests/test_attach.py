@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
+import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -391,3 +393,47 @@ def test_daemon_over_budget_runs_from_disk_or_raises(checkpoint: Path, socket_di
     finally:
         proc.terminate()
         proc.wait(10)
+
+
+#: A restarted engine's first attach, in a fresh process: what it imported, and whether the collector ran.
+FIRST_ATTACH = r"""
+import gc, json, sys
+import torch
+from models import meta_model
+model = meta_model()
+before = set(sys.modules)
+import weightcache as wc
+attach = wc.attach
+collections = []
+gc.callbacks.append(lambda phase, info: phase == "start" and collections.append(info["generation"]))
+handle = attach(model, sys.argv[1], mode="client", socket_dir=sys.argv[2], strict=True)
+gc.callbacks.clear()
+assert handle.source == "cache"
+heavy = ("filelock", "cuda.bindings", "safetensors", "weightcache.loader", "weightcache.publish",
+         "weightcache.digests", "weightcache.standby")
+new = set(sys.modules) - before
+print(json.dumps({"imported": sorted(m for m in new if m.startswith(heavy)), "collections": collections,
+                  "gc_enabled": gc.isenabled()}))
+"""
+
+
+def test_a_restarted_engine_attaches_without_importing_what_only_loading_needs(
+    checkpoint: Path, socket_dir: Path
+) -> None:
+    """The restart path imports neither filelock (spawning a keeper), the CUDA bindings (CPU), safetensors nor
+    the loading, packing and hashing modules, and no full garbage collection (the one a fresh interpreter owes
+    for torch's import, tens of ms) runs inside the attach; the collector is enabled again afterwards."""
+    with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir):
+        pass
+    here = Path(__file__).parent
+    out = subprocess.run(
+        [sys.executable, "-c", FIRST_ATTACH, str(checkpoint), str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "PYTHONPATH": os.pathsep.join([str(here), os.environ.get("PYTHONPATH", "")])},
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    report = json.loads(out.stdout.strip().splitlines()[-1])
+    assert report["imported"] == [] and report["gc_enabled"] is True
+    assert 2 not in report["collections"], report["collections"]

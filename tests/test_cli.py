@@ -128,12 +128,19 @@ def test_inspect_unknown_digest(socket_dir: Path, keeper: object) -> None:
 
 
 def test_bench_runs_small(tmp_path: Path) -> None:
+    """Fresh engine processes per configuration: attach, import, the per-tensor floor and the collector's share
+    each as median, min and max; every process saw the published bits."""
     report = tmp_path / "results" / "bench.json"  # a directory that does not exist yet, as on a fresh clone
     out = wc_cli("bench", "--sizes", "0.01,0.02", "--tensors", "30", "--repeat", "2", "--json", str(report))
-    assert "attach median" in out.stdout
+    assert "attach median" in out.stdout and "identical True" in out.stdout
     data = json.loads(report.read_text())
     assert [r["tensors"] for r in data["results"]] == [30, 30]
-    assert all(r["attach_ms_median"] > 0 for r in data["results"])
+    for r in data["results"]:
+        assert len(r["runs"]) == 2 and all(run["source"] == "cache" for run in r["runs"])
+        for column in ("attach_ms", "import_ms", "floor_ms", "gc_ms", "python_ms"):
+            assert r[column]["min"] <= r[column]["median"] <= r[column]["max"], column
+        assert r["attach_ms"]["min"] > 0 and r["import_ms"]["min"] > 0 and r["floor_ms"]["min"] > 0
+        assert r["attach_over_floor"] > 0 and r["identical"] is True and "peer" not in r  # the peer is CUDA's
     assert data["flatness"][0]["ratio"] > 0
 
 
@@ -413,3 +420,38 @@ def test_ctrl_c_while_load_reads_the_checkpoint_is_a_clean_exit(tmp_path: Path, 
     assert (load.returncode, err) == (130, "weightcache load: interrupted\n"), err
     assert "published" not in out
     assert wc.Cache(socket_dir).entries() == []
+
+
+def test_the_llama_restart_runs_tiny_on_cpu(tmp_path: Path) -> None:
+    """benchmarks/restart_llama.py end to end with a two-layer model: every step timed, modes off, daemon and
+    client served from where they should be, bitwise identical logits."""
+    pytest.importorskip("transformers")
+    report = tmp_path / "llama.json"
+    shape = ("--num-hidden-layers", "2", "--hidden-size", "128", "--intermediate-size", "256")
+    shape += ("--vocab-size", "512", "--num-attention-heads", "4", "--num-key-value-heads", "2")
+    script = str(ROOT / "benchmarks" / "restart_llama.py")
+    options = ("--device", "cpu", "--repeat", "1", "--workdir", str(tmp_path), "--no-drop", "--json", str(report))
+    out = subprocess.run(
+        [sys.executable, script, *options, *shape],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert out.returncode == 0, out.stderr[-3000:]
+    data = json.loads(report.read_text())
+    assert data["identical"] is True
+    assert data["sources"] == {"off": ["disk"], "daemon": ["cache"], "client": ["cache"]}
+    steps = data["summary"]["client"]
+    assert steps["attach / load"]["median"] > 0 and steps["total to first token"]["median"] > 0
+
+
+def test_the_bench_peer_runs_its_holder_and_fresh_processes_on_cpu(tmp_path: Path) -> None:
+    """The peer's code path (a holder exports with torch's reductions, fresh processes unpickle and bind, each
+    checks the bits) without a GPU: on the CPU the reductions are shared-memory files instead of CUDA IPC."""
+    from weightcache.tools import bench
+
+    shapes = bench.layout(1 << 22, 12, 2)
+    expected = bench.checksum([bench.pattern(i, n, torch.bfloat16, "cpu") for i, n in enumerate(shapes)])
+    result = bench.peer_attach(tmp_path, shapes, "bfloat16", "cpu", 2, expected)
+    assert result["identical"] is True and len(result["runs"]) == 2
+    assert 0 < result["attach_ms"]["min"] <= result["attach_ms"]["median"] <= result["attach_ms"]["max"]

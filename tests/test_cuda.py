@@ -422,3 +422,34 @@ def test_attach_load_and_an_adapter_publish_the_same_entry_on_gpu(checkpoint: Pa
             handle.close()
         for directory in dirs.values():
             stop_keeper(directory)
+
+
+def test_a_client_maps_through_ctypes_without_importing_cuda_bindings(checkpoint: Path, socket_dir: Path) -> None:
+    """A restarted engine maps GPU segments through the ctypes declarations (weightcache/segments/cuda_import.py),
+    never importing cuda-bindings; with WEIGHTCACHE_CUDA_DRIVER=bindings it maps through cuda-bindings, with
+    WEIGHTCACHE_CUDA_MAP_THREADS=4 several segments at once: all see the published bits (read-only mappings
+    through ctypes: test_clients_map_read_only)."""
+    cache = wc.Cache(socket_dir, spawn=True)
+    fp = wc.Fingerprint.create(checkpoint, device="cuda:0")
+    g = torch.Generator(device="cuda").manual_seed(1)
+    state = {f"w{i}": torch.randn(4096 + i, device="cuda", generator=g).to(torch.bfloat16) for i in range(40)}
+    expected = sum(int(t.view(torch.int16).sum(dtype=torch.int64)) for t in state.values())
+    code = f"""
+        import json, sys, torch
+        torch.zeros(1, device="cuda:0")
+        import weightcache as wc
+        from weightcache.segments import cuda_import
+        fp = wc.Fingerprint.create({str(checkpoint)!r}, device="cuda:0")
+        h = wc.Cache({str(socket_dir)!r}).get(fp)
+        total = sum(int(t.view(torch.int16).sum(dtype=torch.int64)) for t in h.tensors.values())
+        print(json.dumps({{"sum": total, "bindings": "cuda.bindings.driver" in sys.modules,
+                          "ctypes": cuda_import.driver() is not None}}))
+    """
+    with cache.put(fp, state, digests=False, max_segment_bytes=64 << 10) as h:  # several segments
+        assert h.manifest is not None and len(h.manifest.segments) > 3
+        fast = python(code)
+        slow = python(code, env={"WEIGHTCACHE_CUDA_DRIVER": "bindings"})
+        threaded = python(code, env={"WEIGHTCACHE_CUDA_MAP_THREADS": "4"})
+    assert fast["sum"] == slow["sum"] == threaded["sum"] == expected
+    assert fast["ctypes"] is True and fast["bindings"] is False
+    assert slow["ctypes"] is False and slow["bindings"] is True

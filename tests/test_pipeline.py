@@ -241,3 +241,14 @@ def test_no_module_but_the_pipeline_decides_modes_or_warns_of_fallbacks() -> Non
                 ):
                     offenders.append(f"{path.relative_to(ROOT)}:{node.lineno} decides a mode")
     assert offenders == []
+
+
+def test_gpu_segments_are_large_when_the_weights_come_from_host_memory() -> None:
+    """Migrating weights that sit on the GPU keeps segments at 1 GiB (the spare memory it needs); weights from
+    host memory need none, so they get 16 GiB segments: fewer imports and mappings per attach."""
+    from weightcache.publish import STREAM_SEGMENT_BYTES, default_segment_bytes
+
+    sizes = [1 << 28] * 256  # 64 GiB
+    assert default_segment_bytes("GPU-x", sizes) == 1 << 30
+    assert default_segment_bytes("GPU-x", sizes, from_host=True) == STREAM_SEGMENT_BYTES == 16 << 30
+    assert default_segment_bytes("cpu", sizes, from_host=True) == 8 << 30

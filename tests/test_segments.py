@@ -104,3 +104,19 @@ def test_dense_bytes_and_strides(make) -> None:  # type: ignore[no-untyped-def]
         assert torch.equal(rebuilt, t)
     if segments.is_dense(t):
         assert stride == t.stride()
+
+
+def test_the_ctypes_mapping_calls_match_cuda_h() -> None:
+    """The structs a client passes to cuMemSetAccess have cuda.h's layout, and without libcuda the ctypes driver
+    is absent (mapping then goes through cuda-bindings) rather than broken."""
+    import ctypes
+
+    from weightcache.segments import cuda_import
+
+    assert ctypes.sizeof(cuda_import.MemLocation) == 8 and ctypes.sizeof(cuda_import.MemAccessDesc) == 12
+    assert cuda_import.MemAccessDesc.flags.offset == 8
+    assert (cuda_import.PROT_READ, cuda_import.PROT_READWRITE, cuda_import.HANDLE_TYPE_POSIX_FD) == (1, 3, 1)
+    try:
+        ctypes.CDLL("libcuda.so.1")
+    except OSError:
+        assert cuda_import.driver() is None

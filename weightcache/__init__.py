@@ -39,22 +39,24 @@ from .errors import (
 from .fingerprint import Fingerprint
 from .manifest import Manifest
 from .messages import EntryInfo
-from .standby import Leadership
 
 if typing.TYPE_CHECKING:
     from .api import attach, preload
     from .binding import bind
     from .cache import Cache
     from .handle import Handle
+    from .standby import Leadership
 
-# Names that need torch, imported on first use (PEP 562): the keeper and the CLI's keeper commands import this
-# package without importing torch. No submodule is named like one of these, so none can shadow it.
+# Names imported on first use (PEP 562): those that need torch, so that the keeper and the CLI's keeper commands
+# import this package without importing torch, and those a restarted engine's attach does not need, so that it
+# does not pay for importing them. No submodule is named like one of these, so none can shadow it.
 _LAZY = {
     "attach": "api",
     "preload": "api",
     "bind": "binding",
     "Cache": "cache",
     "Handle": "handle",
+    "Leadership": "standby",
 }
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable, Iterable, Mapping, MutableMapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -19,11 +19,12 @@ from .binding import bind, check_fit
 from .errors import InvalidArgument
 from .fingerprint import Fingerprint, placement_of
 from .handle import Handle
-from .loader import StoredTensor, checkpoint_layout, load_weights
-from .pipeline import Mode, Request, Steps, check_mode, run
-from .publish import stored_as_is
+from .pipeline import Mode, Request, Steps, check_mode, collector_paused, run
 from .rundir import resolve_user
 from .torch_dtypes import convertible, resolve_dtype
+
+if TYPE_CHECKING:
+    from .loader import StoredTensor
 
 Transform = Callable[[dict[str, torch.Tensor]], dict[str, torch.Tensor]]
 
@@ -83,7 +84,10 @@ def attach(
     loader = loaders.for_model(model)
     steps: Steps[Handle]
     if loader is None:
-        dev, torch_dtype, fingerprint = _identify(checkpoint, device, dtype, quant, quant_config, parallel, transform)
+        with collector_paused():  # reading headers allocates little, but a collection owed by imports would land here
+            dev, torch_dtype, fingerprint = _identify(
+                checkpoint, device, dtype, quant, quant_config, parallel, transform
+            )
         steps = ModuleSteps(model, checkpoint, dev, torch_dtype, transform, progress)
     else:  # a framework's model (transformers): its own loader makes the weights (see weightcache.loaders)
         placement_of(device)  # first: InvalidArgument for a device that is none or that this process lacks
@@ -178,6 +182,9 @@ class CheckpointSteps(Steps[Handle]):
         self.progress = progress
 
     def load_state(self) -> MutableMapping[str, torch.Tensor]:
+        # Reading checkpoints is imported on the disk path only: an attach from the cache never needs it.
+        from .loader import load_weights
+
         return load_weights(self.checkpoint, self.device, self.dtype, self.transform, self.progress)
 
     def serve(self, handle: Handle) -> Handle:
@@ -186,6 +193,9 @@ class CheckpointSteps(Steps[Handle]):
     def stream_layout(self) -> list[StoredTensor] | None:
         if self.device.type != "cuda" or self.transform is not None:
             return None
+        from .loader import checkpoint_layout
+        from .publish import stored_as_is
+
         layout = checkpoint_layout(self.checkpoint)
         return layout if stored_as_is(layout, self.dtype) else None
 
@@ -213,6 +223,8 @@ class ModuleSteps(CheckpointSteps):
         if tensors is None:
             if self.transform is not None:
                 return  # what it makes is known once the weights are loaded: checked then
+            from .loader import checkpoint_layout  # a miss only: the restart path never imports the loader
+
             tensors = {t.name: _stand_in(t, self.dtype) for t in checkpoint_layout(self.checkpoint)}
         check_fit(self.model, tensors)
 

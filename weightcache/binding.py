@@ -208,29 +208,42 @@ def _bind_untied(places: list[_Place], tensors: Mapping[str, torch.Tensor], want
     """Bind a model without tied weights in one pass, if everything fits; return False, touching nothing,
     at the first thing that does not (the caller then explains every problem).
 
-    This is the path of every attach, so it makes no Python object per tensor beyond the new parameter:
-    thousands of tensors must bind in a few milliseconds.
+    This is the path of every attach, so it checks in bulk (a list per property, compared by C code) and makes no
+    Python object per tensor beyond the new parameter: thousands of tensors must bind in a few milliseconds.
     """
-    plan: list[tuple[_Place, torch.Tensor]] = []
     get = tensors.get
-    used = 0
-    for place in places:
-        orig = place[0]
-        tensor = get(place[5])
-        if tensor is None:
-            if place[2] or orig.is_meta:
+    found = [get(place[5]) for place in places]
+    if any(t is None for t in found):
+        pairs = []
+        for place, t in zip(places, found):
+            if t is not None:
+                pairs.append((place, t))
+            elif place[2] or place[0].is_meta:
                 return False  # missing data
-            continue  # a non-persistent buffer the model computed itself (e.g. rotary inv_freq)
-        if _misfits(tensor, orig, want_device):
-            return False
-        used += 1
-        plan.append((place, tensor))
-    if used != len(tensors):
+            # else: a non-persistent buffer the model computed itself (e.g. rotary inv_freq)
+        places = [place for place, _ in pairs]
+        found = [t for _, t in pairs]
+    if len(found) != len(tensors):
         return False  # names that are not in the model
-    for (orig, is_param, _, module, attr, _), tensor in plan:
+    bound: list[torch.Tensor] = found  # type: ignore[assignment]  # no None left
+    origs = [place[0] for place in places]
+    if [t.shape for t in bound] != [o.shape for o in origs] or [t.dtype for t in bound] != [o.dtype for o in origs]:
+        return False
+    if any(t.is_meta for t in bound):
+        return False
+    if want_device is not None:
+        for dev in {t.device for t in bound}:
+            if dev != want_device and not _same_device(dev, want_device):
+                return False
+    make = _make_subclass
+    parameter = nn.Parameter
+    for (orig, is_param, _, module, attr, _), tensor in zip(places, bound):
         if is_param:
-            new = _parameter_like(orig, tensor)
-            module._parameters[attr] = new  # type: ignore[assignment]
+            cls = type(orig) if isinstance(orig, parameter) else parameter
+            new = make(cls, tensor, orig.requires_grad and _grad_ok(tensor))
+            if orig.__dict__:  # an engine's attributes on its parameter (e.g. vLLM's weight_loader)
+                new.__dict__.update(orig.__dict__)
+            module._parameters[attr] = new
         else:
             module._buffers[attr] = tensor
     return True

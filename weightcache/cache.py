@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -17,18 +18,15 @@ from .errors import KeeperError, ManifestError
 from .fingerprint import Fingerprint
 from .handle import Handle
 from .lease import Lease
-from .loader import StoredTensor
 from .manifest import Manifest
 from .messages import EntryInfo
 from .protocol import close_fds
-from .publish import Packed, pack_checkpoint, pack_state
 from .rundir import resolve_user
 from .views import map_entry
 
-try:  # import the CUDA driver bindings with the library, not inside the first attach (~10 ms once)
-    import cuda.bindings.driver  # noqa: F401
-except ImportError:  # no GPU support installed: CPU segments only
-    pass
+if TYPE_CHECKING:  # packing is imported when something is published: an attach never needs it
+    from .loader import StoredTensor
+    from .publish import Packed
 
 
 class Cache:
@@ -189,6 +187,8 @@ class Cache:
         :func:`weightcache.publish.pack_state`'s.
         """
         quant_registry.get(fingerprint.quant).check()
+        from .publish import pack_state
+
         packed = pack_state(fingerprint, tensors, digests=digests, max_segment_bytes=max_segment_bytes, consume=consume)
         try:
             return self.publish(packed)
@@ -201,6 +201,8 @@ class Cache:
         """Publish a safetensors checkpoint as stored, streamed straight into GPU segments (see
         :func:`weightcache.publish.pack_checkpoint`), and return the attached Handle."""
         quant_registry.get(fingerprint.quant).check()
+        from .publish import pack_checkpoint
+
         packed = pack_checkpoint(fingerprint, layout, progress=progress)
         try:
             return self.publish(packed)

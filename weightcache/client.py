@@ -18,9 +18,6 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-from filelock import Timeout as LockTimeout
-
 from . import protocol
 from ._version import __version__
 from .errors import (
@@ -416,6 +413,10 @@ def ensure_keeper(
         )
     if group is None:
         ensure_private_dir(directory)  # creates it, and checks that we can write there
+    # Imported here, not with the module: only spawning needs it, and it costs a restarted engine ~10 ms.
+    from filelock import FileLock
+    from filelock import Timeout as LockTimeout
+
     try:
         with FileLock(str(directory / SPAWN_LOCK_NAME), timeout=timeout):
             with contextlib.suppress(KeeperUnavailable):

@@ -12,7 +12,6 @@ from typing import Literal
 import torch
 
 from . import republish
-from .digests import content_digest
 from .errors import WeightCacheError
 from .fingerprint import Fingerprint
 from .lease import Lease
@@ -99,6 +98,8 @@ class Handle:
                 f"entry {self.digest[:12]} was published without per-tensor digests (weightcache load --no-digests), "
                 "so there is nothing to verify against; publish it again without --no-digests"
             )
+        from .digests import content_digest  # hashing is imported when a caller verifies, not with every attach
+
         bad = [
             name
             for name, expected in zip(self.manifest.names, self.manifest.digest)

@@ -15,20 +15,26 @@ bind them into a module, build an engine's model around them, or just return the
   error instead). Reaching no keeper at all also falls back; only ``strict`` raises.
 
 Each start logs one line on the ``weightcache`` logger: hit or miss, bytes, milliseconds, and why on a miss.
+
+An attach of a cached entry runs with CPython's cyclic garbage collector paused: it makes thousands of objects
+(views, parameters) that cannot form cycles, and a fresh interpreter that just imported torch owes the collector
+one full pass over torch's import-time objects (tens of milliseconds), which the first of those allocations would
+otherwise pay inside the attach. The pass is not skipped, only left to the engine's next allocations.
 """
 
 from __future__ import annotations
 
 import abc
+import contextlib
 import difflib
 import gc
 import logging
 import os
 import time
 import warnings
-from collections.abc import Mapping, MutableMapping
+from collections.abc import Iterator, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Generic, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
 import attrs
 import torch
@@ -51,8 +57,10 @@ from .errors import (
 )
 from .fingerprint import Fingerprint, format_differences
 from .handle import Handle
-from .loader import StoredTensor
-from .publish import Packed, pack_checkpoint, pack_state
+
+if TYPE_CHECKING:
+    from .loader import StoredTensor
+    from .publish import Packed
 
 log = logging.getLogger("weightcache")
 
@@ -154,9 +162,10 @@ def _client(request: Request, steps: Steps[T], start: float) -> T:
     diffs: list[tuple[str, object, object]] = []
     try:
         cache = Cache(request.socket_dir, trusted_publishers=request.trusted)
-        handle = cache.get(fingerprint)
-        if handle is not None:
-            return _serve(request, steps, handle, "hit", start)
+        with collector_paused():
+            handle = cache.get(fingerprint)
+            if handle is not None:
+                return _serve(request, steps, handle, "hit", start)
         reason, diffs = why_missing(cache, fingerprint)
     except KeeperNotResponding as exc:
         if request.strict:
@@ -185,7 +194,8 @@ def _daemon(request: Request, steps: Steps[T], start: float) -> T:
     with ThreadPoolExecutor(max_workers=1) as pool:
         no_keeper = False
         try:
-            handle = cache.get(request.fingerprint)
+            with collector_paused():
+                handle = cache.get(request.fingerprint)
         except KeeperNotResponding as exc:  # a keeper holds the socket but is silent: no second one can start
             if request.strict:
                 raise
@@ -200,7 +210,8 @@ def _daemon(request: Request, steps: Steps[T], start: float) -> T:
                 raise
             return _fallback(request, steps, f"the keeper cannot be used ({type(exc).__name__}: {exc})", start)
         if handle is not None:
-            return _serve(request, steps, handle, "hit", start)
+            with collector_paused():
+                return _serve(request, steps, handle, "hit", start)
         steps.check_fit(None)  # weights the model cannot take: before a keeper starts and anything is read
         # No keeper: start one while the weights load instead of before.
         spawning: Future[object] | None = pool.submit(ensure_keeper, request.socket_dir) if no_keeper else None
@@ -210,6 +221,9 @@ def _daemon(request: Request, steps: Steps[T], start: float) -> T:
 def _load_and_publish(
     request: Request, steps: Steps[T], cache: Cache, spawning: Future[object] | None, start: float
 ) -> T:
+    # Loading and packing are imported on a miss only: an attach from the cache never needs them.
+    from .publish import pack_checkpoint, pack_state
+
     fingerprint = request.fingerprint
     layout = steps.stream_layout()
     state: MutableMapping[str, torch.Tensor] | None = None
@@ -251,6 +265,19 @@ def _load_and_publish(
             packed.close()
     handle.read_disk = True
     return _serve(request, steps, handle, "miss, published", start)
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """Pause CPython's cyclic garbage collector inside the block (as it was before, after it): see the module
+    docstring. Reference counting still frees everything that is not in a cycle."""
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
 
 
 def _serve(request: Request, steps: Steps[T], handle: Handle, outcome: str, start: float) -> T:
@@ -327,4 +354,14 @@ def why_missing(cache: Cache, fingerprint: Fingerprint) -> tuple[str, list[tuple
     )
 
 
-__all__ = ["MODES", "PUBLISH_FAILURES", "Mode", "Request", "Steps", "check_mode", "run", "why_missing"]
+__all__ = [
+    "MODES",
+    "PUBLISH_FAILURES",
+    "Mode",
+    "Request",
+    "Steps",
+    "check_mode",
+    "collector_paused",
+    "run",
+    "why_missing",
+]

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import os
 from abc import ABC, abstractmethod
+from collections.abc import Sequence
 from typing import ClassVar
 
 import torch
@@ -87,6 +88,11 @@ class Transport(ABC):
         Writes through the returned tensor must never reach other processes' view of the segment. The fd
         is not consumed: the caller still owns and closes it.
         """
+
+    def map_all(self, fds: Sequence[int], infos: Sequence[SegmentInfo]) -> list[torch.Tensor]:
+        """:meth:`map` each of one entry's segments (``fds[i]`` is ``infos[i]``'s); one by one unless a
+        transport knows better. A failure leaves nothing mapped (the tensors mapped so far are dropped)."""
+        return [self.map(fd, info) for fd, info in zip(fds, infos)]
 
     @staticmethod
     def verify_fd(fd: int, info: SegmentInfo) -> None:

@@ -13,7 +13,9 @@ Segments are placed by GPU UUID (``"GPU-<uuid>"``), never by index: ``CUDA_VISIB
 process to process, the UUID does not.
 
 What a received VMM fd must be is :func:`weightcache.fdcheck.verify_cuda_vmm`'s (the keeper checks it without
-torch or CUDA). ``cuda-bindings`` is imported on first use: a CPU-only install lacks it.
+torch or CUDA). ``cuda-bindings`` is imported on first use (a CPU-only install lacks it), by publishers only:
+a client maps received segments through the few ctypes declarations of :mod:`weightcache.segments.cuda_import`,
+so that a restarted engine does not pay for importing it (cuda-bindings remains the fallback).
 """
 
 from __future__ import annotations
@@ -21,13 +23,15 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any, ClassVar
 
 import torch
 
 from ..errors import SegmentError
 from ..manifest import SegmentInfo
+from . import cuda_import
 from .base import Segment, Transport
 from .dense import dense_bytes
 
@@ -131,10 +135,11 @@ class _Mapping:
     when the last one goes, this object is collected and unmaps and frees the address range.
     """
 
-    def __init__(self, ptr: int, size: int, index: int) -> None:
+    def __init__(self, ptr: int, size: int, index: int, driver: cuda_import.Driver | None = None) -> None:
         self.ptr = ptr
         self.size = size
         self.index = index
+        self._ctypes = driver  # the ctypes driver that mapped it, or None: cuda-bindings did
         self.__cuda_array_interface__ = {
             "shape": (size,),
             "typestr": "|u1",
@@ -145,8 +150,11 @@ class _Mapping:
 
     def release(self) -> None:
         if self.ptr:
-            cu = _driver()
             ptr, self.ptr = self.ptr, 0
+            if self._ctypes is not None:
+                self._ctypes.unmap_and_free(ptr, self.size)
+                return
+            cu = _driver()
             cu.cuMemUnmap(ptr, self.size)
             cu.cuMemAddressFree(ptr, self.size)
 
@@ -275,13 +283,27 @@ class CudaVmmTransport(Transport):
     def map(self, fd: int, info: SegmentInfo) -> torch.Tensor:
         return self.map_checked(fd, info)[0]
 
+    def map_all(self, fds: Sequence[int], infos: Sequence[SegmentInfo]) -> list[torch.Tensor]:
+        threads = min(len(fds), map_threads())
+        if threads <= 1:
+            return super().map_all(fds, infos)
+        with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightcache-map") as pool:
+            return list(pool.map(self.map, fds, infos))
+
     def map_checked(self, fd: int, info: SegmentInfo) -> tuple[torch.Tensor, bool]:
         """:meth:`map`, also saying whether the mapping is read-only (False when ``WEIGHTCACHE_CUDA_WRITABLE``
         asked for writable mappings, or the driver refused read-only access and the segment was mapped
         read-write instead)."""
-        cu = _driver()
         index = device_index(info.placement)
+        drv = cuda_import.driver()  # ctypes: importing cuda-bindings would cost a restarted engine 10-15 ms
         with _on_device(index):
+            if drv is not None:
+                try:
+                    ptr, read_only = cuda_import.map_fd(drv, fd, info.size, index, read_only_mappings())
+                except cuda_import.DriverError as exc:
+                    raise SegmentError(f"cannot map a segment of {info.placement}: {exc}") from exc
+                return torch.as_tensor(_Mapping(ptr, info.size, index, drv), device=f"cuda:{index}"), read_only
+            cu = _driver()
             handle = _check(
                 cu.cuMemImportFromShareableHandle(
                     fd, cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
@@ -293,6 +315,15 @@ class CudaVmmTransport(Transport):
             finally:
                 cu.cuMemRelease(handle)  # the mapping holds the memory from here on
             return torch.as_tensor(_Mapping(ptr, info.size, index), device=f"cuda:{index}"), read_only
+
+
+def map_threads() -> int:
+    """Threads that map one entry's segments (``WEIGHTCACHE_CUDA_MAP_THREADS``, default 1: one after the other).
+    The driver calls run without the GIL; whether the driver maps in parallel is for the benchmark to show."""
+    try:
+        return max(1, int(os.environ.get("WEIGHTCACHE_CUDA_MAP_THREADS", "1")))
+    except ValueError:
+        return 1
 
 
 def read_only_mappings() -> bool:

@@ -379,7 +379,14 @@ def cmd_bench(args: argparse.Namespace) -> int:
         raise wc.WeightCacheError("--drop-caches goes with --restart (only the restart benchmark reads a checkpoint)")
     from . import bench  # imports torch
 
-    return bench.run(sizes=sizes, tensors=tensors or bench.DEFAULT_TENSORS, **options)
+    return bench.run(
+        sizes=sizes,
+        tensors=tensors or bench.DEFAULT_TENSORS,
+        peer=not args.no_peer,
+        profile_dir=args.profile,
+        segment_gib=args.segment_gib,
+        **options,
+    )
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -497,13 +504,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument(
         "--sizes",
         default=None,
-        help="comma-separated sizes in GiB (default 1,2,8; with --restart 1,8,32; either: those that fit in memory)",
+        help="comma-separated sizes in GiB (default 1,8; with --restart 1,8,32; either: those that fit in memory)",
     )
-    p.add_argument("--tensors", default=None, help="comma-separated tensor counts (default 500)")
-    p.add_argument(
-        "--repeat", type=int, default=7, help="attaches timed per size (--restart: fresh client processes; default 7)"
-    )
-    p.add_argument("--dtype", default="bfloat16", help="dtype of the synthetic weights (default bfloat16)")
+    p.add_argument("--tensors", default=None, help="comma-separated tensor counts (default 3000)")
+    p.add_argument("--repeat", type=int, default=7, help="fresh engine processes per configuration (default 7)")
+    p.add_argument("--dtype", default="bfloat16")
     p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
     p.add_argument(
         "--restart",
@@ -520,6 +525,13 @@ def build_parser() -> argparse.ArgumentParser:
         "a reboot; slows every process on the machine), not only the checkpoint's pages",
     )
     p.add_argument("--progress", action="store_true", help="show progress bars even without a terminal")
+    p.add_argument(
+        "--no-peer", action="store_true", help="on CUDA, skip the legacy CUDA IPC attach measured side by side"
+    )
+    p.add_argument("--profile", default=None, metavar="DIR", help="each engine writes a cProfile of its attach here")
+    p.add_argument(
+        "--segment-gib", type=float, default=None, help="largest segment of the entries (default: GPU 16, CPU 8)"
+    )
     p.set_defaults(func=cmd_bench)
     return parser
 
