@@ -158,8 +158,8 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("entry", entry.digest),
         ("model", f"{entry.model}  ({fp.model_path})"),
         ("placement", entry.placement),
-        ("publisher", f"{user_name(entry.publisher)} (uid {entry.publisher})"),
         ("size", size),
+        ("publisher", f"{user_name(entry.publisher)} (uid {entry.publisher})"),
         ("leases", f"{entry.leases}  {holders}".rstrip()),
         *((key, str(getattr(fp, key))) for key in INSPECTED),
         ("parallel", ", ".join(f"{a} {r}/{s}" for a, r, s in fp.parallel) or "-"),
@@ -508,7 +508,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--tensors", default=None, help="comma-separated tensor counts (default 3000)")
     p.add_argument("--repeat", type=int, default=7, help="fresh engine processes per configuration (default 7)")
-    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--dtype", default="bfloat16", help="dtype of the synthetic weights (default bfloat16)")
     p.add_argument("--json", dest="json_out", default=None, help="write the results to this JSON file")
     p.add_argument(
         "--restart",
