@@ -412,7 +412,10 @@ assert handle.source == "cache"
 heavy = ("filelock", "cuda.bindings", "safetensors", "weightcache.loader", "weightcache.publish",
          "weightcache.digests", "weightcache.standby")
 new = set(sys.modules) - before
-print(json.dumps({"imported": sorted(m for m in new if m.startswith(heavy)), "collections": collections,
+# a heavy module or one of its submodules (weightcache.loaders, the light registry of framework loaders, is not
+# weightcache.loader)
+print(json.dumps({"imported": sorted(m for m in new if m in heavy or m.startswith(tuple(h + "." for h in heavy))),
+                  "collections": collections,
                   "gc_enabled": gc.isenabled()}))
 """
 
