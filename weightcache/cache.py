@@ -67,7 +67,7 @@ class Cache:
     def trust(self, conn: KeeperConnection) -> tuple[int, ...]:
         """The publishers this cache accepts through ``conn``, in order of preference: this process's uid, the
         keeper's owner, then :attr:`trusted_publishers`."""
-        return tuple(dict.fromkeys((os.getuid(), conn.keeper_uid, *self.trusted_publishers)))
+        return tuple(dict.fromkeys((*conn.default_trust, *self.trusted_publishers)))
 
     # --- queries -----------------------------------------------------------------------------------------
 

@@ -234,7 +234,7 @@ class KeeperConnection:
         reply, fds = self.request(GetRequest(digest, placement, tuple(trust)).to_json())
         try:
             found = GetReply.from_json(reply)
-            allowed = tuple(trust) or (os.getuid(), self.keeper_uid)
+            allowed = tuple(trust) or self.default_trust
             if found.found and found.publisher not in allowed:
                 raise PeerRejected(
                     f"the keeper answered with an entry published by uid {found.publisher}, which this client does "
@@ -244,6 +244,12 @@ class KeeperConnection:
         except BaseException:
             protocol.close_fds(fds)
             raise
+
+    @property
+    def default_trust(self) -> tuple[int, ...]:
+        """The publishers trusted when none are named: this process's uid, then the keeper's owner (the keeper
+        applies the same default to a ``get`` without ``trust``)."""
+        return tuple(dict.fromkeys((os.getuid(), self.keeper_uid)))
 
     @property
     def keeper_uid(self) -> int:

@@ -20,6 +20,7 @@ import grp
 import os
 import pwd
 import stat
+from collections.abc import Callable
 from pathlib import Path
 
 from .errors import SocketDirError
@@ -86,22 +87,23 @@ def is_explicit(socket_dir: str | os.PathLike[str] | None) -> bool:
 
 def resolve_user(user: str | int) -> int:
     """A user name or number -> uid (numbers need not have a name)."""
-    if isinstance(user, int) or user.isdigit():
-        return int(user)
-    try:
-        return pwd.getpwnam(user).pw_uid
-    except KeyError:
-        raise ValueError(f"no user named {user!r} on this host; give a user name from /etc/passwd or a uid") from None
+    return _resolve_id(user, lambda name: pwd.getpwnam(name).pw_uid, "user", "/etc/passwd", "uid")
 
 
 def resolve_group(group: str | int) -> int:
     """A group name or number -> gid (numbers need not have a name)."""
-    if isinstance(group, int) or group.isdigit():
-        return int(group)
+    return _resolve_id(group, lambda name: grp.getgrnam(name).gr_gid, "group", "/etc/group", "gid")
+
+
+def _resolve_id(value: str | int, lookup: Callable[[str], int], kind: str, table: str, number: str) -> int:
+    if isinstance(value, int) or value.isdigit():
+        return int(value)
     try:
-        return grp.getgrnam(group).gr_gid
+        return lookup(value)
     except KeyError:
-        raise ValueError(f"no group named {group!r} on this host; give a group name from /etc/group or a gid") from None
+        raise ValueError(
+            f"no {kind} named {value!r} on this host; give a {kind} name from {table} or a {number}"
+        ) from None
 
 
 def my_groups() -> set[int]:

@@ -255,12 +255,11 @@ def _hash_sums(sums: list[Any]) -> str:
     return hashlib.sha256(torch.stack(sums).cpu().numpy().tobytes()).hexdigest()
 
 
-# The fresh engine process: a script run with `python -c`, so that nothing of weightcache is imported before the
-# clock of `import` starts (`python -m weightcache.tools.bench` would import the package first).
-ENGINE = r"""
+# What both fresh processes do before their clocks start: Python, torch, the CUDA context, the model on meta.
+START = r"""
 import sys, time
 t_start = time.perf_counter()
-import gc, json
+import gc, json, pickle
 import torch
 t_torch = time.perf_counter()
 spec = json.loads(sys.argv[1])
@@ -274,6 +273,13 @@ model = torch.nn.Module()
 with torch.device("meta"):
     for i, n in enumerate(spec["shapes"]):
         model.register_parameter(f"p{i}", torch.nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False))
+"""
+
+# The fresh engine process: a script run with `python -c`, so that nothing of weightcache is imported before the
+# clock of `import` starts (`python -m weightcache.tools.bench` would import the package first).
+ENGINE = (
+    START
+    + r"""
 gc_ns = {"import": [0, 0, 0], "attach": [0, 0, 0]}  # per phase: ns in collections, collections, full ones
 phase_now = ["import"]
 def on_gc(phase, info, _start=[0]):
@@ -320,26 +326,13 @@ print(json.dumps({
 }), flush=True)
 handle.close()
 """
+)
 
 # The peer's fresh engine process: unpickle what the holder exported with torch's CUDA IPC reductions (each
 # tensor is rebuilt from its IPC handle) and bind the tensors as Parameters.
-PEER = r"""
-import sys, time
-t_start = time.perf_counter()
-import gc, json, pickle
-import torch
-t_torch = time.perf_counter()
-spec = json.loads(sys.argv[1])
-device = spec["device"]
-if device.startswith("cuda"):
-    torch.zeros(1, device=device)
-    torch.cuda.synchronize(device)
-t_cuda = time.perf_counter()
-dtype = getattr(torch, spec["dtype"])
-model = torch.nn.Module()
-with torch.device("meta"):
-    for i, n in enumerate(spec["shapes"]):
-        model.register_parameter(f"p{i}", torch.nn.Parameter(torch.empty(n, dtype=dtype), requires_grad=False))
+PEER = (
+    START
+    + r"""
 t0 = time.perf_counter()
 import torch.multiprocessing.reductions  # what unpickling the rebuild functions imports
 t1 = time.perf_counter()
@@ -358,6 +351,7 @@ print(json.dumps({
     "import_ms": (t1 - t0) * 1e3, "attach_ms": (t3 - t2) * 1e3,
 }), flush=True)
 """
+)
 
 
 def floor_ms(params: Sequence[torch.Tensor], shapes: list[int], dtype: torch.dtype) -> float:

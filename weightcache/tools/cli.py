@@ -97,7 +97,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
             model += f" {fp.quant}"
         rows.append(
             (
-                e.digest[:12] + e.key.partition("~")[1] + e.key.partition("~")[2],
+                e.digest[:12] + "".join(e.key.partition("~")[1:]),  # "~uid": another user's publication
                 model,
                 e.device,
                 user_name(e.publisher),
