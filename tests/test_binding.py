@@ -131,3 +131,30 @@ def test_the_advice_fits_the_problem() -> None:
     with pytest.raises(wc.BindError) as info:
         wc.bind(meta_model(dim=32), full_state())
     assert "dtype=" not in str(info.value) and "same architecture" in str(info.value)
+
+
+@pytest.mark.parametrize("requires_grad", [False, True])
+def test_parameters_are_new_objects_over_the_given_memory(requires_grad: bool) -> None:
+    """A bound parameter is a new object of the model's parameter class (also one whose layout differs from
+    Tensor's, which cannot take a class assignment), not a view of the given tensor and not that tensor itself:
+    the caller's tensors are never changed."""
+
+    class SlottedParam(nn.Parameter):
+        __slots__ = ("tag",)
+
+    class M(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.empty(4, device="meta"), requires_grad=requires_grad)
+            self.s = SlottedParam(torch.empty(4, device="meta"), requires_grad=requires_grad)
+
+    flat = torch.arange(8.0)
+    given = dict(zip(("w", "s"), flat.split_with_sizes([4, 4])))
+    m = M()
+    wc.bind(m, given)
+    for name, cls in (("w", nn.Parameter), ("s", SlottedParam)):
+        p = m._parameters[name]
+        assert type(p) is cls and p is not given[name] and type(given[name]) is torch.Tensor
+        assert p.data_ptr() == given[name].data_ptr() and p.requires_grad is requires_grad
+        assert not p._is_view()  # a view would keep autograd's view bookkeeping on the model's weights
+    m.s.tag = "x"

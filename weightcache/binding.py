@@ -235,15 +235,22 @@ def _bind_untied(places: list[_Place], tensors: Mapping[str, torch.Tensor], want
         for dev in {t.device for t in bound}:
             if dev != want_device and not _same_device(dev, want_device):
                 return False
-    make = _make_subclass
     parameter = nn.Parameter
     for (orig, is_param, _, module, attr, _), tensor in zip(places, bound):
         if is_param:
-            cls = type(orig) if isinstance(orig, parameter) else parameter
-            new = make(cls, tensor, orig.requires_grad and _grad_ok(tensor))
+            cls: type[torch.Tensor] = type(orig) if isinstance(orig, parameter) else parameter
+            new: torch.Tensor
+            if orig.requires_grad:
+                new = _make_subclass(cls, tensor, _grad_ok(tensor))
+            else:  # what _make_subclass does for requires_grad=False, in two cheaper steps (a third of the time)
+                new = tensor.detach()
+                try:
+                    new.__class__ = cls
+                except TypeError:  # a parameter class whose layout differs from Tensor's
+                    new = _make_subclass(cls, tensor, False)
             if orig.__dict__:  # an engine's attributes on its parameter (e.g. vLLM's weight_loader)
                 new.__dict__.update(orig.__dict__)
-            module._parameters[attr] = new
+            module._parameters[attr] = new  # type: ignore[assignment]  # an nn.Parameter (subclass) by now
         else:
             module._buffers[attr] = tensor
     return True
