@@ -5,12 +5,15 @@ The adapters themselves are tested against the real engines in tests/backends/ (
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import ClassVar
 
+import attrs
 import pytest
 import torch
 from models import INPUT_IDS, TinyLM, meta_model, model_kwargs, reference_output
@@ -19,6 +22,9 @@ import weightcache as wc
 from weightcache import backends
 from weightcache.backends.base import Backend, Loaded, LoaderOptions, QuantSpec, adopt_published_layout
 from weightcache.backends.torch import ModuleLoad
+from weightcache.binding import bind
+from weightcache.loader import load_weights
+from weightcache.structure import structure_digest
 
 
 def test_builtin_adapters_are_listed_without_importing_their_engines() -> None:
@@ -157,6 +163,7 @@ def test_backend_template_runs_every_mode(checkpoint: Path, socket_dir: Path) ->
         load("client", strict=True)
     first = load("daemon")  # spawns a keeper, loads, publishes, serves the published copy
     assert first.source == "cache" and first.handle is not None and first.handle.read_disk
+    assert first.handle.fingerprint == fp  # no structure added: attach() makes the same fingerprint, shares entries
     assert first.preloaded_bytes == 0  # allocated by this very load
     again = load("client")
     assert again.source == "cache" and again.handle is not None and not again.handle.read_disk
@@ -207,3 +214,128 @@ def test_adopt_published_layout_refuses_new_shapes_for_unquantized_weights(socke
         with pytest.raises(wc.BindError, match=r"weight: published \(4, 3\).*model \(3, 4\).*evict"):
             adopt_published_layout(model, handle)
         assert model.weight.shape == (3, 4) and model.weight.is_meta  # untouched
+
+
+# --- the structure of the engine's model in the fingerprint --------------------------------------------------
+
+
+@attrs.define
+class EngineLoad:
+    """An engine's load of a TinyLM checkpoint. ``dtype`` is a setting that changes the model the engine builds
+    but that the engine's identity (``make_fingerprint``) does not record, as vLLM's ``model_impl`` is not.
+    ``registered`` stands for vLLM's registry of layers by name (with ``registers``): a second live model of the
+    same names is an error, as vLLM's "Duplicate layer name"."""
+
+    checkpoint: Path
+    dtype: torch.dtype = torch.float32
+    registered: set[str] = attrs.field(factory=set)
+    builds: int = 0
+    registers: bool = True
+
+
+class RegisteringEngine(Backend):
+    name: ClassVar[str] = "registering"
+    module: ClassVar[str] = "torch"
+
+    def quant(self, engine_quant: object) -> QuantSpec:
+        return QuantSpec("none")
+
+    def build_model(self, context: EngineLoad) -> torch.nn.Module:
+        context.builds += 1
+        if context.registers:
+            if "model" in context.registered:
+                raise RuntimeError("Duplicate layer name: model")
+            context.registered.add("model")
+        return TinyLM(**model_kwargs(context.checkpoint)).to(context.dtype)
+
+    def load_from_disk(self, context: EngineLoad) -> torch.nn.Module:
+        with torch.device("cpu"):
+            model = self.build_model(context)
+        bind(model, load_weights(context.checkpoint, torch.device("cpu"), context.dtype), device="cpu")
+        return model
+
+    def release_model(self, model: torch.nn.Module, context: EngineLoad) -> None:
+        context.registered.discard("model")
+
+    @contextlib.contextmanager
+    def scratch_build(self, context: EngineLoad) -> Iterator[None]:
+        kept = set(context.registered)
+        context.registered.clear()
+        try:
+            yield
+        finally:
+            context.registered.clear()
+            context.registered.update(kept)
+
+
+def engine_load(
+    backend: Backend, context: EngineLoad, socket_dir: Path, mode: str, strict: bool = False
+) -> tuple[Loaded, wc.Fingerprint]:
+    fp = backend.make_fingerprint(
+        str(context.checkpoint),
+        dtype=None,
+        engine_quant=None,
+        parallel=lambda: {"tp": (0, 1)},
+        device="cpu",
+        identity={"checkpoint": str(context.checkpoint)},
+    )
+    options = LoaderOptions(mode=mode, socket_dir=str(socket_dir), strict=strict)  # type: ignore[arg-type]
+    return backend.load_model(context, fingerprint=fp, device="cpu", options=options), fp
+
+
+def test_a_setting_the_identity_misses_but_the_built_model_shows_is_a_miss_naming_the_structure(
+    checkpoint: Path, socket_dir: Path
+) -> None:
+    """The engine's model is built (on meta) before the keeper is asked, and its structure joins the fingerprint:
+    a start whose model differs (here in dtype) from the one the entry was made for misses the entry, and the
+    fallback names ``extra.structure``: never an attach into a model the entry was not made for."""
+    backend = RegisteringEngine()
+    published, _ = engine_load(backend, EngineLoad(checkpoint, registers=False), socket_dir, "daemon")
+    assert published.source == "cache" and published.handle is not None
+    extra = published.handle.fingerprint.extra
+    assert f'"structure":"{structure_digest(meta_model(**model_kwargs(checkpoint)))}"' in extra
+    with pytest.warns(wc.FallbackWarning, match=r"extra\.structure: requested '[0-9a-f]{12,}"):
+        other, _ = engine_load(
+            backend, EngineLoad(checkpoint, dtype=torch.bfloat16, registers=False), socket_dir, "client"
+        )
+    assert other.source == "disk" and other.model.embed.weight.dtype == torch.bfloat16
+    with torch.no_grad():
+        expected = reference_output(checkpoint, torch.bfloat16)
+        assert torch.equal(other.model(INPUT_IDS), expected)
+    with pytest.raises(wc.FingerprintMismatch, match=r"extra\.structure"):
+        bf16 = EngineLoad(checkpoint, dtype=torch.bfloat16, registers=False)
+        engine_load(backend, bf16, socket_dir, "client", strict=True)
+    assert [e.digest for e in wc.Cache(socket_dir).entries()] == [published.handle.digest]
+
+
+def test_the_engine_model_is_built_once_on_a_hit_and_released_before_a_disk_load(
+    checkpoint: Path, socket_dir: Path
+) -> None:
+    """One meta build per load: a hit serves the model whose structure was fingerprinted (its registrations
+    stay); a miss releases it before the engine's own loader builds a model of the same names. Asking for the
+    fingerprint without loading (what vLLM's get_external_weight_memory needs) builds in scratch and leaves the
+    engine's registrations as they were, before or after a load."""
+    backend = RegisteringEngine()
+    first = EngineLoad(checkpoint)
+    published, fp = engine_load(backend, first, socket_dir, "daemon")
+    assert first.builds == 3  # fingerprinted, released; loaded from disk in scratch; served after publishing
+    assert first.registered == {"model"}  # the served model's
+    assert published.handle is not None and backend.complete_fingerprint(fp, first) == published.handle.fingerprint
+    assert first.registered == {"model"} and first.builds == 4
+
+    restart = EngineLoad(checkpoint)
+    assert backend.complete_fingerprint(fp, restart) == published.handle.fingerprint and not restart.registered
+    restart.builds = 0
+    hit, _ = engine_load(backend, restart, socket_dir, "client", strict=True)
+    assert hit.source == "cache" and restart.builds == 1 and restart.registered == {"model"}
+    with torch.no_grad():
+        assert torch.equal(hit.model(INPUT_IDS), reference_output(checkpoint))
+
+    fallback = EngineLoad(checkpoint, dtype=torch.bfloat16)
+    with pytest.warns(wc.FallbackWarning, match=r"extra\.structure"):
+        engine_load(backend, fallback, socket_dir, "client")
+    assert fallback.builds == 2 and fallback.registered == {"model"}  # the disk model's, built after the release
+    refused = EngineLoad(checkpoint, dtype=torch.bfloat16)
+    with pytest.raises(wc.FingerprintMismatch):
+        engine_load(backend, refused, socket_dir, "client", strict=True)
+    assert refused.builds == 1 and not refused.registered  # an engine that does not start keeps nothing registered

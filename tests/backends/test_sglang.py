@@ -114,6 +114,31 @@ def test_mla_model_attaches_with_the_tensors_post_load_weights_derives(socket_di
         assert parity.compare(disk_table, parity.read_table(tmp_path / f"{mode}.json")) == []
 
 
+def test_a_layout_setting_outside_the_identity_is_a_miss_naming_the_structure(
+    tiny_llama: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    """The structure of the model SGLang built joins the fingerprint: a load whose adapter builds the model in
+    another layout (bfloat16, a change the identity does not record: ``other_layout`` in sglang_worker.py; SGLang's
+    own ``model_impl="transformers"`` would be one, but it materialises its parameters on an accelerator and cannot
+    be built on meta here) misses the entry, with a FallbackWarning that names ``extra.structure``, and is SGLang's
+    own load from disk (tensor by tensor); strict, it raises. It never attaches the entry."""
+    options = {"socket_dir": str(socket_dir)}
+    spec = {"model": str(tiny_llama), "loader": "weightcache"}
+    daemon = run_sglang({**spec, "table": str(tmp_path / "daemon.json"), "options": {**options, "mode": "daemon"}})
+    assert daemon["source"] == "cache"
+    [entry] = wc.Cache(socket_dir).entries()
+    assert len(json.loads(entry.fingerprint.extra)["structure"]) == 64
+    other = {**spec, "other_layout": True, "table": str(tmp_path / "other.json")}
+    result = run_sglang({**other, "options": {**options, "mode": "client"}})
+    assert result["source"] == "disk" and len(result["warnings"]) == 1, result
+    assert "FallbackWarning" in result["warnings"][0] and "extra.structure: requested" in result["warnings"][0]
+    run_sglang({"model": str(tiny_llama), "loader": "default", "table": str(tmp_path / "disk.json")})
+    assert parity.compare(*(parity.read_table(tmp_path / f) for f in ("disk.json", "other.json"))) == []
+    with pytest.raises(AssertionError, match=r"FingerprintMismatch: .*extra\.structure"):
+        run_sglang({**other, "options": {**options, "mode": "client", "strict": True}})
+    assert [e.digest for e in wc.Cache(socket_dir).entries()] == [entry.digest]
+
+
 def test_launch_server_takes_load_format_weightcache(tiny_llama: Path, socket_dir: Path, tmp_path: Path) -> None:
     """The ``sglang.srt.plugins`` entry point: after SGLang loads its plugins (as ``sglang.launch_server`` does
     first), ``--load-format weightcache --model-loader-extra-config '{...}'`` parses and loads through

@@ -24,7 +24,7 @@ from weightcache.backends.vllm import LOAD_FORMAT, VllmBackend  # noqa: E402
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
 
-from engine_models import make_tiny_llama, make_tiny_model  # noqa: E402
+from engine_models import make_tiny_deepseek_v2, make_tiny_llama, make_tiny_model  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -49,12 +49,17 @@ def run_vllm(spec: dict, *, multiprocessing: bool = False, timeout: float = 300)
     return json.loads(results[-1].removeprefix("RESULT "))
 
 
-@pytest.mark.parametrize("architecture", ["qwen2", "mixtral", "qwen3_moe"])
+@pytest.mark.parametrize("architecture", ["qwen2", "mixtral", "qwen3_moe", "deepseek_v2"])
 def test_other_architectures_and_moe_give_identical_tokens(architecture: str, socket_dir: Path, tmp_path: Path) -> None:
-    """Besides Llama: a dense Qwen2 (q/k/v biases, tied embeddings) and two MoE models (Mixtral, Qwen3-MoE, whose
-    experts vLLM fuses at load): greedy ids identical across load format auto, daemon and client, each a new
-    process, the client attaching (strict) without reading the weights."""
-    model = make_tiny_model(tmp_path / architecture, architecture)
+    """Besides Llama: a dense Qwen2 (q/k/v biases, tied embeddings), two MoE models (Mixtral, Qwen3-MoE, whose
+    experts vLLM fuses at load) and DeepSeek-V2 (MLA, with YaRN rope: vLLM's model rewrites the config's
+    ``rope_type`` while it is built): greedy ids identical across load format auto, daemon and client, each a new
+    process, the client attaching (strict) without reading the weights, and vLLM told the entry's size in both
+    modes (asked after the engine loaded, so after the config was rewritten)."""
+    if architecture == "deepseek_v2":
+        model = make_tiny_deepseek_v2(tmp_path / architecture, vllm_cpu=True)
+    else:
+        model = make_tiny_model(tmp_path / architecture, architecture)
     options = {"socket_dir": str(socket_dir)}
     disk = run_vllm({"model": str(model), "load_format": "auto"})
     daemon = run_vllm({"model": str(model), "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}})
@@ -70,7 +75,29 @@ def test_other_architectures_and_moe_give_identical_tokens(architecture: str, so
     assert daemon["warnings"] == client["warnings"] == []
     assert client["resident_after_load"] < 0.05, client
     [entry] = wc.Cache(socket_dir).entries()
-    assert client["external_weight_memory"] == entry.bytes > 0
+    assert daemon["external_weight_memory"] == client["external_weight_memory"] == entry.bytes > 0
+
+
+def test_a_layout_setting_outside_the_identity_is_a_miss_naming_the_structure(
+    tiny_llama: Path, socket_dir: Path
+) -> None:
+    """vLLM's ``model_impl`` (its own Llama, or the Transformers modeling backend) is no field of the identity, but
+    it builds another model (other classes, unfused MLP projections). The structure of the model vLLM built joins
+    the fingerprint, so a start with the other implementation misses the entry, with a FallbackWarning that names
+    ``extra.structure``, and loads from disk; strict, it does not start. It never attaches the entry."""
+    options = {"socket_dir": str(socket_dir)}
+    daemon = run_vllm({"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}})
+    [entry] = wc.Cache(socket_dir).entries()
+    assert len(json.loads(entry.fingerprint.extra)["structure"]) == 64
+    assert daemon["external_weight_memory"] == entry.bytes
+    spec = {"model": str(tiny_llama), "load_format": LOAD_FORMAT, "model_impl": "transformers"}
+    other = run_vllm({**spec, "extra": {**options, "mode": "client"}})
+    assert len(other["warnings"]) == 1, other
+    assert "FallbackWarning" in other["warnings"][0] and "extra.structure: requested" in other["warnings"][0]
+    assert other["external_weight_memory"] == 0 and len(other["tokens"]) == 12
+    with pytest.raises(AssertionError, match=r"FingerprintMismatch: .*extra\.structure"):
+        run_vllm({**spec, "extra": {**options, "mode": "client", "strict": True}})
+    assert [e.digest for e in wc.Cache(socket_dir).entries()] == [entry.digest]
 
 
 def test_greedy_tokens_identical_from_disk_daemon_and_client(

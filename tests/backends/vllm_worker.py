@@ -2,7 +2,8 @@
 
 Usage: python vllm_worker.py '<json spec>'; spec keys: model, load_format, extra (model_loader_extra_config),
 evict (drop the checkpoint from the page cache first), fsize_limit (RLIMIT_FSIZE in bytes: memfd segments
-fail), max_tokens, table (write the model's parity table there).
+fail), max_tokens, table (write the model's parity table there), model_impl (vLLM's: "auto", "vllm" or
+"transformers").
 """
 
 from __future__ import annotations
@@ -42,6 +43,7 @@ def main() -> None:
             max_model_len=128,
             load_format=spec.get("load_format", "auto"),
             model_loader_extra_config=spec.get("extra") or {},
+            model_impl=spec.get("model_impl", "auto"),
             seed=0,
         )
     after_load = resident_fraction(spec["model"])

@@ -8,12 +8,22 @@ An adapter translates between an engine and weightcache, nothing more:
   checked in both modes before anything is loaded;
 - four hooks of the load itself: build the engine's model on the meta device (:meth:`Backend.build_model`),
   load and post-process it from disk with the engine's own loader (:meth:`Backend.load_from_disk`), the tensors
-  to share (:meth:`Backend.shareable_state`), and fix-ups after binding (:meth:`Backend.after_bind`).
+  to share (:meth:`Backend.shareable_state`), and fix-ups after binding (:meth:`Backend.after_bind`);
+- for engines that register a built model's layers outside it (vLLM, by layer name), how to forget a model that
+  will not run (:meth:`Backend.release_model`) and how to build one that leaves nothing behind
+  (:meth:`Backend.scratch_build`).
 
 :meth:`Backend.load_model` runs the sequence through :mod:`weightcache.pipeline`, the one mode engine: modes,
 fallbacks, keeper spawning, the bounded-memory publish and the warnings are never written in an adapter. Where
 the engine lets a loader in (a loader class, a plugin entry point) is engine-specific and lives in the
 adapter's own module; it calls :meth:`Backend.load_model`.
+
+The fingerprint records the structure of the model the engine builds (:func:`~weightcache.structure.structure_digest`
+of :meth:`Backend.build_model`'s model, before anything is bound: every parameter and buffer's name, dtype and
+shape), under the ``extra`` key ``structure``. An engine setting that changes the layout, whether or not the
+adapter's identity names it, then makes a miss whose reason names ``extra.structure``, never an attach into a
+model the entry was not made for. :meth:`Backend.load_model` builds that model once, before the keeper is asked,
+and on a hit binds into that very model.
 
 This module must not import any engine: adapters import theirs lazily, so that ``weightcache.backends`` works
 (and lists every adapter) where no engine is installed.
@@ -22,11 +32,13 @@ This module must not import any engine: adapters import theirs lazily, so that `
 from __future__ import annotations
 
 import abc
+import contextlib
 import importlib
 import importlib.util
 import json
 import os
 import warnings
+import weakref
 from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from types import ModuleType
 from typing import Any, ClassVar, Literal
@@ -40,6 +52,7 @@ from ..binding import bind, set_tensor_attributes
 from ..cache import Cache
 from ..errors import (
     BackendConfigError,
+    BackendError,
     BindError,
     EngineNotInstalled,
     KeeperUnavailable,
@@ -50,6 +63,7 @@ from ..fingerprint import Fingerprint
 from ..handle import Handle
 from ..pipeline import Request, Steps, run
 from ..rundir import resolve_user
+from ..structure import structure_digest
 
 EngineMode = Literal["daemon", "client"]
 ENGINE_MODES: tuple[EngineMode, ...] = ("daemon", "client")
@@ -133,11 +147,15 @@ class Backend(abc.ABC):
         name: the adapter's name (``"vllm"``), also the ``engine`` field of the fingerprints it makes.
         module: the engine's top-level module, imported lazily by :meth:`require`.
         install_hint: what to run when the engine is missing.
+        records_structure: whether :meth:`load_model` adds the structure of :meth:`build_model`'s model to the
+            fingerprint (default True; the torch adapter, whose entries :func:`weightcache.attach` shares, does
+            not).
     """
 
     name: ClassVar[str]
     module: ClassVar[str]
     install_hint: ClassVar[str] = ""
+    records_structure: ClassVar[bool] = True
 
     def available(self) -> bool:
         """Whether the engine can be imported here (without importing it)."""
@@ -186,7 +204,10 @@ class Backend(abc.ABC):
         """The fingerprint of weights this engine loads from ``checkpoint``: the quantization is checked first
         (UnsupportedQuantError before anything is read or asked of the engine, hence ``parallel`` is a function
         that reads this rank's layout), ``identity`` (the engine's model config, as plain JSON) is recorded under
-        the adapter's name, and the engine's name and version are the producer."""
+        the adapter's name, and the engine's name and version are the producer.
+
+        This is the fingerprint before a model is built: :meth:`load_model` adds the structure of the model it
+        builds; :meth:`complete_fingerprint` tells the same without loading."""
         spec = self.check_quant(engine_quant)
         return Fingerprint.create(
             checkpoint,
@@ -200,7 +221,7 @@ class Backend(abc.ABC):
             engine_version=self.version(),
         )
 
-    # --- the load: one sequence, four hooks --------------------------------------------------------------
+    # --- the load: one sequence, its hooks ----------------------------------------------------------------
 
     def load_model(
         self, context: Any, *, fingerprint: Fingerprint, device: torch.device | str, options: LoaderOptions
@@ -209,16 +230,41 @@ class Backend(abc.ABC):
 
         The sequence is :func:`weightcache.pipeline.run`'s; this method only connects it to the hooks below.
         ``context`` is whatever the engine's loader was given (configs, prefixes): it is passed to every hook
-        and never looked at here. On a cache hit (and after publishing) the model comes from
-        :meth:`build_model`, takes the published layout, has the tensors bound and :meth:`after_bind` run; when
-        the engine loads from disk without the cache (mode client's fallback) its own model is returned as is.
+        and never looked at here. ``fingerprint`` comes from :meth:`make_fingerprint`.
+
+        The engine's model is built on meta first, once: its structure joins the fingerprint (unless
+        :attr:`records_structure` is False) before the keeper is asked. On a hit the entry's tensors take that
+        model's published layout, are bound into it and :meth:`after_bind` runs. On a miss the model is released
+        (:meth:`release_model`) before the engine's own loader builds its model; after publishing, the model
+        served is built again, and must have the structure the fingerprint records. When the engine loads from
+        disk without the cache (mode client's fallback) its own model is returned as is.
         """
         steps = _EngineSteps(self, context, torch.device(device))
-        request = Request(
-            fingerprint, options.mode, options.strict, options.socket_dir, trusted=options.trusted_publishers
-        )
-        model = run(request, steps)
+        try:
+            if self.records_structure:
+                fingerprint = fingerprint.with_extra(structure=steps.built_structure())
+            request = Request(
+                fingerprint, options.mode, options.strict, options.socket_dir, trusted=options.trusted_publishers
+            )
+            model = run(request, steps)
+        except BaseException:
+            steps.release_built()  # an engine that does not start keeps nothing registered
+            raise
         return Loaded(model=model, handle=steps.handle, source=steps.source)
+
+    def complete_fingerprint(self, fingerprint: Fingerprint, context: Any) -> Fingerprint:
+        """The fingerprint :meth:`load_model` would look up for ``context``, without loading: ``fingerprint``
+        with the structure of a model built in :meth:`scratch_build` and dropped (for engines that ask about an
+        entry before the load, as vLLM's ``get_external_weight_memory`` does to size its caches)."""
+        if not self.records_structure:
+            return fingerprint
+        with self.scratch_build(context):
+            return fingerprint.with_extra(structure=structure_digest(self.build_meta(context)))
+
+    def build_meta(self, context: Any) -> nn.Module:
+        """:meth:`build_model` under the meta device."""
+        with torch.device("meta"):
+            return self.build_model(context)
 
     @abc.abstractmethod
     def build_model(self, context: Any) -> nn.Module:
@@ -231,10 +277,27 @@ class Backend(abc.ABC):
         engine would run it."""
 
     def published_state(self, context: Any) -> dict[str, torch.Tensor]:
-        """What mode daemon publishes after a miss: :meth:`load_from_disk`, then :meth:`shareable_state` of that
-        model. The model is dropped before this returns, so that publishing releases the loaded copy as it goes
-        (the peak stays the weights plus one segment); an override must keep it that way."""
-        return self.shareable_state(self.load_from_disk(context), context)
+        """What mode daemon publishes after a miss: :meth:`load_from_disk` in :meth:`scratch_build`, then
+        :meth:`shareable_state` of that model. The model is dropped before this returns, so that publishing
+        releases the loaded copy as it goes (the peak stays the weights plus one segment), and so are its
+        registrations with the engine, so that the model served next can be built; an override must keep it
+        that way."""
+        with self.scratch_build(context):
+            return self.shareable_state(self.load_from_disk(context), context)
+
+    def release_model(self, model: nn.Module, context: Any) -> None:
+        """Undo whatever building ``model`` (by :meth:`build_model`) registered with the engine outside the
+        model, because it will not run: on a miss, before the engine's own loader builds a model of the same
+        names. vLLM registers each attention and MoE layer by name and refuses a second of the same name.
+        Default: nothing."""
+        return None
+
+    @contextlib.contextmanager
+    def scratch_build(self, context: Any) -> Iterator[None]:
+        """A block in which models are built and dropped: whatever they register with the engine is forgotten
+        afterwards, and what the engine had registered before (a model it runs) neither hinders building them
+        nor is lost. Default: nothing to do."""
+        yield
 
     def shareable_state(self, model: nn.Module, context: Any) -> dict[str, torch.Tensor]:
         """The tensors to publish from a post-processed model: every parameter and buffer (tied ones once).
@@ -288,7 +351,10 @@ class Loaded:
 
 
 class _EngineSteps(Steps[nn.Module]):
-    """:meth:`Backend.load_model`'s steps: the hooks of one backend, for one load."""
+    """:meth:`Backend.load_model`'s steps: the hooks of one backend, for one load.
+
+    The model built before the lookup (:meth:`built_structure`) is kept for :meth:`serve` on a hit and released
+    before anything loads from disk; one built later is checked against the structure the fingerprint holds."""
 
     def __init__(self, backend: Backend, context: Any, device: torch.device) -> None:
         self.backend = backend
@@ -296,17 +362,41 @@ class _EngineSteps(Steps[nn.Module]):
         self.device = device
         self.handle: Handle | None = None
         self.source = "disk"
+        self.built: nn.Module | None = None
+        self.structure: str | None = None
+
+    def built_structure(self) -> str:
+        """Build the engine's model on meta and return its structure digest; the model waits for :meth:`serve`."""
+        self.built = self.backend.build_meta(self.context)
+        self.structure = structure_digest(self.built)
+        return self.structure
+
+    def release_built(self) -> None:
+        """Release the model built before the lookup, if it is still waiting (it will not be served)."""
+        model, self.built = self.built, None
+        if model is not None:
+            self.backend.release_model(model, self.context)
 
     def load_state(self) -> MutableMapping[str, torch.Tensor]:
+        self.release_built()
         return self.backend.published_state(self.context)
 
     def serve_disk(self, reason: str | None) -> nn.Module:
+        self.release_built()
         self.handle, self.source = None, "disk"
         return self.backend.load_from_disk(self.context)
 
     def serve(self, handle: Handle) -> nn.Module:
-        with torch.device("meta"):
-            model = self.backend.build_model(self.context)
+        model, self.built = self.built, None
+        if model is None:  # released for a load from disk: build it again, as it was fingerprinted
+            model = self.backend.build_meta(self.context)
+            if self.structure is not None and structure_digest(model) != self.structure:
+                self.backend.release_model(model, self.context)
+                raise BackendError(
+                    f"the {self.backend.name} engine built two different models for one configuration (structure "
+                    f"{self.structure[:12]} when fingerprinted, {structure_digest(model)[:12]} after loading), so the "
+                    "weights cannot be bound safely. Report it: the adapter's build_model is not deterministic."
+                )
         attributes = adopt_published_layout(model, handle)
         bind(model, {n: t for n, t in handle.tensors.items() if n not in attributes}, device=self.device)
         set_tensor_attributes(model, {n: handle.tensors[n] for n in attributes})
@@ -314,6 +404,33 @@ class _EngineSteps(Steps[nn.Module]):
         model.__dict__["weightcache_handle"] = handle  # the lease lives as long as the model
         self.handle, self.source = handle, handle.source
         return model
+
+
+def config_json(config: Any) -> Any:
+    """An engine's Hugging Face config (``PretrainedConfig``) as plain JSON, as it was the first time this
+    process asked about that config object.
+
+    Engines rewrite their config while building a model (vLLM's and SGLang's DeepSeek-V2/V3 set
+    ``rope_parameters["rope_type"]`` from ``"yarn"`` to ``"deepseek_yarn"``), so the same engine would otherwise
+    describe itself one way before its model is built (when vLLM sizes its caches, when the load looks up the
+    keeper) and another way after (a second question from the same process, a second load). Every adapter asks
+    before the engine builds anything, so the first answer is the configuration as loaded from the checkpoint.
+    """
+    key = id(config)
+    cached = _CONFIG_JSON.get(key)
+    if cached is not None and cached[0]() is config:
+        return json.loads(cached[1])
+    text = config.to_json_string(use_diff=False)
+    try:
+        ref = weakref.ref(config, lambda _: _CONFIG_JSON.pop(key, None))
+    except TypeError:  # not weak-referenceable: no memory of it
+        return json.loads(text)
+    _CONFIG_JSON[key] = (ref, text)
+    return json.loads(text)
+
+
+#: :func:`config_json`'s memory: id of a config object -> (a weak reference to it, its JSON when first asked).
+_CONFIG_JSON: dict[int, tuple[weakref.ref[Any], str]] = {}
 
 
 def device_spec(device: torch.device | str) -> str:
@@ -507,6 +624,7 @@ __all__ = [
     "QuantSpec",
     "Loaded",
     "adopt_published_layout",
+    "config_json",
     "own_tensors",
     "plain_json",
     "quant_spec_from_config",

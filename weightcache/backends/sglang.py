@@ -39,7 +39,7 @@ from ..binding import tensor_attributes
 from ..errors import BackendError, UnsupportedQuantError
 from ..fingerprint import Fingerprint
 from ..handle import Handle
-from .base import Backend, LoaderOptions, QuantSpec, plain_json, quant_spec_from_config
+from .base import Backend, LoaderOptions, QuantSpec, config_json, plain_json, quant_spec_from_config
 
 #: SGLang's parallel widths (``runtime_context.get_parallel()``) that decide which shard a rank holds, as
 #: fingerprint axis -> (rank attribute, size attribute).
@@ -103,7 +103,8 @@ class SglangBackend(Backend):
         return _get_quantization_config(model_config, load_config)
 
     def fingerprint(self, model_config: Any, load_config: Any, device: torch.device) -> Fingerprint:
-        """The fingerprint of the weights SGLang would load for this config on this rank.
+        """The fingerprint of the weights SGLang would load for this config on this rank, before the structure
+        of the model SGLang builds joins it (:meth:`~weightcache.backends.base.Backend.load_model` adds it).
 
         Raises UnsupportedQuantError for a refused quantization method before anything is read.
         """
@@ -197,7 +198,7 @@ def parallel_layout() -> dict[str, tuple[int, int]]:
 
 def model_identity(model_config: Any, load_config: Any) -> dict[str, Any]:
     """The parts of SGLang's config that decide the post-processed weights (the fingerprint's ``extra``)."""
-    hf_config = json.loads(model_config.hf_config.to_json_string(use_diff=False))
+    hf_config = config_json(model_config.hf_config)  # as before SGLang's model rewrote it (DeepSeek's rope_type)
     return {
         "hf_config": hf_config,
         "model_path": str(model_config.model_path),

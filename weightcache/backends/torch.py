@@ -47,6 +47,9 @@ class TorchBackend(Backend):
     name: ClassVar[str] = "torch"
     module: ClassVar[str] = "torch"
     install_hint: ClassVar[str] = "Install PyTorch (`pip install torch`)."
+    #: A plain module's entry is the checkpoint's tensors whatever model they go to (binding checks each one),
+    #: and :func:`weightcache.attach` shares these entries: no structure in the fingerprint, as there.
+    records_structure: ClassVar[bool] = False
 
     def quant(self, engine_quant: object) -> QuantSpec:
         """``None`` or a strategy name (``"fp8_block"``), optionally as ``(name, config)``."""

@@ -46,7 +46,15 @@ from .. import parity
 from .._version import __version__
 from ..fingerprint import Fingerprint
 from ..handle import Handle
-from .base import Backend, LoaderOptions, QuantSpec, own_tensors, plain_json, quant_spec_from_config
+from .base import (
+    Backend,
+    LoaderOptions,
+    QuantSpec,
+    config_json,
+    own_tensors,
+    plain_json,
+    quant_spec_from_config,
+)
 
 #: The load format the loader is registered under.
 LOAD_FORMAT = "weightcache"
@@ -114,7 +122,9 @@ class VllmBackend(Backend):
     # --- what identifies the weights -------------------------------------------------------------------
 
     def fingerprint(self, vllm_config: Any, model_config: Any, device: torch.device) -> Fingerprint:
-        """The fingerprint of the weights vLLM would load for this config on this rank.
+        """The fingerprint of the weights vLLM would load for this config on this rank, before the structure
+        of the model vLLM builds joins it (:meth:`~weightcache.backends.base.Backend.load_model` adds it;
+        :meth:`~weightcache.backends.base.Backend.complete_fingerprint` tells it without loading).
 
         Raises UnsupportedQuantError for a refused quantization method before anything is read.
         """
@@ -141,11 +151,12 @@ class VllmBackend(Backend):
     # --- the hooks of the load (the sequence is Backend.load_model's) -------------------------------------
 
     def build_model(self, context: VllmLoad) -> nn.Module:
-        """vLLM's model for this config, on the meta device (the template enters it)."""
+        """vLLM's model for this config, on the meta device (the template enters it). vLLM's cache of rotary
+        embeddings is left as it was (:func:`_rotary_cache_kept`)."""
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
-        with set_default_torch_dtype(context.model_config.dtype):
+        with set_default_torch_dtype(context.model_config.dtype), _rotary_cache_kept():
             model: nn.Module = initialize_model(
                 vllm_config=context.vllm_config, model_config=context.model_config, prefix=context.prefix
             )
@@ -164,11 +175,31 @@ class VllmBackend(Backend):
         """vLLM's own disk load in a scratch model, whose post-processed tensors are published, except for the
         layers vLLM re-processes on attach (:data:`RERUN_METHODS`), published as loaded."""
         disk = _capturing_loader(context.disk_load_config)
-        with _scratch_registrations(context.vllm_config):
+        with self.scratch_build(context):
             model = disk.load_model(
                 vllm_config=context.vllm_config, model_config=context.model_config, prefix=context.prefix
             )
             return shareable_state(model, disk.loaded)
+
+    def release_model(self, model: nn.Module, context: VllmLoad) -> None:
+        """Forget the layers ``model`` registered by name in vLLM's compilation config (its attention and MoE
+        layers, in ``static_forward_context`` and ``static_all_moe_layers``), so that vLLM's own loader can build
+        its model under the same names."""
+        compilation = context.vllm_config.compilation_config
+        layers = {id(m) for m in model.modules()}
+        forward_context = compilation.static_forward_context
+        names = [name for name, layer in forward_context.items() if id(layer) in layers]
+        for name in names:
+            del forward_context[name]
+        moe_layers = getattr(compilation, "static_all_moe_layers", None)
+        if moe_layers is not None:
+            moe_layers[:] = [name for name in moe_layers if name not in set(names)]
+
+    @contextlib.contextmanager
+    def scratch_build(self, context: VllmLoad) -> Iterator[None]:
+        """:func:`_scratch_registrations` of the context's config."""
+        with _scratch_registrations(context.vllm_config):
+            yield
 
     def after_bind(self, model: nn.Module, handle: Handle, context: VllmLoad) -> None:
         """vLLM's ``process_weights_after_loading`` under ``weights_already_processed()``: only Python-side
@@ -233,7 +264,7 @@ def model_identity(vllm_config: Any, model_config: Any) -> dict[str, Any]:
     import vllm.envs as envs
     from vllm.platforms import current_platform
 
-    hf_config = json.loads(model_config.hf_config.to_json_string(use_diff=False))
+    hf_config = config_json(model_config.hf_config)  # as before vLLM's model rewrote it (DeepSeek's rope_type)
     load = vllm_config.load_config
     kernels = getattr(vllm_config, "kernel_config", None)
     return {
@@ -299,19 +330,43 @@ def _target_device(vllm_config: Any, load_config: Any) -> torch.device:
 
 @contextlib.contextmanager
 def _scratch_registrations(vllm_config: Any) -> Iterator[None]:
-    """Forget the layers a model built inside registers with vLLM (by name, in the compilation config), so
-    that the model the engine runs, built next under the same names, can register them."""
+    """Models built inside register their layers with vLLM (by name, in the compilation config) as if no other
+    model were registered, and are forgotten afterwards: the registrations from before (the model the engine
+    runs, when asked after the load) are set aside meanwhile and put back as they were. So a scratch model can
+    be built before the engine's model (which then registers the same names) or while it runs."""
     compilation = vllm_config.compilation_config
     context = compilation.static_forward_context
-    before = set(context)
-    moe_layers = list(getattr(compilation, "static_all_moe_layers", []))
+    kept = dict(context)
+    moe_layers = getattr(compilation, "static_all_moe_layers", None)
+    kept_moe = list(moe_layers) if moe_layers is not None else []
+    context.clear()
+    if moe_layers is not None:
+        moe_layers.clear()
     try:
         yield
     finally:
-        for name in set(context) - before:
-            del context[name]
-        if hasattr(compilation, "static_all_moe_layers"):
-            compilation.static_all_moe_layers[:] = moe_layers
+        context.clear()
+        context.update(kept)
+        if moe_layers is not None:
+            moe_layers[:] = kept_moe
+
+
+@contextlib.contextmanager
+def _rotary_cache_kept() -> Iterator[None]:
+    """vLLM shares one rotary embedding module among every layer and model built with the same settings (its
+    ``_ROPE_DICT``). One made while building on meta holds its cos/sin table on meta: if it stayed cached, the
+    model vLLM's own loader builds next (a miss) would share it and publish a tensor without data. So what a
+    build inside adds to the cache is forgotten afterwards (the layers of that one model still share theirs)."""
+    from vllm.model_executor.layers import rotary_embedding
+
+    cache = getattr(rotary_embedding, "_ROPE_DICT", None)
+    kept = dict(cache) if isinstance(cache, dict) else None
+    try:
+        yield
+    finally:
+        if cache is not None and kept is not None:
+            cache.clear()
+            cache.update(kept)
 
 
 def _capturing_loader(load_config: Any) -> Any:
@@ -355,10 +410,16 @@ def _build_loader_class(backend: VllmBackend) -> type:
 
         def get_external_weight_memory(self, vllm_config: Any) -> int:
             """Bytes of the keeper's entry this engine will map (0 on a miss): vLLM sizes its KV cache
-            without them, exactly as if the weights had been loaded into its own memory."""
+            without them, exactly as if the weights had been loaded into its own memory.
+
+            vLLM asks a fresh loader before ``load_model``; the answer is for the fingerprint ``load_model``
+            will look up, structure included, so vLLM's model is built on meta here once more and dropped
+            (its layer registrations too: :func:`_scratch_registrations`)."""
             device = _target_device(vllm_config, self.load_config)
-            fingerprint = backend.fingerprint(vllm_config, vllm_config.model_config, device)
-            return backend.cached_bytes(fingerprint, self.options)
+            model_config = vllm_config.model_config
+            fingerprint = backend.fingerprint(vllm_config, model_config, device)
+            context = VllmLoad(vllm_config, model_config, "", device, self.disk_load_config)
+            return backend.cached_bytes(backend.complete_fingerprint(fingerprint, context), self.options)
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
             device = _target_device(vllm_config, self.load_config)
