@@ -231,6 +231,9 @@ class EngineLoad:
     registered: set[str] = attrs.field(factory=set)
     builds: int = 0
     registers: bool = True
+    #: The model needs real memory to be built (as SGLang's Transformers backend puts its parameters on an
+    #: accelerator): building it on meta fails.
+    meta_fails: bool = False
 
 
 class RegisteringEngine(Backend):
@@ -242,6 +245,8 @@ class RegisteringEngine(Backend):
 
     def build_model(self, context: EngineLoad) -> torch.nn.Module:
         context.builds += 1
+        if context.meta_fails and torch.empty(0).is_meta:
+            raise RuntimeError("this model allocates real memory while it is built")
         if context.registers:
             if "model" in context.registered:
                 raise RuntimeError("Duplicate layer name: model")
@@ -339,3 +344,30 @@ def test_the_engine_model_is_built_once_on_a_hit_and_released_before_a_disk_load
     with pytest.raises(wc.FingerprintMismatch):
         engine_load(backend, refused, socket_dir, "client", strict=True)
     assert refused.builds == 1 and not refused.registered  # an engine that does not start keeps nothing registered
+
+
+@pytest.mark.parametrize("mode", ["client", "daemon"])
+def test_an_engine_whose_model_cannot_be_built_on_meta_starts_from_disk(
+    checkpoint: Path, socket_dir: Path, mode: str
+) -> None:
+    """The structure needs the engine's model built on meta before the keeper is asked; an engine whose model
+    cannot be built there still starts, from disk, with a warning that says why (and publishes nothing: no model
+    could take the published weights); strict refuses to start instead."""
+    wc.Cache(socket_dir, spawn=True)
+    backend = RegisteringEngine()
+    load = EngineLoad(checkpoint, meta_fails=True)
+    with pytest.warns(wc.FallbackWarning, match="cannot be built on the meta device.*allocates real memory"):
+        loaded, _ = engine_load(backend, load, socket_dir, mode)
+    assert loaded.source == "disk" and loaded.handle is None and load.registered == {"model"}
+    with torch.no_grad():
+        assert torch.equal(loaded.model(INPUT_IDS), reference_output(checkpoint))
+    assert wc.Cache(socket_dir).entries() == []
+    with pytest.raises(wc.BackendError, match="cannot be built on the meta device"):
+        engine_load(backend, EngineLoad(checkpoint, meta_fails=True), socket_dir, mode, strict=True)
+
+
+def test_mode_off_builds_no_meta_model(checkpoint: Path, socket_dir: Path) -> None:
+    """Mode off never asks a keeper, so it builds only the engine's own model (no meta model for the structure)."""
+    load = EngineLoad(checkpoint)
+    loaded, _ = engine_load(RegisteringEngine(), load, socket_dir, "off")
+    assert loaded.source == "disk" and load.builds == 1

@@ -121,7 +121,15 @@ class Steps(abc.ABC, Generic[T]):
         conversion, no post-processing), else None (the default): then :meth:`load_state` runs."""
         return None
 
-    #: The fingerprint of the weights, set by :func:`run` before any step runs.
+    def complete(self, fingerprint: Fingerprint) -> Fingerprint:
+        """The fingerprint to look up and publish under: ``fingerprint`` plus what only the caller can tell once
+        it has built its model (an engine adapter adds the structure of its model built on meta). Called in modes
+        daemon and client before a keeper is asked; never in mode off. Raise BackendError when the weights
+        cannot be served from a keeper here (e.g. the model cannot be built on meta): :func:`run` then loads from
+        disk with a FallbackWarning saying why (``strict``: the error). Default: ``fingerprint`` as it is."""
+        return fingerprint
+
+    #: The fingerprint of the weights, set by :func:`run` before any step runs (and again after :meth:`complete`).
     fingerprint: Fingerprint
 
     def private(self, tensors: MutableMapping[str, torch.Tensor], reason: str | None) -> Handle:
@@ -152,6 +160,15 @@ def run(request: Request, steps: Steps[T]) -> T:
         _report(request, "off", start)
         return result
     quant_registry.get(request.fingerprint.quant).check(request.quant_config)
+    try:
+        fingerprint = steps.complete(request.fingerprint)
+    except BackendError as exc:  # nothing can be served into this model: its own load may still work
+        if request.strict:
+            raise
+        return _fallback(request, steps, str(exc), start)
+    if fingerprint != request.fingerprint:
+        request = attrs.evolve(request, fingerprint=fingerprint)
+        steps.fingerprint = fingerprint
     if mode == "client":
         return _client(request, steps, start)
     return _daemon(request, steps, start)

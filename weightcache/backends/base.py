@@ -232,8 +232,10 @@ class Backend(abc.ABC):
         ``context`` is whatever the engine's loader was given (configs, prefixes): it is passed to every hook
         and never looked at here. ``fingerprint`` comes from :meth:`make_fingerprint`.
 
-        The engine's model is built on meta first, once: its structure joins the fingerprint (unless
-        :attr:`records_structure` is False) before the keeper is asked. On a hit the entry's tensors take that
+        In modes daemon and client the engine's model is built on meta first, once: its structure joins the
+        fingerprint (unless :attr:`records_structure` is False) before the keeper is asked; a model that cannot
+        be built on meta makes the engine load from disk, with a FallbackWarning saying why (``strict``:
+        BackendError). On a hit the entry's tensors take that
         model's published layout, are bound into it and :meth:`after_bind` runs. On a miss the model is released
         (:meth:`release_model`) before the engine's own loader builds its model; after publishing, the model
         served is built again, and must have the structure the fingerprint records. When the engine loads from
@@ -241,8 +243,6 @@ class Backend(abc.ABC):
         """
         steps = _EngineSteps(self, context, torch.device(device))
         try:
-            if self.records_structure:
-                fingerprint = fingerprint.with_extra(structure=steps.built_structure())
             request = Request(
                 fingerprint, options.mode, options.strict, options.socket_dir, trusted=options.trusted_publishers
             )
@@ -353,7 +353,7 @@ class Loaded:
 class _EngineSteps(Steps[nn.Module]):
     """:meth:`Backend.load_model`'s steps: the hooks of one backend, for one load.
 
-    The model built before the lookup (:meth:`built_structure`) is kept for :meth:`serve` on a hit and released
+    The model built before the lookup (:meth:`complete`) is kept for :meth:`serve` on a hit and released
     before anything loads from disk; one built later is checked against the structure the fingerprint holds."""
 
     def __init__(self, backend: Backend, context: Any, device: torch.device) -> None:
@@ -365,11 +365,20 @@ class _EngineSteps(Steps[nn.Module]):
         self.built: nn.Module | None = None
         self.structure: str | None = None
 
-    def built_structure(self) -> str:
-        """Build the engine's model on meta and return its structure digest; the model waits for :meth:`serve`."""
-        self.built = self.backend.build_meta(self.context)
+    def complete(self, fingerprint: Fingerprint) -> Fingerprint:
+        """``fingerprint`` with the structure of the engine's model, built on meta now (it waits for
+        :meth:`serve`); BackendError when it cannot be built there."""
+        if not self.backend.records_structure:
+            return fingerprint
+        try:
+            self.built = self.backend.build_meta(self.context)
+        except Exception as exc:  # the engine's own load may still work: the pipeline falls back to it
+            raise BackendError(
+                f"the {self.backend.name} engine's model cannot be built on the meta device, so cached weights "
+                f"cannot be bound into it ({type(exc).__name__}: {exc})"
+            ) from exc
         self.structure = structure_digest(self.built)
-        return self.structure
+        return fingerprint.with_extra(structure=self.structure)
 
     def release_built(self) -> None:
         """Release the model built before the lookup, if it is still waiting (it will not be served)."""
