@@ -22,7 +22,8 @@ processes, for each n of ``--ranks`` (default: every visible GPU; on the CPU 2):
 device and imports weightcache (timed, reported as ``import``), says it is ready, then blocks reading a pipe
 that the parent closes once all n are ready: all n wake at once and attach. The barrier sits right before the
 attach so that the n attaches reach the keeper at the same moment (the keeper's worst case; in a real restart the
-ranks' imports spread them out somewhat).
+ranks' imports spread them out somewhat). A second gate, opened once every rank has attached, holds back what
+comes after (the checksum, its imports), so that nothing but attaches runs while the n are timed.
 
 Each rank sees only its GPU (``CUDA_VISIBLE_DEVICES`` set to the UUID of visible GPU ``rank mod G``) and calls it
 ``cuda:0``. With more ranks than GPUs ranks share GPUs: that measures the keeper serving n ranks at once, not n
@@ -89,6 +90,9 @@ TAG = "WCRANK "
 Role = Literal["publish", "attach"]
 
 # A rank process: START (torch, CUDA, the model on meta) and weightcache imported, then the barrier, then the work.
+# A rank process: START (torch, CUDA, the model on meta) and weightcache imported, then the barrier (gate 0), then
+# the work. Once every rank has reported its work done, gate 1 opens and each checks the bits it got: checking
+# (imports, a pass over every tensor) never lands inside another rank's attach.
 RANK = (
     START
     + r"""
@@ -96,20 +100,16 @@ import os
 t0 = time.perf_counter()
 import weightcache as wc
 t1 = time.perf_counter()
+if spec["role"] == "publish":
+    from weightcache.tools.bench import publish_synthetic
 rank, size, shapes = spec["rank"], spec["size"], spec["shapes"]
 parallel = {"tp": (rank, size)}
 def say(what, **fields):
     print("WCRANK " + json.dumps({"what": what, "rank": rank, **fields}), flush=True)
 ready_at = time.monotonic()
 say("ready", ready_at=ready_at)
-os.read(spec["gate_fd"], 1)  # b"" once the parent closes the gate's write end: every rank wakes at once
+os.read(spec["gates"][0], 1)  # b"" once the parent closes the gate's write end: every rank wakes at once
 go_at = time.monotonic()
-os.close(spec["gate_fd"])
-from weightcache.tools.bench import checksum, publish_synthetic
-result = {
-    "pid": os.getpid(), "visible": os.environ.get("CUDA_VISIBLE_DEVICES"), "ready_at": ready_at, "go_at": go_at,
-    "python_ms": (t_torch - t_start) * 1e3, "cuda_init_ms": (t_cuda - t_torch) * 1e3, "import_ms": (t1 - t0) * 1e3,
-}
 if spec["role"] == "publish":
     cache = wc.Cache(spec["socket_dir"])
     t2 = time.perf_counter()
@@ -119,9 +119,7 @@ if spec["role"] == "publish":
     )
     t3 = time.perf_counter()
     done_at = time.monotonic()
-    handle = cache.get(fp) if spec["hold"] else None
-    held = [handle.tensors[f"p{i}"] for i in range(len(shapes))] if handle is not None else []
-    result.update(publish_ms=(t3 - t2) * 1e3, bytes=total, segments=nseg)
+    result = {"publish_ms": (t3 - t2) * 1e3, "bytes": total, "segments": nseg}
 else:
     t2 = time.perf_counter()
     handle = wc.attach(
@@ -132,14 +130,22 @@ else:
         torch.cuda.synchronize(device)
     t3 = time.perf_counter()
     done_at = time.monotonic()
+    result = {"attach_ms": (t3 - t2) * 1e3, "source": handle.source}
+say("done", done_at=done_at, **result)
+os.read(spec["gates"][1], 1)  # every rank is done
+from weightcache.tools.bench import checksum
+if spec["role"] == "publish":
+    handle = cache.get(fp) if spec["hold"] else None
+    held = [handle.tensors[f"p{i}"] for i in range(len(shapes))] if handle is not None else []
+else:
     fp = handle.fingerprint
     held = list(model.parameters())
     sums = checksum(held)
-    result.update(attach_ms=(t3 - t2) * 1e3, source=handle.source)
-result.update(
-    checksum=sums, digest=fp.digest, placement=fp.placement, parallel=[list(p) for p in fp.parallel], done_at=done_at
+say(
+    "checked", checksum=sums, digest=fp.digest, placement=fp.placement, parallel=[list(p) for p in fp.parallel],
+    pid=os.getpid(), visible=os.environ.get("CUDA_VISIBLE_DEVICES"), ready_at=ready_at, go_at=go_at,
+    python_ms=(t_torch - t_start) * 1e3, cuda_init_ms=(t_cuda - t_torch) * 1e3, import_ms=(t1 - t0) * 1e3,
 )
-say("done", **result)
 if spec["hold"]:
     for _ in sys.stdin:  # one line: check again; end of input: let go
         say("check", checksum=checksum(held), leased=handle.leased)
@@ -218,17 +224,19 @@ class RankGroup:
         self._files = contextlib.ExitStack()  # the stderr files: they live as long as the group
         self._timed_out = False
         self._released = False
-        gate_read, gate_write = os.pipe()
-        self._gate: int | None = gate_write
+        #: The barriers: the rank processes block reading each pipe until its write end here is closed.
+        gates = [os.pipe(), os.pipe()]
+        reads = [r for r, _ in gates]
+        self._gates: list[int | None] = [w for _, w in gates]
         try:
             for rank in self.ranks:
                 err = self._files.enter_context(tempfile.TemporaryFile(mode="w+"))  # noqa: SIM115 (closed by close())
                 self._errors.append(err)
-                child = {**spec, "role": role, "rank": rank, "size": size, "hold": hold, "gate_fd": gate_read}
+                child = {**spec, "role": role, "rank": rank, "size": size, "hold": hold, "gates": reads}
                 self._procs.append(
                     subprocess.Popen(
                         [sys.executable, "-c", RANK, json.dumps(child)],
-                        pass_fds=(gate_read,),
+                        pass_fds=reads,
                         stdin=subprocess.PIPE if hold else subprocess.DEVNULL,
                         stdout=subprocess.PIPE,
                         stderr=err,
@@ -241,16 +249,20 @@ class RankGroup:
             self.close()
             raise
         finally:
-            os.close(gate_read)  # the children hold it now
+            for fd in reads:  # the children hold them now
+                os.close(fd)
 
     def release(self) -> list[dict[str, Any]]:
-        """Let every rank go at once (close the gate) and return their results, in rank order; without ``hold``,
-        once each process has exited cleanly."""
-        if self._gate is not None:
-            os.close(self._gate)
-            self._gate = None
+        """Let every rank go at once (open the first gate); once all have done their work, let them check it (the
+        second gate); return their results, in rank order; without ``hold``, once each process has exited
+        cleanly."""
+        self._open(0)
         self._released = True
-        results = self._collect("done")
+        done = self._collect("done")
+        self._open(1)
+        results = [{**d, **c} for d, c in zip(done, self._collect("checked"))]
+        for r in results:
+            del r["what"]
         if not self.hold:
             for i, proc in enumerate(self._procs):
                 try:
@@ -281,9 +293,8 @@ class RankGroup:
         never released are killed, not released: they did nothing yet."""
         if not self._released:
             self._kill_all()
-        if self._gate is not None:
-            os.close(self._gate)
-            self._gate = None
+        self._open(0)
+        self._open(1)
         for proc in self._procs:
             if proc.stdin is not None and not proc.stdin.closed:
                 try:
@@ -306,6 +317,12 @@ class RankGroup:
 
     def __exit__(self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None) -> None:
         self.close()
+
+    def _open(self, gate: int) -> None:
+        fd = self._gates[gate]
+        if fd is not None:
+            os.close(fd)
+            self._gates[gate] = None
 
     def _expire(self) -> None:
         self._timed_out = True
@@ -468,8 +485,9 @@ def keeper_kill(
     socket_dir: Path, size: int, spec: dict[str, Any], gpus: Sequence[str], expected: dict[int, str]
 ) -> dict[str, Any]:
     """n fresh ranks attach and hold their shards; the keeper is SIGKILLed and a new one spawned; once every
-    holder has re-published its shard, n new ranks attach them all. Returns the times (keeper start, all shards
-    leased again, the new ranks' attaches) and whether every rank, old and new, saw its publisher's bits from
+    holder has re-published its shard, n new ranks attach them all. Returns the times (``keeper_start_s``: the new
+    keeper serving; ``republish_s``: every shard leased again, both from the start of the restart; the new ranks'
+    attaches) and whether every rank, old and new, saw its publisher's bits from
     the cache."""
     with RankGroup("attach", size, spec, gpus, hold=True) as holders:
         held = holders.release()
@@ -489,7 +507,7 @@ def keeper_kill(
         "keeper_pid": keeper_pid(socket_dir),
         "keeper_start_s": round(t1 - t0, 3),
         "republished": republished,
-        "republish_s": round(t2 - t1, 3),
+        "republish_s": round(t2 - t0, 3),
         "attach_ms": stats(again, "attach_ms") if again else None,
         "sources": [r["source"] for r in again],
         "holders_leased": all(c["leased"] for c in checks),
@@ -612,10 +630,15 @@ def lines(row: dict[str, Any]) -> list[str]:
     kk = row.get("keeper_kill")
     if kk is not None:
         tail = f"{kk['attach_ms']['median']:.2f} ms median" if kk["attach_ms"] else "not run"
+        back = (
+            f"all {kk['holders']} shards re-published {kk['republish_s']:.2f} s after the restart began"
+            if kk["republished"]
+            else f"NOT every shard re-published within {REPUBLISH_TIMEOUT_S:g} s"
+        )
         out.append(
-            f"    keeper SIGKILLed under {kk['holders']} holders, a new one up in {kk['keeper_start_s']:.2f} s: every "
-            f"shard re-published {kk['republished']} in {kk['republish_s']:.2f} s; {kk['holders']} new ranks "
-            f"attached from the cache ({tail}) | identical {kk['identical']}"
+            f"    keeper SIGKILLed under {kk['holders']} holding ranks, a new one serving in "
+            f"{kk['keeper_start_s']:.2f} s, {back}; {kk['holders']} new ranks attached from the cache ({tail}) | "
+            f"identical {kk['identical']}"
         )
     return out
 
@@ -630,7 +653,7 @@ def run(
     ranks: Sequence[int] | None = None,
     device: str = "cpu",
     sizes: Sequence[float] | None = None,
-    tensors: Sequence[int] = DEFAULT_TENSORS,
+    tensors: Sequence[int] | None = None,
     repeat: int = DEFAULT_REPEAT,
     dtype: str = "bfloat16",
     json_out: str | os.PathLike[str] | None = None,
@@ -638,12 +661,12 @@ def run(
     kill: bool = True,
 ) -> int:
     """For each rank count of ``ranks`` (default: every visible GPU on CUDA, 2 on the CPU), shard size (GiB per
-    rank) of ``sizes`` and tensor count of ``tensors``, measure n ranks attaching from one private keeper at once
-    against one alone, over ``repeat`` rounds of fresh processes, then (``kill``) the keeper kill and
-    re-publication (see the module docstring). Prints the report and writes it to ``json_out`` (after every
-    configuration) when given. Refused before any work: a device this process lacks, shards that do not fit.
-    Returns 0 when every rank saw its publisher's bits from the cache, and every shard came back after the keeper
-    kill; else 1."""
+    rank) of ``sizes`` (default 1) and tensor count of ``tensors`` (default 3000), measure n ranks attaching from
+    one private keeper at once against one alone, over ``repeat`` rounds of fresh processes, then (``kill``) the
+    keeper kill and re-publication (see the module docstring). Prints the report and writes it to ``json_out``
+    (after every configuration) when given. Refused before any work: a device this process lacks, shards that do
+    not fit. Returns 0 when every rank saw its publisher's bits from the cache, and every shard came back after
+    the keeper kill; else 1."""
     placement_of(device)  # InvalidArgument for a device this process lacks, before any work
     report_path(json_out)
     gpus = visible_gpus(device)
@@ -668,7 +691,7 @@ def run(
     results: list[dict[str, Any]] = []
     try:
         for n in counts:
-            for count in tensors:
+            for count in tensors or DEFAULT_TENSORS:
                 for gib in sizes:
                     row = measure(socket_dir, tmp, device, gpus, n, gib, count, dtype, repeat, segment_bytes, kill)
                     results.append(row)
