@@ -675,6 +675,12 @@ def run(
     check_memory(sizes, counts, device, gpus)
     if repeat < 1:
         raise wc.WeightCacheError(f"--repeat takes 1 or more rounds; found {repeat}")
+    if sys.flags.dont_write_bytecode:
+        print(
+            "note: PYTHONDONTWRITEBYTECODE is set: modules without a cached .pyc are compiled at every import, "
+            "so the attach column includes compiling what the attach imports",
+            file=sys.stderr,
+        )
     segment_bytes = CUDA_SEGMENT_BYTES if device.startswith("cuda") else CPU_SEGMENT_BYTES
     if segment_gib is not None:
         segment_bytes = int(segment_gib * 2**30)
