@@ -67,7 +67,8 @@ def test_bench_ranks_runs_small_on_cpu(tmp_path: Path) -> None:
     [together] = row["together"]["rounds"]
     assert len(alone["runs"]) == 1 and [r["rank"] for r in together["runs"]] == [0, 1]
     assert all(r["source"] == "cache" for r in alone["runs"] + together["runs"])
-    for column in ("attach_ms", "slowest_ms", "skew_ms", "span_ms"):
+    assert row["alone"]["attach_cpu_ms"]["median"] > 0 and row["per_rank"][0]["attach_cpu_ms"]["median"] > 0
+    for column in ("attach_ms", "attach_cpu_ms", "slowest_ms", "skew_ms", "span_ms"):
         c = row["together"][column]
         assert 0 <= c["min"] <= c["median"] <= c["max"], column
     assert [r["rank"] for r in row["per_rank"]] == [0, 1] and row["per_rank"][1]["attach_ms"]["median"] > 0

@@ -11,9 +11,11 @@ processes, for each n of ``--ranks`` (default: every visible GPU; on the CPU 2):
    k), then all n ranks together. Each attaches with ``weightcache.attach(model, checkpoint, mode="client",
    parallel={"tp": (rank, n)}, strict=True)`` into a model built on the meta device and checks the bits it got
    against the checksum its publisher filled. Reported: each rank's attach time, the slowest of the n per round
-   against the one alone (goal: within 1.5x, medians over the rounds), how far apart the n attaches started (skew),
-   and the keeper's CPU time per attach (utime + stime of the keeper process, from ``/proc/<pid>/stat``, before and
-   after each round, in clock ticks: the per-attach figure is the sum over all rounds divided by the attaches);
+   against the one alone (goal: within 1.5x, medians over the rounds), the CPU time each rank's process spent in
+   its attach (when the wall time grows and this does not, the ranks waited for a CPU or for the keeper), how far
+   apart the n attaches started (skew), and the keeper's CPU time per attach (utime + stime of the keeper process,
+   from ``/proc/<pid>/stat``, before and after each round, in clock ticks: the per-attach figure is the sum over
+   all rounds divided by the attaches);
 3. **keeper kill**: n fresh ranks attach and hold their shards; the keeper is SIGKILLed and a new one started; each
    holder re-publishes its shard (:mod:`weightcache.republish`: its fds, no copy), and n new rank processes attach
    every shard from the cache.
@@ -121,6 +123,7 @@ if spec["role"] == "publish":
     done_at = time.monotonic()
     result = {"publish_ms": (t3 - t2) * 1e3, "bytes": total, "segments": nseg}
 else:
+    c2 = time.process_time()
     t2 = time.perf_counter()
     handle = wc.attach(
         model, spec["checkpoint"], mode="client", device=device, parallel=parallel, socket_dir=spec["socket_dir"],
@@ -129,8 +132,9 @@ else:
     if device.startswith("cuda"):
         torch.cuda.synchronize(device)
     t3 = time.perf_counter()
+    c3 = time.process_time()
     done_at = time.monotonic()
-    result = {"attach_ms": (t3 - t2) * 1e3, "source": handle.source}
+    result = {"attach_ms": (t3 - t2) * 1e3, "attach_cpu_ms": (c3 - c2) * 1e3, "source": handle.source}
 say("done", done_at=done_at, **result)
 os.read(spec["gates"][1], 1)  # every rank is done
 from weightcache.tools.bench import checksum
@@ -560,9 +564,14 @@ def measure(
         "segments": published[0]["segments"],
         "publish_s": round(publish_s, 3),
         "shards_differ": len(set(expected.values())) == n,
-        "alone": {"attach_ms": stats(alone_runs, "attach_ms"), "import_ms": stats(alone_runs, "import_ms")},
+        "alone": {
+            "attach_ms": stats(alone_runs, "attach_ms"),
+            "attach_cpu_ms": stats(alone_runs, "attach_cpu_ms"),
+            "import_ms": stats(alone_runs, "import_ms"),
+        },
         "together": {
             "attach_ms": stats(all_runs, "attach_ms"),
+            "attach_cpu_ms": stats(all_runs, "attach_cpu_ms"),
             "import_ms": stats(all_runs, "import_ms"),
             "slowest_ms": stats(together, "slowest_ms"),
             "skew_ms": stats(together, "skew_ms"),
@@ -572,6 +581,7 @@ def measure(
             {
                 "rank": r,
                 "attach_ms": stats([x for x in all_runs if x["rank"] == r], "attach_ms"),
+                "attach_cpu_ms": stats([x for x in all_runs if x["rank"] == r], "attach_cpu_ms"),
                 "import_ms": stats([x for x in all_runs if x["rank"] == r], "import_ms"),
             }
             for r in range(n)
@@ -618,14 +628,15 @@ def lines(row: dict[str, Any]) -> list[str]:
         f"{t['slowest_ms']['median']:.2f} ms ({t['slowest_ms']['min']:.2f}-{t['slowest_ms']['max']:.2f}), "
         f"{row['slowest_over_alone']:.2f}x alone "
         f"(goal {GOAL_RATIO}x: {'met' if row['goal_met'] else 'missed'}), every rank {t['attach_ms']['median']:.2f} "
-        f"ms, started within {t['skew_ms']['median']:.2f} ms | keeper CPU {k['cpu_ms_per_attach']:.2f} ms per attach "
+        f"ms (CPU {t['attach_cpu_ms']['median']:.2f}, alone {row['alone']['attach_cpu_ms']['median']:.2f}), started "
+        f"within {t['skew_ms']['median']:.2f} ms | keeper CPU {k['cpu_ms_per_attach']:.2f} ms per attach "
         f"(alone {k['alone_cpu_ms_per_attach']:.2f}; ticks of {k['tick_ms']:g} ms) | identical {row['identical']}"
     ]
     for r in row["per_rank"]:
         ra, ri = r["attach_ms"], r["import_ms"]
         out.append(
-            f"    rank {r['rank']}: attach {ra['median']:.2f} ms ({ra['min']:.2f}-{ra['max']:.2f}), "
-            f"import {ri['median']:.1f} ms"
+            f"    rank {r['rank']}: attach {ra['median']:.2f} ms ({ra['min']:.2f}-{ra['max']:.2f}; CPU "
+            f"{r['attach_cpu_ms']['median']:.2f}), import {ri['median']:.1f} ms"
         )
     kk = row.get("keeper_kill")
     if kk is not None:
