@@ -491,8 +491,7 @@ def keeper_kill(
     """n fresh ranks attach and hold their shards; the keeper is SIGKILLed and a new one spawned; once every
     holder has re-published its shard, n new ranks attach them all. Returns the times (``keeper_start_s``: the new
     keeper serving; ``republish_s``: every shard leased again, both from the start of the restart; the new ranks'
-    attaches) and whether every rank, old and new, saw its publisher's bits from
-    the cache."""
+    attaches) and whether every rank, old and new, saw its publisher's bits from the cache."""
     with RankGroup("attach", size, spec, gpus, hold=True) as holders:
         held = holders.release()
         old = kill_keeper(socket_dir)
