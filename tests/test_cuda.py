@@ -19,8 +19,10 @@ import pytest
 import torch
 from conftest import Holder, run_worker, start_keeper, stop_keeper, wait_until
 from models import make_checkpoint
+from ranks import start_together, survive_keeper_kill
 
 import weightcache as wc
+from weightcache.tools import bench_ranks
 
 pytestmark = pytest.mark.cuda
 HERE = Path(__file__).parent
@@ -315,40 +317,26 @@ def test_transformers_llama_greedy_generation_matches(tmp_path: Path, socket_dir
     assert len(runs["off"]["tokens"]) == 5 + 24
 
 
-@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
-def test_two_ranks_each_on_their_gpu(checkpoint: Path, socket_dir: Path) -> None:
-    """tp 0/2 and 1/2 publish to and attach from one host keeper, each on its own GPU, each process seeing
-    only its GPU (CUDA_VISIBLE_DEVICES), so both call it cuda:0: segments are told apart by UUID."""
-    wc.Cache(socket_dir, spawn=True)
-    code = """
-        import json, sys, torch, weightcache as wc
-        ckpt, sock, rank = sys.argv[1], sys.argv[2], int(sys.argv[3])
-        fp = wc.Fingerprint.create(ckpt, device="cuda:0", parallel={"tp": (rank, 2)})
-        cache = wc.Cache(sock)
-        h = cache.get(fp)
-        if h is None:
-            h = cache.put(fp, {"shard": torch.full((1 << 20,), float(rank), device="cuda:0")})
-        t = h.tensors["shard"]
-        print(json.dumps({"placement": fp.placement, "value": float(t[0]), "device": str(t.device),
-                          "uuid": str(torch.cuda.get_device_properties(0).uuid)}))
-    """
-    results = []
-    for attempt in range(2):  # publish, then attach
-        for rank in (0, 1):
-            out = subprocess.run(
-                [sys.executable, "-c", textwrap.dedent(code), str(checkpoint), str(socket_dir), str(rank)],
-                capture_output=True,
-                text=True,
-                timeout=300,
-                env={**os.environ, "CUDA_VISIBLE_DEVICES": str(rank)},
-            )
-            assert out.returncode == 0, out.stderr[-3000:]
-            results.append((attempt, rank, json.loads(out.stdout.strip().splitlines()[-1])))
-    for _attempt, rank, r in results:
-        assert r["value"] == float(rank) and r["placement"] == f"GPU-{r['uuid']}"
-    assert results[0][2]["placement"] != results[1][2]["placement"]
-    entries = wc.Cache(socket_dir).entries()
-    assert len(entries) == 2 and {e.placement for e in entries} == {r["placement"] for _, _, r in results}
+def rank_gpus() -> tuple[int, list[str]]:
+    """One rank per visible GPU, and at least two: on one GPU two ranks share it. The GPUs as ``GPU-<uuid>``."""
+    gpus = bench_ranks.visible_gpus("cuda:0")
+    return max(2, len(gpus)), gpus
+
+
+def test_ranks_start_together_each_on_their_gpu(tmp_path: Path, socket_dir: Path) -> None:
+    """A tensor-parallel restart across every visible GPU (tests/ranks.py): rank r's process sees only GPU r mod G
+    (CUDA_VISIBLE_DEVICES is its UUID), so every rank calls it cuda:0 and segments are told apart by UUID. The n
+    ranks publish tp r/n together, then n fresh ones attach together through one keeper: each gets its own shard,
+    bitwise, on its GPU."""
+    n, gpus = rank_gpus()
+    start_together(tmp_path, socket_dir, "cuda:0", n, gpus)
+
+
+def test_ranks_on_gpus_get_their_shards_back_from_a_restarted_keeper(tmp_path: Path, socket_dir: Path) -> None:
+    """The keeper SIGKILLed while n ranks (one per GPU, at least two) hold their VMM shards; a new keeper gets
+    every shard back from its rank, and n new rank processes attach all of them from the cache, bitwise."""
+    n, gpus = rank_gpus()
+    survive_keeper_kill(tmp_path, socket_dir, "cuda:0", n, gpus)
 
 
 def test_second_engine_adds_almost_no_gpu_memory(tmp_path: Path, socket_dir: Path) -> None:

@@ -191,7 +191,7 @@ def checksum(tensors: Sequence[torch.Tensor]) -> str:
     return hashlib.sha256(sums.cpu().numpy().tobytes()).hexdigest()
 
 
-def _marker_checkpoint(directory: Path, gib: float, n: int, dtype_name: str) -> Path:
+def marker_checkpoint(directory: Path, gib: float, n: int, dtype_name: str) -> Path:
     """A tiny real checkpoint whose header names the configuration: ``attach`` fingerprints it as an engine
     would, and each configuration gets its own entry."""
     path = directory / f"marker-{gib:g}g-{n}-{dtype_name}"
@@ -203,10 +203,18 @@ def _marker_checkpoint(directory: Path, gib: float, n: int, dtype_name: str) -> 
 
 
 def publish_synthetic(
-    cache: wc.Cache, fingerprint: wc.Fingerprint, shapes: list[int], dtype: torch.dtype, device: str, segment_bytes: int
+    cache: wc.Cache,
+    fingerprint: wc.Fingerprint,
+    shapes: list[int],
+    dtype: torch.dtype,
+    device: str,
+    segment_bytes: int,
+    seed: int = 0,
 ) -> tuple[int, int, str]:
     """Fill the tensors straight into segments of the fingerprint's placement (no state dict, no checkpoint:
-    the peak is the entry plus one tensor) and publish them. Returns (bytes, segments, checksum)."""
+    the peak is the entry plus one tensor) and publish them. Tensor ``i`` holds ``pattern(seed + i)`` (so that
+    entries filled with other seeds, such as the shards of other ranks, differ). Returns (bytes, segments,
+    checksum)."""
     transport = segments.transport_for_placement(fingerprint.placement)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     placements, sizes = segments.pack([n * itemsize for n in shapes], transport.alignment, segment_bytes)
@@ -219,7 +227,7 @@ def publish_synthetic(
             seg = transport.create(size, fingerprint.placement)
             packed.segments.append(seg)
             while i < len(shapes) and placements[i].segment == k:
-                data = pattern(i, shapes[i], dtype, device)
+                data = pattern(seed + i, shapes[i], dtype, device)
                 seg.write(placements[i].offset, data)
                 sums.append(data.reshape(-1).view(torch.int16).sum(dtype=torch.int64))
                 packed.infos.append(
@@ -387,7 +395,8 @@ def _child(code: str, spec: dict[str, Any], what: str) -> dict[str, Any]:
     return result
 
 
-def _stats(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
+def stats(runs: list[dict[str, Any]], key: str) -> dict[str, float]:
+    """Median, min and max of column ``key`` over ``runs`` (one dict per process or round)."""
     values = [float(r[key]) for r in runs]
     return {
         "median": round(statistics.median(values), 3),
@@ -422,8 +431,8 @@ def peer_attach(
         holder.wait(120)
         exported.unlink(missing_ok=True)
     return {
-        "attach_ms": _stats(runs, "attach_ms"),
-        "import_ms": _stats(runs, "import_ms"),
+        "attach_ms": stats(runs, "attach_ms"),
+        "import_ms": stats(runs, "import_ms"),
         "identical": all(r["checksum"] == expected for r in runs),
         "runs": runs,
     }
@@ -471,7 +480,7 @@ def _run_one(
     dtype = getattr(torch, dtype_name)
     itemsize = torch.empty(0, dtype=dtype).element_size()
     shapes = layout(int(gib * 2**30), n, itemsize)
-    marker = _marker_checkpoint(tmp, gib, n, dtype_name)
+    marker = marker_checkpoint(tmp, gib, n, dtype_name)
     # exactly what attach() derives from (checkpoint, device): see weightcache.api
     fp = wc.Fingerprint.create(marker, device=torch.device(device))
     segment_bytes = CUDA_SEGMENT_BYTES if device.startswith("cuda") else CPU_SEGMENT_BYTES
@@ -497,9 +506,9 @@ def _run_one(
     cache.evict(fp, force=True)
     row["runs"] = runs
     for key in ("attach_ms", "import_ms", "floor_ms", "gc_ms", "gc_import_ms", "gc_after_ms"):
-        row[key] = _stats(runs, key)
+        row[key] = stats(runs, key)
     for key in ("python_ms", "cuda_init_ms"):
-        row[key] = _stats(runs, key)
+        row[key] = stats(runs, key)
     row["attach_over_floor"] = round(row["attach_ms"]["median"] / row["floor_ms"]["median"], 3)
     row["import_over_torch"] = round(row["import_ms"]["median"] / row["python_ms"]["median"], 4)
     row["identical"] = all(r["checksum"] == expected and r["source"] == "cache" for r in runs)
@@ -563,7 +572,7 @@ def run(
         profiles.mkdir(parents=True, exist_ok=True)
     try:
         # one untimed engine first: writes the .pyc files an installed package would have
-        warm = _marker_checkpoint(tmp, 0, 1, dtype)
+        warm = marker_checkpoint(tmp, 0, 1, dtype)
         warm_fp = wc.Fingerprint.create(warm, device=torch.device(device))
         publish_synthetic(cache, warm_fp, [256], getattr(torch, dtype), device, CPU_SEGMENT_BYTES)
         warm_spec = {"checkpoint": str(warm), "device": device, "dtype": dtype, "shapes": [256]}

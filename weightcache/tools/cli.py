@@ -363,6 +363,25 @@ def cmd_bench(args: argparse.Namespace) -> int:
         "dtype": args.dtype,
         "json_out": args.json_out,
     }
+    if args.ranks is not None:
+        for flag, given in (
+            ("--restart", args.restart),
+            ("--profile", args.profile),
+            ("--drop-caches", args.drop_caches),
+        ):
+            if given:
+                raise wc.WeightCacheError(
+                    f"{flag} does not go with --ranks (the multi-rank benchmark has no such step)"
+                )
+        from . import bench_ranks  # imports torch
+
+        return bench_ranks.run(
+            ranks=_numbers(args.ranks, int, "--ranks") if args.ranks else None,  # "": one per GPU, or 2 on the CPU
+            sizes=sizes,
+            tensors=tensors,
+            segment_gib=args.segment_gib,
+            **options,
+        )
     if args.restart:
         from . import bench_restart  # imports torch
 
@@ -515,6 +534,17 @@ def build_parser() -> argparse.ArgumentParser:
         action="store_true",
         help="the restart benchmark: disk and H2D bandwidth, mode off, daemon first start and client attach "
         "on a synthetic checkpoint (default sizes then 1,8,32 and tensors 300,3000)",
+    )
+    p.add_argument(
+        "--ranks",
+        nargs="?",
+        const="",
+        default=None,
+        metavar="N,...",
+        help="the multi-rank benchmark: N rank processes (each its own CUDA_VISIBLE_DEVICES, GPU rank mod visible "
+        "GPUs) attach their tensor-parallel shards from one keeper at once, against one rank alone; then the keeper "
+        "is killed and re-fed by the ranks. Comma-separated counts; bare --ranks: one per visible GPU (CPU: 2); "
+        "--sizes is then per rank (default 1)",
     )
     p.add_argument("--workdir", default=None, help="--restart: where to write checkpoints (default a temp dir)")
     p.add_argument("--keep", action="store_true", help="--restart: keep the checkpoints")
