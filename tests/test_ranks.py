@@ -78,3 +78,15 @@ def test_bench_ranks_runs_small_on_cpu(tmp_path: Path) -> None:
     kill = row["keeper_kill"]
     assert kill["republished"] is True and kill["identical"] is True and kill["holders_leased"] is True
     assert kill["sources"] == ["cache", "cache"] and kill["killed_pid"] != kill["keeper_pid"]
+
+
+@pytest.mark.parametrize("flag", ["--restart", "--profile=/tmp/x", "--drop-caches", "--no-peer"])
+def test_bench_ranks_refuses_flags_it_has_no_use_for(flag: str) -> None:
+    """A flag the multi-rank benchmark would ignore is an error naming it, before anything runs."""
+    out = subprocess.run(
+        [sys.executable, "-m", "weightcache", "bench", "--ranks", "2", flag],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert out.returncode != 0 and f"{flag.split('=')[0]} does not go with --ranks" in out.stderr

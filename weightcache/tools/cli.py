@@ -368,6 +368,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             ("--restart", args.restart),
             ("--profile", args.profile),
             ("--drop-caches", args.drop_caches),
+            ("--no-peer", args.no_peer),
         ):
             if given:
                 raise wc.WeightCacheError(
