@@ -9,9 +9,10 @@ import contextlib
 import importlib.util
 import subprocess
 import sys
+import warnings
 from collections.abc import Iterator
 from pathlib import Path
-from typing import ClassVar
+from typing import Any, ClassVar
 
 import attrs
 import pytest
@@ -20,7 +21,16 @@ from models import INPUT_IDS, TinyLM, meta_model, model_kwargs, reference_output
 
 import weightcache as wc
 from weightcache import backends
-from weightcache.backends.base import Backend, Loaded, LoaderOptions, QuantSpec, adopt_published_layout
+from weightcache.backends.base import (
+    MODE_ENV,
+    UNTESTED_ENGINES_ENV,
+    Backend,
+    Loaded,
+    LoaderOptions,
+    QuantSpec,
+    ReleaseRange,
+    adopt_published_layout,
+)
 from weightcache.backends.torch import ModuleLoad
 from weightcache.binding import bind
 from weightcache.loader import load_weights
@@ -371,3 +381,117 @@ def test_mode_off_builds_no_meta_model(checkpoint: Path, socket_dir: Path) -> No
     load = EngineLoad(checkpoint)
     loaded, _ = engine_load(RegisteringEngine(), load, socket_dir, "off")
     assert loaded.source == "disk" and load.builds == 1
+
+
+# --- the engine always starts: serve_engine ---------------------------------------------------------------------
+
+
+class RangedEngine(RegisteringEngine):
+    """An engine whose adapter supports releases 1.0 to 1.2 (the engine, here torch, reports ``version``)."""
+
+    name: ClassVar[str] = "ranged"
+    releases: ClassVar[ReleaseRange | None] = ReleaseRange("Ranged", "1.0", "1.2")
+    installed: ClassVar[str] = "1.1.0"
+    fail_after_bind: ClassVar[bool] = False
+
+    def version(self) -> str:
+        return self.installed
+
+    def after_bind(self, model: torch.nn.Module, handle: wc.Handle, context: EngineLoad) -> None:
+        if self.fail_after_bind:
+            raise AttributeError("module 'engine' has no attribute 'moved_function'")
+        for buffer in model.buffers():  # as vLLM's attention layers reset their scales: a write into a buffer
+            buffer.add_(0)
+
+
+def serve(
+    backend: Backend, context: EngineLoad, socket_dir: Path, mode: str, strict: bool = False, describe: Any = None
+) -> Loaded:
+    def fingerprint() -> wc.Fingerprint:
+        return backend.make_fingerprint(
+            str(context.checkpoint),
+            dtype=None,
+            engine_quant=None,
+            parallel=lambda: {"tp": (0, 1)},
+            device="cpu",
+            identity={"checkpoint": str(context.checkpoint)},
+        )
+
+    options = LoaderOptions(mode=mode, socket_dir=str(socket_dir), strict=strict)  # type: ignore[arg-type]
+    return backend.serve_engine(context, describe=describe or fingerprint, device="cpu", options=options)
+
+
+def test_an_engine_release_outside_the_range_starts_from_disk(
+    checkpoint: Path, socket_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Outside the declared releases: the engine's own loader, a FallbackWarning that names the release and the
+    range, no keeper asked; strict: a BackendError saying the same; the override variable lets it try."""
+    backend = RangedEngine()
+    monkeypatch.setattr(RangedEngine, "installed", "2.0.1")
+    with pytest.warns(
+        wc.FallbackWarning, match=r"Ranged 2\.0\.1 is outside the releases .* \(Ranged 1\.0 to 1\.2\.x\)"
+    ):
+        loaded = serve(backend, EngineLoad(checkpoint), socket_dir, "daemon")
+    assert loaded.source == "disk" and loaded.handle is None and not socket_dir.exists()
+    with torch.no_grad():
+        assert torch.equal(loaded.model(INPUT_IDS), reference_output(checkpoint))
+    with pytest.raises(wc.BackendError, match=r"Ranged 2\.0\.1 is outside"):
+        serve(backend, EngineLoad(checkpoint), socket_dir, "daemon", strict=True)
+    monkeypatch.setenv(UNTESTED_ENGINES_ENV, "1")
+    assert serve(backend, EngineLoad(checkpoint), socket_dir, "daemon").source == "cache"
+
+
+def test_an_engine_api_the_adapter_cannot_use_starts_from_disk(checkpoint: Path, socket_dir: Path) -> None:
+    """Describing the model fails (a moved or changed engine function): from disk, saying why; an engine API that
+    fails after the cached weights were bound: the model is released, and the engine's own loader runs."""
+    backend = RangedEngine()
+
+    def moved() -> wc.Fingerprint:
+        raise ImportError("cannot import name 'parallel_state' from 'engine.distributed'")
+
+    with pytest.warns(wc.FallbackWarning, match=r"could not describe this model .*ImportError: cannot import name"):
+        loaded = serve(backend, EngineLoad(checkpoint), socket_dir, "client", describe=moved)
+    assert loaded.source == "disk"
+    with pytest.raises(wc.BackendError, match="could not describe"):
+        serve(backend, EngineLoad(checkpoint), socket_dir, "client", strict=True, describe=moved)
+
+    serve(backend, EngineLoad(checkpoint), socket_dir, "daemon")  # published
+    RangedEngine.fail_after_bind = True
+    try:
+        load = EngineLoad(checkpoint)
+        with pytest.warns(wc.FallbackWarning, match=r"could not finish a model .*AttributeError: .*moved_function"):
+            loaded = serve(backend, load, socket_dir, "client")
+        assert loaded.source == "disk" and load.registered == {"model"}  # the bound model was released
+        with torch.no_grad():
+            assert torch.equal(loaded.model(INPUT_IDS), reference_output(checkpoint))
+    finally:
+        RangedEngine.fail_after_bind = False
+
+
+def test_the_kill_switch(checkpoint: Path, socket_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """WEIGHTCACHE_MODE=off: the engine's own loader, no warning, no keeper, whatever the options say; daemon or
+    client override the options' mode; another value is a clear error."""
+    backend = RangedEngine()
+    monkeypatch.setenv(MODE_ENV, "off")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        loaded = serve(backend, EngineLoad(checkpoint), socket_dir, "daemon", strict=True)
+    assert loaded.source == "disk" and not socket_dir.exists()
+    monkeypatch.setenv(MODE_ENV, "daemon")
+    assert serve(backend, EngineLoad(checkpoint), socket_dir, "client", strict=True).source == "cache"
+    monkeypatch.setenv(MODE_ENV, "of")
+    with pytest.raises(wc.BackendConfigError, match=r"WEIGHTCACHE_MODE must be one of off, daemon, client; found 'of'"):
+        serve(backend, EngineLoad(checkpoint), socket_dir, "client")
+
+
+def test_engines_get_private_buffers_and_shared_parameters(checkpoint: Path, socket_dir: Path) -> None:
+    """An engine may write into buffers after loading (RangedEngine.after_bind does, as vLLM does); buffers are
+    bound as private copies, parameters as the keeper's memory."""
+    backend = RangedEngine()
+    serve(backend, EngineLoad(checkpoint), socket_dir, "daemon")
+    hit = serve(backend, EngineLoad(checkpoint), socket_dir, "client", strict=True)
+    assert hit.source == "cache" and hit.handle is not None
+    shared = {t.data_ptr() for t in hit.handle.tensors.values()}
+    assert all(p.data_ptr() in shared for p in hit.model.parameters())
+    buffers = list(hit.model.buffers())
+    assert buffers and not any(b.data_ptr() in shared for b in buffers)

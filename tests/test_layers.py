@@ -86,6 +86,8 @@ THIRD_PARTY: dict[str, int] = {
     "numpy": 3,
     "tqdm": 3,
     "cuda": 3,
+    # version comparisons: the engine adapters' release ranges, and the doctor
+    "packaging": 4,
 }
 #: Engines: from L4 up, and only inside functions (importing an adapter never imports its engine).
 ENGINES = frozenset({"vllm", "sglang", "transformers"})

@@ -32,7 +32,7 @@ import logging
 import os
 import time
 import warnings
-from collections.abc import Iterator, Mapping, MutableMapping
+from collections.abc import Callable, Iterator, Mapping, MutableMapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Any, Generic, Literal, TypeVar
 
@@ -300,6 +300,11 @@ def collector_paused() -> Iterator[None]:
 def _serve(request: Request, steps: Steps[T], handle: Handle, outcome: str, start: float) -> T:
     try:
         result = steps.serve(handle)
+    except BackendError as exc:  # the engine cannot take these weights here: its own load may still work
+        handle.close()
+        if request.strict:
+            raise
+        return _fallback(request, steps, f"the weights could not be put to use ({exc})", start)
     except BaseException:
         handle.close()
         raise
@@ -311,6 +316,23 @@ def _fallback(request: Request, steps: Steps[T], reason: str, start: float) -> T
     _warn(f"weightcache: loading from disk: {reason}")
     result = steps.serve_disk(reason)
     _report(request, "miss, loaded from disk", start, reason=reason)
+    return result
+
+
+def without_cache(reason: str, load: Callable[[], T], *, strict: bool, switched_off: bool = False) -> T:
+    """Serve the caller's own disk load without asking a keeper, because the cache cannot be used at all here:
+    ``reason`` says why (an engine release outside an adapter's range, an engine API the adapter cannot find).
+    A FallbackWarning says so (``strict``: BackendError(reason) instead, and nothing loads). ``switched_off``: the
+    operator turned weightcache off (``WEIGHTCACHE_MODE=off``): no warning, and strictness does not apply. Either
+    way the log line of every start says what happened."""
+    start = time.perf_counter()
+    if not switched_off:
+        if strict:
+            raise BackendError(reason)
+        _warn(f"weightcache: loading from disk: {reason}")
+    result = load()
+    outcome = "off" if switched_off else "miss, loaded from disk"
+    log.info("weightcache: %s in %.1f ms: %s", outcome, (time.perf_counter() - start) * 1e3, reason)
     return result
 
 
@@ -381,4 +403,5 @@ __all__ = [
     "collector_paused",
     "run",
     "why_missing",
+    "without_cache",
 ]

@@ -16,7 +16,8 @@ from __future__ import annotations
 import importlib
 import typing
 
-from .base import Backend, LoaderOptions, QuantSpec
+from .engine_config import QuantSpec
+from .template import Backend, LoaderOptions
 
 _builtin: dict[str, str] = {
     "torch": "weightcache.backends.torch:TorchBackend",

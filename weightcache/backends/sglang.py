@@ -39,7 +39,8 @@ from ..binding import tensor_attributes
 from ..errors import BackendError, UnsupportedQuantError
 from ..fingerprint import Fingerprint
 from ..handle import Handle
-from .base import Backend, LoaderOptions, QuantSpec, config_json, plain_json, quant_spec_from_config
+from .engine_config import QuantSpec, config_json, plain_json, quant_spec_from_config
+from .template import Backend, LoaderOptions
 
 #: SGLang's parallel widths (``runtime_context.get_parallel()``) that decide which shard a rank holds, as
 #: fingerprint axis -> (rank attribute, size attribute).
@@ -346,9 +347,13 @@ class WeightCacheLoader:
 
     def load_model(self, *, model_config: Any, device_config: Any) -> nn.Module:
         device = torch.device(device_config.device)
-        fingerprint = self.backend.fingerprint(model_config, self.load_config, device)  # quant refused here, first
         context = SglangLoad(model_config, self.load_config, device_config)
-        loaded = self.backend.load_model(context, fingerprint=fingerprint, device=device, options=self.options)
+        loaded = self.backend.serve_engine(
+            context,
+            describe=lambda: self.backend.fingerprint(model_config, self.load_config, device),  # quant refused here
+            device=device,
+            options=self.options,
+        )
         # SGLang adds this to a memory baseline sampled before load_model: only an entry that was resident then
         # counts; segments this call created were allocated after the sample and are already in its measure.
         self.preloaded_weights_bytes = loaded.preloaded_bytes

