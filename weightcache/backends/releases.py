@@ -11,7 +11,10 @@ Imports no engine and no torch.
 
 from __future__ import annotations
 
+import importlib
+import importlib.util
 import os
+from collections.abc import Iterable
 
 import attrs
 from packaging.version import InvalidVersion, Version
@@ -64,4 +67,17 @@ class ReleaseRange:
         )
 
 
-__all__ = ["UNTESTED_ENGINES_ENV", "ReleaseRange"]
+def missing_api(engine: str, required: Iterable[tuple[str, str]]) -> str | None:
+    """The first ``(module, name)`` of ``required`` that the installed engine lacks, as a reason naming it; None
+    when every one is there. Imports the modules (an adapter asks only when a load needs the engine anyway)."""
+    for module_name, name in required:
+        try:
+            module = importlib.import_module(module_name)
+        except Exception as exc:
+            return f"the installed {engine} cannot import {module_name} ({type(exc).__name__}: {exc})"
+        if not hasattr(module, name) and importlib.util.find_spec(f"{module_name}.{name}") is None:
+            return f"the installed {engine} has no {module_name}.{name}, which the weightcache adapter needs"
+    return None
+
+
+__all__ = ["UNTESTED_ENGINES_ENV", "ReleaseRange", "missing_api"]

@@ -39,7 +39,9 @@ from ..binding import tensor_attributes
 from ..errors import BackendError, UnsupportedQuantError
 from ..fingerprint import Fingerprint
 from ..handle import Handle
+from . import sglang_releases
 from .engine_config import QuantSpec, config_json, plain_json, quant_spec_from_config
+from .releases import ReleaseRange
 from .template import Backend, LoaderOptions
 
 #: SGLang's parallel widths (``runtime_context.get_parallel()``) that decide which shard a rank holds, as
@@ -75,6 +77,12 @@ class SglangBackend(Backend):
     name: ClassVar[str] = "sglang"
     module: ClassVar[str] = "sglang"
     install_hint: ClassVar[str] = "Install SGLang (`pip install sglang`) in the same environment as weightcache."
+    releases: ClassVar[ReleaseRange | None] = sglang_releases.RELEASES
+
+    def unsupported(self) -> str | None:
+        """A release outside :data:`~weightcache.backends.sglang_releases.RELEASES`, or a loader API the adapter
+        needs and the installed SGLang lacks."""
+        return super().unsupported() or sglang_releases.missing_api()
 
     def quant(self, engine_quant: object) -> QuantSpec:
         """Map an SGLang ``QuantizationConfig`` (None: unquantized) to a strategy (see
@@ -286,11 +294,12 @@ def register() -> None:
         )
     except Exception as exc:
         logging.getLogger(__name__).warning(
-            "weightcache could not register --load-format %s with this SGLang (%s: %s); weightcache supports the "
-            "plugin API of SGLang 0.5.23. Use LoadConfig(load_format=WeightCacheLoader) instead.",
+            "weightcache could not register --load-format %s with this SGLang (%s: %s); weightcache supports %s. "
+            "Use LoadConfig(load_format=WeightCacheLoader) instead.",
             LOAD_FORMAT,
             type(exc).__name__,
             exc,
+            sglang_releases.RELEASES,
         )
 
 

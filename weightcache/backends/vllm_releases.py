@@ -29,7 +29,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import importlib
-import importlib.util
 import logging
 import math
 import os
@@ -41,6 +40,7 @@ from typing import Any
 import attrs
 from torch import nn
 
+from . import releases
 from .releases import ReleaseRange
 
 #: The releases the adapter supports, and where each end is tested.
@@ -124,14 +124,7 @@ def features() -> VllmFeatures:
 
 def missing_api() -> str | None:
     """The first name of :data:`REQUIRED_API` the installed vLLM lacks, as a reason; None when all are there."""
-    for module_name, name in REQUIRED_API:
-        try:
-            module = importlib.import_module(module_name)
-        except Exception as exc:
-            return f"the installed vLLM cannot import {module_name} ({type(exc).__name__}: {exc})"
-        if not hasattr(module, name) and importlib.util.find_spec(f"{module_name}.{name}") is None:
-            return f"the installed vLLM has no {module_name}.{name}, which the weightcache adapter needs"
-    return None
+    return releases.missing_api("vLLM", REQUIRED_API)
 
 
 def cannot_attach(model: nn.Module, found: VllmFeatures) -> str | None:

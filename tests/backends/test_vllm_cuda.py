@@ -1,0 +1,201 @@
+"""The vLLM adapter on an NVIDIA GPU, with vLLM's defaults (torch.compile and CUDA graphs on), on any supported
+release (the H200 runs vLLM 0.26.0, which lacks ``weights_already_processed`` and ``get_external_weight_memory``).
+
+Each engine is a fresh process (tests/backends/vllm_gpu_worker.py) with vLLM's engine in-process. For a dense
+Llama and an MoE Mixtral, in bf16: greedy tokens are identical from load format auto, weightcache daemon (a miss:
+it loads, publishes and runs on the published copy) and weightcache client (a second engine, started while the
+first still runs); the client's loader takes < 1 % of the weights' bytes of device memory (its weights are the
+keeper's); and vLLM's KV cache in every engine is auto's within 1 % (its memory budget counts the weights it maps
+once: before vLLM 0.32 through ``count_external_weights``). Then a keeper SIGKILL leaves the running engines
+generating, and after a keeper restart the engines re-publish, and a new engine attaches.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+from engines import require_engine
+
+require_engine("vllm")
+
+import weightcache as wc  # noqa: E402
+from weightcache.backends.vllm import LOAD_FORMAT  # noqa: E402
+
+HERE = Path(__file__).parent
+sys.path.insert(0, str(HERE.parent))
+
+from conftest import keeper_pid, wait_until  # noqa: E402
+
+pytestmark = [pytest.mark.cuda, pytest.mark.slow]
+
+#: A model large enough that its weights are several percent of the KV cache at the utilization used here, so
+#: that weights counted by nobody (or twice) show as more than 1 % of KV cache.
+SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16},
+    ),
+    "mixtral": (
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+    ),
+}
+
+
+def make_model(directory: Path, architecture: str) -> Path:
+    import torch
+    import transformers
+
+    config_name, model_name, shape = SHAPES[architecture]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(
+        vocab_size=32000, max_position_embeddings=1024, tie_word_embeddings=False, **shape
+    )
+    with torch.device("cuda"):
+        model = getattr(transformers, model_name)(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(directory, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+    return directory
+
+
+class Engine:
+    """One vLLM engine in its own process, kept running until closed."""
+
+    def __init__(self, spec: dict[str, Any]) -> None:
+        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "vllm_gpu_worker.py"), json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=env,
+        )
+        self.log: list[str] = []
+        self.result = self.read()
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return dict(json.loads(line.removeprefix("RESULT ")))
+            self.log.append(line)
+        raise AssertionError(f"vLLM engine exited ({self.proc.wait()}):\n{''.join(self.log[-80:])}")
+
+    def generate(self) -> list[int]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("generate\n")
+        self.proc.stdin.flush()
+        return list(self.read()["tokens"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(60)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+
+
+@pytest.fixture
+def engines() -> Iterator[list[Engine]]:
+    started: list[Engine] = []
+    yield started
+    for engine in started:
+        engine.close()
+
+
+def start(engines: list[Engine], spec: dict[str, Any]) -> dict[str, Any]:
+    engine = Engine(spec)
+    engines.append(engine)
+    return engine.result
+
+
+def within(a: int, b: int, fraction: float) -> bool:
+    return abs(a - b) <= fraction * max(a, b)
+
+
+@pytest.mark.parametrize("architecture", ["llama", "mixtral"])
+def test_auto_daemon_and_client_on_the_gpu(
+    architecture: str, engines: list[Engine], socket_dir: Path, tmp_path: Path
+) -> None:
+    model = str(make_model(tmp_path / architecture, architecture))
+    options = {"socket_dir": str(socket_dir)}
+    auto = start(engines, {"model": model, "load_format": "auto"})
+    engines.pop().close()  # auto's memory is given back before the cached engines start
+    daemon = start(engines, {"model": model, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}})
+    [entry] = wc.Cache(socket_dir).entries()
+    assert entry.device.startswith("cuda") and entry.fingerprint.dtype == "bfloat16"
+    client = start(
+        engines,
+        {"model": model, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "client", "strict": True}},
+    )
+    print(
+        json.dumps(
+            {"architecture": architecture, "bytes": entry.bytes, "auto": auto, "daemon": daemon, "client": client}
+        )
+    )
+
+    assert len(auto["tokens"]) == 12 and auto["tokens"] == daemon["tokens"] == client["tokens"]
+    assert (auto["source"], daemon["source"], client["source"]) == ("disk", "cache", "cache")
+    assert daemon["warnings"] == client["warnings"] == []
+    # The second engine maps the keeper's weights: its loader takes next to no device memory.
+    assert client["load_delta"] < 0.01 * entry.bytes, (client["load_delta"], entry.bytes)
+    assert auto["load_delta"] > 0.9 * entry.bytes
+    # vLLM's memory budget counts the weights once, whoever allocated them: the KV caches agree.
+    assert within(client["kv_blocks"], auto["kv_blocks"], 0.01), (auto["kv_blocks"], client["kv_blocks"])
+    assert within(daemon["kv_blocks"], auto["kv_blocks"], 0.01), (auto["kv_blocks"], daemon["kv_blocks"])
+
+    if architecture != "llama":
+        return
+    # A keeper SIGKILL: the running engines keep generating from the memory they map.
+    pid = keeper_pid(socket_dir)
+    assert pid is not None
+    os.kill(pid, signal.SIGKILL)
+    assert [e.generate() for e in engines] == [auto["tokens"]] * 2
+    # The engine in mode daemon starts a new keeper (it keeps one running); the engines re-publish what they
+    # hold, and a new engine attaches it without reading the disk.
+
+    def republished() -> bool:
+        try:
+            return keeper_pid(socket_dir) not in (None, pid) and [e.digest for e in wc.Cache(socket_dir).entries()] == [
+                entry.digest
+            ]
+        except wc.KeeperUnavailable:
+            return False
+
+    assert wait_until(republished, 60)
+    third = start(
+        engines,
+        {"model": model, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "client", "strict": True}},
+    )
+    assert third["tokens"] == auto["tokens"] and third["source"] == "cache"
+    assert third["load_delta"] < 0.01 * entry.bytes

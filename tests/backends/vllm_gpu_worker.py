@@ -1,0 +1,94 @@
+"""Run one vLLM engine on a GPU, with vLLM's defaults (torch.compile and CUDA graphs on), in this process, and
+keep it: print a JSON line after the first greedy generation, then answer commands on stdin.
+
+Usage: python vllm_gpu_worker.py '<json spec>'; spec keys: model, load_format, extra (model_loader_extra_config),
+gpu_memory_utilization (default 0.25), max_tokens (default 12), evict (drop the checkpoint from the page cache).
+Commands (one per line): ``generate`` (greedy again, a RESULT line), ``quit``.
+
+Each RESULT line holds: tokens; source (``cache`` or ``disk``, from the model's Handle); load_delta (device memory
+the engine's loader took, from the driver's free memory before and after it); kv_blocks (vLLM's KV cache size in
+blocks); warnings that mention weightcache; seconds from the start of this process to the first token.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import time
+import warnings
+
+START = time.time()
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+
+from engine_models import PROMPT, evict_from_page_cache  # noqa: E402
+
+
+def main() -> None:
+    spec = json.loads(sys.argv[1])
+    if spec.get("evict"):
+        evict_from_page_cache(spec["model"])
+    import torch
+    from vllm import LLM, SamplingParams
+    from vllm.inputs import TokensPrompt
+    from vllm.model_executor import model_loader as loaders
+    from vllm.plugins import load_general_plugins
+
+    load_general_plugins()  # registers --load-format weightcache in this process, as LLM() would
+    load_format = spec.get("load_format", "auto")
+    loader_cls = loaders._LOAD_FORMAT_TO_MODEL_LOADER[load_format]
+    measured: dict[str, int] = {}
+    original = loader_cls.load_model
+
+    def load_model(self, *args, **kwargs):  # the loader's own device memory, as the driver sees it
+        torch.cuda.synchronize()
+        free_before = torch.cuda.mem_get_info()[0]
+        model = original(self, *args, **kwargs)
+        torch.cuda.synchronize()
+        measured["load_delta"] = free_before - torch.cuda.mem_get_info()[0]
+        return model
+
+    loader_cls.load_model = load_model
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        llm = LLM(
+            model=spec["model"],
+            skip_tokenizer_init=True,
+            load_format=load_format,
+            model_loader_extra_config=spec.get("extra") or {},
+            gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.25),
+            max_model_len=spec.get("max_model_len", 512),
+            seed=0,
+        )
+    params = SamplingParams(max_tokens=spec.get("max_tokens", 12), temperature=0.0, detokenize=False)
+
+    def generate() -> list[int]:
+        out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)
+        return list(out[0].outputs[0].token_ids)
+
+    def source(model: torch.nn.Module) -> str:
+        handle = model.__dict__.get("weightcache_handle")
+        return "disk" if handle is None else str(handle.source)
+
+    tokens = generate()
+    first_token_s = time.time() - START
+    result = {
+        "tokens": tokens,
+        "source": llm.apply_model(source)[0],
+        "load_delta": measured.get("load_delta"),
+        "kv_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
+        "torch_allocated": torch.cuda.memory_allocated(),
+        "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "weightcache" in str(w.message)],
+        "first_token_s": first_token_s,
+    }
+    print("RESULT " + json.dumps(result), flush=True)
+    for line in sys.stdin:
+        command = line.strip()
+        if command == "generate":
+            print("RESULT " + json.dumps({"tokens": generate()}), flush=True)
+        elif command == "quit":
+            break
+
+
+if __name__ == "__main__":
+    main()
