@@ -1,0 +1,71 @@
+#!/usr/bin/env bash
+# vLLM on a GPU machine that has PyTorch but no vLLM and no network (how the H200 runs of docs/benchmarks.md were
+# made). The vLLM release and the dependencies that machine lacks travel as parts of one xz-compressed tar
+# (site/: vLLM's unpacked wheel; wheels/: its missing dependencies), each part in its own call.
+#   gpu_vllm.sh receive DIR       copy the parts found in DIR to /tmp/carry (once per part, any order)
+#   gpu_vllm.sh install           join and unpack them; install the wheels, and weightcache as a distribution (vLLM
+#                                 finds its plugin through the entry point), into /tmp/site
+#   gpu_vllm.sh test [ARGS]       the GPU tests of the vLLM adapter (tests/backends/test_vllm_cuda.py)
+#   gpu_vllm.sh bench [ARGS]      benchmarks/restart_vllm.py
+#   gpu_vllm.sh mp-probe          vLLM's multiprocessing engine with load format auto and weightcache NOT on the
+#                                 path, 120 s at most, then every thread's stack (faulthandler)
+# Logs go to $OUT (or /tmp/out).
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/out}
+mkdir -p "$out" /tmp/carry
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONUNBUFFERED=1
+# FlashInfer is not carried (its kernels come from the network at run time): vLLM samples with PyTorch instead
+export VLLM_USE_FLASHINFER_SAMPLER=0
+site=/tmp/site
+# weightcache as a distribution (vLLM finds its plugin through the entry point), replacing any earlier copy
+wc_install() {
+    python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-compile --target "$site" . 2>&1 |
+        grep -v "already exists" || true
+}
+cmd=${1:?usage: gpu_vllm.sh receive DIR|install|test|bench|mp-probe}
+shift
+case "$cmd" in
+receive)
+    cp "$1"/part.* /tmp/carry/ && ls -l /tmp/carry
+    ;;
+install)
+    set -e
+    if command -v xz >/dev/null; then unxz=(xz -d -T0); else unxz=(python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)"); fi
+    cat /tmp/carry/part.* | "${unxz[@]}" | tar -C /tmp/carry -xf -
+    mkdir -p "$site"
+    cp -r /tmp/carry/site/. "$site"/
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" /tmp/carry/wheels/*.whl
+    PYTHONPATH=$site python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
+    ;;
+test)
+    wc_install
+    PYTHONPATH=$site WEIGHTCACHE_ENGINE_TESTS=vllm python3 -m pytest -p no:cacheprovider -v -x -s \
+        tests/backends/test_vllm_cuda.py "$@" 2>&1 | tee "$out/gpu-tests.log"
+    ;;
+bench)
+    wc_install
+    PYTHONPATH=$site python3 benchmarks/restart_vllm.py --workdir /tmp/llama8b --json "$out/restart-vllm.json" "$@" \
+        2>&1 | tee "$out/restart-vllm.log"
+    ;;
+mp-probe)
+    # weightcache is left out of the path on purpose: does vLLM's engine process start here without any plugin?
+    rm -rf /tmp/site-nowc && mkdir -p /tmp/site-nowc && cp -r "$site"/. /tmp/site-nowc/ && rm -rf /tmp/site-nowc/weightcache*
+    model=/tmp/mp-probe-model
+    [ -e $model/config.json ] || PYTHONPATH=$site python3 -c "import sys; sys.path.insert(0, 'tests/backends'); from engine_models import make_tiny_llama; make_tiny_llama('$model')"
+    PYTHONPATH=/tmp/site-nowc PYTHONFAULTHANDLER=1 timeout -s ABRT 120 python3 -X faulthandler -c "
+import sys
+from vllm import LLM
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, gpu_memory_utilization=0.2, max_model_len=256, dtype='bfloat16')
+print('MP ENGINE STARTED', flush=True)
+" "$model" >"$out/mp-probe.log" 2>&1 &
+    probe=$!
+    sleep 110
+    for pid in $(pgrep -f EngineCore); do echo "== EngineCore $pid"; cat /proc/$pid/wchan; echo; done >>"$out/mp-probe.log" 2>&1
+    pkill -ABRT -f EngineCore
+    wait $probe
+    echo "probe exit: $?" >>"$out/mp-probe.log"
+    grep -E "MP ENGINE STARTED|Error|error|File \"|EngineCore|Thread|probe exit" "$out/mp-probe.log" | tail -80
+    ;;
+esac

@@ -1,0 +1,148 @@
+"""A whole vLLM restart, process start to first greedy token, phase by phase from vLLM's own log: load format
+auto (page cache dropped) vs weightcache daemon's first start (a miss: load, publish, run on the published copy)
+vs weightcache client (attach), each a fresh process, with vLLM's defaults (torch.compile and CUDA graphs on).
+
+The model is benchmarks/restart_llama.py's Llama-3-8B-shaped random bf16 checkpoint (16 GB), written once into
+``--workdir``; nothing is downloaded. vLLM runs in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) with
+``skip_tokenizer_init``. vLLM's compile cache is left as it is (the first auto start fills it, so later starts find
+it warm on local disk); ``--cold-compile`` gives every start an empty one.
+
+    PYTHONPATH=$PWD python benchmarks/restart_vllm.py --workdir /tmp/llama8b --json out.json --repeat 3
+
+Phases (seconds, from vLLM's log lines, absent where a release does not log them): weights (the loader's own
+line, or weightcache's), dynamo, inductor (compiling or loading compiled graphs), torch.compile in total, memory
+profile + KV cache + warm-up (vLLM's "init engine" line), CUDA graph capture; and wall-clock marks: vLLM
+imported, engine ready (``LLM()`` returned), first token.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+from restart_llama import build_checkpoint
+
+ENGINE = r"""
+import sys, time, json
+t0 = float(sys.argv[4])
+marks = {"python": time.time() - t0}
+import vllm
+from vllm import LLM, SamplingParams
+from vllm.inputs import TokensPrompt
+marks["vllm imported"] = time.time() - t0
+llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, load_format=sys.argv[2],
+          model_loader_extra_config=json.loads(sys.argv[3]), gpu_memory_utilization=0.85, max_model_len=4096, seed=0)
+marks["engine ready"] = time.time() - t0
+out = llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 17)))],
+                   SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
+marks["first token"] = time.time() - t0
+print("MARKS " + json.dumps({"marks": marks, "token": out[0].outputs[0].token_ids[0],
+      "kv_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks, "vllm": vllm.__version__}), flush=True)
+"""
+
+#: (phase, regular expression over vLLM's and weightcache's log lines; group 1 in seconds, or ms where named).
+PHASES: tuple[tuple[str, str], ...] = (
+    ("weights (vLLM's loader)", r"Loading weights took ([\d.]+) seconds"),
+    ("model loading", r"Model loading took [\d.]+ GiB memory and ([\d.]+) seconds"),
+    ("weightcache", r"weightcache: .* in ([\d.]+) ms"),
+    ("dynamo", r"Dynamo bytecode transform time: ([\d.]+) s"),
+    ("inductor: compile", r"Compiling a graph for .* takes ([\d.]+) s"),
+    ("inductor: cache load", r"Directly load the compiled graph.* took ([\d.]+) s"),
+    ("torch.compile total", r"torch\.compile takes ([\d.]+) s in total"),
+    ("graph capture", r"Graph capturing finished in ([\d.]+) secs"),
+    (
+        "init engine (profile, KV cache, warm-up)",
+        r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)",
+    ),
+)
+
+
+def run_engine(mode: str, ckpt: Path, socket_dir: Path, env: dict[str, str]) -> dict[str, Any]:
+    load_format = "auto" if mode == "auto" else "weightcache"
+    extra = {} if mode == "auto" else {"mode": mode, "socket_dir": str(socket_dir)}
+    t0 = time.time()
+    out = subprocess.run(
+        [sys.executable, "-c", ENGINE, str(ckpt), load_format, json.dumps(extra), repr(t0)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=1200,
+    )
+    text = out.stdout + out.stderr
+    found = [line for line in out.stdout.splitlines() if line.startswith("MARKS ")]
+    if out.returncode != 0 or not found:
+        raise SystemExit(f"{mode} engine failed ({out.returncode}):\n{text[-6000:]}")
+    result: dict[str, Any] = json.loads(found[-1].removeprefix("MARKS "))
+    phases: dict[str, float] = {}
+    for name, pattern in PHASES:
+        values = [float(v) for v in re.findall(pattern, text)]
+        if values:
+            phases[name] = round(sum(values) / (1000 if name == "weightcache" else 1), 3)
+    result.update(mode=mode, phases=phases, log_tail=[line for line in text.splitlines() if "weightcache" in line][-3:])
+    return result
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", default=None)
+    parser.add_argument("--json", default=None, help="write every run here")
+    parser.add_argument("--repeat", type=int, default=1, help="fresh processes per mode (auto and client)")
+    parser.add_argument("--cold-compile", action="store_true", help="an empty vLLM cache directory for each start")
+    parser.add_argument("--layers", type=int, default=None, help="fewer layers (a smaller model)")
+    args = parser.parse_args()
+
+    from weightcache.checkpoint import drop_page_cache
+
+    work = Path(args.workdir or tempfile.mkdtemp(prefix="wc-vllm-"))
+    ckpt = work / "llama3-8b-random"
+    if not (ckpt / "config.json").exists():
+        t = time.perf_counter()
+        build_checkpoint(ckpt, "cuda:0", {} if args.layers is None else {"num_hidden_layers": args.layers})
+        print(f"checkpoint written in {time.perf_counter() - t:.1f} s", flush=True)
+    socket_dir = Path(tempfile.mkdtemp(prefix="wc-")) / "s"
+    env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    runs: list[dict[str, Any]] = []
+
+    def once(mode: str, drop: bool) -> None:
+        run_env = dict(env)
+        if args.cold_compile:
+            run_env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cache-")
+        if drop:
+            drop_page_cache(ckpt, system=True)
+        result = run_engine(mode, ckpt, socket_dir, run_env)
+        runs.append(result)
+        print(json.dumps({k: result[k] for k in ("mode", "marks", "phases", "token", "kv_blocks")}), flush=True)
+
+    for _ in range(args.repeat):
+        once("auto", drop=True)
+    once("daemon", drop=True)
+    for _ in range(args.repeat):
+        once("client", drop=True)
+    assert len({r["token"] for r in runs}) == 1, "the engines disagree on the first token"
+    summary = {
+        mode: {
+            "first token (median s)": statistics.median(r["marks"]["first token"] for r in runs if r["mode"] == mode),
+            "runs": sum(r["mode"] == mode for r in runs),
+        }
+        for mode in ("auto", "daemon", "client")
+    }
+    print(json.dumps(summary, indent=1))
+    if args.json:
+        Path(args.json).write_text(json.dumps({"summary": summary, "runs": runs}, indent=1))
+    subprocess.run([sys.executable, "-m", "weightcache", "stop", "--socket-dir", str(socket_dir)], check=False)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
