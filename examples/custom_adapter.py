@@ -141,15 +141,18 @@ class WeightCacheLoader:
         self.handle: wc.Handle | None = None
 
     def load_model(self, engine: ToyEngine) -> nn.Module:
-        fingerprint = self.backend.make_fingerprint(
-            engine.checkpoint,
-            dtype=torch.float32,
-            engine_quant=None,  # the engine's quantization config: checked before anything loads
-            parallel=lambda: {"tp": (0, 1)},
-            device=engine.device,
-            identity=engine.config,  # the engine's model config joins the fingerprint
-        )
-        loaded = self.backend.load_model(engine, fingerprint=fingerprint, device=engine.device, options=self.options)
+        def describe() -> wc.Fingerprint:  # asked only when the cache can be used with this engine
+            return self.backend.make_fingerprint(
+                engine.checkpoint,
+                dtype=torch.float32,
+                engine_quant=None,  # the engine's quantization config: checked before anything loads
+                parallel=lambda: {"tp": (0, 1)},
+                device=engine.device,
+                identity=engine.config,  # the engine's model config joins the fingerprint
+            )
+
+        # serve_engine: the kill switch (WEIGHTCACHE_MODE), the engine's release, then load_model's sequence
+        loaded = self.backend.serve_engine(engine, describe=describe, device=engine.device, options=self.options)
         self.handle, self.source = loaded.handle, loaded.source
         return loaded.model
 
