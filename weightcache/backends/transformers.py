@@ -4,8 +4,11 @@ transformers' own ``from_pretrained`` makes of the checkpoint.
 ``from_pretrained`` is the disk path (same class, same configuration, the dtype of the model built): key
 renames, load-time conversions (fused MoE experts), tied weights and transformers' quantizers all run as they
 would without weightcache, and the published entry holds every parameter and buffer of the loaded model,
-computed buffers (rotary ``inv_freq``, Gemma's ``embed_scale``) included. A model built on meta, as the README
-shows, then gets every one of them bound. :func:`from_pretrained` here is the same in one call.
+computed buffers (rotary ``inv_freq``, Gemma's ``embed_scale``) included, each computed buffer in the dtype of the
+model given (a model ``.to(torch.bfloat16)``'d on meta holds ``inv_freq`` in bfloat16, which transformers
+computes in float32: :func:`weightcache.loaders.in_model_dtypes`). A model built on meta, as the README shows,
+then gets every one of them bound, and is left in evaluation mode, as ``from_pretrained`` leaves its models.
+:func:`from_pretrained` here is the same in one call.
 
 Quantization comes from the model's ``quantization_config``: fine-grained block FP8 (``quant_method`` ``fp8``
 with ``weight_block_size``) is shared; per-tensor FP8, GPTQ and AWQ map to strategies that refuse them, and
@@ -148,6 +151,11 @@ class TransformersLoader(ModuleLoader):
         cls = type(model)
         fields = {"class": f"{cls.__module__}.{cls.__qualname__}", "config": config_identity(config)}
         return ModelIdentity(method, quant_config, fields)
+
+    def after_bind(self, model: nn.Module) -> None:
+        """Evaluation mode (dropout off), as ``from_pretrained`` returns its models; ``from_config`` builds them in
+        training mode. Call ``model.train()`` after attaching to train."""
+        model.eval()
 
     def default_dtype(self, model: nn.Module) -> torch.dtype | None:
         dtype = getattr(model, "dtype", None)  # PreTrainedModel.dtype: that of its first floating point tensor
