@@ -23,6 +23,7 @@ import hf_models  # noqa: E402
 
 import weightcache as wc  # noqa: E402
 from weightcache import loaders  # noqa: E402
+from weightcache.pipeline import MAX_REASON  # noqa: E402
 from weightcache.structure import structure_digest  # noqa: E402
 
 HERE = Path(__file__).parent
@@ -184,6 +185,37 @@ def test_a_model_converted_on_meta_gets_its_computed_buffers_in_its_dtype(
             assert inv_freq.dtype == torch.float16 and torch.equal(inv_freq, reference.model.rotary_emb.inv_freq)
             assert all(p.dtype == torch.float16 for p in model.parameters())
             assert not any(m.training for m in model.modules())  # evaluation mode, as from_pretrained leaves it
+
+
+def load_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "weightcache", "load", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_weightcache_load_engine_transformers_makes_the_entry_a_model_attaches(
+    models: dict[str, Path], socket_dir: Path
+) -> None:
+    """`weightcache load` makes a plain module's entry, which a transformers model misses with a one-line reason
+    that names the option; `--engine transformers` makes the entry that the README's model attaches."""
+    path = models["qwen2"]
+    plain = load_cli(str(path), "--socket-dir", str(socket_dir))
+    assert plain.returncode == 0 and plain.stdout.startswith("published "), plain.stderr
+    with pytest.raises(wc.FingerprintMismatch) as caught:
+        wc.attach(meta_model(path), path, mode="client", socket_dir=socket_dir, strict=True)
+    reason = str(caught.value)
+    assert "engine: requested 'transformers', cached 'torch'" in reason and "--engine transformers" in reason
+    assert "\n" not in reason and len(reason) <= MAX_REASON, reason  # the configuration's diff is cut short
+
+    out = load_cli(str(path), "--engine", "transformers", "--socket-dir", str(socket_dir))
+    assert out.returncode == 0 and out.stdout.startswith("published ") and "Qwen2ForCausalLM" in out.stdout, out
+    again = load_cli(str(path), "--engine", "transformers", "--dtype", "bf16", "--socket-dir", str(socket_dir))
+    assert again.stdout.startswith(f"already cached: {out.stdout.split()[1]}"), again  # the config's dtype: the same
+    with wc.attach(meta_model(path), path, mode="client", socket_dir=socket_dir, strict=True) as handle:
+        assert handle.source == "cache" and not handle.read_disk and handle.fingerprint.engine == "transformers"
+    refused = load_cli(str(path), "--engine", "transformers", "--quant", "fp8_block", "--socket-dir", str(socket_dir))
+    assert refused.returncode == 1 and "leave out --quant" in refused.stderr
 
 
 def test_the_structure_digest_is_the_same_in_every_process(models: dict[str, Path]) -> None:

@@ -31,10 +31,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from .. import loaders
 from .. import quant as quant_registry
 from ..api import attach
 from ..errors import UnsupportedQuantError
+from ..fingerprint import placement_of
+from ..handle import Handle
 from ..loaders import ModelIdentity, ModuleLoader
+from ..pipeline import Request, run
+from ..torch_dtypes import resolve_dtype
 
 if TYPE_CHECKING:
     from ..pipeline import Mode
@@ -178,6 +183,21 @@ class TransformersLoader(ModuleLoader):
         return state
 
 
+def build_on_meta(
+    checkpoint: str | os.PathLike[str], model_class: Any = None, dtype: torch.dtype | str | None = None
+) -> Any:
+    """The model of ``checkpoint``'s ``config.json`` built on the meta device, as the README shows:
+    ``model_class.from_config(config)`` (``model_class`` default ``AutoModelForCausalLM``), with ``dtype=`` when
+    given (else in the configuration's dtype)."""
+    import transformers
+
+    cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
+    config = transformers.AutoConfig.from_pretrained(os.fspath(checkpoint))
+    build = getattr(cls, "from_config", None) or cls._from_config
+    with torch.device("meta"):
+        return build(config, dtype=resolve_dtype(dtype)) if dtype is not None else build(config)
+
+
 def from_pretrained(
     checkpoint: str | os.PathLike[str],
     *,
@@ -202,17 +222,48 @@ def from_pretrained(
         The model, in eval mode; ``model.weightcache_handle`` is the :class:`~weightcache.Handle` of its weights
         (the lease lives as long as the model).
     """
-    import transformers
-
-    cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
-    config = transformers.AutoConfig.from_pretrained(os.fspath(checkpoint))
-    build = getattr(cls, "from_config", None) or cls._from_config
-    with torch.device("meta"):
-        model = build(config, dtype=dtype) if dtype is not None else build(config)
+    model = build_on_meta(checkpoint, model_class, dtype)
     handle = attach(model, checkpoint, mode=mode, device=device, dtype=dtype, **options)
     model.__dict__["weightcache_handle"] = handle
-    model.eval()
     return model
 
 
-__all__ = ["QUANT_METHODS", "TransformersLoader", "config_identity", "from_pretrained", "quant_spec"]
+def preload(
+    checkpoint: str | os.PathLike[str],
+    *,
+    model_class: Any = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    socket_dir: str | os.PathLike[str] | None = None,
+    progress: bool | None = None,
+    digests: bool = True,
+    max_segment_bytes: int | None = None,
+) -> Handle:
+    """Publish into the keeper (starting one if none runs) the entry that a transformers model of ``checkpoint``,
+    built as :func:`build_on_meta` builds it, attaches: ``weightcache load --engine transformers``. Mode daemon's
+    first start without an engine, strict (a refused budget raises). Arguments as for :func:`from_pretrained`
+    and :func:`weightcache.preload`. Returns the attached Handle (``read_disk`` False when the keeper already
+    held the entry)."""
+    model = build_on_meta(checkpoint, model_class, dtype)
+    loader = TransformersLoader()
+    placement_of(device)  # InvalidArgument for a device that is none or that this process lacks
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    load_dtype, fingerprint, identity = loaders.identify(
+        loader, model, checkpoint, device=dev, dtype=resolve_dtype(dtype), parallel=None, transform=None
+    )
+    steps = loaders.LoaderSteps(loader, model, checkpoint, dev, load_dtype, None)
+    request = Request(
+        fingerprint, "daemon", True, socket_dir, progress, digests, max_segment_bytes, identity.quant_config
+    )
+    return run(request, steps)
+
+
+__all__ = [
+    "QUANT_METHODS",
+    "TransformersLoader",
+    "build_on_meta",
+    "config_identity",
+    "from_pretrained",
+    "preload",
+    "quant_spec",
+]
