@@ -416,10 +416,10 @@ def _diff_json(path: str, mine: object, theirs: object, out: list[tuple[str, obj
         out.append((path, mine, theirs))
 
 
-def format_differences(diffs: list[tuple[str, object, object]], limit: int = 6, width: int = 48) -> str:
+def format_differences(diffs: list[tuple[str, object, object]], limit: int = 6, width: int = 72) -> str:
     """``dtype: requested bfloat16, cached float16; ...`` for a warning or error message: one line, at most
-    ``limit`` fields, each value cut to ``width`` characters (a configuration dict would otherwise fill a screen;
-    :meth:`Fingerprint.diff` has them whole)."""
+    ``limit`` fields, each value cut to ``width`` characters (a SHA-256 stays whole; a configuration dict would
+    fill a screen; :meth:`Fingerprint.diff` has them whole)."""
 
     def short(value: object) -> str:
         text = repr(value).replace("\n", " ")
