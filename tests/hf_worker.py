@@ -1,8 +1,15 @@
-"""One engine start per architecture, in one new process: ``python hf_worker.py MODE SOCKET_DIR DEVICE NAME=CKPT ...``.
+"""Engine starts, one per architecture and way of building it, in one new process:
+``python hf_worker.py MODE SOCKET_DIR DEVICE BUILDS NAME=CKPT ...``.
 
-Each model is built on meta exactly as the README shows (``AutoModelForCausalLM.from_config`` under
-``torch.device("meta")``), attached in MODE, and generates greedily. Mode ``off`` also generates with the model
-transformers' own ``from_pretrained`` loads, without weightcache: the reference. Prints one JSON line.
+Each model is built on meta (``AutoModelForCausalLM.from_config`` under ``torch.device("meta")``) in each of the
+comma-separated BUILDS, attached in MODE, and generates greedily:
+
+- ``config``: ``from_config(config, dtype=torch.bfloat16)``, as the README shows;
+- ``to``: ``from_config(config)``, then ``model.to(torch.bfloat16)``, as PyTorch's guide to the meta device shows;
+  this converts the buffers that transformers computes in float32 (rotary ``inv_freq``) too.
+
+Mode ``off`` also generates with the model transformers' own ``from_pretrained`` loads, without weightcache (and
+then ``.to(torch.bfloat16)``, for the build ``to``): the reference. Prints one JSON line, keyed ``NAME/BUILD``.
 
 Block-FP8 models run transformers' FP8 modules (``FP8Linear``, loaded by its quantizer); their matmul is a Triton
 kernel that the ``kernels`` package fetches from the Hugging Face Hub. Where it cannot be loaded (no network, as
@@ -22,6 +29,16 @@ import weightcache as wc
 
 PROMPT = [[1, 17, 42, 99, 7]]
 NEW_TOKENS = 12
+DTYPE = torch.bfloat16
+
+
+def build(config: object, how: str) -> torch.nn.Module:
+    with torch.device("meta"):
+        if how == "config":
+            return transformers.AutoModelForCausalLM.from_config(config, dtype=DTYPE)
+        if how == "to":
+            return transformers.AutoModelForCausalLM.from_config(config).to(DTYPE)
+    raise ValueError(f"unknown build {how!r}")
 
 
 def generate(model: torch.nn.Module, device: str) -> list[int]:
@@ -60,35 +77,42 @@ def fp8_matmul() -> str:
 
 
 def main() -> None:
-    mode, socket_dir, device = sys.argv[1:4]
+    mode, socket_dir, device, builds = sys.argv[1:5]
     results: dict[str, dict[str, object]] = {}
     matmul = fp8_matmul() if device != "cpu" else "none"
-    for spec in sys.argv[4:]:
+    for spec in sys.argv[5:]:
         name, _, ckpt = spec.partition("=")
         config = transformers.AutoConfig.from_pretrained(ckpt)
-        with torch.device("meta"):
-            model = transformers.AutoModelForCausalLM.from_config(config)
-        handle = wc.attach(model, ckpt, mode=mode, device=device, socket_dir=socket_dir, strict=mode == "client")
-        model.eval()
-        on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
-        result = {
-            "source": handle.source,
-            "read_disk": handle.read_disk,
-            "tokens": generate(model, device),
-            "on_meta": on_meta,
-            "engine": handle.fingerprint.engine,
-            "quant": handle.fingerprint.quant,
-            "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
-            "fp8_matmul": matmul,
-        }
+        for how in builds.split(","):
+            model = build(config, how)
+            handle = wc.attach(model, ckpt, mode=mode, device=device, socket_dir=socket_dir, strict=mode == "client")
+            assert not model.training, "attach leaves a transformers model in evaluation mode"
+            stored = set(model.state_dict())  # the rest are buffers the model computes (rotary inv_freq)
+            on_meta = [n for n, t in [*model.named_parameters(), *model.named_buffers()] if t.is_meta]
+            results[f"{name}/{how}"] = {
+                "source": handle.source,
+                "read_disk": handle.read_disk,
+                "tokens": generate(model, device),
+                "on_meta": on_meta,
+                "digest": handle.fingerprint.digest,
+                "engine": handle.fingerprint.engine,
+                "quant": handle.fingerprint.quant,
+                "dtypes": sorted({str(p.dtype) for p in model.parameters()}),
+                "computed": sorted(
+                    {str(b.dtype) for n, b in model.named_buffers() if n not in stored and b.is_floating_point()}
+                ),
+                "fp8_matmul": matmul,
+            }
+            del model
+            handle.close()
         if mode == "off":
             reference = transformers.AutoModelForCausalLM.from_pretrained(
                 ckpt, device_map=None if device == "cpu" else device
-            )
-            result["reference"] = generate(reference.eval(), device)
-        results[name] = result
-        del model
-        handle.close()
+            ).eval()
+            if "config" in builds.split(","):
+                results[f"{name}/config"]["reference"] = generate(reference, device)
+            if "to" in builds.split(","):  # what the build's .to() makes of the computed buffers
+                results[f"{name}/to"]["reference"] = generate(reference.to(DTYPE), device)
     print(json.dumps(results))
 
 

@@ -26,6 +26,7 @@ from models import INPUT_IDS, TinyLM, make_checkpoint, meta_model, reference_out
 from worker import digest
 
 import weightcache as wc
+from weightcache.pipeline import MAX_REASON
 
 
 def output_digest(model: torch.nn.Module) -> str:
@@ -157,6 +158,43 @@ def test_dtype_mismatch_names_the_field(checkpoint: Path, socket_dir: Path) -> N
     with pytest.raises(wc.FingerprintMismatch, match="dtype") as info:
         wc.attach(model, checkpoint, mode="client", dtype="bfloat16", socket_dir=socket_dir, strict=True)
     assert ("dtype", "bfloat16", None) in info.value.differences
+
+
+def test_a_copied_checkpoint_misses_and_the_reason_names_the_copy(tmp_path: Path, socket_dir: Path) -> None:
+    """A checkpoint copied elsewhere is another checkpoint (its path, inodes and times are in the fingerprint):
+    the miss says where the cached one is and what differs, in one line."""
+    original = make_checkpoint(tmp_path / "original", seed=0)
+    with wc.attach(meta_model(), original, mode="daemon", socket_dir=socket_dir) as first:
+        cached = first.fingerprint.digest
+    copy = tmp_path / "copy"
+    copy.mkdir()
+    for file in original.iterdir():
+        (copy / file.name).write_bytes(file.read_bytes())
+    with pytest.warns(wc.FallbackWarning) as caught:
+        handle = wc.attach(meta_model(), copy, mode="client", socket_dir=socket_dir)
+    reason = handle.fallback_reason or ""
+    assert handle.source == "disk" and reason in str(caught[0].message)
+    assert f"holds no entry for {copy}" in reason and f"its entry {cached[:12]} holds" in reason
+    assert f"same headers at {original}" in reason and "(differences: model_path, checkpoint[" in reason
+    assert ".inode" in reason and "\n" not in reason and len(reason) <= MAX_REASON
+    with pytest.raises(wc.FingerprintMismatch, match="path, inodes and file times") as info:
+        wc.attach(meta_model(), copy, mode="client", socket_dir=socket_dir, strict=True)
+    assert ("model_path", str(copy), str(original)) in info.value.differences
+
+
+def test_relative_weightcache_dir_is_refused_with_the_absolute_one(tmp_path: Path, checkpoint: Path) -> None:
+    """Each process would resolve a relative $WEIGHTCACHE_DIR against its own working directory (and find another
+    keeper): it is refused, naming the absolute path to export instead, by the library and the command alike."""
+    env = {**os.environ, "WEIGHTCACHE_DIR": "cache-dir", "PYTHONPATH": str(Path(__file__).parents[1])}
+    out = subprocess.run(
+        [sys.executable, "-m", "weightcache", "ls"], cwd=tmp_path, env=env, capture_output=True, text=True
+    )
+    assert out.returncode == 1 and out.stdout == ""
+    assert "relative path" in out.stderr and f"export WEIGHTCACHE_DIR={tmp_path / 'cache-dir'}" in out.stderr
+    code = "import weightcache as wc; wc.Cache(spawn=True)"
+    out = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, env=env, capture_output=True, text=True)
+    assert out.returncode == 1 and "SocketDirError" in out.stderr and "is a relative path" in out.stderr
+    assert not (tmp_path / "cache-dir").exists()
 
 
 def test_rewritten_checkpoint_is_never_served(tmp_path: Path, socket_dir: Path) -> None:

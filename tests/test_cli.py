@@ -461,3 +461,39 @@ def test_the_bench_peer_runs_its_holder_and_fresh_processes_on_cpu(tmp_path: Pat
     result = bench.peer_attach(tmp_path, shapes, "bfloat16", "cpu", 2, expected)
     assert result["identical"] is True and len(result["runs"]) == 2
     assert 0 < result["attach_ms"]["min"] <= result["attach_ms"]["median"] <= result["attach_ms"]["max"]
+
+
+def test_serve_detach_says_what_it_started(socket_dir: Path) -> None:
+    out = wc_cli("serve", "--detach", "--socket-dir", str(socket_dir))
+    pid = keeper_pid(socket_dir)
+    assert pid is not None and out.stdout.splitlines() == [
+        f"keeper pid {pid} serving {socket_dir / 'keeper.sock'} (log {socket_dir / 'keeper.log'}); "
+        "`weightcache stop` stops it"
+    ]
+    assert f"keeper pid {pid} stopping" in wc_cli("stop", "--wait", "--socket-dir", str(socket_dir)).stdout
+
+
+def test_ls_shows_only_the_axes_that_are_split(checkpoint: Path, socket_dir: Path, keeper: object) -> None:
+    """An engine records every parallel axis it knows (vLLM: dcp, dp, pcp, pp, tp), most of size 1: the MODEL
+    column names the shard by the split ones only; inspect still lists them all."""
+    fp = wc.Fingerprint.create(checkpoint, parallel={"dcp": (0, 1), "dp": (0, 1), "pp": (0, 1), "tp": (1, 2)})
+    wc.Cache(socket_dir).put(fp, {"w": torch.ones(4)}).close()
+    table = wc_cli("ls", "--socket-dir", str(socket_dir)).stdout
+    assert re.search(r"  TinyLM tp 1/2  ", table) and "0/1" not in table, table
+    assert (
+        "dcp 0/1, dp 0/1, pp 0/1, tp 1/2" in wc_cli("inspect", fp.digest[:10], "--socket-dir", str(socket_dir)).stdout
+    )
+
+
+def test_load_takes_short_dtype_names_and_words_dtype_as_inspect_does(checkpoint: Path, socket_dir: Path) -> None:
+    sd = ["--socket-dir", str(socket_dir)]
+    out = wc_cli("load", str(checkpoint), "--dtype", "bf16", *sd).stdout
+    assert " dtype=bfloat16 " in out
+    assert " dtype=bfloat16 " in wc_cli("load", str(checkpoint), "--dtype", "bfloat16", *sd).stdout  # the same
+    stored = wc_cli("load", str(checkpoint), *sd).stdout
+    assert stored.startswith("published ") and " dtype=as-stored " in stored
+    shown = wc_cli("inspect", stored.split()[1], *sd).stdout
+    assert re.search(r"^dtype +as-stored$", shown, re.M), shown
+    wrong = wc_cli("load", str(checkpoint), "--dtype", "bf17", *sd, check=False)
+    assert wrong.returncode == 1 and "'bfloat16' (or 'bf16'); found 'bf17'" in wrong.stderr
+    wc_cli("stop", *sd)

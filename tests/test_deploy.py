@@ -11,15 +11,20 @@ import configparser
 import json
 import posixpath
 import shlex
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml  # PyYAML comes with the docs tools (the dev extra)
 
+import weightcache
 from weightcache.budget import parse_budget
 from weightcache.tools.cli import build_parser
 
-DEPLOY = Path(__file__).resolve().parent.parent / "deploy"
+ROOT = Path(__file__).resolve().parent.parent
+DEPLOY = ROOT / "deploy"
 
 
 def parse_weightcache(argv: list[str]) -> Any:
@@ -109,3 +114,99 @@ def test_engine_pods_use_their_node_keeper() -> None:
     assert command[command.index("--load-format") + 1] == "weightcache"
     raw = json.loads(command[command.index("--model-loader-extra-config") + 1])
     LoaderOptions.parse(raw, where="--model-loader-extra-config")
+
+
+# --- the images: deploy/docker builds the images the manifests name ----------------------------------------------
+
+
+def dockerfile(name: str) -> list[tuple[str, str]]:
+    """(INSTRUCTION, arguments) of a Dockerfile, continuation lines joined, comments dropped."""
+    lines: list[str] = []
+    pending = ""
+    for raw in (DEPLOY / "docker" / name).read_text().splitlines():
+        if raw.lstrip().startswith("#") or not raw.strip():
+            continue
+        pending += raw.rstrip().removesuffix("\\") + " " if raw.rstrip().endswith("\\") else raw
+        if not raw.rstrip().endswith("\\"):
+            lines.append(pending)
+            pending = ""
+    assert not pending, f"{name}: a continuation line at the end"
+    out = []
+    for line in lines:
+        instruction, _, args = line.strip().partition(" ")
+        assert instruction.isupper(), f"{name}: {line!r} does not start with an instruction"
+        out.append((instruction, args.strip()))
+    return out
+
+
+def built_by(image: str) -> str:
+    """The Dockerfile under deploy/docker whose documented build command tags ``image``."""
+    found = [p.name for p in (DEPLOY / "docker").glob("*.Dockerfile") if f" -t {image} ." in p.read_text()]
+    assert len(found) == 1, f"no Dockerfile in deploy/docker builds {image} (docker build ... -t {image} .)"
+    return found[0]
+
+
+def pip_installs(steps: list[tuple[str, str]]) -> list[list[str]]:
+    """The arguments of each `pip install` in the RUN steps."""
+    found = []
+    for instruction, args in steps:
+        if instruction == "RUN":
+            for command in args.split("&&"):
+                words = shlex.split(command)
+                if words[:2] == ["pip", "install"]:
+                    found.append(words[2:])
+    return found
+
+
+def test_the_keeper_image_is_built_here_and_runs_a_real_serve_command() -> None:
+    _, keeper = keeper_pod()
+    assert keeper["image"].endswith(f":{weightcache.__version__}")
+    steps = dockerfile(built_by(keeper["image"]))
+    assert steps[0][0] == "FROM"
+    for instruction, args in steps:
+        if instruction == "COPY":
+            *sources, _ = shlex.split(args)
+            assert all((ROOT / s).exists() for s in sources), f"COPY {args}: not in the repository"
+    installs = pip_installs(steps)
+    assert ["--no-cache-dir", "--no-deps", "/src"] in installs, "weightcache itself, without torch"
+    wanted = {w.split(">")[0].split("=")[0] for args in installs for w in args if not w.startswith(("-", "/"))}
+    assert "torch" not in wanted, "the keeper never imports torch: its image has none"
+    # Every distribution the keeper commands import is installed (asked of a process that imports them).
+    code = (
+        "import sys, importlib.metadata as md, weightcache.tools.cli, weightcache.keeper, weightcache.client; "
+        "owners = md.packages_distributions(); "
+        "tops = {m.split('.')[0] for m in list(sys.modules) if m[0] != '_'}; "
+        "print(' '.join(sorted({d for m in tops for d in owners.get(m, [])})))"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=ROOT)
+    needed = {name.lower().replace("_", "-") for name in out.stdout.split()} - {"weightcache"}
+    assert needed <= {w.lower() for w in wanted}, f"the keeper image lacks {sorted(needed - wanted)}"
+    entrypoint = json.loads(dict(steps)["ENTRYPOINT"])
+    command = json.loads(dict(steps)["CMD"])
+    args = parse_weightcache(entrypoint + command)
+    assert args.command == "serve" and args.socket_dir == parse_weightcache(keeper["command"]).socket_dir
+    user = dict(steps)["USER"].split(":")
+    pod, _ = keeper_pod()
+    assert int(user[0]) == pod["securityContext"]["runAsUser"] and int(user[1]) == pod["securityContext"]["runAsGroup"]
+
+
+def test_the_engine_image_adds_the_plugin_to_vllm_without_replacing_its_torch() -> None:
+    deployment = load_yaml("engine-deployment.yaml")
+    [engine] = deployment["spec"]["template"]["spec"]["containers"]
+    assert engine["image"].endswith(f":{weightcache.__version__}")
+    steps = dockerfile(built_by(engine["image"]))
+    [base] = [args for instruction, args in steps if instruction == "FROM"]
+    assert base.startswith("vllm/vllm-openai:") and engine["command"][0] == "vllm"
+    installs = pip_installs(steps)
+    assert ["--no-cache-dir", "--no-deps", "/src"] in installs, "--no-deps: vLLM's pinned torch stays"
+    assert not any(w.startswith("torch") for args in installs for w in args)
+    assert any("vllm.general_plugins" in args for instruction, args in steps if instruction == "RUN")
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert "weightcache" in project["entry-points"]["vllm.general_plugins"]  # what that RUN checks
+
+
+def test_deployment_docs_show_how_to_build_the_images() -> None:
+    text = (ROOT / "docs" / "deployment.md").read_text()
+    for name in ("keeper.Dockerfile", "vllm.Dockerfile"):
+        assert f"deploy/docker/{name}" in text, f"docs/deployment.md does not show deploy/docker/{name}"

@@ -71,7 +71,7 @@ def fallback_reasons() -> list[str]:
             texts = node.args
         elif isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "reason" for t in node.targets):
             texts = [node.value]
-        elif isinstance(node, ast.FunctionDef) and node.name == "why_missing":
+        elif isinstance(node, ast.FunctionDef) and node.name in ("why_missing", "_why_missing"):
             texts = [
                 r.value.elts[0] for r in ast.walk(node) if isinstance(r, ast.Return) and isinstance(r.value, ast.Tuple)
             ]

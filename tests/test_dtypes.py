@@ -34,7 +34,8 @@ def test_names_and_dtypes_resolve_alike(spec: object) -> None:
 
 def test_aliases_and_refusals() -> None:
     assert dtype_name(torch.half) == "float16" and dtype_name("half") == "float16"
+    assert dtype_name("bf16") == "bfloat16" and resolve_dtype("fp16") is torch.float16  # the short names people type
     assert dtype_name(None) is None and resolve_dtype(None) is None
-    for bad in ("bf16", "", 16, object()):
+    for bad in ("bf17", "", 16, object()):
         with pytest.raises(ValueError, match="torch.dtype or its name"):
             dtype_name(bad)

@@ -61,7 +61,7 @@ def test_the_bar_counts_bytes_in_binary_units(capsys: pytest.CaptureFixture[str]
         update(1 << 20)
         update(2 << 20)
     err = capsys.readouterr().err
-    assert "reading" in err and "/3.00M " in err, err  # 3 MiB: unit_divisor 1024
+    assert "reading" in err and " B/3.0 MiB [" in err and "B/s]" in err, err  # sizes as format_bytes prints them
     with progress.byte_bar(10, "reading", False) as update:
         assert update is None
 

@@ -1,6 +1,8 @@
 """Hugging Face transformers models through weightcache.attach (weightcache/backends/transformers.py and
-weightcache/loaders.py): tiny random models of eleven architectures (tests/hf_models.py), built on meta exactly
-as the README shows, in modes off, daemon and client, each mode a new process (tests/hf_worker.py)."""
+weightcache/loaders.py): tiny random models of eleven architectures (tests/hf_models.py), built on meta both ways
+users build them (``from_config(config, dtype=...)`` as the README shows, and ``from_config(config)`` then
+``.to(dtype)`` as PyTorch's guide shows), in modes off, daemon and client, each mode a new process
+(tests/hf_worker.py)."""
 
 from __future__ import annotations
 
@@ -21,11 +23,14 @@ import hf_models  # noqa: E402
 
 import weightcache as wc  # noqa: E402
 from weightcache import loaders  # noqa: E402
+from weightcache.pipeline import MAX_REASON  # noqa: E402
 from weightcache.structure import structure_digest  # noqa: E402
 
 HERE = Path(__file__).parent
 ROOT = HERE.parent
 MODES = ("off", "daemon", "client")
+#: The ways tests/hf_worker.py builds each model on meta.
+BUILDS = ("config", "to")
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +46,14 @@ def worker(
     models: dict[str, Path],
     timeout: float = 400,
     env: dict[str, str] | None = None,
+    builds: tuple[str, ...] = BUILDS,
 ) -> dict:
-    """Run tests/hf_worker.py in a new process; return its results by architecture. The Hub is off: nothing is
-    downloaded (transformers' FP8 kernel included, whose absence the worker reports)."""
+    """Run tests/hf_worker.py in a new process; return its results by ``architecture/build``. The Hub is off:
+    nothing is downloaded (transformers' FP8 kernel included, whose absence the worker reports)."""
     path = os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])
     env = {**os.environ, "PYTHONPATH": path, "HF_HUB_OFFLINE": "1", **(env or {})}
     out = subprocess.run(
-        [sys.executable, str(HERE / "hf_worker.py"), mode, str(socket_dir), device]
+        [sys.executable, str(HERE / "hf_worker.py"), mode, str(socket_dir), device, ",".join(builds)]
         + [f"{name}={path}" for name, path in models.items()],
         capture_output=True,
         text=True,
@@ -59,18 +65,25 @@ def worker(
 
 
 def check_modes(models: dict[str, Path], socket_dir: Path, device: str) -> None:
-    """Greedy tokens identical to transformers' own from_pretrained in every mode; served from the cache in
-    modes daemon (after reading the disk once) and client (without reading it); nothing left on meta."""
+    """Greedy tokens identical to transformers' own from_pretrained (``.to(dtype)``'d alike) in every mode, for
+    both builds; served from the cache in modes daemon (after reading the disk once) and client (without reading
+    it); nothing left on meta; computed buffers in the dtype the build gave them."""
     runs = {mode: worker(mode, socket_dir, device, models) for mode in MODES}
     for name in models:
-        got = {mode: runs[mode][name] for mode in MODES}
-        assert [got[m]["source"] for m in MODES] == ["disk", "cache", "cache"], name
-        assert [got[m]["read_disk"] for m in MODES] == [True, True, False], name
-        assert all(got[m]["engine"] == "transformers" for m in MODES), name
-        assert all(not got[m]["on_meta"] for m in MODES), (name, got)
-        reference = got["off"]["reference"]
-        assert len(reference) == len(got["off"]["tokens"]) > 5
-        assert [got[m]["tokens"] for m in MODES] == [reference] * 3, name
+        for how in BUILDS:
+            key = f"{name}/{how}"
+            got = {mode: runs[mode][key] for mode in MODES}
+            assert [got[m]["source"] for m in MODES] == ["disk", "cache", "cache"], key
+            # a second build of the same structure (no computed float32 buffers to convert: GPT-2) is a hit
+            first = how == BUILDS[0] or got["daemon"]["digest"] != runs["daemon"][f"{name}/{BUILDS[0]}"]["digest"]
+            assert [got[m]["read_disk"] for m in MODES] == [True, first, False], key
+            assert all(got[m]["engine"] == "transformers" for m in MODES), key
+            assert all(not got[m]["on_meta"] for m in MODES), (key, got)
+            if how == "to":  # .to(bfloat16) converted the computed buffers (float32 as built); attach kept them so
+                assert all(got[m]["computed"] in ([], ["torch.bfloat16"]) for m in MODES), (key, got)
+            reference = got["off"]["reference"]
+            assert len(reference) == len(got["off"]["tokens"]) > 5
+            assert [got[m]["tokens"] for m in MODES] == [reference] * 3, key
 
 
 def test_every_architecture_matches_transformers_in_every_mode(models: dict[str, Path], socket_dir: Path) -> None:
@@ -90,7 +103,7 @@ def test_a_block_fp8_model_through_transformers_fp8_path_on_gpu(tmp_path: Path, 
     quantizer substitutes FP8Linear modules and loads them; the entry (strategy fp8_block) holds the FP8 weights
     and scales; greedy tokens are identical in every mode and to transformers' own load."""
     models = {"qwen3-fp8": hf_models.save_fp8("qwen3", tmp_path)}
-    runs = {mode: worker(mode, socket_dir, "cuda:0", models)["qwen3-fp8"] for mode in MODES}
+    runs = {mode: worker(mode, socket_dir, "cuda:0", models, builds=("config",))["qwen3-fp8/config"] for mode in MODES}
     assert [runs[m]["source"] for m in MODES] == ["disk", "cache", "cache"]
     assert [runs[m]["read_disk"] for m in MODES] == [True, True, False]
     assert all(runs[m]["quant"] == "fp8_block" and "torch.float8_e4m3fn" in runs[m]["dtypes"] for m in MODES), runs
@@ -101,7 +114,7 @@ def test_a_block_fp8_model_through_transformers_fp8_path_on_gpu(tmp_path: Path, 
 def test_a_block_fp8_model_on_cpu_is_dequantized_by_transformers(tmp_path: Path, socket_dir: Path) -> None:
     """On a CPU, transformers dequantizes block FP8 at load; the entry holds what it made, in every mode."""
     models = {"qwen3-fp8": hf_models.save_fp8("qwen3", tmp_path)}
-    runs = {mode: worker(mode, socket_dir, "cpu", models)["qwen3-fp8"] for mode in MODES}
+    runs = {mode: worker(mode, socket_dir, "cpu", models, builds=("config",))["qwen3-fp8/config"] for mode in MODES}
     assert [runs[m]["source"] for m in MODES] == ["disk", "cache", "cache"]
     assert all(runs[m]["quant"] == "fp8_block" for m in MODES)
     assert [runs[m]["tokens"] for m in MODES] == [runs["off"]["reference"]] * 3
@@ -133,6 +146,76 @@ def test_a_model_built_otherwise_is_a_miss_that_names_the_difference(models: dic
     with pytest.raises(wc.FingerprintMismatch, match=r"extra\.structure") as caught:
         wc.attach(model, path, mode="client", socket_dir=socket_dir, strict=True)
     assert "dtype" in {d[0] for d in caught.value.differences}
+
+
+def test_weights_that_do_not_fit_the_model_are_never_published(models: dict[str, Path], socket_dir: Path) -> None:
+    """What from_pretrained made is checked against the model before it is published: a model built in float32
+    given dtype=bfloat16 is a BindError that names both dtypes, the keeper holds no entry afterwards, and the next
+    model built right misses (and publishes) instead of meeting an entry no model can bind."""
+    path = models["llama"]
+    config = transformers.AutoConfig.from_pretrained(path)
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with pytest.raises(wc.BindError, match=r"dtype torch\.bfloat16 vs model torch\.float32"):
+        wc.attach(model, path, mode="daemon", socket_dir=socket_dir, dtype=torch.bfloat16)
+    assert wc.Cache(socket_dir).entries() == []
+    assert all(p.is_meta for p in model.parameters())
+    with pytest.raises(wc.EntryNotFound):
+        wc.attach(meta_model(path), path, mode="client", socket_dir=socket_dir, strict=True)
+    with wc.attach(meta_model(path), path, mode="daemon", socket_dir=socket_dir) as handle:
+        assert handle.source == "cache" and handle.read_disk
+
+
+def test_a_model_converted_on_meta_gets_its_computed_buffers_in_its_dtype(
+    models: dict[str, Path], socket_dir: Path
+) -> None:
+    """``from_config`` on meta, then ``.to(dtype)`` (what PyTorch's guide shows): transformers computes rotary
+    inv_freq in float32, the model now holds it in ``dtype``; every mode serves the values transformers computes,
+    converted as the model's own ``.to()`` would (here float16, not the checkpoint's bfloat16). The model comes
+    back in evaluation mode, as from ``from_pretrained`` (``from_config`` builds it in training mode)."""
+    path = models["llama"]
+    config = transformers.AutoConfig.from_pretrained(path)
+    reference = transformers.AutoModelForCausalLM.from_pretrained(path).to(torch.float16)
+    for mode in MODES:
+        with torch.device("meta"):
+            model = transformers.AutoModelForCausalLM.from_config(config).to(torch.float16)
+        with wc.attach(model, path, mode=mode, socket_dir=socket_dir, strict=mode == "client") as handle:
+            assert handle.source == ("disk" if mode == "off" else "cache")
+            inv_freq = model.model.rotary_emb.inv_freq
+            assert inv_freq.dtype == torch.float16 and torch.equal(inv_freq, reference.model.rotary_emb.inv_freq)
+            assert all(p.dtype == torch.float16 for p in model.parameters())
+            assert not any(m.training for m in model.modules())  # evaluation mode, as from_pretrained leaves it
+
+
+def load_cli(*args: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+    return subprocess.run(
+        [sys.executable, "-m", "weightcache", "load", *args], capture_output=True, text=True, env=env, timeout=300
+    )
+
+
+def test_weightcache_load_engine_transformers_makes_the_entry_a_model_attaches(
+    models: dict[str, Path], socket_dir: Path
+) -> None:
+    """`weightcache load` makes a plain module's entry, which a transformers model misses with a one-line reason
+    that names the option; `--engine transformers` makes the entry that the README's model attaches."""
+    path = models["qwen2"]
+    plain = load_cli(str(path), "--socket-dir", str(socket_dir))
+    assert plain.returncode == 0 and plain.stdout.startswith("published "), plain.stderr
+    with pytest.raises(wc.FingerprintMismatch) as caught:
+        wc.attach(meta_model(path), path, mode="client", socket_dir=socket_dir, strict=True)
+    reason = str(caught.value)
+    assert "engine: requested 'transformers', cached 'torch'" in reason and "--engine transformers" in reason
+    assert "\n" not in reason and len(reason) <= MAX_REASON, reason  # the configuration's diff is cut short
+
+    out = load_cli(str(path), "--engine", "transformers", "--socket-dir", str(socket_dir))
+    assert out.returncode == 0 and out.stdout.startswith("published ") and "Qwen2ForCausalLM" in out.stdout, out
+    again = load_cli(str(path), "--engine", "transformers", "--dtype", "bf16", "--socket-dir", str(socket_dir))
+    assert again.stdout.startswith(f"already cached: {out.stdout.split()[1]}"), again  # the config's dtype: the same
+    with wc.attach(meta_model(path), path, mode="client", socket_dir=socket_dir, strict=True) as handle:
+        assert handle.source == "cache" and not handle.read_disk and handle.fingerprint.engine == "transformers"
+    refused = load_cli(str(path), "--engine", "transformers", "--quant", "fp8_block", "--socket-dir", str(socket_dir))
+    assert refused.returncode == 1 and "leave out --quant" in refused.stderr
 
 
 def test_the_structure_digest_is_the_same_in_every_process(models: dict[str, Path]) -> None:

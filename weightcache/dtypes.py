@@ -59,8 +59,12 @@ DTYPES: dict[str, DType] = {
 #: safetensors code -> dtype name
 BY_SAFETENSORS: dict[str, str] = {d.safetensors: d.name for d in DTYPES.values() if d.safetensors}
 
-#: torch's other names for the same types (``torch.half is torch.float16``)
+#: torch's other names for the same types (``torch.half is torch.float16``), and the short ones people type
 ALIASES: dict[str, str] = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "fp32": "float32",
+    "fp64": "float64",
     "half": "float16",
     "float": "float32",
     "double": "float64",
@@ -90,7 +94,7 @@ def dtype_name(dtype: object) -> str | None:
     name = text.removeprefix("torch.")
     name = ALIASES.get(name, name)
     if name not in DTYPES:
-        raise InvalidArgument(f"dtype must be a torch.dtype or its name, e.g. 'bfloat16'; found {dtype!r}")
+        raise InvalidArgument(f"dtype must be a torch.dtype or its name, e.g. 'bfloat16' (or 'bf16'); found {dtype!r}")
     return name
 
 

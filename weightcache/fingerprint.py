@@ -416,9 +416,16 @@ def _diff_json(path: str, mine: object, theirs: object, out: list[tuple[str, obj
         out.append((path, mine, theirs))
 
 
-def format_differences(diffs: list[tuple[str, object, object]], limit: int = 6) -> str:
-    """``dtype: requested bfloat16, cached float16; ...`` for a warning or error message."""
-    parts = [f"{name}: requested {a!r}, cached {b!r}" for name, a, b in diffs[:limit]]
+def format_differences(diffs: list[tuple[str, object, object]], limit: int = 6, width: int = 72) -> str:
+    """``dtype: requested bfloat16, cached float16; ...`` for a warning or error message: one line, at most
+    ``limit`` fields, each value cut to ``width`` characters (a SHA-256 stays whole; a configuration dict would
+    fill a screen; :meth:`Fingerprint.diff` has them whole)."""
+
+    def short(value: object) -> str:
+        text = repr(value).replace("\n", " ")
+        return text if len(text) <= width else text[: width - 3] + "..."
+
+    parts = [f"{name}: requested {short(a)}, cached {short(b)}" for name, a, b in diffs[:limit]]
     if len(diffs) > limit:
         parts.append(f"and {len(diffs) - limit} more")
     return "; ".join(parts)

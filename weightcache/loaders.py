@@ -32,7 +32,7 @@ import attrs
 import torch
 from torch import nn
 
-from .binding import bind
+from .binding import bind, check_fit
 from .fingerprint import Fingerprint
 from .handle import Handle
 from .pipeline import Steps
@@ -84,6 +84,10 @@ class ModuleLoader(abc.ABC):
         configuration) on ``device`` and return every parameter and buffer it holds, each tensor once under
         its first name. The loaded model is dropped before this returns (publishing releases its tensors as it
         goes)."""
+
+    def after_bind(self, model: nn.Module) -> None:  # noqa: B027 (an optional hook)
+        """Leave ``model``, its weights bound, as the framework's own loader leaves the models it loads (in every
+        mode, on every path). Default: nothing."""
 
     def default_dtype(self, model: nn.Module) -> torch.dtype | None:
         """The dtype to load in when :func:`~weightcache.attach` is given none: that of the model's first
@@ -174,12 +178,40 @@ class LoaderSteps(Steps[Handle]):
         self.transform = transform
 
     def load_state(self) -> MutableMapping[str, torch.Tensor]:
-        state = self.loader.load(self.model, self.checkpoint, self.device, self.dtype)
+        state = in_model_dtypes(self.model, self.loader.load(self.model, self.checkpoint, self.device, self.dtype))
         return self.transform(state) if self.transform is not None else state
 
     def serve(self, handle: Handle) -> Handle:
         bind(self.model, handle.tensors, device=self.device)
+        self.loader.after_bind(self.model)
         return handle
 
+    def check_fit(self, tensors: Mapping[str, torch.Tensor] | None) -> None:
+        # What the loader makes is known only once it ran: the pipeline checks it then, before publishing.
+        if tensors is not None:
+            check_fit(self.model, tensors)
 
-__all__ = ["LoaderSteps", "ModelIdentity", "ModuleLoader", "for_model", "identify", "register"]
+
+def in_model_dtypes(model: nn.Module, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """``state`` with each floating point buffer in the dtype that ``model``'s buffer of that name has.
+
+    A framework's loader computes buffers (rotary ``inv_freq``, Gemma's ``embed_scale``) with the model's own
+    code, in the dtype that code picks (float32 for ``inv_freq``, whatever the weights' dtype). A model built on
+    meta and then converted (``model.to(torch.bfloat16)``, as the PyTorch docs show) holds them in the dtype it
+    was converted to, and would have held the same values, rounded alike, had it been built for real: so the
+    loaded values are converted to the model's dtype, exactly what its own ``.to()`` would have made of them.
+    Parameters are never converted: one of another dtype than the loaded weights is a BindError that names the
+    dtype to build or to load in.
+    """
+    wanted: dict[str, torch.dtype] = {}
+    for name, buffer in model.named_buffers(remove_duplicate=False):
+        if buffer.is_floating_point():
+            wanted[name] = buffer.dtype
+    for name, tensor in state.items():
+        dtype = wanted.get(name)
+        if dtype is not None and tensor.dtype != dtype and tensor.is_floating_point():
+            state[name] = tensor.to(dtype)
+    return state
+
+
+__all__ = ["LoaderSteps", "ModelIdentity", "ModuleLoader", "for_model", "identify", "in_model_dtypes", "register"]

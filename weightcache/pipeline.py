@@ -359,9 +359,21 @@ def _report(request: Request, outcome: str, start: float, handle: Handle | None 
     )
 
 
+#: The longest explanation of a miss (a FallbackWarning's or an error's reason): one line a terminal can show.
+MAX_REASON = 600
+
+
 def why_missing(cache: Cache, fingerprint: Fingerprint) -> tuple[str, list[tuple[str, object, object]]]:
-    """Explain a miss: entries of this fingerprint whose publishers are not trusted, else the closest cached entry
-    of the same checkpoint and placement, and how it differs."""
+    """Explain a miss in one line (at most :data:`MAX_REASON` characters): entries of this fingerprint whose
+    publishers are not trusted, else the nearest cached entry on the same placement (of the same checkpoint path,
+    else of the same files elsewhere) and how it differs."""
+    reason, diffs = _why_missing(cache, fingerprint)
+    if len(reason) > MAX_REASON:
+        reason = reason[: MAX_REASON - 3] + "..."
+    return reason, diffs
+
+
+def _why_missing(cache: Cache, fingerprint: Fingerprint) -> tuple[str, list[tuple[str, object, object]]]:
     entries = cache.entries()
     untrusted = sorted(
         {e.publisher for e in entries if e.digest == fingerprint.digest and e.placement == fingerprint.placement}
@@ -374,26 +386,51 @@ def why_missing(cache: Cache, fingerprint: Fingerprint) -> tuple[str, list[tuple
             "trusted_publishers to attach it, or let mode daemon publish this engine's own",
             [],
         )
-    same_model = [
-        e
-        for e in entries
-        if e.fingerprint.model_path == fingerprint.model_path and e.placement == fingerprint.placement
-    ]
-    if not same_model:
+    placed = [e for e in entries if e.placement == fingerprint.placement]
+    same_model = [e for e in placed if e.fingerprint.model_path == fingerprint.model_path]
+    if same_model:
+        best = min(same_model, key=lambda e: len(fingerprint.diff(e.fingerprint)))
+        diffs = fingerprint.diff(best.fingerprint)
         return (
-            f"the keeper holds no entry for {fingerprint.model_path} on {fingerprint.placement} "
-            f"(digest {fingerprint.digest[:12]}); publish it first with mode='daemon' or `weightcache load`",
-            [],
+            f"the cached entry {best.digest[:12]} for {fingerprint.model_path} does not match{_hint(diffs)}: "
+            f"{format_differences(diffs)}",
+            diffs,
         )
-    best = min(same_model, key=lambda e: len(fingerprint.diff(e.fingerprint)))
-    diffs = fingerprint.diff(best.fingerprint)
+    # A copy of the checkpoint (another path, other inodes and times): the same files by their headers.
+    headers = {c.header_sha256 for c in fingerprint.checkpoint}
+    copies = [e for e in placed if headers & {c.header_sha256 for c in e.fingerprint.checkpoint}]
+    if copies:
+        best = min(copies, key=lambda e: len(fingerprint.diff(e.fingerprint)))
+        diffs = fingerprint.diff(best.fingerprint)  # model_path first, then the files' inodes and times
+        names = ", ".join(name for name, _, _ in diffs[:6]) + (f" and {len(diffs) - 6} more" if len(diffs) > 6 else "")
+        return (
+            f"the keeper holds no entry for {fingerprint.model_path} on {fingerprint.placement} (digest "
+            f"{fingerprint.digest[:12]}), but its entry {best.digest[:12]} holds files with the same headers at "
+            f"{best.fingerprint.model_path}: a checkpoint's path, inodes and file times are part of its identity, so "
+            "attach that path, or publish this copy with mode='daemon' or `weightcache load` (differences: "
+            f"{names})",
+            diffs,
+        )
     return (
-        f"the cached entry {best.digest[:12]} for {fingerprint.model_path} does not match: {format_differences(diffs)}",
-        diffs,
+        f"the keeper holds no entry for {fingerprint.model_path} on {fingerprint.placement} "
+        f"(digest {fingerprint.digest[:12]}); publish it first with mode='daemon' or `weightcache load`",
+        [],
     )
 
 
+def _hint(diffs: list[tuple[str, object, object]]) -> str:
+    """What to do about a difference that has one usual cause."""
+    engines = {name: (a, b) for name, a, b in diffs if name == "engine"}
+    if engines.get("engine") == ("transformers", "torch"):
+        return (
+            " (it holds the checkpoint's plain tensors, engine torch, as `weightcache load` makes by default; a "
+            "transformers model attaches the entry of `weightcache load --engine transformers`)"
+        )
+    return ""
+
+
 __all__ = [
+    "MAX_REASON",
     "MODES",
     "PUBLISH_FAILURES",
     "Mode",

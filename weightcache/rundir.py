@@ -1,8 +1,10 @@
 """Where the keeper's socket lives, and the checks that keep that place private.
 
-Resolution order: the ``socket_dir`` argument, else ``$WEIGHTCACHE_DIR``, else ``$XDG_RUNTIME_DIR/weightcache``,
-else ``/tmp/weightcache-<uid>``. The directory must be a real directory (not a symlink), owned by this user,
-with no access for group or others (0700); it is created so when missing. The socket inside is 0600.
+Resolution order: the ``socket_dir`` argument, else ``$WEIGHTCACHE_DIR`` (an absolute path: a relative one is
+refused, since each process would resolve it against its own working directory), else
+``$XDG_RUNTIME_DIR/weightcache``, else ``/tmp/weightcache-<uid>``. The directory must be a real directory (not a
+symlink), owned by this user, with no access for group or others (0700); it is created so when missing. The socket
+inside is 0600.
 
 A keeper shared with one group (``weightcache serve --allow-group GROUP``) uses a *shared* directory instead:
 owned by the keeper's user, group GROUP, mode 2750 (the group may enter and connect, but never create, rename
@@ -42,7 +44,15 @@ def resolve_socket_dir(socket_dir: str | os.PathLike[str] | None = None) -> Path
         return Path(socket_dir).absolute()
     env = os.environ.get("WEIGHTCACHE_DIR")
     if env:
-        return Path(env).absolute()
+        if not os.path.isabs(env):
+            # Each process would resolve it against its own working directory: engines started from different
+            # directories would each find (or spawn) another keeper, and never share an entry.
+            raise SocketDirError(
+                f"WEIGHTCACHE_DIR={env!r} is a relative path, which every process resolves against its own working "
+                f"directory (this one: {Path(env).absolute()}), so processes started elsewhere would use another "
+                f"keeper; expected an absolute path: export WEIGHTCACHE_DIR={Path(env).absolute()}"
+            )
+        return Path(env)
     runtime = os.environ.get("XDG_RUNTIME_DIR")
     if runtime and Path(runtime).is_dir():
         return Path(runtime).absolute() / "weightcache"

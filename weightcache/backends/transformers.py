@@ -4,8 +4,11 @@ transformers' own ``from_pretrained`` makes of the checkpoint.
 ``from_pretrained`` is the disk path (same class, same configuration, the dtype of the model built): key
 renames, load-time conversions (fused MoE experts), tied weights and transformers' quantizers all run as they
 would without weightcache, and the published entry holds every parameter and buffer of the loaded model,
-computed buffers (rotary ``inv_freq``, Gemma's ``embed_scale``) included. A model built on meta, as the README
-shows, then gets every one of them bound. :func:`from_pretrained` here is the same in one call.
+computed buffers (rotary ``inv_freq``, Gemma's ``embed_scale``) included, each computed buffer in the dtype of the
+model given (a model ``.to(torch.bfloat16)``'d on meta holds ``inv_freq`` in bfloat16, which transformers
+computes in float32: :func:`weightcache.loaders.in_model_dtypes`). A model built on meta, as the README shows,
+then gets every one of them bound, and is left in evaluation mode, as ``from_pretrained`` leaves its models.
+:func:`from_pretrained` here is the same in one call.
 
 Quantization comes from the model's ``quantization_config``: fine-grained block FP8 (``quant_method`` ``fp8``
 with ``weight_block_size``) is shared; per-tensor FP8, GPTQ and AWQ map to strategies that refuse them, and
@@ -28,10 +31,15 @@ from typing import TYPE_CHECKING, Any, ClassVar
 import torch
 from torch import nn
 
+from .. import loaders
 from .. import quant as quant_registry
 from ..api import attach
 from ..errors import UnsupportedQuantError
+from ..fingerprint import placement_of
+from ..handle import Handle
 from ..loaders import ModelIdentity, ModuleLoader
+from ..pipeline import Request, run
+from ..torch_dtypes import resolve_dtype
 
 if TYPE_CHECKING:
     from ..pipeline import Mode
@@ -149,6 +157,11 @@ class TransformersLoader(ModuleLoader):
         fields = {"class": f"{cls.__module__}.{cls.__qualname__}", "config": config_identity(config)}
         return ModelIdentity(method, quant_config, fields)
 
+    def after_bind(self, model: nn.Module) -> None:
+        """Evaluation mode (dropout off), as ``from_pretrained`` returns its models; ``from_config`` builds them in
+        training mode. Call ``model.train()`` after attaching to train."""
+        model.eval()
+
     def default_dtype(self, model: nn.Module) -> torch.dtype | None:
         dtype = getattr(model, "dtype", None)  # PreTrainedModel.dtype: that of its first floating point tensor
         return dtype if isinstance(dtype, torch.dtype) else super().default_dtype(model)
@@ -168,6 +181,21 @@ class TransformersLoader(ModuleLoader):
         state.update(loaded.named_buffers())
         del loaded
         return state
+
+
+def build_on_meta(
+    checkpoint: str | os.PathLike[str], model_class: Any = None, dtype: torch.dtype | str | None = None
+) -> Any:
+    """The model of ``checkpoint``'s ``config.json`` built on the meta device, as the README shows:
+    ``model_class.from_config(config)`` (``model_class`` default ``AutoModelForCausalLM``), with ``dtype=`` when
+    given (else in the configuration's dtype)."""
+    import transformers
+
+    cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
+    config = transformers.AutoConfig.from_pretrained(os.fspath(checkpoint))
+    build = getattr(cls, "from_config", None) or cls._from_config
+    with torch.device("meta"):
+        return build(config, dtype=resolve_dtype(dtype)) if dtype is not None else build(config)
 
 
 def from_pretrained(
@@ -194,17 +222,48 @@ def from_pretrained(
         The model, in eval mode; ``model.weightcache_handle`` is the :class:`~weightcache.Handle` of its weights
         (the lease lives as long as the model).
     """
-    import transformers
-
-    cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
-    config = transformers.AutoConfig.from_pretrained(os.fspath(checkpoint))
-    build = getattr(cls, "from_config", None) or cls._from_config
-    with torch.device("meta"):
-        model = build(config, dtype=dtype) if dtype is not None else build(config)
+    model = build_on_meta(checkpoint, model_class, dtype)
     handle = attach(model, checkpoint, mode=mode, device=device, dtype=dtype, **options)
     model.__dict__["weightcache_handle"] = handle
-    model.eval()
     return model
 
 
-__all__ = ["QUANT_METHODS", "TransformersLoader", "config_identity", "from_pretrained", "quant_spec"]
+def preload(
+    checkpoint: str | os.PathLike[str],
+    *,
+    model_class: Any = None,
+    device: torch.device | str | None = None,
+    dtype: torch.dtype | str | None = None,
+    socket_dir: str | os.PathLike[str] | None = None,
+    progress: bool | None = None,
+    digests: bool = True,
+    max_segment_bytes: int | None = None,
+) -> Handle:
+    """Publish into the keeper (starting one if none runs) the entry that a transformers model of ``checkpoint``,
+    built as :func:`build_on_meta` builds it, attaches: ``weightcache load --engine transformers``. Mode daemon's
+    first start without an engine, strict (a refused budget raises). Arguments as for :func:`from_pretrained`
+    and :func:`weightcache.preload`. Returns the attached Handle (``read_disk`` False when the keeper already
+    held the entry)."""
+    model = build_on_meta(checkpoint, model_class, dtype)
+    loader = TransformersLoader()
+    placement_of(device)  # InvalidArgument for a device that is none or that this process lacks
+    dev = torch.device(device) if device is not None else torch.device("cpu")
+    load_dtype, fingerprint, identity = loaders.identify(
+        loader, model, checkpoint, device=dev, dtype=resolve_dtype(dtype), parallel=None, transform=None
+    )
+    steps = loaders.LoaderSteps(loader, model, checkpoint, dev, load_dtype, None)
+    request = Request(
+        fingerprint, "daemon", True, socket_dir, progress, digests, max_segment_bytes, identity.quant_config
+    )
+    return run(request, steps)
+
+
+__all__ = [
+    "QUANT_METHODS",
+    "TransformersLoader",
+    "build_on_meta",
+    "config_identity",
+    "from_pretrained",
+    "preload",
+    "quant_spec",
+]

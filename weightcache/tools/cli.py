@@ -56,6 +56,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         raise wc.WeightCacheError(f"--allow-group: {exc}") from exc
     if args.detach:
         keeper.detach_and_serve(args.socket_dir, args.ready_fd, budget, group)
+        _say_detached(args.socket_dir)
         return 0
     logging.basicConfig(
         stream=sys.stderr,
@@ -64,6 +65,21 @@ def cmd_serve(args: argparse.Namespace) -> int:
     )
     keeper.serve(args.socket_dir, ready_fd=args.ready_fd, budget=budget, allow_group=group)
     return 0
+
+
+def _say_detached(socket_dir: str | None) -> None:
+    """What ``serve --detach`` started: the keeper's pid (from its instance lock, which it holds while it serves),
+    its socket and its log."""
+    from weightcache.rundir import INSTANCE_LOCK_NAME, LOG_NAME, SOCKET_NAME, resolve_socket_dir
+
+    directory = resolve_socket_dir(socket_dir)
+    try:
+        pid = (directory / INSTANCE_LOCK_NAME).read_text().strip() or "?"
+    except OSError:
+        pid = "?"
+    print(
+        f"keeper pid {pid} serving {directory / SOCKET_NAME} (log {directory / LOG_NAME}); `weightcache stop` stops it"
+    )
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -91,7 +107,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
     rows = [("ENTRY", "MODEL", "DEVICE", "PUBLISHER", "SIZE", "TENSORS", "LEASES", "AGE", "HELD BY (PID SINCE)")]
     for e in reply.entries:
         fp = e.fingerprint
-        model = e.model + "".join(f" {axis} {rank}/{size}" for axis, rank, size in fp.parallel)  # which shard
+        # which shard, along the axes that are split (an engine records every axis it knows, most of size 1)
+        model = e.model + "".join(f" {axis} {rank}/{size}" for axis, rank, size in fp.parallel if size > 1)
         model += f" [{fp.dtype}]" if fp.dtype else ""
         if fp.quant not in (None, "none"):
             model += f" {fp.quant}"
@@ -139,6 +156,13 @@ def _budget_line(default: int | None, per_placement: Mapping[str, int], used: Ma
 INSPECTED = ("dtype", "quant", "quant_config_hash", "transform", "engine", "engine_version", "torch_version")
 
 
+def _field(fp: wc.Fingerprint, key: str) -> str:
+    value = getattr(fp, key)
+    if key == "dtype" and value is None:
+        return "as-stored"  # as `load` says it: no conversion
+    return str(value)
+
+
 def _count(n: int, noun: str) -> str:
     return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
@@ -161,7 +185,7 @@ def cmd_inspect(args: argparse.Namespace) -> int:
         ("size", size),
         ("publisher", f"{user_name(entry.publisher)} (uid {entry.publisher})"),
         ("leases", f"{entry.leases}  {holders}".rstrip()),
-        *((key, str(getattr(fp, key))) for key in INSPECTED),
+        *((key, _field(fp, key)) for key in INSPECTED),
         ("parallel", ", ".join(f"{a} {r}/{s}" for a, r, s in fp.parallel) or "-"),
         *(("file", f"{f.name}  {format_bytes(f.size)}  header {f.header_sha256[:12]}") for f in fp.checkpoint),
     ]
@@ -256,17 +280,20 @@ def cmd_load(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise wc.WeightCacheError(f"bad argument: --quant-config is not JSON: {exc}") from exc
     t0 = time.perf_counter()
-    handle = wc.preload(  # imports torch
-        args.checkpoint,
-        device=args.device,
-        dtype=args.dtype,
-        quant=args.quant,
-        quant_config=quant_config,
-        socket_dir=args.socket_dir,
-        progress=None,
-        digests=not args.no_digests,
-        max_segment_bytes=args.max_segment_bytes,
-    )
+    if args.engine == "transformers":
+        handle = _load_transformers(args, quant_config)
+    else:
+        handle = wc.preload(  # imports torch
+            args.checkpoint,
+            device=args.device,
+            dtype=args.dtype,
+            quant=args.quant,
+            quant_config=quant_config,
+            socket_dir=args.socket_dir,
+            progress=None,
+            digests=not args.no_digests,
+            max_segment_bytes=args.max_segment_bytes,
+        )
     seconds = time.perf_counter() - t0
     fp = handle.fingerprint
     size, count = handle.nbytes, len(handle.tensors)
@@ -278,6 +305,34 @@ def cmd_load(args: argparse.Namespace) -> int:
     for key in handle.evicted:  # the keeper's budget made room: say so here, not only in its log
         print(f"  evicted {key} (unleased, least recently used) to make room under the keeper's budget")
     return 0
+
+
+def _load_transformers(args: argparse.Namespace, quant_config: object) -> wc.Handle:
+    """``load --engine transformers``: the entry of a transformers model built from the checkpoint's config.json
+    (:func:`weightcache.backends.transformers.preload`)."""
+    if args.quant != "none" or quant_config is not None:
+        raise wc.WeightCacheError(
+            "--engine transformers takes the quantization from the checkpoint's config.json (quantization_config); "
+            "leave out --quant and --quant-config"
+        )
+    try:
+        import transformers  # noqa: F401 (only whether it is there)
+    except ImportError as exc:
+        raise wc.EngineNotInstalled(
+            f"--engine transformers needs the transformers package ({exc}); install it with "
+            "`pip install 'weightcache[transformers]'`, or load without --engine for a plain module"
+        ) from None
+    from weightcache.backends.transformers import preload
+
+    return preload(
+        args.checkpoint,
+        device=args.device,
+        dtype=args.dtype,
+        socket_dir=args.socket_dir,
+        progress=None,
+        digests=not args.no_digests,
+        max_segment_bytes=args.max_segment_bytes,
+    )
 
 
 def cmd_parity(args: argparse.Namespace) -> int:
@@ -449,10 +504,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=cmd_serve)
 
-    p = add("load", "load a checkpoint from disk and publish it into the keeper (starting one if needed)")
+    p = add(
+        "load",
+        "load a checkpoint from disk and publish it into the keeper (starting one if needed): as a plain module's "
+        "weights (the checkpoint's tensors, what weightcache.attach of a plain nn.Module attaches), or with "
+        "--engine transformers as a Hugging Face transformers model's. vLLM and SGLang entries hold their own "
+        "post-processed weights: the engine's first start in mode daemon publishes them, not this command",
+    )
     p.add_argument("checkpoint", help="directory of .safetensors files (or one file)")
+    p.add_argument(
+        "--engine",
+        choices=["torch", "transformers"],
+        default="torch",
+        help="whose entry to make: torch (default: a plain nn.Module's) or transformers (the model "
+        "AutoModelForCausalLM.from_config builds from the checkpoint's config.json on meta, in --dtype or the "
+        "config's dtype, loaded by transformers' from_pretrained)",
+    )
     p.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
-    p.add_argument("--dtype", default=None, help="convert floating point weights, e.g. bfloat16")
+    p.add_argument(
+        "--dtype", default=None, help="convert floating point weights, e.g. bfloat16 or bf16 (default: as stored)"
+    )
     p.add_argument("--quant", default="none", help="quantization method of the weights (default none)")
     p.add_argument("--quant-config", default=None, help="the method's config as JSON")
     p.add_argument("--no-digests", action="store_true", help="skip per-tensor content digests")
