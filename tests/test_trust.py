@@ -15,6 +15,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import torch
 from conftest import start_keeper, wait_until
 from models import meta_model
 from safetensors.torch import load_file
@@ -44,10 +45,12 @@ try:
         handle = cache.put(fingerprint, state)
         print(json.dumps({"key": [e.key for e in cache.entries() if e.publisher == 65534][0]}))
         handle.close()
-    elif action == "hold":  # attach, and keep the entry (re-publishing it to a restarted keeper)
+    elif action == "hold":  # attach the owner's entry and publish one of its own; keep both across a restart
         cache.respawn = True
         handle = cache.get(fingerprint)
-        print(json.dumps({"publisher": handle.publisher}), flush=True)
+        own = Fingerprint.from_json({**fingerprint.to_json(), "dtype": "float16"})
+        mine = cache.put(own, {name: torch.full(shape, 7.0) for name, shape in shapes.items()})
+        print(json.dumps({"publisher": handle.publisher, "own": mine.publisher}), flush=True)
         sys.stdin.read()
     elif action == "get":
         handle = cache.get(fingerprint)
@@ -156,8 +159,8 @@ def test_a_members_publish_never_evicts_the_owners_entries(checkpoint: Path, sha
 
 
 def test_republication_after_a_restart_follows_the_same_rules(checkpoint: Path, shared_dir: Path) -> None:
-    """A member that held the owner's entry re-publishes it to a restarted keeper under its own uid: the
-    owner's engines then load from disk and publish their own instead of trusting the member's copy."""
+    """A member that held the owner's entry does not re-publish it to a restarted keeper (only what it published
+    itself, recorded as its own): the owner's engines then load from disk and publish their own."""
     keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
     holder = None
     try:
@@ -181,13 +184,15 @@ def test_republication_after_a_restart_follows_the_same_rules(checkpoint: Path, 
             assert holder.stdout is not None
             line = holder.stdout.readline()
             assert line, holder.stderr.read() if holder.stderr else ""
-            assert json.loads(line) == {"publisher": 0}
+            assert json.loads(line) == {"publisher": 0, "own": MEMBER_UID}
         keeper.kill()
         keeper.wait(10)
         keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
         cache = wc.Cache(shared_dir)
+        # The member's own entry comes back (its holder re-publishes it); the owner's, which it also held, does not.
         assert wait_until(lambda: len(cache.entries()) == 1, timeout=20)
-        assert cache.entries()[0].publisher == MEMBER_UID
+        [entry] = cache.entries()
+        assert entry.publisher == MEMBER_UID and entry.fingerprint.dtype == "float16"
         assert cache.get(fingerprint) is None
         with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=shared_dir) as handle:
             assert handle.read_disk and handle.publisher == 0
@@ -196,5 +201,40 @@ def test_republication_after_a_restart_follows_the_same_rules(checkpoint: Path, 
         if holder is not None:
             holder.kill()
             holder.wait(10)
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_republication_never_changes_who_published(checkpoint: Path, shared_dir: Path) -> None:
+    """Finding 1 of issue 22 (trust laundering): an owner engine that trusts a member attaches the member's forged
+    entry; after a keeper restart it must not re-publish those bytes under the owner's uid, so a default-trust
+    owner engine loads from disk instead of attaching them."""
+    keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
+    trusted = own = None
+    try:
+        fingerprint = owner_fingerprint(checkpoint, shared_dir)
+        assert "key" in as_member(shared_dir, fingerprint, "publish-forged", checkpoint)
+        trusting = wc.Cache(shared_dir, trusted_publishers=[MEMBER_UID])
+        trusted = trusting.get(fingerprint)
+        assert trusted is not None and trusted.publisher == MEMBER_UID
+        # An entry the owner published itself, held as well: it must come back, and shows when re-publication ran.
+        other = Fingerprint.from_json({**fingerprint.to_json(), "dtype": "float16"})
+        own = wc.Cache(shared_dir).put(other, {"w": torch.ones(4)})
+        keeper.kill()
+        keeper.wait(10)
+        keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
+        cache = wc.Cache(shared_dir)
+        assert wait_until(lambda: any(e.digest == other.digest for e in cache.entries()), timeout=20)
+        assert [e.publisher for e in cache.entries()] == [0]  # only the owner's own entry is back
+        assert not trusted.leased  # mapped still, but not re-published
+        assert bool((trusted.tensors["embed.weight"] == 7.0).all())
+        model = meta_model()
+        with pytest.warns(wc.FallbackWarning, match="loading from disk"):
+            handle = wc.attach(model, checkpoint, mode="client", socket_dir=shared_dir)
+        assert handle.source == "disk" and not bool((model.embed.weight == 7.0).all())
+    finally:
+        for h in (trusted, own):
+            if h is not None:
+                h.close()
         keeper.terminate()
         keeper.wait(10)
