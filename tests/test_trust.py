@@ -31,6 +31,7 @@ MEMBER_UID, GROUP = 65534, 4242
 #: files may not be readable by that user.
 MEMBER = r"""
 import json, os, sys, secrets
+import attrs
 import torch
 import weightcache as wc
 import weightcache.cache, weightcache.publish, weightcache.digests, weightcache.views, weightcache.segments.memfd
@@ -45,6 +46,11 @@ try:
         handle = cache.put(fingerprint, state)
         print(json.dumps({"key": [e.key for e in cache.entries() if e.publisher == 65534][0]}))
         handle.close()
+    elif action in ("publish-deep", "publish-big-extra"):  # the owner's model, with an extra of the member's making
+        extra = "[" * 100_000 + "]" * 100_000 if action == "publish-deep" else json.dumps({"x": "a" * (8 << 20)})
+        forged = attrs.evolve(fingerprint, extra=extra)  # past the client's own checks: the keeper must refuse it
+        cache.put(forged, {name: torch.full(shape, 7.0) for name, shape in shapes.items()}).close()
+        print(json.dumps({"published": True}))
     elif action == "hold":  # attach the owner's entry and publish one of its own; keep both across a restart
         cache.respawn = True
         handle = cache.get(fingerprint)
@@ -236,5 +242,29 @@ def test_republication_never_changes_who_published(checkpoint: Path, shared_dir:
         for h in (trusted, own):
             if h is not None:
                 h.close()
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_a_members_entry_cannot_crash_or_flood_the_owners_engine(checkpoint: Path, shared_dir: Path) -> None:
+    """Finding 2 of issue 22: a fingerprint ``extra`` nested 100,000 deep, or of 8 MiB, is refused at publish
+    with a clear error; the owner's engine falls back to disk with a short warning instead of raising."""
+    keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
+    try:
+        fingerprint = owner_fingerprint(checkpoint, shared_dir)
+        deep = as_member(shared_dir, fingerprint, "publish-deep", checkpoint)
+        assert deep.get("error") == "KeeperError" and "nested" in deep["message"], deep
+        big = as_member(shared_dir, fingerprint, "publish-big-extra", checkpoint)
+        assert big.get("error") == "KeeperError" and "extra" in big["message"], big
+        assert len(deep["message"]) < 2000 and len(big["message"]) < 2000
+        assert wc.Cache(shared_dir).entries() == []
+        model = meta_model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handle = wc.attach(model, checkpoint, mode="client", socket_dir=shared_dir)
+        assert handle.source == "disk"
+        [warning] = [w for w in caught if issubclass(w.category, wc.FallbackWarning)]
+        assert len(str(warning.message)) < 2000
+    finally:
         keeper.terminate()
         keeper.wait(10)

@@ -531,6 +531,10 @@ class StopReply(NamedTuple):
 # --- errors ------------------------------------------------------------------------------------------------------
 
 
+#: Longest error message a client takes from a reply, in characters (the rest is cut).
+MAX_ERROR_CHARS = 2000
+
+
 class ErrorReply(NamedTuple):
     """A failed request: ``error`` is one of :data:`ERROR_CODES`; ``message`` says what to do."""
 
@@ -544,7 +548,10 @@ class ErrorReply(NamedTuple):
     def from_json(cls, data: dict[str, Any]) -> ErrorReply:
         if data.get("ok") is not False:
             raise ProtocolError(f'expected a failed reply ("ok": false); found {data!r:.200}')
-        return cls(error=str(data.get("error")), message=str(data.get("message", "keeper refused the request")))
+        message = str(data.get("message", "keeper refused the request"))
+        if len(message) > MAX_ERROR_CHARS:  # it may quote what another user published: a hint, not data
+            message = f"{message[:MAX_ERROR_CHARS]}... ({len(message)} characters)"
+        return cls(error=str(data.get("error"))[:64], message=message)
 
 
 #: op -> (request shape, reply shape).

@@ -173,8 +173,8 @@ class Store:
         already exists (``conn`` then leases that one) or the publish is refused.
         """
         try:
-            manifest, text = _checked(manifest_json, fds)
-            return self._insert(conn, pid, self.owner if uid is None else uid, manifest, manifest_json, text, fds)
+            manifest, kept, text = _checked(manifest_json, fds)
+            return self._insert(conn, pid, self.owner if uid is None else uid, manifest, kept, text, fds)
         except BaseException:
             close_fds(fds)
             raise
@@ -373,9 +373,29 @@ class Store:
             self._fds_held = 0
 
 
-def _checked(manifest_json: dict[str, Any], fds: Sequence[int]) -> tuple[Manifest, str]:
-    """The parsed manifest and its encoding, once it and ``fds`` are what a publish must send."""
+#: Longest tensor name, and longest per-tensor digest, a manifest may hold (characters).
+MAX_NAME_CHARS = 1024
+MAX_DIGEST_CHARS = 128
+
+
+def _checked(manifest_json: dict[str, Any], fds: Sequence[int]) -> tuple[Manifest, dict[str, Any], str]:
+    """The parsed manifest, the JSON the store keeps of it and that JSON encoded, once it and ``fds`` are what a
+    publish must send.
+
+    What is kept is the manifest re-encoded from what was parsed, not what arrived: fields this keeper does not
+    know never reach the clients that ``get`` or ``inspect`` it (another user may have published it).
+    """
     manifest = Manifest.from_json(manifest_json)
+    manifest.fingerprint.check_bounds()
+    longest = max(map(len, manifest.names), default=0)
+    digests = max((len(d) for d in manifest.digest if d is not None), default=0)
+    if longest > MAX_NAME_CHARS or digests > MAX_DIGEST_CHARS:
+        raise RequestError(
+            messages.BAD_REQUEST,
+            f"manifest holds a tensor name of {longest} characters and a digest of {digests}; at most "
+            f"{MAX_NAME_CHARS} and {MAX_DIGEST_CHARS} are allowed",
+        )
+    manifest_json = manifest.to_json()
     text = json.dumps(manifest_json, separators=(",", ":"), allow_nan=False)
     if len(text) > messages.MAX_MANIFEST_BYTES:
         raise RequestError(
@@ -389,7 +409,7 @@ def _checked(manifest_json: dict[str, Any], fds: Sequence[int]) -> tuple[Manifes
         )
     for fd, info in zip(fds, manifest.segments):
         fdcheck.verify_fd(fd, info)
-    return manifest, text
+    return manifest, manifest_json, text
 
 
 def _unmatched(prefix: str, found: list[Entry]) -> RequestError:
