@@ -10,10 +10,12 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import hostile
 import pytest
 import torch
 from conftest import start_keeper, wait_until
@@ -21,6 +23,8 @@ from models import meta_model
 from safetensors.torch import load_file
 
 import weightcache as wc
+from weightcache import protocol
+from weightcache.client import KeeperConnection
 from weightcache.fingerprint import Fingerprint
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second uid")
@@ -35,6 +39,8 @@ import attrs
 import torch
 import weightcache as wc
 import weightcache.cache, weightcache.publish, weightcache.digests, weightcache.views, weightcache.segments.memfd
+from weightcache import protocol
+from weightcache.client import KeeperConnection
 from weightcache.fingerprint import Fingerprint
 socket_dir, fingerprint, action = sys.argv[1], Fingerprint.from_json(json.loads(sys.argv[2])), sys.argv[3]
 shapes = json.loads(sys.argv[4])
@@ -266,5 +272,66 @@ def test_a_members_entry_cannot_crash_or_flood_the_owners_engine(checkpoint: Pat
         [warning] = [w for w in caught if issubclass(w.category, wc.FallbackWarning)]
         assert len(str(warning.message)) < 2000
     finally:
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_one_member_cannot_starve_the_owner(checkpoint: Path, shared_dir: Path) -> None:
+    """Finding 3 of issue 22: a member takes all it can of every keeper-wide resource (connections, segment fds,
+    bytes of publish frames in flight, fds and bytes of replies it never reads); the owner's CLI and engines keep
+    working, and the member got only its share of each."""
+    keeper = start_keeper(shared_dir, "--allow-group", str(GROUP), "--max-connections", "64", nofile=4096)
+    member = None
+    try:
+        fingerprint = wc.Fingerprint.create(checkpoint).to_json()
+        owner = KeeperConnection.connect(shared_dir)
+        # An entry whose get reply (100 fds, a manifest of 1 MB) does not fit a socket buffer: unread, it blocks.
+        big = hostile.publish(owner, {**fingerprint, "extra": "big"}, 100, tensors=1000, name_chars=1000)
+        digest = big.partition("@")[0]
+        member = subprocess.Popen(
+            [
+                sys.executable,
+                str(Path(__file__).parent / "hostile.py"),
+                str(shared_dir),
+                digest,
+                json.dumps(fingerprint),
+            ],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert member.stdout is not None
+        line = member.stdout.readline()
+        assert line, member.stderr.read() if member.stderr else ""
+        got = json.loads(line)
+
+        start = time.monotonic()
+        ls = subprocess.run(
+            [sys.executable, "-m", "weightcache", "ls", "--socket-dir", str(shared_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert ls.returncode == 0, ls.stderr
+        assert len(wc.Cache(shared_dir).entries()) >= 2
+        with KeeperConnection.connect(shared_dir) as conn:
+            reply, fds = conn.get(digest, "cpu")
+            assert reply.found and len(fds) == 100
+            protocol.close_fds(fds)
+            # A publish frame over 64 KiB, while the member's frames stall; and 100 more segment fds.
+            assert hostile.publish(conn, {**fingerprint, "extra": "wide"}, 1, tensors=200, name_chars=500)
+            assert hostile.publish(conn, {**fingerprint, "extra": "many"}, 100)
+        assert time.monotonic() - start < 8
+
+        # The member got its share of each (a quarter), no more: entries of 200 segments (512 of 2048 fds),
+        # connections (16 of 64), replies' fds (250 of 448, so two gets of 100 fds each).
+        assert got["entries"] == 2 and got["entries_refused"] == 8, got
+        assert got["stalled"] == 2 and got["gets"] + got["idle"] == 13 and got["idle_refused"] > 0, got
+        owner.close()
+    finally:
+        if member is not None:
+            member.kill()
+            member.wait(10)
         keeper.terminate()
         keeper.wait(10)

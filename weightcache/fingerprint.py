@@ -45,6 +45,8 @@ MAX_EXTRA_DEPTH = 64
 #: Most checkpoint files, and most parallel axes, a fingerprint may name.
 MAX_CHECKPOINT_FILES = 16384
 MAX_PARALLEL_AXES = 16
+#: Largest fingerprint, as canonical JSON (what a ``list`` reply carries per entry), in bytes.
+MAX_FINGERPRINT_BYTES = 1024 * 1024
 #: How much of one value :func:`format_differences` shows, in characters.
 MAX_SHOWN_CHARS = 120
 
@@ -422,7 +424,8 @@ class Fingerprint:
         return out
 
     def check_bounds(self) -> None:
-        """Raise :class:`ManifestError` unless ``extra`` is JSON nested at most :data:`MAX_EXTRA_DEPTH` deep.
+        """Raise :class:`ManifestError` unless ``extra`` is JSON nested at most :data:`MAX_EXTRA_DEPTH` deep and the
+        whole fingerprint encodes to at most :data:`MAX_FINGERPRINT_BYTES`.
 
         :meth:`from_json` bounds every field's size; this is the rest of what the keeper checks before it stores a
         fingerprint that other users' engines will read (they parse ``extra`` to explain a miss).
@@ -432,6 +435,12 @@ class Fingerprint:
             raise ManifestError(
                 f"fingerprint field 'extra' is JSON nested {depth} levels deep; at most {MAX_EXTRA_DEPTH} are "
                 "allowed (model configs nest a few levels)"
+            )
+        size = len(self.canonical_json())
+        if size > MAX_FINGERPRINT_BYTES:
+            raise ManifestError(
+                f"the fingerprint encodes to {size} bytes; at most {MAX_FINGERPRINT_BYTES} are allowed (a fingerprint "
+                "names a model, it does not carry data)"
             )
 
     def describe(self) -> str:

@@ -49,8 +49,6 @@ MAX_RETRY_S = 1.0
 #: Longest wait between attempts while a keeper answers but refuses the publish (budget, version), or cannot
 #: be started.
 MAX_REFUSED_RETRY_S = 30.0
-#: Longest wait for the keeper's reply to a re-publication.
-REQUEST_TIMEOUT_S = 30.0
 
 
 @attrs.define
@@ -232,7 +230,8 @@ class Republisher:
                 conn.close()
                 return True
             try:
-                reply = conn.publish(lease.manifest.to_json(), fds, timeout=REQUEST_TIMEOUT_S)
+                # the deadline of every publish (client.publish_timeout): longer than any wait of the keeper's
+                reply = conn.publish(lease.manifest.to_json(), fds)
             finally:
                 close_fds(fds)
         except BaseException:

@@ -54,15 +54,19 @@ def cmd_serve(args: argparse.Namespace) -> int:
         group = None if args.allow_group is None else resolve_group(args.allow_group)
     except ValueError as exc:
         raise wc.WeightCacheError(f"--allow-group: {exc}") from exc
+    try:
+        limits = keeper.Limits(args.max_connections, args.idle_timeout, args.member_share)
+    except ValueError as exc:
+        raise wc.WeightCacheError(f"bad limit: {exc}") from exc
     if args.detach:
-        keeper.detach_and_serve(args.socket_dir, args.ready_fd, budget, group)
+        keeper.detach_and_serve(args.socket_dir, args.ready_fd, budget, group, limits)
         return 0
     logging.basicConfig(
         stream=sys.stderr,
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(message)s",
     )
-    keeper.serve(args.socket_dir, ready_fd=args.ready_fd, budget=budget, allow_group=group)
+    keeper.serve(args.socket_dir, ready_fd=args.ready_fd, budget=budget, allow_group=group, limits=limits)
     return 0
 
 
@@ -445,6 +449,29 @@ def build_parser() -> argparse.ArgumentParser:
         metavar="GROUP",
         help="also serve members of GROUP (name or gid): the socket directory becomes group GROUP, mode 2750, the "
         "socket 0660; members may publish, get, list and inspect, not evict or stop",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most client connections at once (default 1024, or a quarter of the open-file limit if lower)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="drop a connection that holds no lease after this long without a request (default 30)",
+    )
+    p.add_argument(
+        "--member-share",
+        type=float,
+        default=0.25,
+        metavar="F",
+        help="with --allow-group: the fraction of each keeper-wide resource (connections, segment fds, bytes and "
+        "fds in flight, unread replies) one member uid may hold; all members together hold at most 1-F, so F stays "
+        "for the owner (default 0.25, at most 0.5)",
     )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=cmd_serve)
