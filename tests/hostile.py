@@ -29,16 +29,18 @@ def sealed_memfd(size: int = 512) -> int:
     return fd
 
 
-def manifest(fingerprint: dict[str, Any], segments: int, tensors: int = 1, name_chars: int = 8) -> dict[str, Any]:
+def manifest(
+    fingerprint: dict[str, Any], segments: int, tensors: int = 1, name_chars: int = 8, prefix: str = ""
+) -> dict[str, Any]:
     """A valid manifest of ``segments`` 512-byte memfd segments and ``tensors`` float32[4] tensors named with
-    ``name_chars`` characters each."""
+    ``prefix`` and ``name_chars`` digits each."""
     n = tensors
     return {
         "version": MANIFEST_VERSION,
         "fingerprint": fingerprint,
         "segments": [{"kind": "memfd", "size": 512, "placement": "cpu"}] * segments,
         "tensors": {
-            "name": [f"{i:0{name_chars}d}" for i in range(n)],
+            "name": [f"{prefix}{i:0{name_chars}d}" for i in range(n)],
             "segment": [i % segments for i in range(n)],
             "offset": [0] * n,
             "dtype": ["float32"] * n,
@@ -51,7 +53,7 @@ def manifest(fingerprint: dict[str, Any], segments: int, tensors: int = 1, name_
     }
 
 
-def publish(conn: KeeperConnection, fingerprint: dict[str, Any], segments: int, **kw: int) -> str:
+def publish(conn: KeeperConnection, fingerprint: dict[str, Any], segments: int, **kw: Any) -> str:
     fds = [sealed_memfd() for _ in range(segments)]
     try:
         return conn.publish(manifest(fingerprint, segments, **kw), fds).key
@@ -130,8 +132,22 @@ def _send_quietly(sock: socket.socket, data: bytes) -> None:
         pass
 
 
+#: What a terminal acts on: set its title, ring, return the cursor, a C1 CSI, a bidi override, a lone surrogate.
+EVIL = "\x1b]0;owned\x07\r\x9b2J\u202e\ud800"
+
+
+def publish_evil(socket_dir: str, fingerprint: dict[str, Any]) -> None:
+    """Publish an entry whose strings a terminal would act on (architecture, parallel axis, tensor names)."""
+    evil = {**fingerprint, "architecture": f"Evil{EVIL}", "parallel": [[f"tp{EVIL}", 0, 1]], "extra": "evil"}
+    with KeeperConnection.connect(socket_dir) as conn:
+        print(json.dumps({"key": publish(conn, evil, 1, tensors=2, prefix=EVIL)}), flush=True)
+
+
 if __name__ == "__main__":
     os.setgroups([4242])
     os.setgid(65534)
     os.setuid(65534)
-    starve(sys.argv[1], sys.argv[2], json.loads(sys.argv[3]))
+    if sys.argv[1] == "starve":
+        starve(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
+    else:
+        publish_evil(sys.argv[2], json.loads(sys.argv[3]))

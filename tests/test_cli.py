@@ -461,3 +461,15 @@ def test_the_bench_peer_runs_its_holder_and_fresh_processes_on_cpu(tmp_path: Pat
     result = bench.peer_attach(tmp_path, shapes, "bfloat16", "cpu", 2, expected)
     assert result["identical"] is True and len(result["runs"]) == 2
     assert 0 < result["attach_ms"]["min"] <= result["attach_ms"]["median"] <= result["attach_ms"]["max"]
+
+
+def test_a_closed_stdout_ends_quietly(socket_dir: Path, keeper: subprocess.Popen[bytes], checkpoint: Path) -> None:
+    """Issue 22, finding 5: `weightcache ls | head -0` (a reader that closes at once) prints no traceback."""
+    import hostile
+
+    with KeeperConnection.connect(socket_dir) as conn:
+        hostile.publish(conn, wc.Fingerprint.create(checkpoint).to_json(), 1)
+    for extra in ("", " --json"):
+        command = f"{sys.executable} -m weightcache ls --socket-dir {socket_dir}{extra} | head -0"
+        out = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=60)
+        assert out.stderr == "" and out.returncode in (0, 141), out

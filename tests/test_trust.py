@@ -73,6 +73,9 @@ except wc.WeightCacheError as exc:
 """
 
 
+HOSTILE = str(Path(__file__).parent / "hostile.py")
+
+
 def shapes(checkpoint: Path) -> str:
     """The checkpoint's tensor names and shapes (JSON): what the member forges tensors for."""
     return json.dumps({k: list(v.shape) for k, v in load_file(checkpoint / "model.safetensors").items()})
@@ -289,13 +292,7 @@ def test_one_member_cannot_starve_the_owner(checkpoint: Path, shared_dir: Path) 
         big = hostile.publish(owner, {**fingerprint, "extra": "big"}, 100, tensors=1000, name_chars=1000)
         digest = big.partition("@")[0]
         member = subprocess.Popen(
-            [
-                sys.executable,
-                str(Path(__file__).parent / "hostile.py"),
-                str(shared_dir),
-                digest,
-                json.dumps(fingerprint),
-            ],
+            [sys.executable, HOSTILE, "starve", str(shared_dir), digest, json.dumps(fingerprint)],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.PIPE,
@@ -333,5 +330,34 @@ def test_one_member_cannot_starve_the_owner(checkpoint: Path, shared_dir: Path) 
         if member is not None:
             member.kill()
             member.wait(10)
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_the_cli_escapes_what_a_member_published(checkpoint: Path, shared_dir: Path) -> None:
+    """Finding 4 of issue 22: ``ls`` and ``inspect --tensors`` print a member's architecture, parallel axis and
+    tensor names with ESC, BEL, CR, C1, bidi controls and a lone surrogate escaped, and do not crash."""
+    keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
+    try:
+        fingerprint = wc.Fingerprint.create(checkpoint).to_json()
+        out = subprocess.run(
+            [sys.executable, HOSTILE, "evil", str(shared_dir), json.dumps(fingerprint)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        key = json.loads(out.stdout)["key"]
+        for command in (["ls"], ["inspect", key, "--tensors"]):
+            shown = subprocess.run(
+                [sys.executable, "-m", "weightcache", *command, "--socket-dir", str(shared_dir)],
+                capture_output=True,
+                timeout=60,
+            )
+            assert shown.returncode == 0, shown.stderr.decode()
+            text = shown.stdout.decode()  # valid UTF-8: no lone surrogate got through
+            assert "Evil" in text and "\\x1b]0;owned\\x07\\x0d\\x9b2J\\u202e\\ud800" in text, text
+            assert not any(c in text for c in "\x1b\x07\r\x9b\u202e"), text
+    finally:
         keeper.terminate()
         keeper.wait(10)
