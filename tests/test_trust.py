@@ -319,7 +319,7 @@ def test_one_member_cannot_starve_the_owner(checkpoint: Path, shared_dir: Path) 
             # A publish frame over 64 KiB, while the member's frames stall; and 100 more segment fds.
             assert hostile.publish(conn, {**fingerprint, "extra": "wide"}, 1, tensors=200, name_chars=500)
             assert hostile.publish(conn, {**fingerprint, "extra": "many"}, 100)
-        assert time.monotonic() - start < 8
+        assert time.monotonic() - start < 30  # no stall behind the member's frames (the client waits 40 s)
 
         # The member got its share of each (a quarter), no more: entries of 200 segments (512 of 2048 fds),
         # connections (16 of 64), replies' fds (250 of 448, so two gets of 100 fds each).

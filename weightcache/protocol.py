@@ -375,27 +375,40 @@ def recv_frame(
             )
         if allowance is not None and length > MAX_REQUEST_BYTES:
             token = allowance.begin(length, uid)
-        # Grown as bytes arrive (never allocated at the announced length), each chunk taken from the allowance
-        # before it is read: a peer that announces much and sends little holds little.
-        payload = bytearray()
-        while len(payload) < length:
+        # Unmetered (a client reading the keeper's reply, or a small frame): one buffer of the announced length,
+        # filled in place. Metered: grown as bytes arrive, each chunk taken from the allowance before it is read,
+        # so a peer that announces much and sends little holds little.
+        payload = bytearray(length if token is None else 0)
+        view = memoryview(payload) if token is None else None
+        received = 0
+        while received < length:
             arm()
-            want = min(length - len(payload), CHUNK_BYTES)
+            want = min(length - received, CHUNK_BYTES)
             if token is not None:
                 assert allowance is not None
                 allowance.take(token, want, deadline, uid)
                 arm()
-            data, ancdata, flags, _ = sock.recvmsg(want, socket.CMSG_SPACE(MAX_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC)
-            if token is not None and len(data) < want:  # give back what was taken for bytes that did not come
-                assert allowance is not None
-                allowance.give(token, want - len(data), uid)
+                data, ancdata, flags, _ = sock.recvmsg(
+                    want, socket.CMSG_SPACE(MAX_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
+                )
+                if len(data) < want:  # give back what was taken for bytes that did not come
+                    allowance.give(token, want - len(data), uid)
+                payload += data
+                count = len(data)
+            else:
+                assert view is not None
+                count, ancdata, flags, _ = sock.recvmsg_into(
+                    [view[received : received + want]], socket.CMSG_SPACE(MAX_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
+                )
             stray = _fds_from_ancillary(ancdata)
             if stray:
                 fds.extend(stray)
                 raise ProtocolError("fds arrived in the middle of a frame payload")
-            if not data:
-                raise ProtocolError(f"peer closed the connection after {len(payload)} of {length} payload bytes")
-            payload += data
+            if not count:
+                raise ProtocolError(f"peer closed the connection after {received} of {length} payload bytes")
+            received += count
+        if view is not None:
+            view.release()
         try:
             message = json.loads(payload)
         except (UnicodeDecodeError, ValueError) as exc:
