@@ -7,6 +7,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import stop_keeper
 from models import make_checkpoint
 from safetensors.torch import save_file
 
@@ -114,3 +115,43 @@ def test_a_pytorch_bin_checkpoint_is_named_with_how_to_convert_it(tmp_path: Path
     (ckpt / "config.json").unlink()
     with pytest.raises(wc.CheckpointError, match=r"holds no .safetensors files \(it is empty\)"):
         safetensors_files(ckpt)
+
+
+@pytest.mark.parametrize("part", ["header", "config", "index"])
+def test_deeply_nested_json_is_a_clear_error(tmp_path: Path, part: str) -> None:
+    """Issue 22, finding 5: a header, config.json or index nested 100,000 deep ends `weightcache load` with an
+    error naming the file, not a RecursionError traceback."""
+    import struct
+    import subprocess
+    import sys
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", shards=2 if part == "index" else 1)
+    deep = "[" * 100_000 + "]" * 100_000
+    if part == "header":
+        header = json.dumps({"__metadata__": {"x": "y"}}).encode()[:-1] + b',"deep":' + deep.encode() + b"}"
+        bad = ckpt / "model.safetensors"
+        bad.write_bytes(struct.pack("<Q", len(header)) + header)
+    elif part == "config":
+        bad = ckpt / "config.json"
+        bad.write_text(deep)
+    else:
+        bad = ckpt / "model.safetensors.index.json"
+        bad.write_text('{"weight_map": ' + deep + "}")
+    try:
+        out = subprocess.run(
+            [sys.executable, "-m", "weightcache", "load", str(ckpt), "--socket-dir", str(tmp_path / "s")],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+    finally:
+        stop_keeper(tmp_path / "s")  # the one `load` started
+    assert out.returncode == 1 and "Traceback" not in out.stderr, out.stderr
+    assert str(bad) in out.stderr and "not a valid" in out.stderr, out.stderr
+    with pytest.raises(wc.CheckpointError, match=bad.name):
+        if part == "header":
+            from weightcache.checkpoint import read_header
+
+            read_header(bad)
+        else:
+            wc.Fingerprint.create(ckpt)

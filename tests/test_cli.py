@@ -497,3 +497,15 @@ def test_load_takes_short_dtype_names_and_words_dtype_as_inspect_does(checkpoint
     wrong = wc_cli("load", str(checkpoint), "--dtype", "bf17", *sd, check=False)
     assert wrong.returncode == 1 and "'bfloat16' (or 'bf16'); found 'bf17'" in wrong.stderr
     wc_cli("stop", *sd)
+
+
+def test_a_closed_stdout_ends_quietly(socket_dir: Path, keeper: subprocess.Popen[bytes], checkpoint: Path) -> None:
+    """Issue 22, finding 5: `weightcache ls | head -0` (a reader that closes at once) prints no traceback."""
+    import hostile
+
+    with KeeperConnection.connect(socket_dir) as conn:
+        hostile.publish(conn, wc.Fingerprint.create(checkpoint).to_json(), 1)
+    for extra in ("", " --json"):
+        command = f"{sys.executable} -m weightcache ls --socket-dir {socket_dir}{extra} | head -0"
+        out = subprocess.run(["bash", "-o", "pipefail", "-c", command], capture_output=True, text=True, timeout=60)
+        assert out.stderr == "" and out.returncode in (0, 141), out

@@ -6,12 +6,14 @@ import json
 import os
 from pathlib import Path
 
+import attrs
 import pytest
 import torch
 from models import make_checkpoint
 
 import weightcache as wc
-from weightcache.fingerprint import canonical_json
+from weightcache.errors import ManifestError
+from weightcache.fingerprint import Fingerprint, canonical_json, format_differences
 
 
 def test_create_fills_identity_fields(checkpoint: Path) -> None:
@@ -116,8 +118,6 @@ def test_in_place_overwrite_of_data_bytes_changes_identity(tmp_path: Path) -> No
 
 def test_placement_is_not_identity(checkpoint: Path) -> None:
     fp = wc.Fingerprint.create(checkpoint)
-    import attrs
-
     moved = attrs.evolve(fp, placement="GPU-00000000-0000-0000-0000-000000000000")
     assert moved == fp and moved.digest == fp.digest
     assert moved.diff(fp) == []
@@ -214,3 +214,40 @@ def test_dtype_names_are_validated(checkpoint: Path) -> None:
     assert wc.Fingerprint.create(checkpoint, dtype="bf16").dtype == "bfloat16"  # a short name, the same dtype
     with pytest.raises(wc.InvalidArgument, match="bf17"):
         wc.Fingerprint.create(checkpoint, dtype="bf17")
+
+
+def test_the_owner_explains_any_miss_without_raising() -> None:
+    """Whatever a fingerprint from the keeper holds (an older keeper did not bound them), comparing it and
+    explaining the difference neither raises nor copies it whole into a warning."""
+    mine = Fingerprint.from_json(
+        {
+            "model_path": "/m",
+            "architecture": None,
+            "revision": None,
+            "checkpoint": [],
+            "parallel": [],
+            "quant": "none",
+            "quant_config_hash": None,
+            "dtype": None,
+            "transform": None,
+            "engine": "torch",
+            "engine_version": "2",
+            "device_kind": "cpu",
+            "compute_capability": None,
+            "torch_version": "2",
+            "format_version": 1,
+            "extra": '{"a":1}',
+            "placement": "cpu",
+        }
+    )
+    for extra in ("[" * 100_000 + "]" * 100_000, json.dumps({"a": "x" * (8 << 20)}), '"\\ud800"'):
+        theirs = attrs.evolve(mine, extra=extra)
+        diffs = mine.diff(theirs)
+        assert diffs
+        assert len(format_differences(diffs)) < 2000
+    with pytest.raises(ManifestError, match="nested 100000 levels deep"):
+        attrs.evolve(mine, extra="[" * 100_000 + "]" * 100_000).check_bounds()
+    with pytest.raises(ManifestError, match="'extra' holds"):
+        Fingerprint.from_json({**mine.to_json(), "extra": "x" * (8 << 20)})
+    with pytest.raises(ManifestError, match="'model_path' holds"):
+        Fingerprint.from_json({**mine.to_json(), "model_path": "/" * 5000})

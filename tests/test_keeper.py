@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import struct
 import subprocess
 import sys
 import tempfile
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -406,3 +408,81 @@ def test_spawning_in_own_shared_directory_keeps_it_shared(socket_dir: Path) -> N
     sock = os.stat(socket_dir / "keeper.sock")
     assert (sock.st_gid, stat.S_IMODE(sock.st_mode)) == (4242, 0o660)
     assert stat.S_IMODE(os.stat(socket_dir).st_mode) == 0o2750
+
+
+def test_an_idle_connection_without_a_lease_is_dropped(socket_dir: Path) -> None:
+    """Issue 22, finding 3: a connection that said hello and then sits holding no lease is dropped after
+    --idle-timeout; one that holds a lease stays (it is an engine's lease)."""
+    import hostile
+
+    proc = start_keeper(socket_dir, "--idle-timeout", "1")
+    try:
+        fingerprint = _fingerprint()
+        idle = KeeperConnection.connect(socket_dir)
+        leasing = KeeperConnection.connect(socket_dir)
+        hostile.publish(leasing, fingerprint, 1)
+        assert wait_until(idle.peer_closed, timeout=5)
+        assert not leasing.peer_closed()
+        assert len(leasing.list().entries) == 1
+        idle.close()
+        leasing.close()
+    finally:
+        proc.terminate()
+        proc.wait(10)
+
+
+def _fingerprint() -> dict:
+    from conftest import make_checkpoint
+
+    return wc.Fingerprint.create(make_checkpoint(tempfile.mkdtemp(prefix="wc-ckpt-"))).to_json()
+
+
+def test_a_peer_must_read_a_reply_before_its_next_request(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
+    """Issue 22, finding 3: requests sent without reading the replies (which would pile up replies, and the fds
+    they carry, in the keeper's socket) end the connection after the first reply."""
+    s = socket.socket(socket.AF_UNIX)
+    s.connect(str(socket_dir / "keeper.sock"))
+    hello = {"op": "hello", "protocol": 1}
+    s.sendall(frame(hello))
+    s.recv(65536)
+    s.sendall(frame({"op": "list"}) * 20)
+    time.sleep(1)  # read nothing meanwhile: the keeper finds the first reply unread when the second request comes
+    s.settimeout(10)
+    received = b""
+    with contextlib.suppress(ConnectionResetError):  # it closed with our requests unread: a reset
+        while chunk := s.recv(1 << 20):
+            received += chunk
+    s.close()
+    assert received.count(b'"ok":true') <= 1  # at most one reply, then the keeper closed the connection
+    assert alive(socket_dir)
+
+
+def test_list_replies_stay_bounded_however_large_the_entries(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
+    """Issue 22, finding 3: ``list`` answers in pages of at most 4 MiB of entries; Cache.entries(), ``ls`` and
+    ``ls --json`` still see every entry, and listing costs the keeper little memory."""
+    import hostile
+    from test_keeper_fuzz import keeper_status
+
+    fingerprint = _fingerprint()
+    with KeeperConnection.connect(socket_dir) as conn:
+        for i in range(40):  # 40 entries of ~250 KiB of fingerprint each: ~10 MiB in all
+            hostile.publish(conn, {**fingerprint, "extra": json.dumps({"i": i, "pad": "x" * 250_000})}, 1)
+        before = keeper_status(keeper.pid, "VmRSS")
+        sizes = []
+        for _ in range(4):
+            reply, _ = conn.request({"op": "list"})
+            sizes.append(len(json.dumps(reply)))
+            assert reply.get("next")
+        grown = keeper_status(keeper.pid, "VmRSS") - before
+    assert max(sizes) <= 4 * 2**20 + 64 * 1024, sizes  # messages.LIST_PAGE_BYTES and the rest
+    assert grown < 32 * 1024, f"the keeper grew by {grown} KiB"
+    assert len(wc.Cache(socket_dir).entries()) == 40
+    for extra in ([], ["--json"]):
+        out = subprocess.run(
+            [sys.executable, "-m", "weightcache", "ls", "--socket-dir", str(socket_dir), *extra],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+    assert len(json.loads(out.stdout)["entries"]) == 40

@@ -75,7 +75,7 @@ def test_publish_get_and_leases_released_on_disconnect(make: Any) -> None:
     assert reply == messages.PublishReply(digest, f"{digest}@cpu", True, ())
     [entry] = store.snapshot().entries
     assert entry.key == reply.key and entry.leases == 1 and entry.holders[0][0] == 111 and entry.bytes == 512
-    assert store.snapshot().leases == {1: (reply.key,)}
+    assert store.snapshot().leases == {1: ((reply.key,), 1)}
 
     found = store.get(2, 222, digest, "cpu")
     assert found is not None and found.key == reply.key
@@ -86,7 +86,7 @@ def test_publish_get_and_leases_released_on_disconnect(make: Any) -> None:
         b'{"ok":true,"found":true'
     )
     assert store.get(2, 222, digest, "GPU-elsewhere") is None
-    assert store.snapshot().leases == {1: (reply.key,), 2: (reply.key,)}
+    assert store.snapshot().leases == {1: ((reply.key,), 1), 2: ((reply.key,), 1)}
 
     store.release(1)
     [entry] = store.snapshot().entries
@@ -297,10 +297,28 @@ def test_segment_fds_held_are_capped(make: Any) -> None:
     manifest, fd = make("a")
     store.publish(1, 1, manifest, [fd])
     manifest, fd = make("b")
-    with pytest.raises(RequestError, match="holds 1 segment fds of its limit of 1") as info:
+    with pytest.raises(RequestError, match=r"the owner holds 1 of its share of 1 \(all uids: 1 of 1\)") as info:
         store.publish(1, 1, manifest, [fd])
     assert info.value.code == messages.OVER_BUDGET and not is_open(fd)
     store.evict("*", every=True, force=True)
     manifest, fd = make("b")
     assert store.publish(1, 1, manifest, [fd]).created  # evicting gave the fd back
+    store.close()
+
+
+def test_a_members_segment_fds_are_capped_to_its_share(make: Any) -> None:
+    """Issue 22, finding 3: another uid's entries hold at most its share of the segment fds, so the owner can
+    still publish when a member has published all it may."""
+    store = Store(max_fds=1000, owner=0)  # a member's share: 250 (a quarter, at least one frame's 250 fds)
+    member = 65534
+    for i in range(250):
+        manifest, fd = make(f"m{i}")
+        store.publish(1, 1, manifest, [fd], uid=member)
+    manifest, fd = make("one-more")
+    with pytest.raises(RequestError, match="uid 65534 holds 250 of its share of 250") as info:
+        store.publish(1, 1, manifest, [fd], uid=member)
+    assert info.value.code == messages.OVER_BUDGET and not is_open(fd)
+    manifest, fd = make("owners")
+    assert store.publish(2, 2, manifest, [fd], uid=0).created
+    assert store.fds_held(member) == 250 and store.fds_held(0) == 1
     store.close()

@@ -10,16 +10,21 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from pathlib import Path
 
+import hostile
 import pytest
+import torch
 from conftest import start_keeper, wait_until
 from models import meta_model
 from safetensors.torch import load_file
 
 import weightcache as wc
+from weightcache import protocol
+from weightcache.client import KeeperConnection
 from weightcache.fingerprint import Fingerprint
 
 pytestmark = pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second uid")
@@ -30,9 +35,12 @@ MEMBER_UID, GROUP = 65534, 4242
 #: files may not be readable by that user.
 MEMBER = r"""
 import json, os, sys, secrets
+import attrs
 import torch
 import weightcache as wc
 import weightcache.cache, weightcache.publish, weightcache.digests, weightcache.views, weightcache.segments.memfd
+from weightcache import protocol
+from weightcache.client import KeeperConnection
 from weightcache.fingerprint import Fingerprint
 socket_dir, fingerprint, action = sys.argv[1], Fingerprint.from_json(json.loads(sys.argv[2])), sys.argv[3]
 shapes = json.loads(sys.argv[4])
@@ -44,10 +52,17 @@ try:
         handle = cache.put(fingerprint, state)
         print(json.dumps({"key": [e.key for e in cache.entries() if e.publisher == 65534][0]}))
         handle.close()
-    elif action == "hold":  # attach, and keep the entry (re-publishing it to a restarted keeper)
+    elif action in ("publish-deep", "publish-big-extra"):  # the owner's model, with an extra of the member's making
+        extra = "[" * 100_000 + "]" * 100_000 if action == "publish-deep" else json.dumps({"x": "a" * (8 << 20)})
+        forged = attrs.evolve(fingerprint, extra=extra)  # past the client's own checks: the keeper must refuse it
+        cache.put(forged, {name: torch.full(shape, 7.0) for name, shape in shapes.items()}).close()
+        print(json.dumps({"published": True}))
+    elif action == "hold":  # attach the owner's entry and publish one of its own; keep both across a restart
         cache.respawn = True
         handle = cache.get(fingerprint)
-        print(json.dumps({"publisher": handle.publisher}), flush=True)
+        own = Fingerprint.from_json({**fingerprint.to_json(), "dtype": "float16"})
+        mine = cache.put(own, {name: torch.full(shape, 7.0) for name, shape in shapes.items()})
+        print(json.dumps({"publisher": handle.publisher, "own": mine.publisher}), flush=True)
         sys.stdin.read()
     elif action == "get":
         handle = cache.get(fingerprint)
@@ -56,6 +71,9 @@ try:
 except wc.WeightCacheError as exc:
     print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
 """
+
+
+HOSTILE = str(Path(__file__).parent / "hostile.py")
 
 
 def shapes(checkpoint: Path) -> str:
@@ -156,8 +174,8 @@ def test_a_members_publish_never_evicts_the_owners_entries(checkpoint: Path, sha
 
 
 def test_republication_after_a_restart_follows_the_same_rules(checkpoint: Path, shared_dir: Path) -> None:
-    """A member that held the owner's entry re-publishes it to a restarted keeper under its own uid: the
-    owner's engines then load from disk and publish their own instead of trusting the member's copy."""
+    """A member that held the owner's entry does not re-publish it to a restarted keeper (only what it published
+    itself, recorded as its own): the owner's engines then load from disk and publish their own."""
     keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
     holder = None
     try:
@@ -181,13 +199,15 @@ def test_republication_after_a_restart_follows_the_same_rules(checkpoint: Path, 
             assert holder.stdout is not None
             line = holder.stdout.readline()
             assert line, holder.stderr.read() if holder.stderr else ""
-            assert json.loads(line) == {"publisher": 0}
+            assert json.loads(line) == {"publisher": 0, "own": MEMBER_UID}
         keeper.kill()
         keeper.wait(10)
         keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
         cache = wc.Cache(shared_dir)
+        # The member's own entry comes back (its holder re-publishes it); the owner's, which it also held, does not.
         assert wait_until(lambda: len(cache.entries()) == 1, timeout=20)
-        assert cache.entries()[0].publisher == MEMBER_UID
+        [entry] = cache.entries()
+        assert entry.publisher == MEMBER_UID and entry.fingerprint.dtype == "float16"
         assert cache.get(fingerprint) is None
         with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=shared_dir) as handle:
             assert handle.read_disk and handle.publisher == 0
@@ -196,5 +216,148 @@ def test_republication_after_a_restart_follows_the_same_rules(checkpoint: Path, 
         if holder is not None:
             holder.kill()
             holder.wait(10)
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_republication_never_changes_who_published(checkpoint: Path, shared_dir: Path) -> None:
+    """Finding 1 of issue 22 (trust laundering): an owner engine that trusts a member attaches the member's forged
+    entry; after a keeper restart it must not re-publish those bytes under the owner's uid, so a default-trust
+    owner engine loads from disk instead of attaching them."""
+    keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
+    trusted = own = None
+    try:
+        fingerprint = owner_fingerprint(checkpoint, shared_dir)
+        assert "key" in as_member(shared_dir, fingerprint, "publish-forged", checkpoint)
+        trusting = wc.Cache(shared_dir, trusted_publishers=[MEMBER_UID])
+        trusted = trusting.get(fingerprint)
+        assert trusted is not None and trusted.publisher == MEMBER_UID
+        # An entry the owner published itself, held as well: it must come back, and shows when re-publication ran.
+        other = Fingerprint.from_json({**fingerprint.to_json(), "dtype": "float16"})
+        own = wc.Cache(shared_dir).put(other, {"w": torch.ones(4)})
+        keeper.kill()
+        keeper.wait(10)
+        keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
+        cache = wc.Cache(shared_dir)
+        assert wait_until(lambda: any(e.digest == other.digest for e in cache.entries()), timeout=20)
+        assert [e.publisher for e in cache.entries()] == [0]  # only the owner's own entry is back
+        assert not trusted.leased  # mapped still, but not re-published
+        assert bool((trusted.tensors["embed.weight"] == 7.0).all())
+        model = meta_model()
+        with pytest.warns(wc.FallbackWarning, match="loading from disk"):
+            handle = wc.attach(model, checkpoint, mode="client", socket_dir=shared_dir)
+        assert handle.source == "disk" and not bool((model.embed.weight == 7.0).all())
+    finally:
+        for h in (trusted, own):
+            if h is not None:
+                h.close()
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_a_members_entry_cannot_crash_or_flood_the_owners_engine(checkpoint: Path, shared_dir: Path) -> None:
+    """Finding 2 of issue 22: a fingerprint ``extra`` nested 100,000 deep, or of 8 MiB, is refused at publish
+    with a clear error; the owner's engine falls back to disk with a short warning instead of raising."""
+    keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
+    try:
+        fingerprint = owner_fingerprint(checkpoint, shared_dir)
+        deep = as_member(shared_dir, fingerprint, "publish-deep", checkpoint)
+        assert deep.get("error") == "KeeperError" and "nested" in deep["message"], deep
+        big = as_member(shared_dir, fingerprint, "publish-big-extra", checkpoint)
+        assert big.get("error") == "KeeperError" and "extra" in big["message"], big
+        assert len(deep["message"]) < 2000 and len(big["message"]) < 2000
+        assert wc.Cache(shared_dir).entries() == []
+        model = meta_model()
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            handle = wc.attach(model, checkpoint, mode="client", socket_dir=shared_dir)
+        assert handle.source == "disk"
+        [warning] = [w for w in caught if issubclass(w.category, wc.FallbackWarning)]
+        assert len(str(warning.message)) < 2000
+    finally:
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_one_member_cannot_starve_the_owner(checkpoint: Path, shared_dir: Path) -> None:
+    """Finding 3 of issue 22: a member takes all it can of every keeper-wide resource (connections, segment fds,
+    bytes of publish frames in flight, fds and bytes of replies it never reads); the owner's CLI and engines keep
+    working, and the member got only its share of each."""
+    keeper = start_keeper(shared_dir, "--allow-group", str(GROUP), "--max-connections", "64", nofile=4096)
+    member = None
+    try:
+        fingerprint = wc.Fingerprint.create(checkpoint).to_json()
+        owner = KeeperConnection.connect(shared_dir)
+        # An entry whose get reply (100 fds, a manifest of 1 MB) does not fit a socket buffer: unread, it blocks.
+        big = hostile.publish(owner, {**fingerprint, "extra": "big"}, 100, tensors=1000, name_chars=1000)
+        digest = big.partition("@")[0]
+        member = subprocess.Popen(
+            [sys.executable, HOSTILE, "starve", str(shared_dir), digest, json.dumps(fingerprint)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert member.stdout is not None
+        line = member.stdout.readline()
+        assert line, member.stderr.read() if member.stderr else ""
+        got = json.loads(line)
+
+        start = time.monotonic()
+        ls = subprocess.run(
+            [sys.executable, "-m", "weightcache", "ls", "--socket-dir", str(shared_dir)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert ls.returncode == 0, ls.stderr
+        assert len(wc.Cache(shared_dir).entries()) >= 2
+        with KeeperConnection.connect(shared_dir) as conn:
+            reply, fds = conn.get(digest, "cpu")
+            assert reply.found and len(fds) == 100
+            protocol.close_fds(fds)
+            # A publish frame over 64 KiB, while the member's frames stall; and 100 more segment fds.
+            assert hostile.publish(conn, {**fingerprint, "extra": "wide"}, 1, tensors=200, name_chars=500)
+            assert hostile.publish(conn, {**fingerprint, "extra": "many"}, 100)
+        assert time.monotonic() - start < 30  # no stall behind the member's frames (the client waits 40 s)
+
+        # The member got its share of each (a quarter), no more: entries of 200 segments (512 of 2048 fds),
+        # connections (16 of 64), replies' fds (250 of 448, so two gets of 100 fds each).
+        assert got["entries"] == 2 and got["entries_refused"] == 8, got
+        assert got["stalled"] == 2 and got["gets"] + got["idle"] == 13 and got["idle_refused"] > 0, got
+        owner.close()
+    finally:
+        if member is not None:
+            member.kill()
+            member.wait(10)
+        keeper.terminate()
+        keeper.wait(10)
+
+
+def test_the_cli_escapes_what_a_member_published(checkpoint: Path, shared_dir: Path) -> None:
+    """Finding 4 of issue 22: ``ls`` and ``inspect --tensors`` print a member's architecture, parallel axis and
+    tensor names with ESC, BEL, CR, C1, bidi controls and a lone surrogate escaped, and do not crash."""
+    keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
+    try:
+        fingerprint = wc.Fingerprint.create(checkpoint).to_json()
+        out = subprocess.run(
+            [sys.executable, HOSTILE, "evil", str(shared_dir), json.dumps(fingerprint)],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        key = json.loads(out.stdout)["key"]
+        for command in (["ls"], ["inspect", key, "--tensors"]):
+            shown = subprocess.run(
+                [sys.executable, "-m", "weightcache", *command, "--socket-dir", str(shared_dir)],
+                capture_output=True,
+                timeout=60,
+            )
+            assert shown.returncode == 0, shown.stderr.decode()
+            text = shown.stdout.decode()  # valid UTF-8: no lone surrogate got through
+            assert "Evil" in text and "\\x1b]0;owned\\x07\\x0d\\x9b2J\\u202e\\ud800" in text, text
+            assert not any(c in text for c in "\x1b\x07\r\x9b\u202e"), text
+    finally:
         keeper.terminate()
         keeper.wait(10)

@@ -157,7 +157,7 @@ class Cache:
         publisher: int | None,
     ) -> Handle:
         """The Handle of an entry this process now maps: it owns the lease connection and the fds."""
-        lease = Lease(conn, fds, manifest, respawn=self.respawn)
+        lease = Lease(conn, fds, manifest, respawn=self.respawn, publisher=publisher)
         return Handle(
             source="cache",
             fingerprint=manifest.fingerprint,

@@ -15,6 +15,7 @@ import json
 import os
 import struct
 from pathlib import Path
+from typing import Any
 
 import attrs
 
@@ -69,8 +70,10 @@ def safetensors_files(checkpoint: str | os.PathLike[str]) -> list[Path]:
     index = _index_file(path)
     if index is not None:
         try:
-            weight_map = json.loads(index.read_text())["weight_map"]
+            weight_map = _parse_json(index.read_bytes(), index)["weight_map"]
             names = sorted(set(weight_map.values()))
+        except CheckpointError:
+            raise
         except (OSError, ValueError, KeyError, TypeError, AttributeError) as exc:
             raise CheckpointError(
                 f"index {index} is not a valid safetensors index (expected a JSON object with a "
@@ -116,12 +119,9 @@ def read_header(file: Path) -> tuple[bytes, dict[str, object]]:
     raw = _raw_header(file)
     size = os.stat(file).st_size
     length = len(raw)
-    try:
-        header = json.loads(raw)
-        if not isinstance(header, dict):
-            raise ValueError("header is not a JSON object")
-    except ValueError as exc:
-        raise CheckpointError(f"{file} has a corrupt safetensors header: {exc}") from exc
+    header = _parse_json(raw, file, "safetensors header")
+    if not isinstance(header, dict):
+        raise CheckpointError(f"{file} has a corrupt safetensors header: it is not a JSON object")
     data_bytes = size - 8 - length
     for name, info in header.items():
         if name == "__metadata__":
@@ -185,10 +185,25 @@ def read_model_config(checkpoint: str | os.PathLike[str]) -> dict[str, object]:
     if not config.is_file():
         return {}
     try:
-        data = json.loads(config.read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{config} is not valid JSON: {exc}") from exc
+        text = config.read_bytes()
+    except OSError as exc:
+        raise CheckpointError(f"cannot read {config}: {exc}") from exc
+    data = _parse_json(text, config)
     return data if isinstance(data, dict) else {}
+
+
+def _parse_json(data: bytes, file: Path, what: str = "JSON file") -> Any:
+    """``data`` (read from ``file``) parsed as JSON; anything malformed, nested too deeply for the parser (a
+    RecursionError) or too large for memory is a :class:`CheckpointError` naming the file, never another
+    exception."""
+    try:
+        return json.loads(data)
+    except (ValueError, RecursionError, MemoryError) as exc:  # UnicodeDecodeError is a ValueError
+        detail = "nested too deeply" if isinstance(exc, RecursionError) else str(exc) or type(exc).__name__
+        raise CheckpointError(
+            f"{file} is not a valid {what} ({detail[:200]}); the checkpoint is corrupt or not a Hugging Face "
+            "safetensors checkpoint: re-download or re-save it"
+        ) from None
 
 
 def drop_page_cache(checkpoint: str | os.PathLike[str], *, system: bool = False) -> str:

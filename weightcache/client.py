@@ -63,14 +63,21 @@ SPAWN_TIMEOUT_S = 30.0
 CONNECT_TIMEOUT_S = 10.0
 #: Seconds the keeper has to answer a request (hello, get, list, inspect, evict, stop) once it was sent.
 REPLY_TIMEOUT_S = 10.0
+#: Most pages :meth:`KeeperConnection.list` asks for (each at most 4 MiB of entries).
+MAX_LIST_PAGES = 100_000
 #: A publish gets :data:`REPLY_TIMEOUT_S` plus this many seconds per GiB of its segments (the keeper checks each
-#: segment's kind, size and seals; it copies nothing).
+#: segment's kind, size and seals; it copies nothing), plus the keeper's own longest wait (see below).
 PUBLISH_S_PER_GIB = 0.25
 
 
 def publish_timeout(nbytes: int) -> float:
-    """Seconds the keeper has to answer a publish of ``nbytes`` of segments."""
-    return REPLY_TIMEOUT_S + PUBLISH_S_PER_GIB * nbytes / 2**30
+    """Seconds the keeper has to answer a publish of ``nbytes`` of segments.
+
+    A keeper reads a large publish frame only as its allowance of bytes in flight has room, and waits for that
+    room at most :data:`~weightcache.protocol.FRAME_TIMEOUT_S` before it answers ``busy``: the client waits
+    longer than that, so an honest publish slowed by others' is answered (done, or ``busy``), never cut off.
+    """
+    return protocol.FRAME_TIMEOUT_S + REPLY_TIMEOUT_S + PUBLISH_S_PER_GIB * nbytes / 2**30
 
 
 def _silent(op: str, waited: float, path: Path | str) -> KeeperNotResponding:
@@ -193,9 +200,13 @@ class KeeperConnection:
         and KeeperUnavailable when the connection breaks.
         """
         try:
+            self._sock.settimeout(timeout)  # sending waits too, while the keeper reads slowly (a publish it paces)
             protocol.send_frame(self._sock, message, fds)
             reply, out = protocol.recv_frame(self._sock, idle_timeout=timeout)
         except protocol.NoFrame:
+            self.close()
+            raise _silent(str(message.get("op")), timeout, socket_path(self.socket_dir)) from None
+        except TimeoutError:
             self.close()
             raise _silent(str(message.get("op")), timeout, socket_path(self.socket_dir)) from None
         except protocol.PeerClosed as exc:
@@ -271,8 +282,23 @@ class KeeperConnection:
         return StopReply.from_json(self._ask(StopRequest().to_json()))
 
     def list(self) -> ListReply:
-        """What the keeper holds: itself, its entries (with their holders), its connections."""
-        return ListReply.from_json(self._ask(ListRequest().to_json()))
+        """What the keeper holds: itself, its entries (with their holders), its connections.
+
+        The keeper answers in pages of at most :data:`~weightcache.messages.LIST_PAGE_BYTES` of entries; this
+        asks for every page and returns them as one reply.
+        """
+        first = ListReply.from_json(self._ask(ListRequest().to_json()))
+        entries = list(first.entries)
+        page = first
+        for _ in range(MAX_LIST_PAGES):
+            if page.next is None:
+                return first._replace(entries=tuple(entries), next=None)
+            after = page.next
+            page = ListReply.from_json(self._ask(ListRequest(after).to_json()))
+            if page.next is not None and page.next <= after:
+                raise KeeperError(f"the keeper's list pages do not advance (after {after!r:.80}); restart it", "list")
+            entries.extend(page.entries)
+        raise KeeperError(f"the keeper's list has more than {MAX_LIST_PAGES} pages; evict entries", "list")
 
     def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
         reply, fds = self.request(message)
@@ -298,14 +324,15 @@ class KeeperConnection:
 
         The keeper never speaks first, so an idle connection that turns readable was closed by the keeper.
         """
+        # poll, not a non-blocking recv: a socket with a timeout set waits for that timeout even then
+        poller = select.poll()
         try:
-            self._sock.recv(1, socket.MSG_PEEK | socket.MSG_DONTWAIT)
-        except (BlockingIOError, InterruptedError):
-            return False
-        except OSError:
+            poller.register(self._sock.fileno(), select.POLLIN)
+        except ValueError:  # closed here
             return True
-        # EOF, or bytes that the keeper never sends unasked: either way this connection is no lease any more.
-        return True
+        # Readable: EOF, or bytes that the keeper never sends unasked: either way this connection is no lease any
+        # more.
+        return bool(poller.poll(0))
 
     def close(self) -> None:
         with contextlib.suppress(OSError):

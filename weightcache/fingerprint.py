@@ -16,6 +16,7 @@ import hashlib
 import inspect
 import json
 import os
+import re
 import sys
 import types
 from collections.abc import Callable, Mapping
@@ -31,6 +32,23 @@ from .errors import InvalidArgument, ManifestError
 
 #: Bumped whenever the layout of cached data or the meaning of a field changes: old entries stop matching.
 FORMAT_VERSION = 1
+
+# Bounds on what a fingerprint read off the wire may hold. Another user of a shared keeper writes the fingerprints
+# of its entries, and they reach every client that lists them or explains a miss with them: each field is
+# bounded here (the keeper refuses a publish beyond them), so no fingerprint can flood or crash its reader.
+#: Longest string field (paths, names, versions, hashes, file names), in characters; not ``extra``.
+MAX_FIELD_CHARS = 4096
+#: Longest ``extra``, in characters (an engine's whole model config fits many times over).
+MAX_EXTRA_CHARS = 256 * 1024
+#: Deepest nesting of the JSON in ``extra`` (model configs nest a few levels).
+MAX_EXTRA_DEPTH = 64
+#: Most checkpoint files, and most parallel axes, a fingerprint may name.
+MAX_CHECKPOINT_FILES = 16384
+MAX_PARALLEL_AXES = 16
+#: Largest fingerprint, as canonical JSON (what a ``list`` reply carries per entry), in bytes.
+MAX_FINGERPRINT_BYTES = 1024 * 1024
+#: How much of one value :func:`format_differences` shows, in characters.
+MAX_SHOWN_CHARS = 120
 
 ParallelLayout = tuple[tuple[str, int, int], ...]
 
@@ -322,6 +340,12 @@ class Fingerprint:
         """Parse :meth:`to_json` output, checking every field's type (the data may come from a socket)."""
         if not isinstance(data, dict):
             raise ManifestError(f"fingerprint must be a JSON object; found {type(data).__name__}")
+        files_json, parallel_json = _typed(data, "checkpoint", list), _typed(data, "parallel", list)
+        if len(files_json) > MAX_CHECKPOINT_FILES or len(parallel_json) > MAX_PARALLEL_AXES:
+            raise ManifestError(
+                f"fingerprint names {len(files_json)} checkpoint files and {len(parallel_json)} parallel axes; at "
+                f"most {MAX_CHECKPOINT_FILES} and {MAX_PARALLEL_AXES} are allowed"
+            )
         try:
             files = tuple(
                 CheckpointFile(
@@ -332,12 +356,12 @@ class Fingerprint:
                     inode=_typed(c, "inode", int),
                     header_sha256=_typed(c, "header_sha256", str),
                 )
-                for c in _typed(data, "checkpoint", list)
+                for c in files_json
             )
             parallel = []
-            for p in _typed(data, "parallel", list):
-                if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], str)):
-                    raise ManifestError(f"fingerprint parallel entry must be [axis, rank, size]; found {p!r}")
+            for p in parallel_json:
+                if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and len(p[0]) <= 64):
+                    raise ManifestError(f"fingerprint parallel entry must be [axis, rank, size]; found {p!r:.100}")
                 parallel.append((p[0], _int(p[1]), _int(p[2])))
             fp = cls(
                 model_path=_typed(data, "model_path", str),
@@ -355,7 +379,7 @@ class Fingerprint:
                 compute_capability=_typed(data, "compute_capability", str, optional=True),
                 torch_version=_typed(data, "torch_version", str),
                 format_version=_typed(data, "format_version", int),
-                extra=_typed(data, "extra", str),
+                extra=_typed(data, "extra", str, limit=MAX_EXTRA_CHARS),
                 placement=_typed(data, "placement", str),
             )
         except AttributeError as exc:  # a checkpoint entry that is not an object
@@ -379,8 +403,10 @@ class Fingerprint:
             mine, theirs = getattr(self, f.name), getattr(other, f.name)
             if mine != theirs and f.name == "extra":
                 try:
+                    if json_depth(mine) > MAX_EXTRA_DEPTH or json_depth(theirs) > MAX_EXTRA_DEPTH:
+                        raise ValueError("nested too deeply")  # json.loads would raise RecursionError
                     _diff_json("extra", json.loads(mine), json.loads(theirs), out)
-                except ValueError:  # a peer's extra that is no JSON: named whole
+                except ValueError:  # a peer's extra that is no JSON, or too deep: named whole
                     out.append((f.name, mine, theirs))
             elif mine != theirs:
                 out.append((f.name, mine, theirs))
@@ -396,6 +422,26 @@ class Fingerprint:
                 if va != vb:
                     out.append((f"checkpoint[{name}].{field.name}", va, vb))
         return out
+
+    def check_bounds(self) -> None:
+        """Raise :class:`ManifestError` unless ``extra`` is JSON nested at most :data:`MAX_EXTRA_DEPTH` deep and the
+        whole fingerprint encodes to at most :data:`MAX_FINGERPRINT_BYTES`.
+
+        :meth:`from_json` bounds every field's size; this is the rest of what the keeper checks before it stores a
+        fingerprint that other users' engines will read (they parse ``extra`` to explain a miss).
+        """
+        depth = json_depth(self.extra)
+        if depth > MAX_EXTRA_DEPTH:
+            raise ManifestError(
+                f"fingerprint field 'extra' is JSON nested {depth} levels deep; at most {MAX_EXTRA_DEPTH} are "
+                "allowed (model configs nest a few levels)"
+            )
+        size = len(self.canonical_json())
+        if size > MAX_FINGERPRINT_BYTES:
+            raise ManifestError(
+                f"the fingerprint encodes to {size} bytes; at most {MAX_FINGERPRINT_BYTES} are allowed (a fingerprint "
+                "names a model, it does not carry data)"
+            )
 
     def describe(self) -> str:
         """One line for humans: model, dtype, quant, layout and placement."""
@@ -416,22 +462,43 @@ def _diff_json(path: str, mine: object, theirs: object, out: list[tuple[str, obj
         out.append((path, mine, theirs))
 
 
-def format_differences(diffs: list[tuple[str, object, object]], limit: int = 6, width: int = 72) -> str:
-    """``dtype: requested bfloat16, cached float16; ...`` for a warning or error message: one line, at most
-    ``limit`` fields, each value cut to ``width`` characters (a SHA-256 stays whole; a configuration dict would
-    fill a screen; :meth:`Fingerprint.diff` has them whole)."""
+def json_depth(text: str) -> int:
+    """How deeply the JSON in ``text`` nests arrays and objects, found without parsing it (so without the
+    recursion that parsing something nested 100,000 deep would take); brackets inside strings do not count."""
+    depth = deepest = 0
+    for token in _JSON_TOKENS.finditer(text):
+        bracket = token.group()
+        if bracket in "[{":
+            depth += 1
+            deepest = max(deepest, depth)
+        elif bracket in "]}":
+            depth -= 1
+    return deepest
 
-    def short(value: object) -> str:
-        text = repr(value).replace("\n", " ")
-        return text if len(text) <= width else text[: width - 3] + "..."
 
-    parts = [f"{name}: requested {short(a)}, cached {short(b)}" for name, a, b in diffs[:limit]]
+#: A JSON string (skipped whole) or one bracket.
+_JSON_TOKENS = re.compile(r'"(?:[^"\\]|\\.)*"|[\[\]{}]')
+
+
+def _shown(value: object) -> str:
+    """``repr(value)``, cut to :data:`MAX_SHOWN_CHARS` characters: a value in a message is a hint, not data."""
+    if isinstance(value, str) and len(value) > MAX_SHOWN_CHARS:
+        return f"{value[:MAX_SHOWN_CHARS]!r}... ({len(value)} characters)"
+    text = repr(value)
+    return text if len(text) <= MAX_SHOWN_CHARS else f"{text[:MAX_SHOWN_CHARS]}... ({len(text)} characters)"
+
+
+def format_differences(diffs: list[tuple[str, object, object]], limit: int = 6) -> str:
+    """``dtype: requested 'bfloat16', cached 'float16'; ...`` for a warning or error message: at most ``limit``
+    differences, each name and value cut to :data:`MAX_SHOWN_CHARS` characters (a cached fingerprint may come
+    from another user)."""
+    parts = [f"{name[:MAX_SHOWN_CHARS]}: requested {_shown(a)}, cached {_shown(b)}" for name, a, b in diffs[:limit]]
     if len(diffs) > limit:
         parts.append(f"and {len(diffs) - limit} more")
     return "; ".join(parts)
 
 
-def _typed(data: object, key: str, kind: type, optional: bool = False) -> Any:
+def _typed(data: object, key: str, kind: type, optional: bool = False, limit: int = MAX_FIELD_CHARS) -> Any:
     if not isinstance(data, dict):
         raise ManifestError(f"expected a JSON object holding {key!r}; found {type(data).__name__}")
     if key not in data:
@@ -443,6 +510,11 @@ def _typed(data: object, key: str, kind: type, optional: bool = False) -> Any:
         return _int(value, key)
     if not isinstance(value, kind):
         raise ManifestError(f"fingerprint field {key!r} must be {kind.__name__}; found {type(value).__name__}")
+    if isinstance(value, str) and len(value) > limit:
+        raise ManifestError(
+            f"fingerprint field {key!r} holds {len(value)} characters; at most {limit} are allowed (a fingerprint "
+            "names a model, it does not carry data)"
+        )
     return value
 
 
@@ -453,7 +525,7 @@ def is_int(value: object) -> bool:
 
 def _int(value: object, key: str = "value") -> int:
     if not is_int(value):
-        raise ManifestError(f"fingerprint field {key!r} must be an integer; found {value!r}")
+        raise ManifestError(f"fingerprint field {key!r} must be an integer; found {value!r:.100}")
     assert isinstance(value, int)
     return value
 
@@ -464,6 +536,7 @@ __all__ = [
     "canonical_json",
     "config_hash",
     "format_differences",
+    "json_depth",
     "torch_version",
     "transform_identity",
 ]

@@ -24,10 +24,15 @@ class Lease:
         fds: the entry's segment fds, in manifest order (owned by the lease from here).
         manifest: the entry's manifest (what a re-publication sends).
         respawn: whether a keeper may be spawned to re-publish to after a crash (mode daemon).
+        publisher: the uid that published the entry, as the keeper reported it (None: not known). Only an entry
+            this process's own uid published is ever re-published (see :attr:`republishable`).
     """
 
-    def __init__(self, connection: KeeperConnection, fds: list[int], manifest: Manifest, *, respawn: bool) -> None:
+    def __init__(
+        self, connection: KeeperConnection, fds: list[int], manifest: Manifest, *, respawn: bool, publisher: int | None
+    ) -> None:
         self.manifest = manifest
+        self.publisher = publisher
         self.socket_dir: Path = connection.socket_dir
         #: Whether the socket directory was named by the caller (a shared directory is trusted only then).
         self.explicit = connection.explicit
@@ -40,6 +45,16 @@ class Lease:
     @property
     def digest(self) -> str:
         return self.manifest.fingerprint.digest
+
+    @property
+    def republishable(self) -> bool:
+        """Whether this process may re-publish the entry to a new keeper: only if its own uid published it.
+
+        A keeper records the uid of whoever publishes, so re-publishing another user's entry (one this process
+        attached because it trusted that user) would record that user's bytes as ours, and every engine that
+        trusts only us would then attach them: re-publication must never change who published.
+        """
+        return self.publisher == os.getuid()
 
     @property
     def held(self) -> bool:

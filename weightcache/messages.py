@@ -341,19 +341,34 @@ class EntryInfo:
         )
 
 
+#: Most entry keys a ``list`` names per client connection (``leases`` counts them all).
+MAX_CLIENT_KEYS = 16
+
+
 class ClientInfo(NamedTuple):
-    """One open connection: the client's pid (SO_PEERCRED), when it connected, the entry keys it leases."""
+    """One open connection: the client's pid (SO_PEERCRED), when it connected, the keys of (at most
+    :data:`MAX_CLIENT_KEYS` of) the entries it leases, and how many it leases."""
 
     pid: int
     since: float
     entries: tuple[str, ...]
+    #: How many entries it leases (None: as many as ``entries`` names).
+    leases: int | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"pid": self.pid, "since": self.since, "entries": list(self.entries)}
+        leases = len(self.entries) if self.leases is None else self.leases
+        return {"pid": self.pid, "since": self.since, "entries": list(self.entries), "leases": leases}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ClientInfo:
-        return cls(pid=field(data, "pid", int), since=_float(data, "since"), entries=_strings(data, "entries"))
+        entries = _strings(data, "entries")
+        leases = field(data, "leases", int, optional=True)
+        return cls(
+            pid=field(data, "pid", int),
+            since=_float(data, "since"),
+            entries=entries,
+            leases=len(entries) if leases is None else leases,
+        )
 
 
 class KeeperInfo(NamedTuple):
@@ -402,27 +417,51 @@ class KeeperInfo(NamedTuple):
         )
 
 
+#: Bytes of entries one ``list`` reply carries at most (at least one entry, whatever its size): the rest
+#: follows in further pages (``after``).
+LIST_PAGE_BYTES = 4 * 1024 * 1024
+
+
 class ListRequest(NamedTuple):
+    """One page of the keeper's entries, in key order: the first (``after`` None), or those after key ``after``
+    (the previous reply's ``next``). Only the first page lists the client connections."""
+
+    after: str | None = None
+
     def to_json(self) -> dict[str, Any]:
-        return {"op": LIST}
+        return {"op": LIST} if self.after is None else {"op": LIST, "after": self.after}
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ListRequest:
-        return cls()
+        return cls(after=field(data, "after", str, optional=True))
 
 
 class ListReply(NamedTuple):
+    """One page of ``list``: ``next`` is the key to ask ``after`` for the next page; None on the last."""
+
     keeper: KeeperInfo
     entries: tuple[EntryInfo, ...]
     clients: tuple[ClientInfo, ...]
+    next: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {
+        out = {
             "ok": True,
             "keeper": self.keeper.to_json(),
             "entries": [e.to_json() for e in self.entries],
             "clients": [c.to_json() for c in self.clients],
         }
+        if self.next is not None:
+            out["next"] = self.next
+        return out
+
+    @staticmethod
+    def encode(keeper: KeeperInfo, entries: list[str], clients: tuple[ClientInfo, ...], next: str | None) -> bytes:
+        """The payload of a reply whose entries are already encoded (the keeper encodes them one at a time, to
+        stop at :data:`LIST_PAGE_BYTES`)."""
+        head = json.dumps({"ok": True, "keeper": keeper.to_json(), "clients": [c.to_json() for c in clients]})
+        tail = "" if next is None else f',"next":{json.dumps(next)}'
+        return f'{head[:-1]},"entries":[{",".join(entries)}]{tail}}}'.encode()
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ListReply:
@@ -431,6 +470,7 @@ class ListReply(NamedTuple):
             keeper=KeeperInfo.from_json(field(data, "keeper", dict)),
             entries=tuple(EntryInfo.from_json(_object(e, "entries")) for e in field(data, "entries", list)),
             clients=tuple(ClientInfo.from_json(_object(c, "clients")) for c in field(data, "clients", list)),
+            next=field(data, "next", str, optional=True),
         )
 
 
@@ -531,6 +571,10 @@ class StopReply(NamedTuple):
 # --- errors ------------------------------------------------------------------------------------------------------
 
 
+#: Longest error message a client takes from a reply, in characters (the rest is cut).
+MAX_ERROR_CHARS = 2000
+
+
 class ErrorReply(NamedTuple):
     """A failed request: ``error`` is one of :data:`ERROR_CODES`; ``message`` says what to do."""
 
@@ -544,7 +588,10 @@ class ErrorReply(NamedTuple):
     def from_json(cls, data: dict[str, Any]) -> ErrorReply:
         if data.get("ok") is not False:
             raise ProtocolError(f'expected a failed reply ("ok": false); found {data!r:.200}')
-        return cls(error=str(data.get("error")), message=str(data.get("message", "keeper refused the request")))
+        message = str(data.get("message", "keeper refused the request"))
+        if len(message) > MAX_ERROR_CHARS:  # it may quote what another user published: a hint, not data
+            message = f"{message[:MAX_ERROR_CHARS]}... ({len(message)} characters)"
+        return cls(error=str(data.get("error"))[:64], message=message)
 
 
 #: op -> (request shape, reply shape).

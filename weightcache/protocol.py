@@ -45,6 +45,8 @@ MAX_HELLO_BYTES = 64 * 1024
 MAX_REQUEST_BYTES = 64 * 1024
 #: Seconds a peer may take to deliver a whole frame once its first byte arrived.
 FRAME_TIMEOUT_S = 30.0
+#: Payload bytes read (and taken from an allowance) at a time.
+CHUNK_BYTES = 1 << 20
 _FD_SIZE = array.array("i").itemsize
 
 
@@ -60,53 +62,195 @@ class Busy(ProtocolError):
     """The receiver cannot take this frame now: the bytes in flight across its connections are at their cap."""
 
 
+class Shares:
+    """One capped resource of a receiver shared out per uid, so that no other user can starve its owner.
+
+    The owner's uid may use all of ``total``. Every other uid may hold at most ``fraction`` of it, and all other
+    uids together at most ``1 - fraction``, so that at least ``fraction`` stays for the owner whatever the others
+    do. ``floor`` is the least any one uid may hold (one largest frame, say), so that a small total never makes a
+    request impossible. Thread-safe; :meth:`take` can wait for room until a deadline.
+    """
+
+    def __init__(self, total: int, *, owner: int | None = None, fraction: float = 0.25, floor: int = 1) -> None:
+        self.total = total
+        self.owner = owner
+        self.per_uid = min(total, max(floor, int(total * fraction)))
+        self.others = min(total, max(floor, int(total * (1 - fraction))))
+        self._used: dict[int | None, int] = {}
+        self._others_used = 0
+        self._all = 0
+        self._cond = threading.Condition()
+
+    def used(self, uid: int | None = None) -> int:
+        """What ``uid`` holds now; with no uid, what all hold."""
+        with self._cond:
+            return self._all if uid is None else self._used.get(uid, 0)
+
+    def _room(self, uid: int | None, n: int) -> bool:
+        if self._all + n > self.total:
+            return False
+        if uid is None or uid == self.owner:
+            return True
+        return self._used.get(uid, 0) + n <= self.per_uid and self._others_used + n <= self.others
+
+    def cap(self, uid: int | None) -> int:
+        """The most ``uid`` may ever hold."""
+        return self.total if uid is None or uid == self.owner else self.per_uid
+
+    def try_take(self, uid: int | None, n: int) -> bool:
+        """Take ``n`` for ``uid`` if there is room now; whether it was taken."""
+        with self._cond:
+            if not self._room(uid, n):
+                return False
+            self._add(uid, n)
+            return True
+
+    def take(self, uid: int | None, n: int, deadline: float) -> bool:
+        """Take ``n`` for ``uid``, waiting for room until ``deadline`` (``time.monotonic()``); whether it was
+        taken. ``n`` beyond what ``uid`` may ever hold is refused at once."""
+        with self._cond:
+            if n > self.cap(uid):
+                return False
+            while not self._room(uid, n):
+                remaining = deadline - time.monotonic()
+                if remaining <= 0:
+                    return False
+                self._cond.wait(remaining)
+            self._add(uid, n)
+            return True
+
+    def give(self, uid: int | None, n: int) -> None:
+        """Give back ``n`` that ``uid`` took."""
+        if n:
+            with self._cond:
+                self._add(uid, -n)
+                self._cond.notify_all()
+
+    def _add(self, uid: int | None, n: int) -> None:
+        left = self._used.get(uid, 0) + n
+        if left:
+            self._used[uid] = left
+        else:
+            self._used.pop(uid, None)
+        self._all += n
+        if uid is not None and uid != self.owner:
+            self._others_used += n
+
+    def describe(self, uid: int | None) -> str:
+        """``uid 1000 holds 12 of its share of 16 (all: 40 of 64)``, for a refusal."""
+        with self._cond:
+            mine = self._used.get(uid, 0)
+            all_ = self._all
+        who = "the owner" if uid is None or uid == self.owner else f"uid {uid}"
+        return f"{who} holds {mine} of its share of {self.cap(uid)} (all uids: {all_} of {self.total})"
+
+
+class _Pool:
+    """Payload bytes of the frames of one class of peers being received: at most ``cap`` held at once.
+
+    Bytes are taken as they arrive. A chunk is granted only if, after it, the frames in progress can still all
+    complete one after another within the cap (each frame's remaining need is known from its header, and a
+    finished frame gives back all it held): so frames that each hold part of their bytes never wait for each
+    other forever, and a frame whose peer sent nothing holds nothing.
+    """
+
+    def __init__(self, cap: int) -> None:
+        self.cap = cap
+        #: frame token -> [bytes received, bytes announced]
+        self.frames: dict[int, list[int]] = {}
+        self.held = 0
+
+    def safe_with(self, token: int, n: int) -> bool:
+        if self.held + n > self.cap:
+            return False
+        free = self.cap - self.held - n
+        needs = sorted(
+            (announced - received - (n if t == token else 0), announced)
+            for t, (received, announced) in self.frames.items()
+        )
+        for need, announced in needs:
+            if need > free:
+                return False
+            free += announced - need  # it completes and gives back all it held
+        return True
+
+
 class Allowance:
     """Payload bytes and fds that frames being received may hold at once, across every connection of a receiver.
 
-    A frame of ``n`` bytes takes ``n`` before its payload is read and gives them back once it is parsed. When the
-    byte cap is reached the reader waits (for at most the frame's deadline) instead of reading: a frame that would
-    never fit, or a wait that runs out, is :class:`Busy`. fds are taken as they arrive and given back when the
-    frame is returned (or refused); over the fd cap they are closed at once (:class:`Busy`, no waiting: they are
-    already here).
+    Payload bytes are taken as they arrive, a chunk at a time, not when a header announces them, so a peer that
+    announces a large frame and sends nothing holds nothing. The owner's peers and other uids' peers have a
+    pool of ``max_bytes`` each (with ``owner`` None: one pool), so another uid's frames never keep the owner's
+    waiting. A chunk that does not fit waits (for at most its frame's deadline): a frame that would never fit, or
+    a wait that runs out, is :class:`Busy`. fds are taken as they arrive, shared out per uid
+    (:class:`Shares`), and given back when the frame is returned (or refused); over the cap they are closed at
+    once (:class:`Busy`, no waiting: they are already here).
     """
 
-    def __init__(self, max_bytes: int, max_fds: int) -> None:
+    def __init__(self, max_bytes: int, max_fds: int, *, owner: int | None = None, fraction: float = 1.0) -> None:
         self.max_bytes = max_bytes
         self.max_fds = max_fds
-        self._used = 0
-        self._fds = 0
+        self.owner = owner
+        self.fds = Shares(max_fds, owner=owner, fraction=fraction, floor=MAX_FDS)
+        self._pools = {True: _Pool(max_bytes), False: _Pool(max_bytes)}
+        self._next = 0
         self._cond = threading.Condition()
 
     @property
     def used(self) -> tuple[int, int]:
-        """``(bytes, fds)`` held now."""
-        return self._used, self._fds
-
-    def take_fds(self, count: int) -> None:
+        """``(bytes, fds)`` held now, by all uids."""
         with self._cond:
-            if self._fds + count > self.max_fds:
-                raise Busy(f"the receiver holds {self._fds} fds of frames in flight (cap {self.max_fds}): retry")
-            self._fds += count
+            return sum(p.held for p in self._pools.values()), self.fds.used()
 
-    def give_fds(self, count: int) -> None:
-        with self._cond:
-            self._fds -= count
+    def _pool(self, uid: int | None) -> _Pool:
+        return self._pools[self.owner is None or uid is None or uid == self.owner]
 
-    def take(self, nbytes: int, deadline: float) -> None:
+    def take_fds(self, count: int, uid: int | None = None) -> None:
+        if not self.fds.try_take(uid, count):
+            raise Busy(f"the receiver holds too many fds of frames in flight: {self.fds.describe(uid)}; retry")
+
+    def give_fds(self, count: int, uid: int | None = None) -> None:
+        self.fds.give(uid, count)
+
+    def begin(self, nbytes: int, uid: int | None = None) -> int:
+        """Announce a frame of ``nbytes`` from ``uid``; returns its token. Nothing is taken yet."""
+        pool = self._pool(uid)
+        if nbytes > pool.cap:
+            raise Busy(f"a frame of {nbytes} bytes never fits the receiver's {pool.cap} bytes in flight")
         with self._cond:
-            while self._used + nbytes > self.max_bytes:
+            self._next += 1
+            pool.frames[self._next] = [0, nbytes]
+            return self._next
+
+    def take(self, token: int, nbytes: int, deadline: float, uid: int | None = None) -> None:
+        """Take ``nbytes`` more for frame ``token``, waiting for room until ``deadline``."""
+        pool = self._pool(uid)
+        with self._cond:
+            while not pool.safe_with(token, nbytes):
                 remaining = deadline - time.monotonic()
-                if nbytes > self.max_bytes or remaining <= 0:
+                if remaining <= 0:
                     raise Busy(
-                        f"the receiver holds {self._used} bytes of frames in flight (cap {self.max_bytes}); a frame "
-                        f"of {nbytes} more did not fit in time: retry"
+                        f"the receiver holds {pool.held} bytes of frames in flight (cap {pool.cap}); {nbytes} more "
+                        "did not fit in time: retry"
                     )
                 self._cond.wait(remaining)
-            self._used += nbytes
+            pool.frames[token][0] += nbytes
+            pool.held += nbytes
 
-    def give(self, nbytes: int) -> None:
+    def give(self, token: int, nbytes: int, uid: int | None = None) -> None:
+        """Give back ``nbytes`` of frame ``token`` that did not arrive after all."""
+        pool = self._pool(uid)
         with self._cond:
-            self._used -= nbytes
+            pool.frames[token][0] -= nbytes
+            pool.held -= nbytes
+            self._cond.notify_all()
+
+    def end(self, token: int, uid: int | None = None) -> None:
+        """Frame ``token`` is parsed (or failed): give back all it held."""
+        pool = self._pool(uid)
+        with self._cond:
+            received, _ = pool.frames.pop(token, (0, 0))
+            pool.held -= received
             self._cond.notify_all()
 
 
@@ -157,21 +301,24 @@ def recv_frame(
     max_plain_payload: int | None = None,
     max_fds: int = MAX_FDS,
     allowance: Allowance | None = None,
+    uid: int | None = None,
 ) -> tuple[dict[str, Any], list[int]]:
     """Receive one frame: ``(message, fds)``. The caller owns (and must close) the returned fds.
 
     ``idle_timeout`` bounds the wait for the first byte (None: forever; past it :class:`NoFrame`); once it
     arrived, the whole frame must follow within :data:`FRAME_TIMEOUT_S`. Limits: ``max_payload`` bytes, or
     ``max_plain_payload`` for a frame without fds; ``max_fds`` fds, all on the frame's first byte; and, with an
-    ``allowance``, the payload bytes in flight across the receiver's connections (frames of at most
-    :data:`MAX_REQUEST_BYTES` do not count). The payload buffer is allocated once the announced length passed
-    these checks. Raises :class:`PeerClosed` if the peer closed between frames
-    and :class:`ProtocolError` for anything malformed; in every case every fd received so far is closed first.
+    ``allowance``, the payload bytes and fds in flight across the receiver's connections, in ``uid``'s share
+    (frames of at most :data:`MAX_REQUEST_BYTES` do not count): taken as they arrive, so the receiver's memory
+    grows with what was sent, not with what a header announced. Raises :class:`PeerClosed` if the peer closed
+    between frames and :class:`ProtocolError` for anything malformed; in every case every fd received so far is
+    closed first.
     """
     sock.settimeout(idle_timeout)
     fds: list[int] = []
     deadline = 0.0
-    taken = taken_fds = 0
+    taken_fds = 0
+    token: int | None = None
 
     def arm() -> None:
         remaining = deadline - time.monotonic()
@@ -193,7 +340,7 @@ def recv_frame(
             arrived = _fds_from_ancillary(ancdata)
             fds.extend(arrived)
             if arrived and allowance is not None:
-                allowance.take_fds(len(arrived))
+                allowance.take_fds(len(arrived), uid)
                 taken_fds += len(arrived)
             if arrived and header:
                 raise ProtocolError("fds arrived after the first byte of a frame; they ride on its first byte only")
@@ -227,18 +374,32 @@ def recv_frame(
                 f"{max_plain_payload}"
             )
         if allowance is not None and length > MAX_REQUEST_BYTES:
-            allowance.take(length, deadline)
-            taken = length
-        payload = bytearray(length)  # only now: the length passed every limit, and the allowance holds it
-        view = memoryview(payload)
+            token = allowance.begin(length, uid)
+        # Unmetered (a client reading the keeper's reply, or a small frame): one buffer of the announced length,
+        # filled in place. Metered: grown as bytes arrive, each chunk taken from the allowance before it is read,
+        # so a peer that announces much and sends little holds little.
+        payload = bytearray(length if token is None else 0)
+        view = memoryview(payload) if token is None else None
         received = 0
         while received < length:
             arm()
-            count, ancdata, flags, _ = sock.recvmsg_into(
-                [view[received : received + (1 << 20)]],
-                socket.CMSG_SPACE(MAX_FDS * _FD_SIZE),
-                socket.MSG_CMSG_CLOEXEC,
-            )
+            want = min(length - received, CHUNK_BYTES)
+            if token is not None:
+                assert allowance is not None
+                allowance.take(token, want, deadline, uid)
+                arm()
+                data, ancdata, flags, _ = sock.recvmsg(
+                    want, socket.CMSG_SPACE(MAX_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
+                )
+                if len(data) < want:  # give back what was taken for bytes that did not come
+                    allowance.give(token, want - len(data), uid)
+                payload += data
+                count = len(data)
+            else:
+                assert view is not None
+                count, ancdata, flags, _ = sock.recvmsg_into(
+                    [view[received : received + want]], socket.CMSG_SPACE(MAX_FDS * _FD_SIZE), socket.MSG_CMSG_CLOEXEC
+                )
             stray = _fds_from_ancillary(ancdata)
             if stray:
                 fds.extend(stray)
@@ -246,7 +407,8 @@ def recv_frame(
             if not count:
                 raise ProtocolError(f"peer closed the connection after {received} of {length} payload bytes")
             received += count
-        view.release()
+        if view is not None:
+            view.release()
         try:
             message = json.loads(payload)
         except (UnicodeDecodeError, ValueError) as exc:
@@ -267,10 +429,10 @@ def recv_frame(
         raise
     finally:
         if allowance is not None:
-            if taken:
-                allowance.give(taken)
+            if token is not None:
+                allowance.end(token, uid)
             if taken_fds:
-                allowance.give_fds(taken_fds)
+                allowance.give_fds(taken_fds, uid)
 
 
 # --- field checks for messages read off the wire -----------------------------------------------------------
@@ -305,6 +467,7 @@ def peer_credentials(sock: socket.socket) -> tuple[int, int, int]:
 __all__ = [
     "Allowance",
     "Busy",
+    "CHUNK_BYTES",
     "FRAME_TIMEOUT_S",
     "MAX_FDS",
     "MAX_PAYLOAD_BYTES",
@@ -313,6 +476,7 @@ __all__ = [
     "NoFrame",
     "PROTOCOL_VERSION",
     "PeerClosed",
+    "Shares",
     "WIRE_VERSION",
     "close_fds",
     "field",

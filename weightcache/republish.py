@@ -7,6 +7,11 @@ publishes the lease's manifest with the segment fds the lease still holds (no di
 driver keeps the memory alive through those fds) and so takes the lease again. The keeper treats a publish of an
 entry it already holds as one more lease, so any number of clients may re-publish the same entry.
 
+Re-publication never changes who published: the keeper records the uid of whoever publishes, so a process
+re-publishes only entries its own uid published (:attr:`Lease.republishable`). An entry it attached from another
+user it trusted stays mapped here but is not re-published; else that user's bytes would come back as this uid's
+entry, which every engine that trusts only this uid would attach.
+
 A new keeper is spawned by this thread only for leases whose :class:`~weightcache.cache.Cache` may spawn
 (``spawn=True``, mode daemon), only after a crash (a keeper stopped on purpose leaves ``keeper.stopped``), and
 only while the socket directory still exists.
@@ -44,8 +49,6 @@ MAX_RETRY_S = 1.0
 #: Longest wait between attempts while a keeper answers but refuses the publish (budget, version), or cannot
 #: be started.
 MAX_REFUSED_RETRY_S = 30.0
-#: Longest wait for the keeper's reply to a re-publication.
-REQUEST_TIMEOUT_S = 30.0
 
 
 @attrs.define
@@ -157,6 +160,19 @@ class Republisher:
             return
         if not lease.check_lost():
             return  # closed by its owner meanwhile, or a spurious wake-up
+        if not lease.republishable:
+            with self._lock:
+                if self._watched.get(key) is w:
+                    del self._watched[key]
+            log.warning(
+                "weightcache: the keeper at %s went away; entry %s stays mapped here but is not re-published: uid %s "
+                "published it, not this process's uid %d, and a re-publication would record it as ours",
+                lease.socket_dir,
+                lease.digest[:12],
+                lease.publisher,
+                os.getuid(),
+            )
+            return
         w.lost, w.next_try, w.delay, w.last_error = True, time.monotonic(), FIRST_RETRY_S, None
         log.warning(
             "weightcache: the keeper at %s went away; entry %s stays mapped here and will be re-published when a "
@@ -214,7 +230,8 @@ class Republisher:
                 conn.close()
                 return True
             try:
-                reply = conn.publish(lease.manifest.to_json(), fds, timeout=REQUEST_TIMEOUT_S)
+                # the deadline of every publish (client.publish_timeout): longer than any wait of the keeper's
+                reply = conn.publish(lease.manifest.to_json(), fds)
             finally:
                 close_fds(fds)
         except BaseException:

@@ -38,7 +38,7 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 
 def run_vllm(spec: dict, *, multiprocessing: bool = False, timeout: float = 300, env: dict | None = None) -> dict:
-    """One engine in a new process; its result, with vLLM's log (stderr) under ``log``."""
+    """One engine in a new process; its result, with its output (vLLM's log goes to stdout) under ``log``."""
     env = dict(
         os.environ,
         VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
@@ -55,7 +55,7 @@ def run_vllm(spec: dict, *, multiprocessing: bool = False, timeout: float = 300,
     results = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not results:
         raise AssertionError(f"vLLM worker failed ({out.returncode}):\n{out.stderr[-6000:]}\n{out.stdout[-3000:]}")
-    return {**json.loads(results[-1].removeprefix("RESULT ")), "log": out.stderr}
+    return {**json.loads(results[-1].removeprefix("RESULT ")), "log": out.stdout + out.stderr}  # vLLM logs to stdout
 
 
 #: vLLM's own load (format auto) of a model cannot run on this CPU with this release: the engine's limit, not the
@@ -350,7 +350,7 @@ def test_a_missing_engine_api_loads_from_disk_with_a_warning(tiny_llama: Path, s
 def test_the_kill_switch_and_the_log_line(tiny_llama: Path, socket_dir: Path) -> None:
     """``WEIGHTCACHE_MODE=off`` makes the loader vLLM's own without a warning (the launch command unchanged, a keeper
     holding the weights); ``WEIGHTCACHE_MODE=client`` overrides the mode the command gave. Either way vLLM's own
-    log (stderr, vLLM's format) has one weightcache line for the load, without any logging set up by the user."""
+    log (vLLM's format, on stdout) has one weightcache line for the load, without any logging set up by the user."""
     daemon = run_vllm({"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": {"socket_dir": str(socket_dir)}})
     lines = [line for line in daemon["log"].splitlines() if "weightcache: miss, published (mode daemon)" in line]
     assert len(lines) == 1 and "[pipeline.py:" in lines[0], daemon["log"][-3000:]

@@ -75,7 +75,10 @@ def missing_api(engine: str, required: Iterable[tuple[str, str]]) -> str | None:
             module = importlib.import_module(module_name)
         except Exception as exc:
             return f"the installed {engine} cannot import {module_name} ({type(exc).__name__}: {exc})"
-        if not hasattr(module, name) and importlib.util.find_spec(f"{module_name}.{name}") is None:
+        if hasattr(module, name):
+            continue
+        submodule = hasattr(module, "__path__") and importlib.util.find_spec(f"{module_name}.{name}") is not None
+        if not submodule:
             return f"the installed {engine} has no {module_name}.{name}, which the weightcache adapter needs"
     return None
 

@@ -251,7 +251,10 @@ class Backend(abc.ABC):
         if effective is None:
             return self.unserved(context, f"{MODE_ENV}=off", strict=False, switched_off=True)
         options = effective
-        reason = self.unsupported()
+        try:
+            reason = self.unsupported()
+        except Exception as exc:  # an adapter's probe that broke on this engine is itself a reason
+            reason = f"the installed {self.name} cannot be inspected ({type(exc).__name__}: {exc})"
         if reason is None:
             try:
                 fingerprint = describe()
@@ -392,9 +395,11 @@ class Backend(abc.ABC):
         weights into). For engines that size their memory before the load. Raises only what :meth:`serve_engine`
         would raise itself (a refused quantization, bad options, ``strict`` errors)."""
         effective = self.effective_options(options)
-        if effective is None or self.unsupported() is not None:
+        if effective is None:
             return 0
         try:
+            if self.unsupported() is not None:
+                return 0
             fingerprint = describe()
             with self.scratch_build(context):
                 model = self.build_meta(context)

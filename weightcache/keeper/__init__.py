@@ -13,7 +13,7 @@ Run one with :func:`serve` (or ``weightcache serve``); every message is specifie
 
 from __future__ import annotations
 
-from .daemon import Daemon, detach_and_serve, prepare_dir, serve
+from .daemon import Daemon, Limits, detach_and_serve, prepare_dir, serve
 from .server import HANDLERS, MAX_CONNECTIONS, Server, peer_groups
 from .store import Store
 
@@ -21,6 +21,7 @@ __all__ = [
     "HANDLERS",
     "MAX_CONNECTIONS",
     "Daemon",
+    "Limits",
     "Server",
     "Store",
     "detach_and_serve",

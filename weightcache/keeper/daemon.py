@@ -39,8 +39,8 @@ from ..rundir import (
     resolve_socket_dir,
     socket_path,
 )
-from .server import MAX_CONNECTIONS, Server
-from .store import Store
+from .server import IDLE_TIMEOUT_S, MAX_CONNECTIONS, Server
+from .store import MEMBER_SHARE, Store
 
 log = logging.getLogger("weightcache.keeper")
 
@@ -52,20 +52,46 @@ def prepare_dir(directory: Path, allow_group: int | None) -> Path:
 
 @attrs.frozen
 class FdLimits:
-    """How the keeper shares its open-file limit: connections, entries' segment fds, fds of frames in flight.
-
-    Together they stay under seven eighths of the limit, leaving room for the fds a ``get`` dups to send and for
-    the process itself.
+    """How the keeper shares its open-file limit: connections, entries' segment fds, fds of frames in flight, and
+    fds duplicated for replies. Together they stay under the limit, less a few dozen for the process itself.
     """
 
     connections: int
     entry_fds: int
     inflight_fds: int
+    reply_fds: int
+
+
+@attrs.frozen
+class Limits:
+    """The keeper's settings for sharing itself (``weightcache serve`` flags; docs/protocol.md lists them).
+
+    ``max_connections``: None for the default (1,024, or a quarter of the open-file limit, whichever is lower);
+    ``idle_timeout``: seconds a connection that holds no lease may stay silent after hello; ``member_share``: the
+    fraction of each keeper-wide resource that one uid other than the owner may hold (all of them together: the
+    rest, so that at least this fraction stays for the owner).
+    """
+
+    max_connections: int | None = None
+    idle_timeout: float = IDLE_TIMEOUT_S
+    member_share: float = MEMBER_SHARE
+
+    def __attrs_post_init__(self) -> None:
+        if self.max_connections is not None and self.max_connections < 1:
+            raise ValueError(f"max_connections must be at least 1; found {self.max_connections}")
+        if not self.idle_timeout > 0:
+            raise ValueError(f"idle_timeout must be a positive number of seconds; found {self.idle_timeout}")
+        if not 0 < self.member_share <= 0.5:
+            raise ValueError(
+                f"member_share must be above 0 and at most 0.5 (the owner keeps at least as much); found "
+                f"{self.member_share}"
+            )
 
 
 def fd_limits() -> FdLimits:
     """Raise the open-file limit to its hard limit and share it out: a quarter for connections, half for the
-    segments of entries, an eighth for fds arriving in frames."""
+    segments of entries, an eighth for fds arriving in frames, the last eighth (less 64 for the process itself)
+    for fds duplicated for replies; each at least one frame's fds."""
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if hard == resource.RLIM_INFINITY or hard > soft:
         with contextlib.suppress(ValueError, OSError):
@@ -75,6 +101,7 @@ def fd_limits() -> FdLimits:
         connections=max(16, min(MAX_CONNECTIONS, soft // 4)),
         entry_fds=max(protocol.MAX_FDS, soft // 2),
         inflight_fds=max(protocol.MAX_FDS, soft // 8),
+        reply_fds=max(protocol.MAX_FDS, soft // 8 - 64),
     )
 
 
@@ -144,11 +171,19 @@ def bind_socket(directory: Path, allow_group: int | None) -> socket.socket:
 class Daemon:
     """One keeper's process resources: the instance lock, the socket file, the store and the server."""
 
-    def __init__(self, socket_dir: Path, budget: Budget | None = None, allow_group: int | None = None) -> None:
+    def __init__(
+        self,
+        socket_dir: Path,
+        budget: Budget | None = None,
+        allow_group: int | None = None,
+        limits: Limits | None = None,
+    ) -> None:
         self.socket_dir = socket_dir
         self.budget = budget
         self.allow_group = allow_group
-        self.store = Store(budget)  # its fd cap is set in start(), from the open-file limit
+        self.limits = limits or Limits()
+        # its fd cap is set in start(), from the open-file limit
+        self.store = Store(budget, member_share=self.limits.member_share)
         self.server: Server | None = None
         self._lock_fd = -1
         self._sock_ino: int | None = None
@@ -170,8 +205,11 @@ class Daemon:
             listener,
             socket_dir=self.socket_dir,
             allow_group=self.allow_group,
-            max_connections=limits.connections,
+            max_connections=self.limits.max_connections or limits.connections,
             max_inflight_fds=limits.inflight_fds,
+            max_reply_fds=limits.reply_fds,
+            idle_timeout=self.limits.idle_timeout,
+            member_share=self.limits.member_share,
         )
         log.info("keeper %d serving %s (weightcache %s)", os.getpid(), socket_path(self.socket_dir), __version__)
         return self.server
@@ -215,14 +253,16 @@ def serve(
     ready_fd: int | None = None,
     budget: Budget | None = None,
     allow_group: int | None = None,
+    limits: Limits | None = None,
 ) -> None:
     """Run a keeper in this process until it is stopped (``weightcache stop``, SIGTERM or SIGINT).
 
     ``ready_fd``, when given, receives ``b"ok\\n"`` once the socket is live, or ``b"error: ...\\n"``.
     ``budget`` limits the bytes held per placement (see :class:`Budget`); default unlimited. ``allow_group``
     lets members of that gid connect too, through a shared socket directory (see :mod:`weightcache.rundir`).
+    ``limits``: how the keeper shares itself between its users (see :class:`Limits`).
     """
-    daemon = Daemon(resolve_socket_dir(socket_dir), budget, allow_group)
+    daemon = Daemon(resolve_socket_dir(socket_dir), budget, allow_group, limits)
     try:
         server = daemon.start()
     except Exception as exc:
@@ -239,7 +279,11 @@ def serve(
 
 
 def detach_and_serve(
-    socket_dir: str | None, ready_fd: int | None, budget: Budget | None = None, allow_group: int | None = None
+    socket_dir: str | None,
+    ready_fd: int | None,
+    budget: Budget | None = None,
+    allow_group: int | None = None,
+    limits: Limits | None = None,
 ) -> None:
     """Fork into the background (new session, stdio to the log), then :func:`serve`.
 
@@ -273,7 +317,7 @@ def detach_and_serve(
     signal.signal(signal.SIGHUP, signal.SIG_IGN)
     logging.basicConfig(stream=sys.stderr, level=logging.INFO, format="%(asctime)s %(name)s %(message)s", force=True)
     try:
-        serve(directory, ready_fd=status_w, budget=budget, allow_group=allow_group)
+        serve(directory, ready_fd=status_w, budget=budget, allow_group=allow_group, limits=limits)
     except KeeperAlreadyRunning as exc:
         log.info("%s", exc)
         os._exit(1)

@@ -1,7 +1,15 @@
 """The keeper's server: who gets in, and what each request is answered with.
 
 An accept loop admits a connection after checking its peer's credentials (``SO_PEERCRED``: the keeper's own
-uid, or a member of ``--allow-group``) and the connection limit, then serves it on a thread of its own. Each
+uid, or a member of ``--allow-group``) and the connection limit, then serves it on a thread of its own.
+
+Every keeper-wide resource a peer can hold is shared out per uid (:class:`~weightcache.protocol.Shares`: each uid
+other than the owner at most ``member_share`` of it, all of them together at most the rest), so that no member can
+starve the owner: connections, payload bytes and fds of frames being received, the segment fds of entries (the
+store's), and the fds duplicated for replies and the bytes of replies that are not read yet. A connection holding
+no lease is dropped after ``idle_timeout`` without a request; a reply must be sent within :data:`SEND_TIMEOUT_S`
+(a peer that does not read is dropped), and a peer must read a reply before it sends its next request (one
+request at a time: a request that arrives while the previous reply is unread ends the connection). Each
 frame read is one request; :data:`HANDLERS` maps its op to the method that answers it, using the entry
 :class:`~weightcache.keeper.store.Store` for everything about entries. An open connection is the client's
 lease on the entries it got or published; when it closes, the store releases them.
@@ -15,10 +23,14 @@ that is :mod:`weightcache.keeper.daemon`'s job.
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import logging
 import os
 import select
 import socket
+import struct
+import termios
 import threading
 import time
 from collections.abc import Callable
@@ -42,12 +54,13 @@ from ..messages import (
     InspectRequest,
     KeeperInfo,
     ListReply,
+    ListRequest,
     PublishRequest,
     RequestError,
     StopReply,
 )
 from ..protocol import close_fds, peer_credentials, recv_frame, send_frame
-from .store import Store
+from .store import MEMBER_SHARE, Store
 
 log = logging.getLogger("weightcache.keeper")
 
@@ -58,6 +71,18 @@ MAX_INFLIGHT_BYTES = protocol.MAX_PAYLOAD_BYTES
 #: Default cap on the fds of frames being received at once, across all connections (the daemon sizes it from its
 #: open-file limit).
 MAX_INFLIGHT_FDS = 4096
+#: Default cap on the fds duplicated for replies that are not sent or read yet (the daemon sizes it too).
+MAX_REPLY_FDS = 4096
+#: Cap on the bytes of replies that are not sent or read yet (a get's manifest, a list page, an inspect).
+MAX_REPLY_BYTES = 4 * protocol.MAX_PAYLOAD_BYTES
+#: Seconds a connection that holds no lease may stay silent after hello before it is dropped.
+IDLE_TIMEOUT_S = 30.0
+#: Seconds a reply may take to be sent (the peer must read it): past it, the connection is dropped.
+SEND_TIMEOUT_S = protocol.FRAME_TIMEOUT_S
+#: Most entries one ``list`` page takes from the store (the page usually ends earlier, at its byte size).
+LIST_PAGE_ENTRIES = 1024
+#: Replies this small are not counted against a share: a connection has at most one unread (see above).
+SMALL_REPLY_BYTES = protocol.MAX_REQUEST_BYTES
 
 #: A reply: a JSON object, or a payload already encoded (a get's manifest is encoded once, at publish).
 Reply = dict[str, Any] | bytes
@@ -76,6 +101,9 @@ class Peer:
     owner: bool
     since: float
     greeted: bool = False
+    #: What the reply last sent holds of the reply shares until the peer's next request shows it was read.
+    reply_fds: int = 0
+    reply_bytes: int = 0
 
 
 class Server:
@@ -90,12 +118,22 @@ class Server:
         allow_group: int | None = None,
         max_connections: int = MAX_CONNECTIONS,
         max_inflight_fds: int = MAX_INFLIGHT_FDS,
+        max_reply_fds: int = MAX_REPLY_FDS,
+        idle_timeout: float = IDLE_TIMEOUT_S,
+        member_share: float = MEMBER_SHARE,
     ) -> None:
         self.store = store
         self.socket_dir = socket_dir
         #: A gid whose members may connect besides our own uid (``--allow-group``); they may not evict or stop.
         self.allow_group = allow_group
         self.max_connections = max_connections
+        self.idle_timeout = idle_timeout
+        owner = store.owner
+        self._connections = protocol.Shares(max_connections, owner=owner, fraction=member_share)
+        self._reply_fds = protocol.Shares(max_reply_fds, owner=owner, fraction=member_share, floor=protocol.MAX_FDS)
+        self._reply_bytes = protocol.Shares(
+            MAX_REPLY_BYTES, owner=owner, fraction=member_share, floor=protocol.MAX_PAYLOAD_BYTES
+        )
         self.started = time.time()
         self._listener = listener
         self._lock = threading.Lock()
@@ -103,7 +141,7 @@ class Server:
         self._next_id = 0
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
-        self._allowance = protocol.Allowance(MAX_INFLIGHT_BYTES, max_inflight_fds)
+        self._allowance = protocol.Allowance(MAX_INFLIGHT_BYTES, max_inflight_fds, owner=owner, fraction=member_share)
 
     # --- the accept loop ---------------------------------------------------------------------------------------
 
@@ -152,21 +190,25 @@ class Server:
             allowed = f"uid {os.getuid()}" + (f" and group {self.allow_group}" if self.allow_group is not None else "")
             _refuse(sock, messages.FORBIDDEN, f"this keeper serves {allowed} only; you are uid {uid} (gid {gid})")
             return
-        with self._lock:
-            if len(self._peers) >= self.max_connections:
-                peer = None
-            else:
-                self._next_id += 1
-                peer = self._peers[self._next_id] = Peer(self._next_id, sock, pid, uid, owner, time.time())
-        if peer is None:
-            _refuse(sock, messages.BUSY, f"over {self.max_connections} connections")
+        if not self._connections.try_take(uid, 1):
+            log.warning("refused connection from pid %d uid %d: %s", pid, uid, self._connections.describe(uid))
+            _refuse(
+                sock,
+                messages.BUSY,
+                f"over {self.max_connections} connections, or over this uid's share of them: of the keeper's "
+                f"connections {self._connections.describe(uid)}. Close idle connections, or retry later",
+            )
             return
+        with self._lock:
+            self._next_id += 1
+            peer = self._peers[self._next_id] = Peer(self._next_id, sock, pid, uid, owner, time.time())
         try:
             threading.Thread(target=self._serve, args=(peer,), daemon=True).start()
         except RuntimeError as exc:  # thread or pid limit reached: refuse this one, keep serving
             log.warning("cannot start a thread for pid %d: %s", pid, exc)
             with self._lock:
                 self._peers.pop(peer.id, None)
+            self._connections.give(uid, 1)
             _refuse(sock, messages.BUSY, f"keeper cannot start a thread: {exc}")
 
     # --- one connection ----------------------------------------------------------------------------------------
@@ -175,11 +217,23 @@ class Server:
         try:
             while not self._stopping.is_set():
                 received = self._receive(peer)
+                self._release_reply(peer)  # a new request (or the end): the last reply was read
                 if received is None:
+                    return
+                if unread_bytes(peer.sock):
+                    log.info(
+                        "connection %d (pid %d uid %d) sent a request before reading the previous reply; dropped",
+                        peer.id,
+                        peer.pid,
+                        peer.uid,
+                    )
+                    close_fds(received[1])
                     return
                 message, fds = received
                 reply, out, last = self._answer(peer, message, fds)
                 try:
+                    # A peer that does not read its reply is dropped after the deadline, freeing what it held.
+                    peer.sock.settimeout(SEND_TIMEOUT_S)
                     if isinstance(reply, bytes):
                         protocol.send_payload(peer.sock, reply, out)
                     else:
@@ -193,26 +247,62 @@ class Server:
         except (OSError, ProtocolError) as exc:
             log.info("connection %d (pid %d) failed: %s", peer.id, peer.pid, exc)
         finally:
+            self._release_reply(peer)
             with self._lock:
                 self._peers.pop(peer.id, None)
+            self._connections.give(peer.uid, 1)
             self.store.release(peer.id)
             peer.sock.close()
+
+    def _reserve_reply(self, peer: Peer, nfds: int, nbytes: int) -> None:
+        """Count a reply of ``nfds`` fds and ``nbytes`` bytes against ``peer``'s uid's reply shares until the peer
+        has read it; RequestError ``busy`` if they are full (replies of that uid are not read yet)."""
+        nbytes = 0 if nbytes <= SMALL_REPLY_BYTES else nbytes
+        if not self._reply_fds.try_take(peer.uid, nfds):
+            raise RequestError(
+                messages.BUSY,
+                f"replies not read yet hold the keeper's fds: {self._reply_fds.describe(peer.uid)}. Read replies "
+                "before asking again, or retry later",
+            )
+        if not self._reply_bytes.try_take(peer.uid, nbytes):
+            self._reply_fds.give(peer.uid, nfds)
+            raise RequestError(
+                messages.BUSY,
+                f"replies not read yet hold the keeper's memory: {self._reply_bytes.describe(peer.uid)} bytes. Read "
+                "replies before asking again, or retry later",
+            )
+        peer.reply_fds += nfds
+        peer.reply_bytes += nbytes
+
+    def _release_reply(self, peer: Peer) -> None:
+        self._reply_fds.give(peer.uid, peer.reply_fds)
+        self._reply_bytes.give(peer.uid, peer.reply_bytes)
+        peer.reply_fds = peer.reply_bytes = 0
 
     def _receive(self, peer: Peer) -> tuple[dict[str, Any], list[int]] | None:
         """The next request, or None when the connection is over (closed, or a broken frame answered)."""
         try:
             # Until hello, a silent peer is dropped after the frame timeout, and no fds are taken; after it, an
-            # idle connection is a lease and may stay open for as long as its engine runs. Only a publish (the
-            # one op with fds) may be larger than a small request, and large frames share one allowance.
+            # idle connection that holds a lease may stay open for as long as its engine runs, one that holds
+            # none is dropped after the idle timeout. Only a publish (the one op with fds) may be larger than a
+            # small request, and large frames share one allowance.
+            if not peer.greeted:
+                idle: float | None = protocol.FRAME_TIMEOUT_S
+            else:
+                idle = None if self.store.holds(peer.id) else self.idle_timeout
             return recv_frame(
                 peer.sock,
-                idle_timeout=None if peer.greeted else protocol.FRAME_TIMEOUT_S,
+                idle_timeout=idle,
                 max_payload=protocol.MAX_PAYLOAD_BYTES if peer.greeted else protocol.MAX_HELLO_BYTES,
                 max_plain_payload=protocol.MAX_REQUEST_BYTES,
                 max_fds=protocol.MAX_FDS if peer.greeted else 0,
                 allowance=self._allowance,
+                uid=peer.uid,
             )
-        except (protocol.PeerClosed, protocol.NoFrame):
+        except protocol.PeerClosed:
+            return None
+        except protocol.NoFrame:
+            log.info("connection %d (pid %d uid %d) idle, holding no lease: dropped", peer.id, peer.pid, peer.uid)
             return None
         except ProtocolError as exc:
             log.info("connection %d (pid %d): %s", peer.id, peer.pid, exc)
@@ -289,12 +379,21 @@ class Server:
         if found is None:
             others = tuple(self.store.publishers(request.digest, request.placement))
             return GetReply(found=False, others=others).to_json(), []
-        return GetReply.encode_found(found.key, found.manifest_text, found.publisher), found.fds
+        payload = GetReply.encode_found(found.key, found.manifest_text, found.publisher)
+        try:
+            self._reserve_reply(peer, len(found.fds), len(payload))
+        except RequestError:
+            close_fds(found.fds)
+            if found.fresh:
+                self.store.unlease(peer.id, found.key)
+            raise
+        return payload, found.fds
 
     def _list(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
-        held = self.store.snapshot()
+        request = ListRequest.from_json(message)
+        held = self.store.snapshot(request.after, LIST_PAGE_ENTRIES, messages.MAX_CLIENT_KEYS)
         with self._lock:
-            peers = list(self._peers.values())
+            peers = list(self._peers.values()) if request.after is None else []
         now = time.time()
         keeper = KeeperInfo(
             pid=os.getpid(),
@@ -303,15 +402,31 @@ class Server:
             socket_dir=str(self.socket_dir),
             started=self.started,
             uptime_s=round(now - self.started, 3),
-            connections=len(peers),
+            connections=self._connections.used(),
             budget=self.store.budget,
             bytes_by_placement=held.bytes_by_placement,
         )
-        clients = tuple(ClientInfo(p.pid, p.since, held.leases.get(p.id, ())) for p in peers)
-        return ListReply(keeper=keeper, entries=held.entries, clients=clients).to_json(), []
+        clients = tuple(ClientInfo(p.pid, p.since, *held.leases.get(p.id, ((), 0))) for p in peers)
+        # Entries are encoded one at a time and the page ends at LIST_PAGE_BYTES (always at least one entry):
+        # a reply, and what the keeper holds to send it, stays bounded however large or many the entries are.
+        encoded: list[str] = []
+        size = 0
+        next_key = held.entries[-1].key if held.more else None
+        for i, info in enumerate(held.entries):
+            text = json.dumps(info.to_json(), separators=(",", ":"), allow_nan=False)
+            if encoded and size + len(text) > messages.LIST_PAGE_BYTES:
+                next_key = held.entries[i - 1].key
+                break
+            encoded.append(text)
+            size += len(text)
+        payload = ListReply.encode(keeper, encoded, clients, next_key)
+        self._reserve_reply(peer, 0, len(payload))
+        return payload, []
 
     def _inspect(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
-        return self.store.inspect(InspectRequest.from_json(message).digest).to_json(), []
+        payload = encode(self.store.inspect(InspectRequest.from_json(message).digest).to_json())
+        self._reserve_reply(peer, 0, len(payload))
+        return payload, []
 
     def _evict(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
         request = EvictRequest.from_json(message)
@@ -334,6 +449,20 @@ HANDLERS: dict[str, Handler] = {
     messages.EVICT: Server._evict,
     messages.STOP: Server._stop,
 }
+
+
+def encode(reply: dict[str, Any]) -> bytes:
+    """A reply's payload, as :func:`~weightcache.protocol.send_frame` would encode it."""
+    return json.dumps(reply, separators=(",", ":"), allow_nan=False).encode()
+
+
+def unread_bytes(sock: socket.socket) -> int:
+    """Bytes this side sent on ``sock`` that the peer has not read yet (SIOCOUTQ)."""
+    try:
+        out = fcntl.ioctl(sock.fileno(), termios.TIOCOUTQ, struct.pack("i", 0))
+    except OSError:
+        return 0
+    return int(struct.unpack("i", out)[0])
 
 
 def _refuse(sock: socket.socket, code: str, message: str) -> None:

@@ -12,8 +12,10 @@ entry whose publisher the asker trusts.
 Memory budgets are per placement: a publish that would exceed its placement's budget first evicts its own
 publisher's unleased entries there, least recently used first, and is refused (``over_budget``) if even that
 cannot make room; another uid's entries are never evicted for it. The segment fds held are capped too
-(``max_fds``), so that publishers cannot take the keeper to its open-file limit. Evicting only closes the
-store's fds; memory that clients map stays valid until they let go.
+(``max_fds``), so that publishers cannot take the keeper to its open-file limit, and shared out per uid
+(:class:`~weightcache.protocol.Shares`): another uid than the owner may hold at most ``member_share`` of them,
+and all other uids together at most the rest, so that no member's entries can keep the owner from publishing.
+Evicting only closes the store's fds; memory that clients map stays valid until they let go.
 
 What this module must never do: open sockets, start threads, or touch process state (signals, files, the
 socket directory). It takes plain values, returns plain values or raises
@@ -38,7 +40,8 @@ from .. import fdcheck, messages
 from ..budget import Budget
 from ..manifest import Manifest
 from ..messages import EntryInfo, InspectReply, PublishReply, RequestError, entry_key
-from ..protocol import close_fds
+from ..protocol import MAX_FDS as MAX_FRAME_FDS
+from ..protocol import Shares, close_fds
 from ..units import format_bytes
 
 log = logging.getLogger("weightcache.keeper")
@@ -113,25 +116,33 @@ class Checkout:
     publisher: int
     manifest_text: str
     fds: list[int]
+    #: Whether this get took the lease (the connection did not hold it already): see :meth:`Store.unlease`.
+    fresh: bool = False
 
 
 @attrs.frozen
 class Snapshot:
-    """Everything the store holds at one instant, for ``list``."""
+    """One page of what the store holds at one instant, for ``list``."""
 
+    #: Entries in key order, after the page's start; at most the page's limit.
     entries: tuple[EntryInfo, ...]
-    #: connection id -> keys of the entries it leases
-    leases: dict[int, tuple[str, ...]]
+    #: Whether more entries follow the last of :attr:`entries`.
+    more: bool
+    #: connection id -> (keys of at most ``keys_per_conn`` of the entries it leases, how many it leases)
+    leases: dict[int, tuple[tuple[str, ...], int]]
     bytes_by_placement: dict[str, int]
 
 
 #: Default cap on the segment fds all entries together may hold.
 MAX_FDS = 65536
+#: Default share of the keeper's resources that one uid other than the owner may hold.
+MEMBER_SHARE = 0.25
 
 
 class Store:
     """Entries, leases and the budget. ``owner`` is the keeper's uid (its entries' keys carry no uid);
-    ``max_fds`` caps the segment fds held; ``clock`` gives the time that LRU order and ages are measured in."""
+    ``max_fds`` caps the segment fds held, of which another uid may hold ``member_share``; ``clock`` gives the time
+    that LRU order and ages are measured in."""
 
     def __init__(
         self,
@@ -139,15 +150,29 @@ class Store:
         *,
         owner: int | None = None,
         max_fds: int = MAX_FDS,
+        member_share: float = MEMBER_SHARE,
         clock: Callable[[], float] = time.time,
     ) -> None:
         self.budget = budget or Budget()
         self.owner = os.getuid() if owner is None else owner
-        self.max_fds = max_fds
+        self.member_share = member_share
         self._clock = clock
         self._entries: dict[str, Entry] = {}
-        self._fds_held = 0
+        self._fds = Shares(max_fds, owner=self.owner, fraction=member_share, floor=MAX_FRAME_FDS)
         self._lock = threading.Lock()
+
+    @property
+    def max_fds(self) -> int:
+        """The cap on the segment fds all entries hold (set it before anything is published)."""
+        return self._fds.total
+
+    @max_fds.setter
+    def max_fds(self, value: int) -> None:
+        self._fds = Shares(value, owner=self.owner, fraction=self.member_share, floor=MAX_FRAME_FDS)
+
+    def fds_held(self, uid: int | None = None) -> int:
+        """Segment fds the entries of ``uid`` (default: all) hold."""
+        return self._fds.used(uid)
 
     def key(self, digest: str, placement: str, publisher: int) -> str:
         """The key of ``publisher``'s entry for ``digest`` on ``placement``."""
@@ -173,8 +198,8 @@ class Store:
         already exists (``conn`` then leases that one) or the publish is refused.
         """
         try:
-            manifest, text = _checked(manifest_json, fds)
-            return self._insert(conn, pid, self.owner if uid is None else uid, manifest, manifest_json, text, fds)
+            manifest, kept, text = _checked(manifest_json, fds)
+            return self._insert(conn, pid, self.owner if uid is None else uid, manifest, kept, text, fds)
         except BaseException:
             close_fds(fds)
             raise
@@ -201,18 +226,21 @@ class Store:
                 existing.last_used = now
                 existing.leases.setdefault(conn, Lease(pid, now))
             else:
-                if self._fds_held + len(fds) > self.max_fds:
+                if not self._fds.try_take(uid, len(fds)):
                     raise RequestError(
                         messages.OVER_BUDGET,
-                        f"entry {key[:16]}... has {len(fds)} segments, but the keeper already holds "
-                        f"{self._fds_held} segment fds of its limit of {self.max_fds} (set by its open-file limit). "
-                        "Evict entries (`weightcache evict`), or publish with fewer, larger segments.",
+                        f"entry {key[:16]}... has {len(fds)} segments, but of the keeper's segment fds "
+                        f"{self._fds.describe(uid)} (set by its open-file limit and --member-share). Evict entries "
+                        "(`weightcache evict`), or publish with fewer, larger segments.",
                     )
-                evicted = self._make_room(key, placement, manifest.total_bytes, uid)
+                try:
+                    evicted = self._make_room(key, placement, manifest.total_bytes, uid)
+                except BaseException:
+                    self._fds.give(uid, len(fds))
+                    raise
                 lease = {conn: Lease(pid, now)}
                 entry = Entry(digest, uid, key, manifest, manifest_json, text, list(fds), now, now, lease)
                 self._entries[key] = entry
-                self._fds_held += len(fds)
         if existing is not None:
             close_fds(fds)
             return PublishReply(digest=digest, key=key, created=False)
@@ -263,7 +291,7 @@ class Store:
     def _drop(self, entry: Entry) -> None:
         """Forget ``entry`` and close its fds. Called with the lock held."""
         del self._entries[entry.key]
-        self._fds_held -= len(entry.fds)
+        self._fds.give(entry.publisher, len(entry.fds))
         entry.close()
 
     def get(
@@ -282,6 +310,7 @@ class Store:
                 return None
             now = self._clock()
             entry.last_used = now
+            fresh = conn not in entry.leases
             entry.leases.setdefault(conn, Lease(pid, now))
             # dup under the lock: an evict racing with this get cannot close the fds we are about to hand out.
             out: list[int] = []
@@ -290,9 +319,22 @@ class Store:
                     out.append(os.dup(fd))
             except OSError as exc:
                 close_fds(out)
-                entry.leases.pop(conn, None)
+                if fresh:
+                    entry.leases.pop(conn, None)
                 raise RequestError(messages.BUSY, f"keeper is out of file descriptors ({exc}); retry later") from exc
-            return Checkout(entry.key, entry.publisher, entry.manifest_text, out)
+            return Checkout(entry.key, entry.publisher, entry.manifest_text, out, fresh)
+
+    def unlease(self, conn: int, key: str) -> None:
+        """Drop ``conn``'s lease on entry ``key`` (a get whose reply could not be sent after all)."""
+        with self._lock:
+            entry = self._entries.get(key)
+            if entry is not None:
+                entry.leases.pop(conn, None)
+
+    def holds(self, conn: int) -> bool:
+        """Whether ``conn`` leases any entry."""
+        with self._lock:
+            return any(conn in e.leases for e in self._entries.values())
 
     def publishers(self, digest: str, placement: str) -> list[int]:
         """The uids that hold an entry for ``digest`` on ``placement``."""
@@ -311,17 +353,26 @@ class Store:
 
     # --- list, inspect, evict ----------------------------------------------------------------------------------
 
-    def snapshot(self) -> Snapshot:
+    def snapshot(self, after: str | None = None, limit: int = 1024, keys_per_conn: int = 16) -> Snapshot:
+        """At most ``limit`` entries, in key order, whose keys follow ``after`` (None: from the first); the leases
+        of every connection (at most ``keys_per_conn`` keys each, and their count); the bytes per placement.
+        What it costs is proportional to the page, not to everything held."""
         with self._lock:
             now = self._clock()
             held: dict[int, list[str]] = {}
+            counts: dict[int, int] = {}
             used: dict[str, int] = {}
             for e in self._entries.values():
                 for conn in e.leases:
-                    held.setdefault(conn, []).append(e.key)
+                    counts[conn] = counts.get(conn, 0) + 1
+                    keys = held.setdefault(conn, [])
+                    if len(keys) < keys_per_conn:
+                        keys.append(e.key)
                 used[e.placement] = used.get(e.placement, 0) + e.size
-            entries = tuple(e.info(now) for e in self._entries.values())
-        return Snapshot(entries, {conn: tuple(keys) for conn, keys in held.items()}, used)
+            keys = sorted(k for k in self._entries if after is None or k > after)
+            entries = tuple(self._entries[k].info(now) for k in keys[:limit])
+        leases = {conn: (tuple(keys_), counts[conn]) for conn, keys_ in held.items()}
+        return Snapshot(entries, len(keys) > limit, leases, used)
 
     def inspect(self, prefix: str) -> InspectReply:
         """The one entry ``prefix`` names (a key, a digest, or a prefix of either), with its manifest."""
@@ -370,12 +421,32 @@ class Store:
             for entry in self._entries.values():
                 entry.close()
             self._entries.clear()
-            self._fds_held = 0
+            self._fds = Shares(self.max_fds, owner=self.owner, fraction=self.member_share, floor=MAX_FRAME_FDS)
 
 
-def _checked(manifest_json: dict[str, Any], fds: Sequence[int]) -> tuple[Manifest, str]:
-    """The parsed manifest and its encoding, once it and ``fds`` are what a publish must send."""
+#: Longest tensor name, and longest per-tensor digest, a manifest may hold (characters).
+MAX_NAME_CHARS = 1024
+MAX_DIGEST_CHARS = 128
+
+
+def _checked(manifest_json: dict[str, Any], fds: Sequence[int]) -> tuple[Manifest, dict[str, Any], str]:
+    """The parsed manifest, the JSON the store keeps of it and that JSON encoded, once it and ``fds`` are what a
+    publish must send.
+
+    What is kept is the manifest re-encoded from what was parsed, not what arrived: fields this keeper does not
+    know never reach the clients that ``get`` or ``inspect`` it (another user may have published it).
+    """
     manifest = Manifest.from_json(manifest_json)
+    manifest.fingerprint.check_bounds()
+    longest = max(map(len, manifest.names), default=0)
+    digests = max((len(d) for d in manifest.digest if d is not None), default=0)
+    if longest > MAX_NAME_CHARS or digests > MAX_DIGEST_CHARS:
+        raise RequestError(
+            messages.BAD_REQUEST,
+            f"manifest holds a tensor name of {longest} characters and a digest of {digests}; at most "
+            f"{MAX_NAME_CHARS} and {MAX_DIGEST_CHARS} are allowed",
+        )
+    manifest_json = manifest.to_json()
     text = json.dumps(manifest_json, separators=(",", ":"), allow_nan=False)
     if len(text) > messages.MAX_MANIFEST_BYTES:
         raise RequestError(
@@ -389,7 +460,7 @@ def _checked(manifest_json: dict[str, Any], fds: Sequence[int]) -> tuple[Manifes
         )
     for fd, info in zip(fds, manifest.segments):
         fdcheck.verify_fd(fd, info)
-    return manifest, text
+    return manifest, manifest_json, text
 
 
 def _unmatched(prefix: str, found: list[Entry]) -> RequestError:

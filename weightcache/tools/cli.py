@@ -13,9 +13,12 @@ checks), the keeper's server (serve), and the keeper client with filelock, which
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import logging
+import os
 import pwd
+import re
 import sys
 import tempfile
 import time
@@ -37,6 +40,27 @@ if TYPE_CHECKING:
     from weightcache.client import KeeperConnection
 
 
+#: What a terminal would act on instead of showing: C0 and C1 controls, DEL, bidi overrides and isolates, and
+#: lone surrogates (which no encoding can write).
+_UNPRINTABLE = re.compile(r"[\x00-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]")
+_UNPRINTABLE_BUT_NEWLINES = re.compile(
+    r"[\x00-\x09\x0b-\x1f\x7f-\x9f\u061c\u200e\u200f\u202a-\u202e\u2066-\u2069\ud800-\udfff]"
+)
+
+
+def printable(text: object, *, newlines: bool = False) -> str:
+    """``text`` with every character a terminal would act on escaped (``\x1b``, ``\u202e``, ``\udc80``): what
+    the CLI prints of anything it did not write itself (entries are published by other users of a shared keeper).
+    ``newlines``: keep line breaks (for messages of several lines)."""
+    pattern = _UNPRINTABLE_BUT_NEWLINES if newlines else _UNPRINTABLE
+    return pattern.sub(_escape, str(text))
+
+
+def _escape(match: re.Match[str]) -> str:
+    code = ord(match.group())
+    return f"\\x{code:02x}" if code < 0x100 else f"\\u{code:04x}"
+
+
 def _connect(args: argparse.Namespace) -> KeeperConnection:
     from weightcache.client import KeeperConnection  # filelock, which it imports: serve does without
 
@@ -54,8 +78,12 @@ def cmd_serve(args: argparse.Namespace) -> int:
         group = None if args.allow_group is None else resolve_group(args.allow_group)
     except ValueError as exc:
         raise wc.WeightCacheError(f"--allow-group: {exc}") from exc
+    try:
+        limits = keeper.Limits(args.max_connections, args.idle_timeout, args.member_share)
+    except ValueError as exc:
+        raise wc.WeightCacheError(f"bad limit: {exc}") from exc
     if args.detach:
-        keeper.detach_and_serve(args.socket_dir, args.ready_fd, budget, group)
+        keeper.detach_and_serve(args.socket_dir, args.ready_fd, budget, group, limits)
         _say_detached(args.socket_dir)
         return 0
     logging.basicConfig(
@@ -63,7 +91,7 @@ def cmd_serve(args: argparse.Namespace) -> int:
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(name)s %(message)s",
     )
-    keeper.serve(args.socket_dir, ready_fd=args.ready_fd, budget=budget, allow_group=group)
+    keeper.serve(args.socket_dir, ready_fd=args.ready_fd, budget=budget, allow_group=group, limits=limits)
     return 0
 
 
@@ -96,10 +124,10 @@ def cmd_ls(args: argparse.Namespace) -> int:
         print(json.dumps({"keeper": reply.keeper.to_json(), "entries": [e.to_json() for e in reply.entries]}, indent=2))
         return 0
     k = reply.keeper
-    print(f"keeper pid {k.pid}  weightcache {k.version}  {k.socket_dir}  up {format_age(k.uptime_s)}")
+    print(printable(f"keeper pid {k.pid}  weightcache {k.version}  {k.socket_dir}  up {format_age(k.uptime_s)}"))
     budget = _budget_line(k.budget.default, k.budget.per_placement, k.bytes_by_placement)
     if budget:
-        print("budget  " + budget)
+        print(printable("budget  " + budget))
     if not reply.entries:
         print("(no entries)")
         return 0
@@ -125,8 +153,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 ", ".join(f"{pid} {format_age(now - since)}" for pid, since in e.holders) or "-",
             )
         )
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    for r in rows:
+    shown = [[printable(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in shown) for i in range(len(shown[0]))]
+    for r in shown:
         print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
     return 0
 
@@ -191,11 +220,12 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     ]
     width = max(len(key) for key, _ in fields) + 2
     for key, value in fields:
-        print(f"{key:<{width}}{value}")
+        print(f"{key:<{width}}{printable(value)}")
     if args.tensors:
         t = manifest["tensors"]
         for i, name in enumerate(t["name"]):
-            print(f"  {name}  {t['dtype'][i]}{t['shape'][i]}  segment {t['segment'][i]} @ {t['offset'][i]}")
+            line = f"  {name}  {t['dtype'][i]}{t['shape'][i]}  segment {t['segment'][i]} @ {t['offset'][i]}"
+            print(printable(line))
     return 0
 
 
@@ -215,7 +245,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
             _print_kept([conn.inspect(args.digest).entry])
             return 1
     for key in reply.evicted:
-        print(f"evicted {key}")
+        print(printable(f"evicted {key}"))
     if not reply.evicted:  # only --all evicts nothing without an error: every entry of none
         print("nothing to evict")
     return 0
@@ -231,7 +261,7 @@ def _evict_unleased(conn: KeeperConnection) -> int:
             continue
         try:
             for key in conn.evict(entry.key).evicted:
-                print(f"evicted {key}")
+                print(printable(f"evicted {key}"))
                 evicted += 1
         except wc.KeeperError as exc:
             if exc.code == LEASED:  # leased since the listing
@@ -249,8 +279,8 @@ def _print_kept(entries: Sequence[EntryInfo]) -> None:
         pids = ", ".join(str(pid) for pid, _ in e.holders) or "?"
         one = len(e.holders) <= 1
         print(
-            f"weightcache evict: kept {e.key}: leased by pid {pids} (an engine uses it); --force evicts it too "
-            f"(its memory stays mapped in {'that process' if one else 'those processes'} until "
+            f"weightcache evict: kept {printable(e.key)}: leased by pid {pids} (an engine uses it); --force evicts it "
+            f"too (its memory stays mapped in {'that process' if one else 'those processes'} until "
             f"{'it lets' if one else 'they let'} go)",
             file=sys.stderr,
         )
@@ -299,11 +329,12 @@ def cmd_load(args: argparse.Namespace) -> int:
     size, count = handle.nbytes, len(handle.tensors)
     handle.close()
     if not handle.read_disk:
-        print(f"already cached: {fp.digest[:12]}  {fp.describe()}")
+        print(printable(f"already cached: {fp.digest[:12]}  {fp.describe()}"))
         return 0
-    print(f"published {fp.digest[:12]}  {fp.describe()}\n  {count} tensors, {format_bytes(size)} in {seconds:.2f} s")
+    print(printable(f"published {fp.digest[:12]}  {fp.describe()}"))
+    print(f"  {count} tensors, {format_bytes(size)} in {seconds:.2f} s")
     for key in handle.evicted:  # the keeper's budget made room: say so here, not only in its log
-        print(f"  evicted {key} (unleased, least recently used) to make room under the keeper's budget")
+        print(printable(f"  evicted {key} (unleased, least recently used) to make room under the keeper's budget"))
     return 0
 
 
@@ -501,6 +532,29 @@ def build_parser() -> argparse.ArgumentParser:
         help="also serve members of GROUP (name or gid): the socket directory becomes group GROUP, mode 2750, the "
         "socket 0660; members may publish, get, list and inspect, not evict or stop",
     )
+    p.add_argument(
+        "--max-connections",
+        type=int,
+        default=None,
+        metavar="N",
+        help="most client connections at once (default 1024, or a quarter of the open-file limit if lower)",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=float,
+        default=30.0,
+        metavar="SECONDS",
+        help="drop a connection that holds no lease after this long without a request (default 30)",
+    )
+    p.add_argument(
+        "--member-share",
+        type=float,
+        default=0.25,
+        metavar="F",
+        help="with --allow-group: the fraction of each keeper-wide resource (connections, segment fds, bytes and "
+        "fds in flight, unread replies) one member uid may hold; all members together hold at most 1-F, so F stays "
+        "for the owner (default 0.25, at most 0.5)",
+    )
     p.add_argument("-v", "--verbose", action="store_true", help="debug logging")
     p.set_defaults(func=cmd_serve)
 
@@ -639,13 +693,27 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run one command; its exit status. Output closed early (``weightcache ls | head -0``): status 141, as a
+    process killed by SIGPIPE, and nothing printed about it."""
+    for stream in (sys.stdout, sys.stderr):  # never a UnicodeEncodeError, whatever a string holds
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="backslashreplace")
     args = build_parser().parse_args(argv)
     try:
-        result: int = args.func(args)
+        try:
+            result: int = args.func(args)
+        except wc.WeightCacheError as exc:
+            print(f"weightcache {args.command}: {printable(exc, newlines=True)}", file=sys.stderr)
+            result = 1
+        except KeyboardInterrupt:
+            print(f"weightcache {args.command}: interrupted", file=sys.stderr)
+            result = 130
+        sys.stdout.flush()
         return result
-    except wc.WeightCacheError as exc:
-        print(f"weightcache {args.command}: {exc}", file=sys.stderr)
-        return 1
-    except KeyboardInterrupt:
-        print(f"weightcache {args.command}: interrupted", file=sys.stderr)
-        return 130
+    except BrokenPipeError:
+        # Whoever read our output stopped: point stdout at /dev/null so that the flush at exit is quiet too.
+        with contextlib.suppress(OSError, ValueError):
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+        return 141
