@@ -15,7 +15,8 @@ the compile options the caller names, dtype, shapes) and hands torch's portable 
 ``torch.compiler.load_cache_artifacts``, which fills the local inductor and AOTAutograd caches; a compile then hits
 them. On a CPU, inductor's C++ kernels are shared libraries that torch's bundle does not carry; the artifact
 carries the ones this process loaded, restored under the local cache directory at the path torch derives from each
-kernel's source and compile command (so a kernel of another source or command is never found there). On exit,
+kernel's source and compile command (so a kernel of another source or command is never found there), together
+with the small libraries inductor builds to probe the host's vector ISA. On exit,
 if anything missed (no artifact, or torch compiled graphs the artifact did not hold), it publishes
 ``torch.compiler.save_cache_artifacts()`` with those kernels, replacing the artifact it loaded.
 
@@ -27,6 +28,7 @@ keeper's owner, ``trusted_publishers``), and torch unpickles its bundle as it do
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import logging
@@ -36,6 +38,7 @@ import re
 import struct
 import sys
 import tempfile
+import time
 from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any
@@ -189,11 +192,21 @@ def inductor_cache_dir() -> Path:
     return Path(cache_dir())
 
 
-def loaded_kernels(cache_dir: Path | None = None) -> dict[str, Path]:
-    """The C++ kernels of the inductor cache directory that this process has loaded (from ``/proc/self/maps``):
-    relative path -> file."""
+def loaded_kernels(cache_dir: Path | None = None, since: float | None = None) -> dict[str, Path]:
+    """The C++ kernels of the inductor cache directory that this process has loaded (from ``/proc/self/maps``),
+    and, with ``since``, every kernel written there since that time (``time.time()``): relative path -> file.
+
+    The second kind matters: inductor checks which vector ISA the host supports by building a small library per
+    ISA and loading it in a subprocess, so it never shows in this process's maps, and without those a process with
+    an empty cache directory spent ~16 s of its ~38 s start in ``g++`` on the dev VM."""
     root = (cache_dir or inductor_cache_dir()).resolve()
     found: dict[str, Path] = {}
+    if since is not None:
+        for file in root.glob("??/*.so"):
+            relative = f"{file.parent.name}/{file.name}"
+            with contextlib.suppress(OSError):
+                if KERNEL_PATH.fullmatch(relative) and file.stat().st_mtime >= since:
+                    found[relative] = file
     try:
         with open("/proc/self/maps") as f:
             for line in f:
@@ -293,6 +306,7 @@ class CompileCache:
         self.artifact: Artifact | None = None
         self._loaded_sha: str | None = None
         self._counters = (0, 0)
+        self._started = time.time()
 
     @property
     def weights(self) -> str:
@@ -302,6 +316,7 @@ class CompileCache:
         """Hand the keeper's artifact for this key to torch before the first compile; whether one was loaded.
         Starts counting torch's cache hits and misses."""
         self._counters = _counter_totals()
+        self._started = time.time() - 1.0  # mtimes have coarse clocks on some file systems
         found = self.cache.open_artifact(self.fingerprint, self.key) if self.hold else None
         blob = found.read() if found is not None else None
         if not self.hold:
@@ -356,7 +371,7 @@ class CompileCache:
             log.info("weightcache: torch recorded nothing to save for %s; nothing published", self.weights[:12])
             return None
         bundle, _ = saved
-        kernels = {path: file.read_bytes() for path, file in loaded_kernels().items()}
+        kernels = {path: file.read_bytes() for path, file in loaded_kernels(since=self._started).items()}
         blob = pack(bundle, kernels)
         try:
             artifact = self.cache.put_artifact(
