@@ -233,7 +233,7 @@ def _inspect_artifact(args: argparse.Namespace, artifacts: Sequence[ArtifactInfo
     found = [a for a in artifacts if artifact_matches(a.key, args.digest)]
     if not found:
         raise wc.KeeperError(
-            f"no entry or artifact matches {args.digest!r}; `weightcache ls` lists both", NOT_FOUND
+            f"no entry matches {args.digest!r}, nor any artifact; `weightcache ls` lists both", NOT_FOUND
         ) from miss
     if len(found) > 1:
         names = ", ".join(artifact_name(a) for a in found[:8])
