@@ -68,7 +68,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
             compiled = torch.compile(model, **compile_args)
             logits = compiled(ids).logits
     first_output = time.perf_counter() - start
-    from torch._dynamo.utils import counters
+    from weightcache.torch_compile import torch_cache_counters
 
     handle.close()
     return {
@@ -77,7 +77,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         "weights": handle.fingerprint.digest,
         "source": handle.source,
         "stats": None if stats is None else _stats(stats),
-        "counters": {g: dict(counters[g]) for g in ("inductor", "aot_autograd") if g in counters},
+        "counters": torch_cache_counters(),
     }
 
 

@@ -96,6 +96,14 @@ class CompileCacheStats:
     miss_reason: str | None = None
 
 
+def torch_cache_counters() -> dict[str, dict[str, int]]:
+    """torch's counters of its compile caches in this process (``torch._dynamo.utils.counters``, groups
+    ``inductor`` and ``aot_autograd``): e.g. ``{"inductor": {"fxgraph_cache_hit": 1, ...}, ...}``."""
+    from torch._dynamo.utils import counters
+
+    return {group: dict(counters[group]) for group in ("inductor", "aot_autograd") if group in counters}
+
+
 def _counter_totals() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
@@ -446,4 +454,11 @@ def compile_cache(
     return CompileCache(fingerprint, key, cache, hold=hold)
 
 
-__all__ = ["CompileCache", "CompileCacheStats", "compile_cache", "compile_key", "device_fields"]
+__all__ = [
+    "CompileCache",
+    "CompileCacheStats",
+    "compile_cache",
+    "compile_key",
+    "device_fields",
+    "torch_cache_counters",
+]
