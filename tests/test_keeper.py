@@ -99,7 +99,7 @@ def test_the_longest_socket_dir_that_passes_the_length_check_works() -> None:
 
 
 def test_protocol_version_mismatch_is_a_clear_error(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
-    with pytest.raises(wc.ProtocolVersionError, match="speaks protocol 1..1, the client speaks 7..9"):
+    with pytest.raises(wc.ProtocolVersionError, match="speaks protocol 1..2, the client speaks 7..9"):
         KeeperConnection.connect(socket_dir, protocol_version=9, min_protocol_version=7)
     with pytest.raises(wc.ProtocolVersionError, match="the client speaks 0..0"):
         KeeperConnection.connect(socket_dir, protocol_version=0, min_protocol_version=0)

@@ -26,7 +26,20 @@ from weightcache.client import KeeperConnection
 from weightcache.errors import WeightCacheError
 from weightcache.fingerprint import Fingerprint
 
-OPS = ["hello", "publish", "get", "list", "inspect", "evict", "explode", None, 7]
+OPS = [
+    "hello",
+    "publish",
+    "get",
+    "list",
+    "inspect",
+    "evict",
+    "put_artifact",
+    "get_artifact",
+    "list_artifacts",
+    "explode",
+    None,
+    7,
+]
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=False) | st.text(max_size=20),
@@ -43,6 +56,12 @@ messages = st.fixed_dictionaries(
         "manifest": json_values,
         "force": json_values,
         "all": json_values,
+        "weights": json_values | st.sampled_from(["ab" * 32, "0" * 8]),
+        "key": json_values | st.just({"kind": "torch.compile", "fields": {}}),
+        "size": json_values | st.integers(-1, 1 << 40),
+        "sha256": json_values | st.just("0" * 64),
+        "replace": json_values,
+        "trust": json_values,
     },
 )
 

@@ -42,10 +42,12 @@ LAYERS: dict[str, int] = {
     "quant/*.py": 1,
     "checkpoint.py": 1,
     "fdcheck.py": 1,
+    "artifact_key.py": 1,
     # L2: the keeper and the client (+ filelock)
     "client.py": 2,
     "lease.py": 2,
     "republish.py": 2,
+    "artifacts.py": 2,
     "keeper/*.py": 2,
     # L3: the torch side
     "segments/*.py": 3,
@@ -63,6 +65,7 @@ LAYERS: dict[str, int] = {
     "structure.py": 3,
     "loaders.py": 3,
     "api.py": 3,
+    "torch_compile.py": 3,
     # L4: engine adapters
     "backends/*.py": 4,
     # L5: tools

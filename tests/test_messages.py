@@ -11,16 +11,20 @@ from pathlib import Path
 import pytest
 
 from weightcache import errors, messages
+from weightcache.artifact_key import ArtifactKey
 from weightcache.budget import Budget
 from weightcache.errors import ProtocolError
 from weightcache.fingerprint import Fingerprint
 from weightcache.keeper import HANDLERS
 from weightcache.messages import (
+    ArtifactInfo,
     ClientInfo,
     EntryInfo,
     ErrorReply,
     EvictReply,
     EvictRequest,
+    GetArtifactReply,
+    GetArtifactRequest,
     GetReply,
     GetRequest,
     HelloReply,
@@ -28,10 +32,14 @@ from weightcache.messages import (
     InspectReply,
     InspectRequest,
     KeeperInfo,
+    ListArtifactsReply,
+    ListArtifactsRequest,
     ListReply,
     ListRequest,
     PublishReply,
     PublishRequest,
+    PutArtifactReply,
+    PutArtifactRequest,
     StopReply,
     StopRequest,
 )
@@ -117,6 +125,9 @@ def test_every_shape_round_trips(checkpoint: Path) -> None:
         key=f"{fp.digest}@cpu~1000",
     )
     keeper = KeeperInfo(1, "0.1.0", 1, "/tmp/x", 1.0, 2.0, 3, Budget(None, {"cpu": 1024}), {"cpu": 512})
+    key = ArtifactKey("torch.compile", {"torch": "2.13.0", "shapes": [[1, 8]]})
+    sha = "0" * 64
+    artifact = ArtifactInfo(f"{fp.digest}/{key.digest}~7", fp.digest, key, 10, sha, 7, 1, ((42, 1.5),), 1.0, 2.0, 3.0)
     values = [
         HelloRequest(1, 1, "0.1.0", 7),
         HelloRequest(1),
@@ -140,6 +151,17 @@ def test_every_shape_round_trips(checkpoint: Path) -> None:
         StopRequest(),
         StopReply(7),
         ErrorReply(messages.LEASED, "held"),
+        PutArtifactRequest(fp.digest, key, 10, sha),
+        PutArtifactRequest(fp.digest, key, 10, sha, replace="1" * 64),
+        PutArtifactReply(artifact.key, True, True, ("e@cpu",)),
+        PutArtifactReply(artifact.key, False),
+        GetArtifactRequest(fp.digest, key),
+        GetArtifactRequest(fp.digest, key, (7, 0)),
+        GetArtifactReply(True, artifact),
+        GetArtifactReply(False, others=(7,), near=(key.with_fields(dtype="x"),)),
+        ListArtifactsRequest(),
+        ListArtifactsRequest("ab"),
+        ListArtifactsReply((artifact,), truncated=True),
     ]
     op_of = {request: op for op, (request, _) in messages.SHAPES.items()}
     for value in values:
@@ -168,3 +190,8 @@ def test_a_wrong_field_is_named() -> None:
         StopReply.from_json({"ok": True})
     with pytest.raises(ProtocolError, match="expected a successful reply"):
         StopReply.from_json({"ok": False, "error": "forbidden"})
+    key = {"kind": "torch.compile", "fields": {}}
+    with pytest.raises(ProtocolError, match="field 'weights' must be the weights' fingerprint digest"):
+        GetArtifactRequest.from_json({"op": "get_artifact", "weights": "../x", "key": key})
+    with pytest.raises(ProtocolError, match="field 'sha256' must be 64 lower-case hex digits"):
+        PutArtifactRequest.from_json({"op": "put_artifact", "weights": "ab" * 32, "key": key, "size": 1, "sha256": "x"})

@@ -11,6 +11,7 @@ import typing
 
 from . import quant
 from ._version import __version__
+from .artifact_key import ArtifactKey
 from .errors import (
     BackendConfigError,
     BackendError,
@@ -38,14 +39,16 @@ from .errors import (
 )
 from .fingerprint import Fingerprint
 from .manifest import Manifest
-from .messages import EntryInfo
+from .messages import ArtifactInfo, EntryInfo
 
 if typing.TYPE_CHECKING:
     from .api import attach, preload
+    from .artifacts import Artifact
     from .binding import bind
     from .cache import Cache
     from .handle import Handle
     from .standby import Leadership
+    from .torch_compile import CompileCache, compile_cache
 
 # Names imported on first use (PEP 562): those that need torch, so that the keeper and the CLI's keeper commands
 # import this package without importing torch, and those a restarted engine's attach does not need, so that it
@@ -55,6 +58,9 @@ _LAZY = {
     "preload": "api",
     "bind": "binding",
     "Cache": "cache",
+    "Artifact": "artifacts",
+    "CompileCache": "torch_compile",
+    "compile_cache": "torch_compile",
     "Handle": "handle",
     "Leadership": "standby",
 }
@@ -74,12 +80,16 @@ def __dir__() -> list[str]:
 
 
 __all__ = [
+    "Artifact",
+    "ArtifactInfo",
+    "ArtifactKey",
     "BackendConfigError",
     "BackendError",
     "BindError",
     "BudgetExceeded",
     "Cache",
     "CheckpointError",
+    "CompileCache",
     "EngineNotInstalled",
     "EntryInfo",
     "EntryNotFound",
@@ -106,6 +116,7 @@ __all__ = [
     "__version__",
     "attach",
     "bind",
+    "compile_cache",
     "preload",
     "quant",
 ]

@@ -6,20 +6,24 @@ Packing (:mod:`weightcache.publish`), mapping (:mod:`weightcache.views`) and wha
 
 from __future__ import annotations
 
+import logging
 import os
 from collections.abc import Iterable, Mapping
 from typing import TYPE_CHECKING
 
 import torch
 
+from . import artifacts as artifact_ops
 from . import quant as quant_registry
+from .artifact_key import ArtifactKey
+from .artifacts import Artifact, Fetched
 from .client import KeeperConnection, ensure_keeper, stop_keeper
-from .errors import KeeperError, ManifestError
+from .errors import KeeperError, ManifestError, WeightCacheError
 from .fingerprint import Fingerprint
 from .handle import Handle
 from .lease import Lease
 from .manifest import Manifest
-from .messages import EntryInfo
+from .messages import ArtifactInfo, EntryInfo
 from .protocol import close_fds
 from .rundir import resolve_user
 from .views import map_entry
@@ -27,6 +31,13 @@ from .views import map_entry
 if TYPE_CHECKING:  # packing is imported when something is published: an attach never needs it
     from .loader import StoredTensor
     from .publish import Packed
+
+log = logging.getLogger("weightcache.artifacts")
+
+
+def weights_digest(fingerprint: Fingerprint | str) -> str:
+    """The weights digest an artifact is stored under: a fingerprint's digest, or a digest given as is."""
+    return fingerprint.digest if isinstance(fingerprint, Fingerprint) else fingerprint
 
 
 class Cache:
@@ -60,6 +71,9 @@ class Cache:
         self.socket_dir = socket_dir
         #: Whether handles from this cache may spawn a keeper to re-publish to after a crash.
         self.respawn = spawn
+        # (weights, artifact key digest) -> SHA-256 of an artifact found corrupt: the next put of that key
+        # replaces it (otherwise the keeper would keep the corrupt one and answer every later get with it).
+        self._corrupt: dict[tuple[str, str], str] = {}
 
     def _connect(self) -> KeeperConnection:
         return KeeperConnection.connect(self.socket_dir)
@@ -106,6 +120,95 @@ class Cache:
             digest = fingerprint_or_digest
         with self._connect() as conn:
             return list(conn.evict(digest, force=force).evicted)
+
+    # --- artifacts (what an engine compiled for these weights; see docs/concepts.md) --------------------------
+
+    def artifacts(self, fingerprint: Fingerprint | str | None = None) -> list[ArtifactInfo]:
+        """The compiled artifacts the keeper holds (of one fingerprint, or of weights digests starting with a
+        given prefix), most recently used first: key, weights digest, kind, artifact key, bytes, publisher, leases.
+        Empty from a keeper too old to hold artifacts."""
+        with self._connect() as conn:
+            prefix = None if fingerprint is None else weights_digest(fingerprint)
+            return list(conn.list_artifacts(prefix).artifacts)
+
+    def put_artifact(
+        self,
+        fingerprint: Fingerprint | str,
+        key: ArtifactKey,
+        data: bytes | bytearray | memoryview,
+        *,
+        hold: bool = False,
+        replace: str | None = None,
+    ) -> Artifact:
+        """Publish ``data`` (an opaque blob, e.g. ``torch.compiler.save_cache_artifacts()[0]``) as the artifact of
+        the weights ``fingerprint`` (or a weights digest) compiled for ``key``.
+
+        The blob travels as a sealed memfd; the keeper never reads it. If the keeper already holds an artifact of
+        this weights, key and publisher, that one stays and ``created`` is False, unless ``replace`` names its
+        SHA-256 (one found corrupt or outdated; one this Cache's :meth:`get_artifact` found corrupt is replaced
+        without being named). With ``hold``, the returned :class:`Artifact` stays leased (never
+        evicted for the budget) and is re-published if the keeper restarts, until it is closed.
+
+        Raises BudgetExceeded when it does not fit the keeper's ``cpu`` budget, KeeperUnavailable when no keeper
+        runs, KeeperError (code ``"version"``) for a keeper too old to hold artifacts, InvalidArgument for a blob
+        over 16 GiB.
+        """
+        weights = weights_digest(fingerprint)
+        if replace is None:
+            replace = self._corrupt.get((weights, key.digest))
+        conn = self._connect()
+        try:
+            artifact = artifact_ops.put(conn, weights, key, data, replace=replace, hold=hold, respawn=self.respawn)
+        except BaseException:
+            conn.close()
+            raise
+        if not hold:
+            conn.close()
+        self._corrupt.pop((weights, key.digest), None)
+        return artifact
+
+    def get_artifact(self, fingerprint: Fingerprint | str, key: ArtifactKey) -> bytes | None:
+        """The blob of the artifact of ``fingerprint`` (or a weights digest) compiled for ``key``, its SHA-256
+        checked; None on any miss: no keeper, a keeper too old for artifacts, no artifact of a trusted publisher
+        for exactly this key, or a corrupt blob. The reason is logged (logger ``weightcache.artifacts``, INFO; a
+        corrupt blob at WARNING). Never raises for the keeper's sake: the caller compiles as it would have."""
+        found = self._fetch(fingerprint, key, hold=False)
+        return found.data if found is not None else None
+
+    def open_artifact(self, fingerprint: Fingerprint | str, key: ArtifactKey) -> Artifact | None:
+        """Like :meth:`get_artifact`, but the artifact stays held (leased, and re-published if the keeper
+        restarts) until the returned :class:`Artifact` is closed; ``artifact.read()`` gives its bytes."""
+        found = self._fetch(fingerprint, key, hold=True)
+        return found.artifact if found is not None else None
+
+    def _fetch(self, fingerprint: Fingerprint | str, key: ArtifactKey, *, hold: bool) -> Fetched | None:
+        weights = weights_digest(fingerprint)
+        conn = artifact_ops.connect_or_miss(self.socket_dir)
+        if isinstance(conn, artifact_ops.Miss):
+            log.info("weightcache: %s artifact miss: %s", key.kind, conn.reason)
+            return None
+        try:
+            found = artifact_ops.get(conn, weights, key, trust=self.trust(conn), hold=hold, respawn=self.respawn)
+        except (WeightCacheError, OSError) as exc:
+            conn.close()
+            log.warning("weightcache: %s artifact miss: the keeper failed to answer: %s", key.kind, exc)
+            return None
+        if isinstance(found, artifact_ops.Miss):
+            conn.close()
+            if found.corrupt is not None:
+                self._corrupt[(weights, key.digest)] = found.corrupt
+            (log.warning if found.corrupt else log.info)("weightcache: %s artifact miss: %s", key.kind, found.reason)
+            return None
+        if found.artifact is None:
+            conn.close()
+        log.info(
+            "weightcache: %s artifact hit: %s (%d bytes, publisher uid %d)",
+            key.kind,
+            found.info.key[:24],
+            found.info.bytes,
+            found.info.publisher,
+        )
+        return found
 
     def stop(self, *, wait: float | None = None) -> int:
         """Ask the keeper to exit; returns its pid. Attached clients keep working; unleased entries are freed.

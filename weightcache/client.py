@@ -20,6 +20,7 @@ from typing import Any
 
 from . import protocol
 from ._version import __version__
+from .artifact_key import ArtifactKey
 from .errors import (
     KeeperError,
     KeeperNotResponding,
@@ -33,16 +34,22 @@ from .messages import (
     ErrorReply,
     EvictReply,
     EvictRequest,
+    GetArtifactReply,
+    GetArtifactRequest,
     GetReply,
     GetRequest,
     HelloReply,
     HelloRequest,
     InspectReply,
     InspectRequest,
+    ListArtifactsReply,
+    ListArtifactsRequest,
     ListReply,
     ListRequest,
     PublishReply,
     PublishRequest,
+    PutArtifactReply,
+    PutArtifactRequest,
     StopReply,
     StopRequest,
 )
@@ -299,6 +306,84 @@ class KeeperConnection:
                 raise KeeperError(f"the keeper's list pages do not advance (after {after!r:.80}); restart it", "list")
             entries.extend(page.entries)
         raise KeeperError(f"the keeper's list has more than {MAX_LIST_PAGES} pages; evict entries", "list")
+
+    # --- artifacts (protocol 2) ------------------------------------------------------------------------------------
+
+    @property
+    def protocol(self) -> int:
+        """The protocol version negotiated in hello."""
+        version = self.hello.get("protocol")
+        return version if isinstance(version, int) else 1
+
+    @property
+    def serves_artifacts(self) -> bool:
+        """Whether the keeper speaks protocol 2 (the artifact ops); an older keeper holds weights only."""
+        return self.protocol >= 2
+
+    def _need_artifacts(self, op: str) -> None:
+        if not self.serves_artifacts:
+            raise KeeperError(
+                f"the keeper at {self.socket_dir} (weightcache {self.hello.get('keeper_version')}) speaks protocol "
+                f"{self.protocol}, which has no {op!r}: it holds weights only. Restart it with this weightcache "
+                "version (`weightcache stop`; engines in mode daemon start a new one)",
+                "version",
+            )
+
+    def put_artifact(
+        self,
+        weights: str,
+        key: ArtifactKey,
+        fd: int,
+        size: int,
+        sha256: str,
+        *,
+        replace: str | None = None,
+        timeout: float | None = None,
+    ) -> PutArtifactReply:
+        """Hand an artifact to the keeper: ``fd``, a sealed memfd of ``size`` bytes whose SHA-256 is ``sha256``
+        (the fd stays open on this side); this connection then leases it. ``replace``: the SHA-256 of the
+        artifact of this weights and key that it replaces (one the caller found corrupt or outdated)."""
+        self._need_artifacts("put_artifact")
+        request = PutArtifactRequest(weights, key, size, sha256, replace)
+        reply, out = self.request(
+            request.to_json(), [fd], timeout=publish_timeout(size) if timeout is None else timeout
+        )
+        protocol.close_fds(out)
+        return PutArtifactReply.from_json(reply)
+
+    def get_artifact(
+        self, weights: str, key: ArtifactKey, *, trust: Sequence[int] = ()
+    ) -> tuple[GetArtifactReply, int | None]:
+        """The artifact of ``weights`` compiled for ``key``, and its memfd (the caller's to close; None when not
+        found); this connection then leases it. ``trust`` as for :meth:`get`; PeerRejected if the keeper answers
+        with an artifact of a publisher not trusted."""
+        self._need_artifacts("get_artifact")
+        reply, fds = self.request(GetArtifactRequest(weights, key, tuple(trust)).to_json())
+        try:
+            found = GetArtifactReply.from_json(reply)
+            if found.artifact is None:
+                if fds:
+                    raise ProtocolError(f"the keeper sent {len(fds)} fds with a get_artifact that found nothing")
+                return found, None
+            allowed = tuple(trust) or self.default_trust
+            if found.artifact.publisher not in allowed:
+                raise PeerRejected(
+                    f"the keeper answered with an artifact published by uid {found.artifact.publisher}, which this "
+                    f"client does not trust (it trusts {', '.join(map(str, allowed))}); refusing it"
+                )
+            if len(fds) != 1:
+                raise ProtocolError(f"a found artifact comes with one fd; {len(fds)} arrived")
+            return found, fds[0]
+        except BaseException:
+            protocol.close_fds(fds)
+            raise
+
+    def list_artifacts(self, weights: str | None = None) -> ListArtifactsReply:
+        """The artifacts the keeper holds (those of weights whose digest starts with ``weights``); empty from a
+        keeper that holds weights only (protocol 1)."""
+        if not self.serves_artifacts:
+            return ListArtifactsReply(artifacts=())
+        return ListArtifactsReply.from_json(self._ask(ListArtifactsRequest(weights).to_json()))
 
     def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
         reply, fds = self.request(message)

@@ -1,8 +1,9 @@
 """A client's lease on one keeper entry: the open keeper connection (which is the lease) and the entry's
 segment fds, which keep the memory alive and let the entry be re-published to a new keeper.
 
-Torch-free. :class:`~weightcache.handle.Handle` owns one; :mod:`weightcache.republish` watches it through the
-public methods below and nothing else.
+Torch-free. :class:`~weightcache.handle.Handle` owns a :class:`Lease` (weights), a held
+:class:`~weightcache.artifacts.Artifact` an ``ArtifactLease``; :mod:`weightcache.republish` watches both through
+the public methods of :class:`BaseLease` and nothing else.
 """
 
 from __future__ import annotations
@@ -16,22 +17,21 @@ from .manifest import Manifest
 from .protocol import close_fds
 
 
-class Lease:
-    """The connection that holds an entry leased in the keeper, and the entry's segment fds.
+class BaseLease:
+    """The connection that holds something leased in the keeper, and the fds that let it be re-published.
 
     Args:
-        connection: the connection the entry was got or published over.
-        fds: the entry's segment fds, in manifest order (owned by the lease from here).
-        manifest: the entry's manifest (what a re-publication sends).
+        connection: the connection it was got or published over.
+        fds: its fds (owned by the lease from here).
         respawn: whether a keeper may be spawned to re-publish to after a crash (mode daemon).
-        publisher: the uid that published the entry, as the keeper reported it (None: not known). Only an entry
+        publisher: the uid that published what is leased, as the keeper reported it (None: not known). Only what
             this process's own uid published is ever re-published (see :attr:`republishable`).
+
+    Subclasses say what they hold (:attr:`digest`, for log lines) and how to publish it again
+    (:meth:`publish_to`).
     """
 
-    def __init__(
-        self, connection: KeeperConnection, fds: list[int], manifest: Manifest, *, respawn: bool, publisher: int | None
-    ) -> None:
-        self.manifest = manifest
+    def __init__(self, connection: KeeperConnection, fds: list[int], *, respawn: bool, publisher: int | None) -> None:
         self.publisher = publisher
         self.socket_dir: Path = connection.socket_dir
         #: Whether the socket directory was named by the caller (a shared directory is trusted only then).
@@ -44,7 +44,14 @@ class Lease:
 
     @property
     def digest(self) -> str:
-        return self.manifest.fingerprint.digest
+        """What is leased, for log lines (a digest or a key)."""
+        raise NotImplementedError
+
+    def publish_to(self, connection: KeeperConnection, fds: list[int], *, timeout: float | None = None) -> bool:
+        """Publish what this lease holds over ``connection`` with ``fds`` (dups of its own), within ``timeout``
+        seconds (default: the client's publish deadline); whether the keeper created it (False: it held it
+        already, and ``connection`` now leases that one)."""
+        raise NotImplementedError
 
     @property
     def republishable(self) -> bool:
@@ -110,4 +117,22 @@ class Lease:
             self._fds = []
 
 
-__all__ = ["Lease"]
+class Lease(BaseLease):
+    """The lease of a weights entry: its connection, its segment fds (in manifest order) and its manifest (what a
+    re-publication sends)."""
+
+    def __init__(
+        self, connection: KeeperConnection, fds: list[int], manifest: Manifest, *, respawn: bool, publisher: int | None
+    ) -> None:
+        super().__init__(connection, fds, respawn=respawn, publisher=publisher)
+        self.manifest = manifest
+
+    @property
+    def digest(self) -> str:
+        return self.manifest.fingerprint.digest
+
+    def publish_to(self, connection: KeeperConnection, fds: list[int], *, timeout: float | None = None) -> bool:
+        return connection.publish(self.manifest.to_json(), fds, timeout=timeout).created
+
+
+__all__ = ["BaseLease", "Lease"]

@@ -20,6 +20,7 @@ from typing import Any, NamedTuple
 import attrs
 
 from . import protocol
+from .artifact_key import MAX_ARTIFACT_BYTES, ArtifactKey, check_sha256, check_weights_digest
 from .budget import Budget
 from .errors import ProtocolError, WeightCacheError
 from .fingerprint import Fingerprint
@@ -34,8 +35,15 @@ LIST = "list"
 INSPECT = "inspect"
 EVICT = "evict"
 STOP = "stop"
+PUT_ARTIFACT = "put_artifact"
+GET_ARTIFACT = "get_artifact"
+LIST_ARTIFACTS = "list_artifacts"
 #: Every op a keeper serves, in the order docs/protocol.md lists them.
-OPS: tuple[str, ...] = (HELLO, PUBLISH, GET, LIST, INSPECT, EVICT, STOP)
+OPS: tuple[str, ...] = (HELLO, PUBLISH, GET, LIST, INSPECT, EVICT, STOP, PUT_ARTIFACT, GET_ARTIFACT, LIST_ARTIFACTS)
+#: The ops that carry fds from client to keeper (one per segment; one memfd for an artifact).
+FD_OPS: frozenset[str] = frozenset({PUBLISH, PUT_ARTIFACT})
+#: The ops a keeper serves from protocol version 2 on (what a client may ask only once hello negotiated 2).
+ARTIFACT_OPS: frozenset[str] = frozenset({PUT_ARTIFACT, GET_ARTIFACT, LIST_ARTIFACTS})
 #: What only the keeper's own uid may do (not members of an allowed group).
 OWNER_OPS: frozenset[str] = frozenset({EVICT, STOP})
 
@@ -71,6 +79,10 @@ MAX_MANIFEST_BYTES = protocol.MAX_PAYLOAD_BYTES - 64 * 1024
 
 #: Most uids a ``get`` may name as trusted publishers.
 MAX_TRUSTED = 64
+#: Most artifacts one ``list_artifacts`` reply carries (it must fit in a frame); ``truncated`` says when more exist.
+MAX_LISTED_ARTIFACTS = 1024
+#: Most keys of near misses a ``get_artifact`` reply names (artifacts of the same weights and kind, other keys).
+MAX_NEAR_KEYS = 8
 
 
 def entry_key(digest: str, placement: str, publisher: int | None = None) -> str:
@@ -98,6 +110,20 @@ def _strings(data: dict[str, Any], key: str) -> tuple[str, ...]:
     values = field(data, key, list)
     if not all(isinstance(v, str) for v in values):
         raise ProtocolError(f"field {key!r} must be a list of strings; found {values!r:.200}")
+    return tuple(values)
+
+
+def _trust(data: dict[str, Any]) -> tuple[int, ...]:
+    trust = field(data, "trust", list, optional=True) or []
+    if len(trust) > MAX_TRUSTED or not all(isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in trust):
+        raise ProtocolError(f"field 'trust' must list at most {MAX_TRUSTED} uids (non-negative integers)")
+    return tuple(trust)
+
+
+def _uids(data: dict[str, Any], key: str) -> tuple[int, ...]:
+    values = field(data, key, list, optional=True) or []
+    if not all(isinstance(u, int) and not isinstance(u, bool) for u in values):
+        raise ProtocolError(f"field {key!r} must list uids")
     return tuple(values)
 
 
@@ -216,12 +242,7 @@ class GetRequest(NamedTuple):
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> GetRequest:
-        trust = field(data, "trust", list, optional=True) or []
-        if len(trust) > MAX_TRUSTED or not all(
-            isinstance(u, int) and not isinstance(u, bool) and u >= 0 for u in trust
-        ):
-            raise ProtocolError(f"field 'trust' must list at most {MAX_TRUSTED} uids (non-negative integers)")
-        return cls(digest=field(data, "digest", str), placement=field(data, "placement", str), trust=tuple(trust))
+        return cls(digest=field(data, "digest", str), placement=field(data, "placement", str), trust=_trust(data))
 
 
 class GetReply(NamedTuple):
@@ -250,10 +271,7 @@ class GetReply(NamedTuple):
     def from_json(cls, data: dict[str, Any]) -> GetReply:
         _ok(data)
         if not field(data, "found", bool):
-            others = field(data, "others", list, optional=True) or []
-            if not all(isinstance(u, int) and not isinstance(u, bool) for u in others):
-                raise ProtocolError("field 'others' must list uids")
-            return cls(found=False, others=tuple(others))
+            return cls(found=False, others=_uids(data, "others"))
         return cls(
             found=True,
             key=field(data, "key", str),
@@ -568,6 +586,236 @@ class StopReply(NamedTuple):
         return cls(pid=field(data, "pid", int))
 
 
+# --- artifacts (protocol 2) -------------------------------------------------------------------------------------
+
+
+@attrs.frozen
+class ArtifactInfo:
+    """One compiled artifact the keeper holds, as ``list_artifacts`` and ``get_artifact`` report it (and
+    :meth:`Cache.artifacts`): an opaque blob of ``bytes`` for the weights ``weights``, compiled for ``artifact_key``."""
+
+    #: ``<weights>/<key digest>``, with ``~<uid>`` when another uid than the keeper's owner published it.
+    key: str
+    #: The digest of the weights' fingerprint the artifact belongs to.
+    weights: str
+    artifact_key: ArtifactKey
+    bytes: int
+    #: SHA-256 of the blob, as its publisher recorded it; a reader checks the bytes against it.
+    sha256: str
+    #: The uid that published it (SO_PEERCRED, as the keeper saw it).
+    publisher: int
+    leases: int
+    #: ``(pid, since)`` of each lease holder.
+    holders: tuple[tuple[int, float], ...]
+    created: float
+    last_used: float
+    age_s: float
+
+    @property
+    def kind(self) -> str:
+        return self.artifact_key.kind
+
+    @property
+    def key_digest(self) -> str:
+        return self.artifact_key.digest
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "key": self.key,
+            "weights": self.weights,
+            "kind": self.kind,
+            "artifact_key": self.artifact_key.to_json(),
+            "bytes": self.bytes,
+            "sha256": self.sha256,
+            "publisher": self.publisher,
+            "leases": self.leases,
+            "holders": [{"pid": pid, "since": since} for pid, since in self.holders],
+            "created": self.created,
+            "last_used": self.last_used,
+            "age_s": self.age_s,
+        }
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ArtifactInfo:
+        holders = []
+        for h in field(data, "holders", list):
+            if not isinstance(h, dict):
+                raise ProtocolError(f"field 'holders' must hold objects; found {h!r:.100}")
+            holders.append((field(h, "pid", int), _float(h, "since")))
+        return cls(
+            key=field(data, "key", str),
+            weights=check_weights_digest(field(data, "weights", str)),
+            artifact_key=ArtifactKey.from_json(field(data, "artifact_key", dict)),
+            bytes=field(data, "bytes", int),
+            sha256=check_sha256(field(data, "sha256", str)),
+            publisher=field(data, "publisher", int),
+            leases=field(data, "leases", int),
+            holders=tuple(holders),
+            created=_float(data, "created"),
+            last_used=_float(data, "last_used"),
+            age_s=_float(data, "age_s"),
+        )
+
+
+def _size(data: dict[str, Any]) -> int:
+    size: int = field(data, "size", int)
+    if not 0 <= size <= MAX_ARTIFACT_BYTES:
+        raise ProtocolError(f"field 'size' must be 0..{MAX_ARTIFACT_BYTES} bytes; found {size}")
+    return size
+
+
+class PutArtifactRequest(NamedTuple):
+    """Hand an artifact to the keeper: one sealed memfd of exactly ``size`` bytes rides on the frame.
+
+    ``replace``: the SHA-256 of an artifact of the same weights and key (and publisher) that the client found
+    corrupt or outdated; the keeper replaces that one only if it still holds exactly it. Without ``replace``, a
+    publish of an artifact the keeper already holds makes the publisher a lease holder of that one.
+    """
+
+    weights: str
+    key: ArtifactKey
+    size: int
+    sha256: str
+    replace: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {
+            "op": PUT_ARTIFACT,
+            "weights": self.weights,
+            "key": self.key.to_json(),
+            "size": self.size,
+            "sha256": self.sha256,
+        }
+        if self.replace is not None:
+            out["replace"] = self.replace
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PutArtifactRequest:
+        replace = field(data, "replace", str, optional=True)
+        return cls(
+            weights=check_weights_digest(field(data, "weights", str)),
+            key=ArtifactKey.from_json(field(data, "key", dict)),
+            size=_size(data),
+            sha256=check_sha256(field(data, "sha256", str)),
+            replace=None if replace is None else check_sha256(replace),
+        )
+
+
+class PutArtifactReply(NamedTuple):
+    """``created`` is False when the keeper already held the artifact (the publisher then leases that one);
+    ``replaced`` when it replaced the one named by ``replace``."""
+
+    key: str
+    created: bool
+    replaced: bool = False
+    #: Keys evicted (unleased, least recently used) to make room; only when created.
+    evicted: tuple[str, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"ok": True, "key": self.key, "created": self.created, "replaced": self.replaced}
+        if self.created:
+            out["evicted"] = list(self.evicted)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> PutArtifactReply:
+        _ok(data)
+        created = field(data, "created", bool)
+        return cls(
+            key=field(data, "key", str),
+            created=created,
+            replaced=bool(field(data, "replaced", bool, optional=True)),
+            evicted=_strings(data, "evicted") if created else (),
+        )
+
+
+class GetArtifactRequest(NamedTuple):
+    """Ask for the artifact of ``weights`` compiled for ``key``; when found, its memfd rides on the reply.
+    ``trust`` as for :class:`GetRequest`."""
+
+    weights: str
+    key: ArtifactKey
+    trust: tuple[int, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": GET_ARTIFACT, "weights": self.weights, "key": self.key.to_json()}
+        if self.trust:
+            out["trust"] = list(self.trust)
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GetArtifactRequest:
+        return cls(
+            weights=check_weights_digest(field(data, "weights", str)),
+            key=ArtifactKey.from_json(field(data, "key", dict)),
+            trust=_trust(data),
+        )
+
+
+class GetArtifactReply(NamedTuple):
+    """A ``get_artifact``'s answer. When found: the artifact (one fd on the frame). When not: ``others``, the uids
+    whose artifact of this weights and key the request did not trust, and ``near``, the keys of up to
+    :data:`MAX_NEAR_KEYS` trusted artifacts of the same weights and kind compiled for other keys (so that a miss
+    can say which fields differ)."""
+
+    found: bool
+    artifact: ArtifactInfo | None = None
+    others: tuple[int, ...] = ()
+    near: tuple[ArtifactKey, ...] = ()
+
+    def to_json(self) -> dict[str, Any]:
+        if not self.found or self.artifact is None:
+            return {"ok": True, "found": False, "others": list(self.others), "near": [k.to_json() for k in self.near]}
+        return {"ok": True, "found": True, "artifact": self.artifact.to_json()}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> GetArtifactReply:
+        _ok(data)
+        if not field(data, "found", bool):
+            near = field(data, "near", list, optional=True) or []
+            return cls(
+                found=False,
+                others=_uids(data, "others"),
+                near=tuple(ArtifactKey.from_json(k) for k in near[:MAX_NEAR_KEYS]),
+            )
+        return cls(found=True, artifact=ArtifactInfo.from_json(field(data, "artifact", dict)))
+
+
+class ListArtifactsRequest(NamedTuple):
+    """The artifacts the keeper holds; with ``weights``, only those whose weights digest starts with it."""
+
+    weights: str | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        out: dict[str, Any] = {"op": LIST_ARTIFACTS}
+        if self.weights is not None:
+            out["weights"] = self.weights
+        return out
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ListArtifactsRequest:
+        return cls(weights=field(data, "weights", str, optional=True))
+
+
+class ListArtifactsReply(NamedTuple):
+    """At most :data:`MAX_LISTED_ARTIFACTS` artifacts, most recently used first; ``truncated`` when more matched."""
+
+    artifacts: tuple[ArtifactInfo, ...]
+    truncated: bool = False
+
+    def to_json(self) -> dict[str, Any]:
+        return {"ok": True, "artifacts": [a.to_json() for a in self.artifacts], "truncated": self.truncated}
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> ListArtifactsReply:
+        _ok(data)
+        return cls(
+            artifacts=tuple(ArtifactInfo.from_json(_object(a, "artifacts")) for a in field(data, "artifacts", list)),
+            truncated=bool(field(data, "truncated", bool, optional=True)),
+        )
+
+
 # --- errors ------------------------------------------------------------------------------------------------------
 
 
@@ -603,4 +851,7 @@ SHAPES: dict[str, tuple[type[Any], type[Any]]] = {
     INSPECT: (InspectRequest, InspectReply),
     EVICT: (EvictRequest, EvictReply),
     STOP: (StopRequest, StopReply),
+    PUT_ARTIFACT: (PutArtifactRequest, PutArtifactReply),
+    GET_ARTIFACT: (GetArtifactRequest, GetArtifactReply),
+    LIST_ARTIFACTS: (ListArtifactsRequest, ListArtifactsReply),
 }

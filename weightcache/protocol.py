@@ -31,7 +31,8 @@ MAGIC = b"WC"
 #: Version of the frame layout (the 8-byte header). Changes only if the framing itself changes.
 WIRE_VERSION = 1
 #: Version of the message vocabulary; negotiated in ``hello``. A keeper serves clients whose range overlaps.
-PROTOCOL_VERSION = 1
+#: 2 added the artifact ops (``put_artifact``, ``get_artifact``, ``list_artifacts``); 1 is still served.
+PROTOCOL_VERSION = 2
 MIN_PROTOCOL_VERSION = 1
 
 HEADER = struct.Struct("!2sBBI")

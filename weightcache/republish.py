@@ -36,7 +36,7 @@ import attrs
 
 from .client import KeeperConnection, ensure_keeper
 from .errors import KeeperError, KeeperUnavailable, WeightCacheError
-from .lease import Lease
+from .lease import BaseLease
 from .protocol import close_fds
 from .rundir import STOPPED_NAME
 
@@ -53,7 +53,7 @@ MAX_REFUSED_RETRY_S = 30.0
 
 @attrs.define
 class _Watched:
-    lease: weakref.ref[Lease]
+    lease: weakref.ref[BaseLease]
     lost: bool = False
     next_try: float = 0.0
     delay: float = FIRST_RETRY_S
@@ -75,7 +75,7 @@ class Republisher:
         self._thread: threading.Thread | None = None
         self._stopping = False
 
-    def watch(self, lease: Lease) -> None:
+    def watch(self, lease: BaseLease) -> None:
         with self._lock:
             self._watched[id(lease)] = _Watched(weakref.ref(lease))
             if self._thread is None:
@@ -83,7 +83,7 @@ class Republisher:
                 self._thread.start()
         self._wake()
 
-    def forget(self, lease: Lease) -> None:
+    def forget(self, lease: BaseLease) -> None:
         with self._lock:
             w = self._watched.get(id(lease))
             if w is not None and w.lease() in (lease, None):
@@ -210,7 +210,7 @@ class Republisher:
         w.delay = min(ceiling, w.delay * 2)
 
     @staticmethod
-    def _republish(lease: Lease) -> bool:
+    def _republish(lease: BaseLease) -> bool:
         """Publish ``lease``'s entry to the keeper that now serves its directory; True once leased again."""
         directory = lease.socket_dir
         try:
@@ -231,7 +231,7 @@ class Republisher:
                 return True
             try:
                 # the deadline of every publish (client.publish_timeout): longer than any wait of the keeper's
-                reply = conn.publish(lease.manifest.to_json(), fds)
+                created = lease.publish_to(conn, fds)
             finally:
                 close_fds(fds)
         except BaseException:
@@ -244,7 +244,7 @@ class Republisher:
             lease.digest[:12],
             conn.hello.get("pid"),
             directory,
-            "new entry" if reply.created else "already there; lease taken",
+            "new entry" if created else "already there; lease taken",
         )
         return True
 
@@ -266,11 +266,11 @@ def _stop_at_exit() -> None:
     _republisher.stop()
 
 
-def watch(lease: Lease) -> None:
+def watch(lease: BaseLease) -> None:
     """Re-publish ``lease``'s entry whenever its keeper goes away, for as long as the lease is open."""
     _republisher.watch(lease)
 
 
-def forget(lease: Lease) -> None:
+def forget(lease: BaseLease) -> None:
     """Stop watching ``lease`` (it is being closed)."""
     _republisher.forget(lease)

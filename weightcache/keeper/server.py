@@ -43,19 +43,25 @@ from .. import messages, protocol
 from .._version import __version__
 from ..errors import ManifestError, ProtocolError, SegmentError
 from ..messages import (
+    ArtifactInfo,
     ClientInfo,
     ErrorReply,
     EvictReply,
     EvictRequest,
+    GetArtifactReply,
+    GetArtifactRequest,
     GetReply,
     GetRequest,
     HelloReply,
     HelloRequest,
     InspectRequest,
     KeeperInfo,
+    ListArtifactsReply,
+    ListArtifactsRequest,
     ListReply,
     ListRequest,
     PublishRequest,
+    PutArtifactRequest,
     RequestError,
     StopReply,
 )
@@ -325,7 +331,7 @@ class Server:
                     f"{op!r} is for the keeper's owner (uid {os.getuid()}); members of the allowed group may "
                     "publish, get, list and inspect. Ask the owner.",
                 )
-            if fds and op != messages.PUBLISH:
+            if fds and op not in messages.FD_OPS:
                 raise RequestError(messages.BAD_REQUEST, f"message {op!r} carries no fds; {len(fds)} arrived")
             handler = HANDLERS.get(op) if isinstance(op, str) else None
             if handler is None:
@@ -436,10 +442,53 @@ class Server:
     def _stop(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
         return StopReply(pid=os.getpid()).to_json(), []
 
+    # --- artifacts -----------------------------------------------------------------------------------------------
+
+    def _put_artifact(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
+        try:
+            request = PutArtifactRequest.from_json(message)
+            if len(fds) != 1:
+                raise RequestError(
+                    messages.BAD_REQUEST,
+                    f"put_artifact carries exactly one fd (a sealed memfd holding the blob); {len(fds)} arrived",
+                )
+        except BaseException:
+            close_fds(fds)
+            raise
+        # the store owns the fd from here
+        reply = self.store.put_artifact(
+            peer.id,
+            peer.pid,
+            request.weights,
+            request.key,
+            request.size,
+            request.sha256,
+            fds[0],
+            uid=peer.uid,
+            replace=request.replace,
+        )
+        return reply.to_json(), []
+
+    def _get_artifact(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
+        request = GetArtifactRequest.from_json(message)
+        trust = request.trust or (peer.uid, self.store.owner)
+        found = self.store.get_artifact(peer.id, peer.pid, request.weights, request.key, trust)
+        if found is None:
+            others, near = self.store.artifact_misses(request.weights, request.key, trust, messages.MAX_NEAR_KEYS)
+            return GetArtifactReply(found=False, others=tuple(others), near=tuple(near)).to_json(), []
+        return GetArtifactReply(found=True, artifact=found.info).to_json(), [found.fd]
+
+    def _list_artifacts(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
+        request = ListArtifactsRequest.from_json(message)
+        shown, truncated = self.store.artifacts(request.weights, messages.MAX_LISTED_ARTIFACTS)
+        listed: tuple[ArtifactInfo, ...] = tuple(shown)
+        return ListArtifactsReply(artifacts=listed, truncated=truncated).to_json(), []
+
 
 Handler = Callable[[Server, Peer, dict[str, Any], list[int]], tuple[Reply, list[int]]]
 
-#: op -> the method that answers it. Only ``publish`` receives fds; the others are refused if any arrive.
+#: op -> the method that answers it. Only ``publish`` and ``put_artifact`` receive fds; the others are refused if
+#: any arrive.
 HANDLERS: dict[str, Handler] = {
     messages.HELLO: Server._hello,
     messages.PUBLISH: Server._publish,
@@ -448,6 +497,9 @@ HANDLERS: dict[str, Handler] = {
     messages.INSPECT: Server._inspect,
     messages.EVICT: Server._evict,
     messages.STOP: Server._stop,
+    messages.PUT_ARTIFACT: Server._put_artifact,
+    messages.GET_ARTIFACT: Server._get_artifact,
+    messages.LIST_ARTIFACTS: Server._list_artifacts,
 }
 
 

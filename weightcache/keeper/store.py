@@ -17,6 +17,12 @@ cannot make room; another uid's entries are never evicted for it. The segment fd
 and all other uids together at most the rest, so that no member's entries can keep the owner from publishing.
 Evicting only closes the store's fds; memory that clients map stays valid until they let go.
 
+The store's second kind of entry is an **artifact** (:class:`Artifact`): an opaque blob in one sealed memfd that
+an engine compiled for a set of weights (keys ``<weights digest>/<artifact key digest>``, ``~<uid>`` for other
+publishers). The store checks the memfd's kind, size and seals, and never reads it. Artifacts follow the rules of
+entries: leases per connection, the publisher's uid and trust, and the ``cpu`` budget (a memfd is host memory),
+where both kinds are evicted together, least recently used first.
+
 What this module must never do: open sockets, start threads, or touch process state (signals, files, the
 socket directory). It takes plain values, returns plain values or raises
 :class:`~weightcache.messages.RequestError` with a code, and is thread-safe through its own lock.
@@ -37,9 +43,18 @@ from typing import Any
 import attrs
 
 from .. import fdcheck, messages
+from ..artifact_key import ArtifactKey, artifact_entry_key, artifact_matches
 from ..budget import Budget
-from ..manifest import Manifest
-from ..messages import EntryInfo, InspectReply, PublishReply, RequestError, entry_key
+from ..manifest import Manifest, SegmentInfo
+from ..messages import (
+    ArtifactInfo,
+    EntryInfo,
+    InspectReply,
+    PublishReply,
+    PutArtifactReply,
+    RequestError,
+    entry_key,
+)
 from ..protocol import MAX_FDS as MAX_FRAME_FDS
 from ..protocol import Shares, close_fds
 from ..units import format_bytes
@@ -107,6 +122,68 @@ class Entry:
         self.fds = []
 
 
+#: Where an artifact's memory lives, for the budget: a memfd is host memory, whatever device it was compiled for.
+ARTIFACT_PLACEMENT = "cpu"
+
+
+@attrs.define
+class Artifact:
+    """What the store holds for one artifact: its key, publisher, the blob's size and SHA-256 (as the publisher
+    recorded them; the store never reads the blob) and its one memfd."""
+
+    weights: str
+    artifact_key: ArtifactKey
+    publisher: int
+    key: str
+    size: int
+    sha256: str
+    fd: int
+    created: float
+    last_used: float
+    leases: dict[int, Lease] = attrs.field(factory=dict)
+
+    #: For the budget and eviction, which treat artifacts and entries alike.
+    placement = ARTIFACT_PLACEMENT
+
+    @property
+    def fds(self) -> list[int]:
+        return [self.fd] if self.fd >= 0 else []
+
+    def info(self, now: float) -> ArtifactInfo:
+        return ArtifactInfo(
+            key=self.key,
+            weights=self.weights,
+            artifact_key=self.artifact_key,
+            bytes=self.size,
+            sha256=self.sha256,
+            publisher=self.publisher,
+            leases=len(self.leases),
+            holders=tuple((lease.pid, lease.since) for lease in self.leases.values()),
+            created=self.created,
+            last_used=self.last_used,
+            age_s=round(now - self.created, 3),
+        )
+
+    def close(self) -> None:
+        if self.fd >= 0:
+            with contextlib.suppress(OSError):
+                os.close(self.fd)
+            self.fd = -1
+
+
+#: Either kind of thing the store holds (what the budget, ``evict`` and leases treat alike).
+Held = Entry | Artifact
+
+
+@attrs.frozen
+class ArtifactCheckout:
+    """A found artifact for a ``get_artifact``: what ``list_artifacts`` says of it, and a dup of its memfd (the
+    caller's to close)."""
+
+    info: ArtifactInfo
+    fd: int
+
+
 @attrs.frozen
 class Checkout:
     """A found entry for a ``get``: its key, publisher, encoded manifest, and dups of its fds (the caller's to
@@ -159,6 +236,7 @@ class Store:
         self._clock = clock
         self._entries: dict[str, Entry] = {}
         self._fds = Shares(max_fds, owner=self.owner, fraction=member_share, floor=MAX_FRAME_FDS)
+        self._artifacts: dict[str, Artifact] = {}
         self._lock = threading.Lock()
 
     @property
@@ -217,7 +295,7 @@ class Store:
         digest, placement = manifest.fingerprint.digest, manifest.fingerprint.placement
         key = self.key(digest, placement, uid)
         now = self._clock()
-        evicted: list[Entry] = []
+        evicted: list[Held] = []
         with self._lock:
             existing = self._entries.get(key)
             if existing is not None:
@@ -244,16 +322,16 @@ class Store:
         if existing is not None:
             close_fds(fds)
             return PublishReply(digest=digest, key=key, created=False)
-        for entry in evicted:
+        for gone in evicted:
             log.info(
-                "evicted %s (%d bytes, unleased, least recently used) to make room for %s", entry.key, entry.size, key
+                "evicted %s (%d bytes, unleased, least recently used) to make room for %s", gone.key, gone.size, key
             )
         log.info(
             "published %s (%d bytes, %d tensors) from pid %d uid %d", key, manifest.total_bytes, len(manifest), pid, uid
         )
         return PublishReply(digest=digest, key=key, created=True, evicted=tuple(e.key for e in evicted))
 
-    def _make_room(self, key: str, placement: str, needed: int, uid: int) -> list[Entry]:
+    def _make_room(self, key: str, placement: str, needed: int, uid: int) -> list[Held]:
         """Evict ``uid``'s own unleased entries on ``placement``, least recently used first, until ``needed`` more
         bytes fit its budget; return them (their fds closed). Evicts nothing and raises ``over_budget`` if even
         evicting all of them would not be enough: entries of other uids are never evicted for this publish.
@@ -261,7 +339,7 @@ class Store:
         limit = self.budget.limit(placement)
         if limit is None:
             return []
-        here = [e for e in self._entries.values() if e.placement == placement]
+        here = [e for e in self._held() if e.placement == placement]
         held = sum(e.size for e in here)
         if held + needed <= limit:
             return []
@@ -279,7 +357,7 @@ class Store:
                 "or evict entries (`weightcache ls`, `weightcache evict --force`), publish a smaller model, or "
                 "restart the keeper with a larger `weightcache serve --max-bytes`.",
             )
-        out: list[Entry] = []
+        out: list[Held] = []
         for e in sorted(evictable, key=lambda e: e.last_used):
             if held + needed <= limit:
                 break
@@ -288,11 +366,18 @@ class Store:
             out.append(e)
         return out
 
-    def _drop(self, entry: Entry) -> None:
-        """Forget ``entry`` and close its fds. Called with the lock held."""
-        del self._entries[entry.key]
+    def _drop(self, entry: Held) -> None:
+        """Forget ``entry`` (or artifact) and close its fds. Called with the lock held."""
+        if isinstance(entry, Artifact):
+            del self._artifacts[entry.key]
+        else:
+            del self._entries[entry.key]
         self._fds.give(entry.publisher, len(entry.fds))
         entry.close()
+
+    def _held(self) -> list[Held]:
+        """Every entry and artifact. Called with the lock held."""
+        return [*self._entries.values(), *self._artifacts.values()]
 
     def get(
         self, conn: int, pid: int, digest: str, placement: str, trust: Sequence[int] | None = None
@@ -347,9 +432,148 @@ class Store:
         """Drop every lease ``conn`` holds (its connection closed)."""
         with self._lock:
             ended = self._clock()
-            for entry in self._entries.values():
+            for entry in self._held():
                 if entry.leases.pop(conn, None) is not None:
                     entry.last_used = ended  # held until now: recently used, for the LRU order
+
+    # --- artifacts ----------------------------------------------------------------------------------------------
+
+    def artifact_key(self, weights: str, key: ArtifactKey, publisher: int) -> str:
+        """The key of ``publisher``'s artifact for ``weights`` and ``key``."""
+        return artifact_entry_key(weights, key.digest, None if publisher == self.owner else publisher)
+
+    def put_artifact(
+        self,
+        conn: int,
+        pid: int,
+        weights: str,
+        key: ArtifactKey,
+        size: int,
+        sha256: str,
+        fd: int,
+        *,
+        uid: int | None = None,
+        replace: str | None = None,
+    ) -> PutArtifactReply:
+        """Hold the sealed memfd ``fd`` (``size`` bytes, checked; never read) as publisher ``uid``'s artifact of
+        ``weights`` for ``key``, leased by ``conn``.
+
+        If that publisher already holds one: with ``replace`` equal to its SHA-256, the new one takes its place
+        (its leases end); otherwise ``conn`` leases the existing one and ``fd`` is closed. The store owns ``fd``
+        from here on, whatever happens.
+        """
+        uid = self.owner if uid is None else uid
+        try:
+            fdcheck.verify_memfd(fd, SegmentInfo(kind="memfd", size=size, placement=ARTIFACT_PLACEMENT))
+            return self._insert_artifact(conn, pid, uid, weights, key, size, sha256, fd, replace)
+        except BaseException:
+            close_fds([fd])
+            raise
+
+    def _insert_artifact(
+        self,
+        conn: int,
+        pid: int,
+        uid: int,
+        weights: str,
+        key: ArtifactKey,
+        size: int,
+        sha256: str,
+        fd: int,
+        replace: str | None,
+    ) -> PutArtifactReply:
+        name = self.artifact_key(weights, key, uid)
+        now = self._clock()
+        evicted: list[Held] = []
+        replaced: Artifact | None = None
+        with self._lock:
+            existing = self._artifacts.get(name)
+            if existing is not None and replace is not None and existing.sha256 == replace:
+                replaced, existing = existing, None
+                self._drop(replaced)
+            if existing is not None:
+                # Idempotent, as for entries: the same artifact published again (a race, or a re-publication after
+                # a keeper restart) makes the publisher a lease holder of the one already here.
+                existing.last_used = now
+                existing.leases.setdefault(conn, Lease(pid, now))
+            else:
+                if not self._fds.try_take(uid, 1):
+                    raise RequestError(
+                        messages.OVER_BUDGET,
+                        f"artifact {name[:16]}... needs one fd, but of the keeper's segment fds "
+                        f"{self._fds.describe(uid)} (set by its open-file limit and --member-share). Evict entries "
+                        "(`weightcache evict`).",
+                    )
+                try:
+                    evicted = self._make_room(name, ARTIFACT_PLACEMENT, size, uid)
+                except BaseException:
+                    self._fds.give(uid, 1)
+                    raise
+                artifact = Artifact(weights, key, uid, name, size, sha256, fd, now, now, {conn: Lease(pid, now)})
+                self._artifacts[name] = artifact
+        if existing is not None:
+            close_fds([fd])
+            return PutArtifactReply(key=name, created=False)
+        for e in evicted:
+            log.info("evicted %s (%d bytes, unleased, least recently used) to make room for %s", e.key, e.size, name)
+        log.info(
+            "%s artifact %s (%s, %d bytes) from pid %d uid %d",
+            "replaced" if replaced is not None else "published",
+            name,
+            key.kind,
+            size,
+            pid,
+            uid,
+        )
+        return PutArtifactReply(
+            key=name, created=True, replaced=replaced is not None, evicted=tuple(e.key for e in evicted)
+        )
+
+    def get_artifact(
+        self, conn: int, pid: int, weights: str, key: ArtifactKey, trust: Sequence[int] | None = None
+    ) -> ArtifactCheckout | None:
+        """The artifact of ``weights`` for ``key`` of the first publisher in ``trust`` (default: the owner only)
+        that has one, leased by ``conn``, with a dup of its memfd; None if no trusted publisher has one."""
+        with self._lock:
+            found = None
+            for uid in (self.owner,) if trust is None else trust:
+                found = self._artifacts.get(self.artifact_key(weights, key, uid))
+                if found is not None:
+                    break
+            if found is None:
+                return None
+            now = self._clock()
+            found.last_used = now
+            found.leases.setdefault(conn, Lease(pid, now))
+            try:
+                fd = os.dup(found.fd)  # under the lock: an evict racing with this get cannot close it first
+            except OSError as exc:
+                found.leases.pop(conn, None)
+                raise RequestError(messages.BUSY, f"keeper is out of file descriptors ({exc}); retry later") from exc
+            return ArtifactCheckout(found.info(now), fd)
+
+    def artifact_misses(
+        self, weights: str, key: ArtifactKey, trust: Sequence[int], limit: int
+    ) -> tuple[list[int], list[ArtifactKey]]:
+        """For a ``get_artifact`` that found nothing: the untrusted uids holding this artifact, and the keys of up
+        to ``limit`` trusted artifacts of the same weights and kind (most recently used first)."""
+        digest = key.digest
+        with self._lock:
+            same = [a for a in self._artifacts.values() if a.weights == weights and a.artifact_key.kind == key.kind]
+        others = sorted({a.publisher for a in same if a.artifact_key.digest == digest and a.publisher not in trust})
+        near = [a for a in same if a.publisher in trust and a.artifact_key.digest != digest]
+        near.sort(key=lambda a: a.last_used, reverse=True)
+        return others, [a.artifact_key for a in near[:limit]]
+
+    def artifacts(self, weights: str | None = None, limit: int | None = None) -> tuple[list[ArtifactInfo], bool]:
+        """The artifacts (those whose weights digest starts with ``weights``), most recently used first, at most
+        ``limit``; and whether more matched."""
+        with self._lock:
+            now = self._clock()
+            found = [a for a in self._artifacts.values() if weights is None or a.weights.startswith(weights)]
+            found.sort(key=lambda a: a.last_used, reverse=True)
+            shown = found if limit is None else found[:limit]
+            return [a.info(now) for a in shown], len(shown) < len(found)
 
     # --- list, inspect, evict ----------------------------------------------------------------------------------
 
@@ -362,7 +586,7 @@ class Store:
             held: dict[int, list[str]] = {}
             counts: dict[int, int] = {}
             used: dict[str, int] = {}
-            for e in self._entries.values():
+            for e in self._held():
                 for conn in e.leases:
                     counts[conn] = counts.get(conn, 0) + 1
                     keys = held.setdefault(conn, [])
@@ -387,11 +611,14 @@ class Store:
         """Drop the entry ``prefix`` names, or with ``every`` all it matches (``"*"``: all, none included);
         return their keys.
 
-        Refuses (``leased``) if any of them is leased, unless ``force``; then nothing is evicted.
+        Artifacts are matched too: by their key (``<weights>/<key digest>``), a prefix of it, or prefixes of both
+        halves (``3f9a0c1e2b7d/9e1f2a3b4c5d``, as ``weightcache ls`` shows them). A prefix that
+        matches weight entries names those alone, unless ``every``, which takes the artifacts of the same prefix
+        with them. Refuses (``leased``) if any of them is leased, unless ``force``; then nothing is evicted.
         """
         with self._lock:
             everything = every and prefix == messages.EVERY_ENTRY
-            found = list(self._entries.values()) if everything else self._match(prefix)
+            found = self._held() if everything else self._match_held(prefix, every)
             if (not found and not everything) or (len(found) > 1 and not every):
                 raise _unmatched(prefix, found)
             leased = [e for e in found if e.leases]
@@ -408,6 +635,16 @@ class Store:
                 self._drop(e)
         return [e.key for e in found]
 
+    def _match_held(self, prefix: str, every: bool) -> list[Held]:
+        """The entries ``prefix`` names (see :meth:`_match`), then, with ``every`` or when it names none, the
+        artifacts whose key starts with it. Called with the lock held."""
+        entries: list[Held] = list(self._match(prefix))
+        if entries and not every:
+            return entries
+        if prefix in self._artifacts:
+            return [*entries, self._artifacts[prefix]]
+        return [*entries, *(a for k, a in self._artifacts.items() if artifact_matches(k, prefix))]
+
     def _match(self, prefix: str) -> list[Entry]:
         if not prefix:
             raise RequestError(messages.BAD_REQUEST, "empty digest")
@@ -418,10 +655,11 @@ class Store:
     def close(self) -> None:
         """Drop every entry, closing its fds."""
         with self._lock:
-            for entry in self._entries.values():
-                entry.close()
+            for held in self._held():
+                held.close()
             self._entries.clear()
             self._fds = Shares(self.max_fds, owner=self.owner, fraction=self.member_share, floor=MAX_FRAME_FDS)
+            self._artifacts.clear()
 
 
 #: Longest tensor name, and longest per-tensor digest, a manifest may hold (characters).
@@ -463,7 +701,7 @@ def _checked(manifest_json: dict[str, Any], fds: Sequence[int]) -> tuple[Manifes
     return manifest, manifest_json, text
 
 
-def _unmatched(prefix: str, found: list[Entry]) -> RequestError:
+def _unmatched(prefix: str, found: Sequence[Held]) -> RequestError:
     if not found:
         return RequestError(messages.NOT_FOUND, f"no entry matches {prefix!r}; `weightcache ls` lists the entries")
     return RequestError(

@@ -28,8 +28,9 @@ from typing import TYPE_CHECKING, Any
 import attrs
 
 import weightcache as wc
+from weightcache.artifact_key import artifact_matches
 from weightcache.budget import parse_budget
-from weightcache.messages import EVERY_ENTRY, LEASED, NOT_FOUND, EntryInfo
+from weightcache.messages import EVERY_ENTRY, LEASED, NOT_FOUND, ArtifactInfo, EntryInfo
 from weightcache.parity import compare, read_table
 from weightcache.rundir import resolve_group
 from weightcache.units import format_age, format_bytes
@@ -120,20 +121,72 @@ def cmd_ls(args: argparse.Namespace) -> int:
         return 1
     with conn:
         reply = conn.list()
+        listed = conn.list_artifacts()
     if args.json:
-        print(json.dumps({"keeper": reply.keeper.to_json(), "entries": [e.to_json() for e in reply.entries]}, indent=2))
+        out = {"keeper": reply.keeper.to_json(), "entries": [e.to_json() for e in reply.entries]}
+        out["artifacts"] = [a.to_json() for a in listed.artifacts]
+        print(json.dumps(out, indent=2))
         return 0
     k = reply.keeper
     print(printable(f"keeper pid {k.pid}  weightcache {k.version}  {k.socket_dir}  up {format_age(k.uptime_s)}"))
     budget = _budget_line(k.budget.default, k.budget.per_placement, k.bytes_by_placement)
     if budget:
         print(printable("budget  " + budget))
-    if not reply.entries:
+    if not reply.entries and not listed.artifacts:
         print("(no entries)")
         return 0
+    if reply.entries:
+        _print_entries(reply.entries)
+    if listed.artifacts:
+        print()
+        _print_artifacts(listed.artifacts, listed.truncated)
+    return 0
+
+
+def _print_table(rows: Sequence[Sequence[str]]) -> None:
+    """Columns padded to their widest cell; every cell escaped (others publish what it shows)."""
+    shown = [[printable(c) for c in r] for r in rows]
+    widths = [max(len(r[i]) for r in shown) for i in range(len(shown[0]))]
+    for r in shown:
+        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
+
+
+def artifact_name(a: ArtifactInfo) -> str:
+    """``<weights 12>/<key digest 12>`` (``~uid`` for another user's): what ``inspect`` and ``evict`` accept."""
+    return f"{a.weights[:12]}/{a.key_digest[:12]}" + "".join(a.key.partition("~")[1:])
+
+
+#: Fields of a torch.compile key that `ls` shows (the rest: `inspect`).
+ARTIFACT_SUMMARY = ("device", "gpu", "isa", "dtype", "torch")
+
+
+def _print_artifacts(artifacts: Sequence[ArtifactInfo], truncated: bool) -> None:
+    now = time.time()
+    rows = [("ARTIFACT", "KIND", "KEY", "PUBLISHER", "SIZE", "LEASES", "AGE", "HELD BY (PID SINCE)")]
+    for a in artifacts:
+        fields = a.artifact_key.fields
+        summary = " ".join(f"{name}={fields[name]}" for name in ARTIFACT_SUMMARY if fields.get(name) is not None)
+        rows.append(
+            (
+                artifact_name(a),
+                a.kind,
+                summary or "-",
+                user_name(a.publisher),
+                format_bytes(a.bytes),
+                str(a.leases),
+                format_age(a.age_s),
+                ", ".join(f"{pid} {format_age(now - since)}" for pid, since in a.holders) or "-",
+            )
+        )
+    _print_table(rows)
+    if truncated:
+        print(f"(the {len(artifacts)} most recently used artifacts; the keeper holds more)")
+
+
+def _print_entries(entries: Sequence[EntryInfo]) -> None:
     now = time.time()
     rows = [("ENTRY", "MODEL", "DEVICE", "PUBLISHER", "SIZE", "TENSORS", "LEASES", "AGE", "HELD BY (PID SINCE)")]
-    for e in reply.entries:
+    for e in entries:
         fp = e.fingerprint
         # which shard, along the axes that are split (an engine records every axis it knows, most of size 1)
         model = e.model + "".join(f" {axis} {rank}/{size}" for axis, rank, size in fp.parallel if size > 1)
@@ -153,11 +206,7 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 ", ".join(f"{pid} {format_age(now - since)}" for pid, since in e.holders) or "-",
             )
         )
-    shown = [[printable(c) for c in r] for r in rows]
-    widths = [max(len(r[i]) for r in shown) for i in range(len(shown[0]))]
-    for r in shown:
-        print("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip())
-    return 0
+    _print_table(rows)
 
 
 def user_name(uid: int) -> str:
@@ -198,7 +247,12 @@ def _count(n: int, noun: str) -> str:
 
 def cmd_inspect(args: argparse.Namespace) -> int:
     with _connect(args) as conn:
-        reply = conn.inspect(args.digest)
+        try:
+            reply = conn.inspect(args.digest)
+        except wc.KeeperError as exc:
+            if exc.code != NOT_FOUND or not conn.serves_artifacts:
+                raise
+            return _inspect_artifact(args, conn.list_artifacts().artifacts, exc)
     entry, manifest = reply.entry, reply.manifest
     if args.json:
         print(json.dumps({"entry": entry.to_json(), "manifest": manifest}, indent=2))
@@ -229,6 +283,39 @@ def cmd_inspect(args: argparse.Namespace) -> int:
     return 0
 
 
+def _inspect_artifact(args: argparse.Namespace, artifacts: Sequence[ArtifactInfo], miss: wc.KeeperError) -> int:
+    """``inspect`` of an artifact: the one ``args.digest`` names (see :func:`artifact_matches`)."""
+    found = [a for a in artifacts if artifact_matches(a.key, args.digest)]
+    if not found:
+        raise wc.KeeperError(
+            f"no entry matches {args.digest!r}, nor any artifact; `weightcache ls` lists both", NOT_FOUND
+        ) from miss
+    if len(found) > 1:
+        names = ", ".join(artifact_name(a) for a in found[:8])
+        raise wc.KeeperError(f"{args.digest!r} matches {len(found)} artifacts ({names}); give more of it", "ambiguous")
+    a = found[0]
+    if args.json:
+        print(json.dumps({"artifact": a.to_json()}, indent=2))
+        return 0
+    now = time.time()
+    holders = ", ".join(f"pid {pid} since {format_age(now - since)}" for pid, since in a.holders)
+    rows = [
+        ("artifact", a.key),
+        ("kind", a.kind),
+        ("weights", a.weights),
+        ("size", format_bytes(a.bytes)),
+        ("sha256", a.sha256),
+        ("publisher", f"{user_name(a.publisher)} (uid {a.publisher})"),
+        ("leases", f"{a.leases}  {holders}".rstrip()),
+        ("age", format_age(a.age_s)),
+        *((f"key.{name}", json.dumps(value)) for name, value in sorted(a.artifact_key.fields.items())),
+    ]
+    width = max(len(key) for key, _ in rows) + 2
+    for key, value in rows:
+        print(f"{key:<{width}}{value}")
+    return 0
+
+
 def cmd_evict(args: argparse.Namespace) -> int:
     if bool(args.digest) == bool(args.all):
         found = f"both {args.digest!r} and --all" if args.all else "neither"
@@ -242,7 +329,14 @@ def cmd_evict(args: argparse.Namespace) -> int:
         except wc.KeeperError as exc:
             if exc.code != LEASED:
                 raise
-            _print_kept([conn.inspect(args.digest).entry])
+            leased: list[EntryInfo | ArtifactInfo] = [
+                a for a in conn.list_artifacts().artifacts if artifact_matches(a.key, args.digest) and a.leases
+            ]
+            try:
+                leased.insert(0, conn.inspect(args.digest).entry)
+            except wc.KeeperError:
+                pass  # the prefix names artifacts only
+            _print_kept(leased)
             return 1
     for key in reply.evicted:
         print(printable(f"evicted {key}"))
@@ -253,7 +347,7 @@ def cmd_evict(args: argparse.Namespace) -> int:
 
 def _evict_unleased(conn: KeeperConnection) -> int:
     """``evict --all`` without ``--force``: every entry nobody leases, one by one; the leased ones are named."""
-    kept = []
+    kept: list[EntryInfo | ArtifactInfo] = []
     evicted = 0
     for entry in conn.list().entries:
         if entry.leases:
@@ -268,13 +362,24 @@ def _evict_unleased(conn: KeeperConnection) -> int:
                 kept.append(conn.inspect(entry.key).entry)
             elif exc.code != NOT_FOUND:  # evicted since the listing: fine
                 raise
+    for artifact in conn.list_artifacts().artifacts:
+        if artifact.leases:
+            kept.append(artifact)
+            continue
+        try:
+            for key in conn.evict(artifact.key).evicted:
+                print(f"evicted {key}")
+                evicted += 1
+        except wc.KeeperError as exc:
+            if exc.code not in (LEASED, NOT_FOUND):
+                raise
     if not evicted and not kept:
         print("nothing to evict")
     _print_kept(kept)
     return 1 if kept else 0
 
 
-def _print_kept(entries: Sequence[EntryInfo]) -> None:
+def _print_kept(entries: Sequence[EntryInfo | ArtifactInfo]) -> None:
     for e in entries:
         pids = ", ".join(str(pid) for pid, _ in e.holders) or "?"
         one = len(e.holders) <= 1

@@ -1,0 +1,345 @@
+"""Artifact entries: opaque blobs an engine compiled for a set of weights, held by the keeper as sealed memfds.
+
+The store alone (no sockets), then a real keeper process through the client and ``Cache``: hits return the bytes
+published, any mismatch or a corrupt blob is a miss (None, never an error), artifacts share the budget, the trust
+rules and the re-publication after a keeper restart with weight entries, and ``ls``/``inspect``/``evict`` show
+them. tests/test_torch_compile.py has torch.compile on top of this.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+from conftest import keeper_pid, one_tensor_manifest, process_gone, sealed_memfd, start_keeper, wait_until
+
+import weightcache as wc
+from weightcache import artifacts as artifact_ops
+from weightcache import messages
+from weightcache.artifact_key import ArtifactKey, artifact_matches
+from weightcache.budget import Budget
+from weightcache.client import KeeperConnection
+from weightcache.errors import ProtocolError
+from weightcache.keeper.store import Store
+from weightcache.messages import RequestError
+
+WEIGHTS = "ab" * 32
+OTHER_WEIGHTS = "cd" * 32
+KEY = ArtifactKey("torch.compile", {"torch": "2.13.0", "device": "cpu", "options": {"mode": "default"}})
+
+
+def blob_fd(data: bytes) -> tuple[int, str]:
+    return artifact_ops.sealed_memfd(data)
+
+
+def cli(socket_dir: Path, *args: str) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "weightcache", *args, "--socket-dir", str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
+# --- the key -----------------------------------------------------------------------------------------------------
+
+
+def test_keys_are_values_with_a_canonical_digest() -> None:
+    same = ArtifactKey("torch.compile", {"options": {"mode": "default"}, "device": "cpu", "torch": "2.13.0"})
+    assert same == KEY and same.digest == KEY.digest
+    other = KEY.with_fields(dtype="bfloat16")
+    assert other.digest != KEY.digest
+    assert KEY.diff(other) == [("dtype", None, "bfloat16")]
+    assert ArtifactKey.from_json(json.loads(json.dumps(KEY.to_json()))) == KEY
+    with pytest.raises(wc.InvalidArgument, match="artifact kind must match"):
+        ArtifactKey("Torch Compile!")
+    with pytest.raises(wc.InvalidArgument, match="JSON values"):
+        ArtifactKey("x", {"nan": float("nan")})
+    with pytest.raises(wc.InvalidArgument, match="at most 16384"):
+        ArtifactKey("x", {"big": "y" * 20000})
+    with pytest.raises(ProtocolError, match="'fields' must be an object"):
+        ArtifactKey.from_json({"kind": "x", "fields": []})
+    key = f"{WEIGHTS}/{KEY.digest}~1000"
+    assert artifact_matches(key, WEIGHTS[:6]) and artifact_matches(key, f"{WEIGHTS[:12]}/{KEY.digest[:12]}")
+    assert not artifact_matches(key, f"{WEIGHTS[:12]}/{'0' * 12}")
+
+
+# --- the store alone ---------------------------------------------------------------------------------------------
+
+
+def test_store_holds_artifacts_beside_entries_with_leases_trust_and_replacement() -> None:
+    store = Store(owner=1000)
+    fd, sha = blob_fd(b"compiled" * 100)
+    made = store.put_artifact(1, 11, WEIGHTS, KEY, 800, sha, fd, uid=1000)
+    assert made.created and made.key == f"{WEIGHTS}/{KEY.digest}"
+    # the same artifact again: a lease on the one there, the new fd closed
+    fd2, _ = blob_fd(b"compiled" * 100)
+    again = store.put_artifact(2, 12, WEIGHTS, KEY, 800, sha, fd2, uid=1000)
+    assert not again.created and again.key == made.key
+    with pytest.raises(OSError):
+        os.fstat(fd2)
+    # another uid's artifact of the same weights and key lives beside it, and is found only when trusted
+    fd3, sha3 = blob_fd(b"forged" * 10)
+    theirs = store.put_artifact(3, 13, WEIGHTS, KEY, 60, sha3, fd3, uid=2000)
+    assert theirs.key == f"{WEIGHTS}/{KEY.digest}~2000"
+    got = store.get_artifact(4, 14, WEIGHTS, KEY, trust=(2000,))
+    assert got is not None and got.info.publisher == 2000 and got.info.sha256 == sha3
+    os.close(got.fd)
+    assert store.get_artifact(4, 14, WEIGHTS, KEY.with_fields(dtype="x"), trust=(1000,)) is None
+    others, near = store.artifact_misses(WEIGHTS, KEY.with_fields(dtype="x"), (1000,), 8)
+    assert others == [] and near == [KEY]
+    others, near = store.artifact_misses(WEIGHTS, KEY, (3000,), 8)
+    assert others == [1000, 2000] and near == []
+    listed, truncated = store.artifacts()
+    assert {a.key for a in listed} == {made.key, theirs.key} and not truncated
+    assert {a.key: a.leases for a in listed} == {made.key: 2, theirs.key: 2}
+    store.release(1)
+    store.release(2)
+    # replacing needs the SHA-256 of the one held: a stale one does not replace it
+    fd4, sha4 = blob_fd(b"better" * 10)
+    kept = store.put_artifact(5, 15, WEIGHTS, KEY, 60, sha4, fd4, uid=1000, replace="0" * 64)
+    assert not kept.created
+    fd5, sha5 = blob_fd(b"better" * 10)
+    replaced = store.put_artifact(5, 15, WEIGHTS, KEY, 60, sha5, fd5, uid=1000, replace=sha)
+    assert replaced.created and replaced.replaced
+    got = store.get_artifact(6, 16, WEIGHTS, KEY, trust=(1000,))
+    assert got is not None and got.info.sha256 == sha5 and got.info.bytes == 60
+    os.close(got.fd)
+    store.close()
+
+
+def test_store_checks_the_memfd_and_owns_it_whatever_happens() -> None:
+    store = Store(owner=1000)
+    unsealed = sealed_memfd(512, seal=False)
+    with pytest.raises(wc.SegmentError, match="not sealed"):
+        store.put_artifact(1, 11, WEIGHTS, KEY, 512, "0" * 64, unsealed)
+    with pytest.raises(OSError):
+        os.fstat(unsealed)  # closed by the store
+    fd, sha = blob_fd(b"x" * 100)
+    with pytest.raises(wc.SegmentError, match="holds 100 bytes; the manifest says 99"):
+        store.put_artifact(1, 11, WEIGHTS, KEY, 99, sha, fd)
+    with pytest.raises(OSError):
+        os.fstat(fd)
+    assert store.artifacts() == ([], False)
+
+
+def test_artifacts_and_entries_share_the_budget_least_recently_used_first(checkpoint: Path) -> None:
+    now = [100.0]
+    store = Store(Budget(None, {"cpu": 4096}), owner=1000, clock=lambda: now[0])
+    manifest = one_tensor_manifest(wc.Fingerprint.create(checkpoint).to_json(), size=2048)
+    entry = store.publish(1, 11, manifest, [sealed_memfd(2048)])
+    store.release(1)
+    now[0] += 1
+    fd, sha = blob_fd(b"a" * 1500)
+    store.put_artifact(2, 12, WEIGHTS, KEY, 1500, sha, fd)
+    store.release(2)
+    now[0] += 1
+    # 2048 + 1500 held; 1000 more needs the least recently used out: the weight entry, not the artifact
+    fd, sha = blob_fd(b"b" * 1000)
+    made = store.put_artifact(3, 13, OTHER_WEIGHTS, KEY, 1000, sha, fd)
+    assert made.evicted == (entry.key,)
+    assert len(store) == 0 and len(store.artifacts()[0]) == 2
+    # the leased one (conn 3 holds it) and the other cannot make room for 4000 bytes
+    fd, sha = blob_fd(b"c" * 4000)
+    with pytest.raises(RequestError, match="budget") as refused:
+        store.put_artifact(4, 14, OTHER_WEIGHTS, KEY.with_fields(dtype="x"), 4000, sha, fd)
+    assert refused.value.code == messages.OVER_BUDGET
+    assert len(store.artifacts()[0]) == 2
+    assert store.snapshot().bytes_by_placement == {"cpu": 2500}
+
+
+def test_evict_names_artifacts_by_key_or_with_their_weights(checkpoint: Path) -> None:
+    store = Store(owner=1000)
+    manifest = one_tensor_manifest(wc.Fingerprint.create(checkpoint).to_json())
+    entry = store.publish(1, 11, manifest, [sealed_memfd(512)])
+    digest = entry.digest
+    fd, sha = blob_fd(b"a" * 10)
+    art = store.put_artifact(1, 11, digest, KEY, 10, sha, fd)
+    store.release(1)
+    # a digest names the weight entry alone, as it always did
+    assert store.evict(digest[:12]) == [entry.key]
+    assert [a.key for a in store.artifacts()[0]] == [art.key]
+    # the artifact by `ls`'s short name
+    assert store.evict(f"{digest[:12]}/{KEY.digest[:12]}") == [art.key]
+    # with every: the weights and their artifacts
+    store.publish(2, 12, manifest, [sealed_memfd(512)])
+    fd, sha = blob_fd(b"a" * 10)
+    store.put_artifact(2, 12, digest, KEY, 10, sha, fd)
+    with pytest.raises(RequestError, match="leased"):
+        store.evict(digest, every=True)
+    assert sorted(store.evict(digest, every=True, force=True)) == sorted([entry.key, art.key])
+    assert len(store) == 0 and store.artifacts() == ([], False)
+
+
+# --- through a keeper ------------------------------------------------------------------------------------------
+
+
+def test_put_and_get_through_the_keeper(keeper: subprocess.Popen[bytes], socket_dir: Path) -> None:
+    cache = wc.Cache(socket_dir)
+    data = os.urandom(300_000)
+    made = cache.put_artifact(WEIGHTS, KEY, data)
+    assert made.created and not made.held and made.info.sha256 == hashlib.sha256(data).hexdigest()
+    assert cache.get_artifact(WEIGHTS, KEY) == data
+    again = cache.put_artifact(WEIGHTS, KEY, b"something else")
+    assert not again.created  # the first stays
+    assert cache.get_artifact(WEIGHTS, KEY) == data
+    [info] = cache.artifacts()
+    assert (info.weights, info.kind, info.bytes, info.leases, info.publisher) == (
+        WEIGHTS,
+        "torch.compile",
+        300_000,
+        0,
+        os.getuid(),
+    )
+    assert cache.artifacts(OTHER_WEIGHTS) == []
+    assert cache.entries() == []  # weights and artifacts are listed apart
+    # ls and inspect show it; evict drops it by the name ls shows
+    ls = cli(socket_dir, "ls")
+    assert ls.returncode == 0, ls.stderr
+    short = f"{WEIGHTS[:12]}/{KEY.digest[:12]}"
+    assert short in ls.stdout and "torch.compile" in ls.stdout and "293.0 KiB" in ls.stdout, ls.stdout
+    listed = json.loads(cli(socket_dir, "ls", "--json").stdout)
+    assert [a["key"] for a in listed["artifacts"]] == [info.key]
+    inspected = cli(socket_dir, "inspect", short)
+    assert inspected.returncode == 0, inspected.stderr
+    assert info.sha256 in inspected.stdout and 'key.options  {"mode": "default"}' in inspected.stdout
+    assert json.loads(cli(socket_dir, "inspect", short, "--json").stdout)["artifact"]["key"] == info.key
+    evicted = cli(socket_dir, "evict", short)
+    assert evicted.returncode == 0 and f"evicted {info.key}" in evicted.stdout, evicted.stderr
+    assert cache.artifacts() == [] and cache.get_artifact(WEIGHTS, KEY) is None
+
+
+def test_a_mismatch_is_a_miss_that_names_the_fields(
+    keeper: subprocess.Popen[bytes], socket_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    cache = wc.Cache(socket_dir)
+    cache.put_artifact(WEIGHTS, KEY, b"fp32 graphs")
+    caplog.set_level(logging.INFO, logger="weightcache.artifacts")
+    assert cache.get_artifact(WEIGHTS, KEY.with_fields(dtype="bfloat16")) is None
+    assert "dtype: wanted 'bfloat16', cached None" in caplog.text
+    assert cache.get_artifact(OTHER_WEIGHTS, KEY) is None
+    # a second artifact for the changed key lives beside the first
+    assert cache.put_artifact(WEIGHTS, KEY.with_fields(dtype="bfloat16"), b"bf16 graphs").created
+    assert cache.get_artifact(WEIGHTS, KEY.with_fields(dtype="bfloat16")) == b"bf16 graphs"
+    assert cache.get_artifact(WEIGHTS, KEY) == b"fp32 graphs"
+    assert len(cache.artifacts(WEIGHTS)) == 2
+
+
+def test_a_corrupt_blob_is_a_miss_and_the_next_put_replaces_it(
+    keeper: subprocess.Popen[bytes], socket_dir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    good = b"compiled graphs" * 1000
+    fd, _ = artifact_ops.sealed_memfd(b"X" + good[1:])  # one byte off what the recorded SHA-256 says
+    with KeeperConnection.connect(socket_dir) as conn:
+        conn.put_artifact(WEIGHTS, KEY, fd, len(good), hashlib.sha256(good).hexdigest())
+    os.close(fd)
+    cache = wc.Cache(socket_dir)
+    caplog.set_level(logging.INFO, logger="weightcache.artifacts")
+    assert cache.get_artifact(WEIGHTS, KEY) is None
+    assert "is corrupt" in caplog.text
+    assert cache.open_artifact(WEIGHTS, KEY) is None
+    made = cache.put_artifact(WEIGHTS, KEY, good)  # replaces the corrupt one without being told
+    assert made.created and made.replaced
+    assert cache.get_artifact(WEIGHTS, KEY) == good
+    assert len(cache.artifacts()) == 1
+
+
+def test_bad_artifact_requests_are_refused_and_the_keeper_goes_on(
+    keeper: subprocess.Popen[bytes], socket_dir: Path
+) -> None:
+    with KeeperConnection.connect(socket_dir) as conn:
+        base = {"op": "put_artifact", "weights": WEIGHTS, "key": KEY.to_json(), "size": 4, "sha256": "0" * 64}
+        fd, _ = artifact_ops.sealed_memfd(b"abcd")
+        cases = [
+            ({**base, "weights": "../../etc"}, [fd], "fingerprint digest"),
+            ({**base, "key": {"kind": "x", "fields": "no"}}, [fd], "'fields' must be an object"),
+            ({**base, "size": -1}, [fd], "field 'size' must be"),
+            (base, [], "exactly one fd"),
+            ({**base, "size": 5}, [fd], "holds 4 bytes"),
+            ({"op": "get_artifact", "weights": WEIGHTS, "key": KEY.to_json()}, [fd], "carries no fds"),
+        ]
+        for message, fds, error in cases:
+            with pytest.raises(wc.KeeperError, match=error) as refused:
+                conn.request(message, fds)
+            assert refused.value.code == messages.BAD_REQUEST
+        os.close(fd)
+        assert conn.list_artifacts().artifacts == ()
+    assert wc.Cache(socket_dir).get_artifact(WEIGHTS, KEY) is None  # still serving
+
+
+def test_a_keeper_of_protocol_1_is_a_miss(keeper: subprocess.Popen[bytes], socket_dir: Path) -> None:
+    with KeeperConnection.connect(socket_dir, protocol_version=1) as conn:
+        assert not conn.serves_artifacts
+        miss = artifact_ops.get(conn, WEIGHTS, KEY)
+        assert isinstance(miss, artifact_ops.Miss) and "protocol 1" in miss.reason
+        assert conn.list_artifacts().artifacts == ()
+        with pytest.raises(wc.KeeperError, match="no 'put_artifact'"):
+            artifact_ops.put(conn, WEIGHTS, KEY, b"x")
+
+
+def test_no_keeper_is_a_miss(socket_dir: Path) -> None:
+    assert wc.Cache(socket_dir).get_artifact(WEIGHTS, KEY) is None
+
+
+#: Holds an artifact (published or got) until stdin closes: ``HOLDER socket_dir put|get``.
+HOLDER = r"""
+import json, sys
+import weightcache as wc
+from weightcache.artifact_key import ArtifactKey
+socket_dir, action, key = sys.argv[1], sys.argv[2], ArtifactKey.from_json(json.loads(sys.argv[3]))
+cache = wc.Cache(socket_dir)
+if action == "put":
+    artifact = cache.put_artifact("ab" * 32, key, b"held blob" * 1000, hold=True)
+else:
+    artifact = cache.open_artifact("ab" * 32, key)
+print(json.dumps({"held": artifact.held, "data": artifact.read() == b"held blob" * 1000}), flush=True)
+sys.stdin.read()
+artifact.close()
+"""
+
+
+def test_a_held_artifact_is_leased_and_republished_to_a_restarted_keeper(socket_dir: Path) -> None:
+    keeper = start_keeper(socket_dir)
+    holders = []
+    try:
+        for action in ("put", "get"):
+            proc = subprocess.Popen(
+                [sys.executable, "-c", HOLDER, str(socket_dir), action, json.dumps(KEY.to_json())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                text=True,
+            )
+            holders.append(proc)
+            assert proc.stdout is not None
+            assert json.loads(proc.stdout.readline()) == {"held": True, "data": True}
+        cache = wc.Cache(socket_dir)
+        [info] = cache.artifacts()
+        assert info.leases == 2 and {pid for pid, _ in info.holders} == {p.pid for p in holders}
+        with pytest.raises(wc.KeeperError, match="leased"):
+            cache.evict(info.key)
+        pid = keeper_pid(socket_dir)
+        assert pid
+        os.kill(pid, signal.SIGKILL)
+        keeper.wait(10)
+        assert wait_until(lambda: process_gone(pid))
+        keeper = start_keeper(socket_dir)
+        assert wait_until(lambda: [a.leases for a in cache.artifacts()] == [2], 10)
+        assert cache.get_artifact(WEIGHTS, KEY) == b"held blob" * 1000
+        for proc in holders:
+            assert proc.stdin is not None
+            proc.stdin.close()
+            proc.wait(30)
+        assert wait_until(lambda: [a.leases for a in cache.artifacts()] == [0])
+    finally:
+        for proc in holders:
+            if proc.poll() is None:
+                proc.kill()
+        keeper.terminate()
+        keeper.wait(30)

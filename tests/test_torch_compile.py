@@ -1,0 +1,108 @@
+"""torch.compile from the keeper (weightcache.torch_compile): a tiny transformers Llama compiled with inductor on
+the CPU, in fresh processes with a real keeper. Process A compiles and publishes; process B, with an empty local
+inductor cache directory, gets every compiled graph from the keeper (torch's cache-hit counters, no misses) and
+the same logits bit for bit; a changed compile option is a miss that compiles and publishes a second artifact.
+The workers are benchmarks/compile_restart.py's (the benchmark of docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import importlib.util
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import weightcache as wc
+from weightcache.torch_compile import KIND, compile_key, pack, unpack
+
+ROOT = Path(__file__).resolve().parent.parent
+_spec = importlib.util.spec_from_file_location("compile_restart", ROOT / "benchmarks" / "compile_restart.py")
+assert _spec is not None and _spec.loader is not None
+compile_restart = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(compile_restart)
+
+needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on the CPU needs a C++ compiler")
+
+
+def test_the_key_records_what_decides_validity(checkpoint: Path) -> None:
+    import torch
+
+    fp = wc.Fingerprint.create(checkpoint)
+    key = compile_key(fp, options={"backend": "inductor", "mode": None}, shapes=[[1, 8]])
+    assert key.kind == KIND
+    fields = key.fields
+    assert fields["torch"] == torch.__version__ and fields["device"] == "cpu" and fields["isa"]
+    assert fields["options"] == {"backend": "inductor", "mode": None} and fields["shapes"] == [[1, 8]]
+    # a changed option, dtype or shape is another key (a miss, then a second artifact)
+    assert compile_key(fp, options={"backend": "inductor", "mode": "max-autotune"}, shapes=[[1, 8]]) != key
+    assert compile_key(fp, options={"backend": "inductor", "mode": None}, shapes=[[1, 8]], dtype="bfloat16") != key
+    bf16 = wc.Fingerprint.create(checkpoint, dtype=torch.bfloat16)
+    assert compile_key(bf16, options={"backend": "inductor", "mode": None}, shapes=[[1, 8]]).diff(key) == [
+        ("dtype", "bfloat16", None)
+    ]
+
+
+def test_the_blob_carries_the_bundle_and_only_kernel_paths() -> None:
+    blob = pack(b"bundle", {"ab/cabcdefgh12.main.so": b"elf", "cd/cxyzxyzxy.so": b""})
+    assert unpack(blob) == (b"bundle", {"ab/cabcdefgh12.main.so": b"elf", "cd/cxyzxyzxy.so": b""})
+    bad = pack(b"bundle", {"../../etc/cron.d/x.so": b"elf"})
+    with pytest.raises(ValueError, match="no inductor kernel path"):
+        unpack(bad)
+    with pytest.raises(ValueError, match="accounts for"):
+        unpack(blob + b"tail")
+    with pytest.raises(ValueError, match="starts with"):
+        unpack(b"pickle-or-anything-else")
+
+
+def test_no_keeper_or_a_foreign_blob_only_means_compiling(socket_dir: Path, checkpoint: Path) -> None:
+    fp = wc.Fingerprint.create(checkpoint)
+    with wc.compile_cache(fp, socket_dir=socket_dir) as cc:  # no keeper: a miss, nothing raised
+        pass
+    assert cc.stats.source == "none" and cc.stats.published_bytes == 0
+    wc.Cache(socket_dir, spawn=True).put_artifact(fp, cc.key, b"not a torch.compile artifact")
+    with wc.compile_cache(fp, socket_dir=socket_dir) as again:
+        assert again.stats.source == "none" and "could not be loaded" in str(again.stats.miss_reason)
+
+
+@pytest.mark.slow
+@needs_compiler
+def test_a_fresh_process_with_an_empty_cache_dir_gets_every_graph_from_the_keeper(
+    tmp_path: Path, socket_dir: Path
+) -> None:
+    checkpoint = compile_restart.make_checkpoint(tmp_path / "ckpt", layers=1, hidden=64)
+    wc.Cache(socket_dir, spawn=True)
+
+    def run(cache_dir: str, **kwargs: object) -> dict:
+        return compile_restart.run_worker(checkpoint, socket_dir, tmp_path / cache_dir, keeper=True, **kwargs)
+
+    first = run("a")  # compiles (torch misses), publishes
+    assert first["stats"]["source"] == "none" and first["stats"]["misses"] > 0, first
+    assert first["stats"]["published_bytes"] > 0
+    cache = wc.Cache(socket_dir)
+    [artifact] = cache.artifacts()
+    assert artifact.kind == KIND and artifact.weights == first["weights"] and artifact.leases == 0
+    assert artifact.bytes == first["stats"]["published_bytes"]
+
+    second = run("b")  # an empty local cache directory: everything from the keeper
+    stats = second["stats"]
+    assert stats["source"] == "keeper" and stats["loaded_bytes"] == artifact.bytes, second
+    assert stats["hits"] > 0 and stats["misses"] == 0, second
+    assert second["counters"]["inductor"].get("fxgraph_cache_hit", 0) > 0
+    assert second["counters"]["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert second["counters"]["aot_autograd"].get("autograd_cache_miss", 0) == 0
+    assert stats["kernels_restored"] > 0 and stats["published_bytes"] == 0
+    assert second["logits_sha256"] == first["logits_sha256"]
+
+    third = run("b", options={"epilogue_fusion": False})  # another compile option: another key
+    assert third["stats"]["source"] == "none" and third["stats"]["misses"] > 0, third
+    assert third["stats"]["published_bytes"] > 0
+    assert third["logits_sha256"] == first["logits_sha256"]
+    artifacts = cache.artifacts(first["weights"])
+    fusion = {a.artifact_key.fields["options"].get("options", {}).get("epilogue_fusion") for a in artifacts}
+    assert len(artifacts) == 2 and fusion == {None, False}
+    listed = subprocess.run(
+        [sys.executable, "-m", "weightcache", "ls", "--socket-dir", str(socket_dir)], capture_output=True, text=True
+    )
+    assert listed.stdout.count(KIND) == 2, listed.stdout
