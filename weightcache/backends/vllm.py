@@ -277,22 +277,25 @@ def register() -> None:
 
 class _ToVllmLog(logging.Handler):
     """Hands weightcache's records to vLLM's ``vllm`` logger, whose handler vLLM configures (it configures no
-    other logger, so a plugin's lines would otherwise vanish)."""
+    other logger, so a plugin's lines would otherwise vanish), at the level vLLM's logger has when the record is
+    made (vLLM may configure its logging after the plugin registered)."""
 
     def emit(self, record: logging.LogRecord) -> None:
-        logging.getLogger("vllm.weightcache").handle(record)
+        target = logging.getLogger("vllm.weightcache")
+        if target.isEnabledFor(record.levelno):
+            target.handle(record)
 
 
 def _log_to_vllm() -> None:
-    """One line per load in vLLM's own log: weightcache's logger forwards to vLLM's at vLLM's level, unless the
-    application configured weightcache's logger itself."""
+    """One line per load in vLLM's own log: weightcache's logger forwards to vLLM's, unless the application
+    configured weightcache's logger itself."""
     ours = logging.getLogger("weightcache")
     if ours.handlers:
         return
     ours.addHandler(_ToVllmLog())
     ours.propagate = False  # as vLLM's own loggers: one line in vLLM's log, not a second one from the root logger
     if ours.level == logging.NOTSET:
-        ours.setLevel(logging.getLogger("vllm").getEffectiveLevel())
+        ours.setLevel(logging.DEBUG)  # what reaches vLLM's log is decided by vLLM's level, in _ToVllmLog
 
 
 def _validate_early() -> None:
