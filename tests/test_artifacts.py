@@ -190,6 +190,8 @@ def test_put_and_get_through_the_keeper(keeper: subprocess.Popen[bytes], socket_
     again = cache.put_artifact(WEIGHTS, KEY, b"something else")
     assert not again.created  # the first stays
     assert cache.get_artifact(WEIGHTS, KEY) == data
+    # the keeper lets go of a closed connection's lease when it notices the close, asynchronously
+    assert wait_until(lambda: [a.leases for a in cache.artifacts()] == [0], 10)
     [info] = cache.artifacts()
     assert (info.weights, info.kind, info.bytes, info.leases, info.publisher) == (
         WEIGHTS,
