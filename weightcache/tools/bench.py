@@ -18,7 +18,9 @@ private keeper. Then ``--repeat`` fresh engine processes each:
 4. the per-tensor floor, in the same process: one ``as_strided`` view per tensor over one flat tensor, wrapped
    as an ``nn.Parameter`` and set on a fresh meta module (``floor``). Attach can only approach it: it does
    that same work plus the keeper round trip and the checks;
-5. a checksum of every attached tensor's bits, compared with the one computed when the entry was filled.
+5. the checkpoint's identity once more (``Fingerprint.create``, what attach derives first; warm now, so a lower
+   bound of its share of the attach: ``identity again``);
+6. a checksum of every attached tensor's bits, compared with the one computed when the entry was filled.
 
 With a CUDA device it also measures the peer side by side: a holder process allocates the same tensors with
 torch and exports them with torch's legacy CUDA IPC reductions (``torch.multiprocessing``, pickled, as the SGLang
@@ -29,7 +31,7 @@ With ``--real-checkpoint`` it also attaches what users attach: a safetensors fil
 on disk, published as ``weightcache load`` publishes it (read from disk, per-tensor digests recorded) and attached
 by path (``wc.attach(model, ckpt_dir, mode="client")`` on the meta model) in as many fresh processes, alternating
 with the synthetic entry's; so its identity is derived from the file's headers and stat in every process, as an
-engine's is. Its columns are those of steps 2-5, on a line of its own.
+engine's is. Its columns are those of steps 2-6, on a line of its own.
 
 Reported: median, min and max over the fresh processes of each column, the ratios (attach / floor as a ratio of
 medians and as the median of each process's own ratio, peer / attach, import / torch import), flatness in size,
@@ -368,6 +370,9 @@ if profile is not None:
 t4 = time.perf_counter()
 gc.collect()  # what a full collection costs at this point (CPython runs one when long-lived objects grew 25 %)
 t5 = time.perf_counter()
+t6 = time.perf_counter()
+wc.Fingerprint.create(spec["checkpoint"], device=device)  # the checkpoint's identity again (warm: a lower bound)
+t7 = time.perf_counter()
 params = list(model.parameters())
 from weightcache.tools.bench import checksum, floor_ms
 sums = checksum(params)
@@ -378,6 +383,7 @@ print(json.dumps({
     "import_ms": (t1 - t0) * 1e3, "attach_ms": (t3 - t2) * 1e3, "gc_ms": gc_ns["attach"][0] / 1e6,
     "gc_collections": gc_ns["attach"][1], "gc_full": gc_ns["attach"][2], "gc_import_ms": gc_ns["import"][0] / 1e6,
     "gc_import_full": gc_ns["import"][2], "gc_after_ms": (t5 - t4) * 1e3, "floor_ms": floor,
+    "identity_ms": (t7 - t6) * 1e3,
 }), flush=True)
 handle.close()
 """
@@ -586,7 +592,7 @@ def _run_one(
 def _columns(runs: list[dict[str, Any]], expected: str) -> dict[str, Any]:
     """The reported columns of one mechanism's fresh processes: medians, ratios and whether all saw ``expected``."""
     row: dict[str, Any] = {"runs": runs}
-    for key in ("attach_ms", "import_ms", "floor_ms", "gc_ms", "gc_import_ms", "gc_after_ms"):
+    for key in ("attach_ms", "import_ms", "floor_ms", "gc_ms", "gc_import_ms", "gc_after_ms", "identity_ms"):
         row[key] = stats(runs, key)
     for key in ("python_ms", "cuda_init_ms", "gc_full", "gc_import_full"):
         row[key] = stats(runs, key)
@@ -621,7 +627,8 @@ def _line(r: dict[str, Any], label: str = "synthetic") -> str:
         f"(per process {r['attach_over_floor_paired']:.2f}x) | "
         f"gc in attach {g['median']:.2f} ms (max {g['max']:.1f}; full collections in it: "
         f"{r['gc_full']['max']:g} at most); "
-        f"a full collection after it {r['gc_after_ms']['median']:.0f} ms"
+        f"a full collection after it {r['gc_after_ms']['median']:.0f} ms | "
+        f"identity again {r['identity_ms']['median']:.2f} ms"
     )
     if "peer" in r:
         p = r["peer"]["attach_ms"]
