@@ -144,6 +144,24 @@ def test_bench_runs_small(tmp_path: Path) -> None:
     assert data["flatness"][0]["ratio"] > 0
 
 
+def test_bench_real_checkpoint_attaches_a_safetensors_file_beside_the_synthetic_entry(tmp_path: Path) -> None:
+    """--real-checkpoint: a safetensors file of the same layout, published as `weightcache load` does and
+    attached by path in fresh processes, reported beside the synthetic entry with its own floor and gc columns;
+    every process saw the same bits as the synthetic entry's."""
+    report = tmp_path / "bench.json"
+    args = ("--sizes", "0.01", "--tensors", "30", "--repeat", "2", "--real-checkpoint", "--json", str(report))
+    out = wc_cli("bench", *args)
+    assert "synthetic | attach median" in out.stdout and "real checkpoint | attach median" in out.stdout
+    [row] = json.loads(report.read_text())["results"]
+    real = row["real"]
+    assert len(real["runs"]) == 2 and all(run["source"] == "cache" for run in real["runs"])
+    for column in ("attach_ms", "floor_ms", "gc_ms", "gc_full"):
+        assert real[column]["min"] <= real[column]["median"] <= real[column]["max"], column
+    assert real["identical"] is True and row["identical"] is True and row["real_over_synthetic"] > 0
+    assert {run["checksum"] for run in real["runs"]} == {run["checksum"] for run in row["runs"]}
+    assert "--real-checkpoint does not go with --restart" in wc_cli("bench", "--restart", *args, check=False).stderr
+
+
 def test_restart_bench_runs_small_on_cpu(tmp_path: Path) -> None:
     report = tmp_path / "results" / "restart.json"
     args = ("--sizes", "0.01", "--tensors", "40", "--repeat", "2", "--json", str(report))

@@ -19,7 +19,7 @@ from .binding import bind, check_fit
 from .errors import InvalidArgument
 from .fingerprint import Fingerprint, placement_of
 from .handle import Handle
-from .pipeline import Mode, Request, Steps, check_mode, collector_paused, run
+from .pipeline import Mode, Request, Steps, pause_collector, resume_collector, run
 from .rundir import resolve_user
 from .torch_dtypes import convertible, resolve_dtype
 
@@ -80,14 +80,36 @@ def attach(
         A Handle with ``source`` ("cache" or "disk"), ``fingerprint``, ``tensors`` and ``read_disk``. Close it
         (or leave the ``with`` block) to release the lease; the model keeps working either way.
     """
-    check_mode(mode)
+    # Up to the keeper's answer nothing here allocates much, but a collection a fresh process owes for its imports
+    # (tens of ms) would land on whatever allocates first: see weightcache.pipeline. run() pauses its own lookup.
+    enabled = pause_collector()  # not a `with` block: entering one allocates before the pause
+    try:
+        steps, fingerprint, quant_config = _prepare(
+            model, checkpoint, device, dtype, quant, quant_config, parallel, transform, progress
+        )
+        trusted = tuple(resolve_user(user) for user in trusted_publishers)
+        request = Request(fingerprint, mode, strict, socket_dir, progress, quant_config=quant_config, trusted=trusted)
+    finally:
+        resume_collector(enabled)
+    return run(request, steps)
+
+
+def _prepare(
+    model: nn.Module,
+    checkpoint: str | os.PathLike[str],
+    device: torch.device | str | None,
+    dtype: torch.dtype | str | None,
+    quant: str,
+    quant_config: Mapping[str, Any] | None,
+    parallel: Mapping[str, tuple[int, int]] | None,
+    transform: Transform | None,
+    progress: bool | None,
+) -> tuple[Steps[Handle], Fingerprint, Mapping[str, Any] | None]:
+    """:func:`attach`'s steps for ``model``, the fingerprint of its weights and the quantization config to check."""
     loader = loaders.for_model(model)
     steps: Steps[Handle]
     if loader is None:
-        with collector_paused():  # reading headers allocates little, but a collection owed by imports would land here
-            dev, torch_dtype, fingerprint = _identify(
-                checkpoint, device, dtype, quant, quant_config, parallel, transform
-            )
+        dev, torch_dtype, fingerprint = _identify(checkpoint, device, dtype, quant, quant_config, parallel, transform)
         steps = ModuleSteps(model, checkpoint, dev, torch_dtype, transform, progress)
     else:  # a framework's model (transformers): its own loader makes the weights (see weightcache.loaders)
         placement_of(device)  # first: InvalidArgument for a device that is none or that this process lacks
@@ -102,9 +124,7 @@ def attach(
             )
         quant_config = identity.quant_config
         steps = loaders.LoaderSteps(loader, model, checkpoint, dev, load_dtype, transform)
-    trusted = tuple(resolve_user(user) for user in trusted_publishers)
-    request = Request(fingerprint, mode, strict, socket_dir, progress, quant_config=quant_config, trusted=trusted)
-    return run(request, steps)
+    return steps, fingerprint, quant_config
 
 
 def preload(

@@ -16,10 +16,12 @@ bind them into a module, build an engine's model around them, or just return the
 
 Each start logs one line on the ``weightcache`` logger: hit or miss, bytes, milliseconds, and why on a miss.
 
-An attach of a cached entry runs with CPython's cyclic garbage collector paused: it makes thousands of objects
-(views, parameters) that cannot form cycles, and a fresh interpreter that just imported torch owes the collector
-one full pass over torch's import-time objects (tens of milliseconds), which the first of those allocations would
-otherwise pay inside the attach. The pass is not skipped, only left to the engine's next allocations.
+An attach of a cached entry runs with CPython's cyclic garbage collector paused, from its first allocation (the
+fingerprint) to its return: it makes thousands of objects (views, parameters) that cannot form cycles, and a fresh
+interpreter that just imported torch owes the collector one full pass over torch's import-time objects (tens of
+milliseconds), which any allocation made while the collector runs could otherwise pay inside the attach. The pause
+begins with :func:`pause_collector`, not a ``with`` block, whose entry allocates before the pause. The pass is not
+skipped, only left to the engine's next allocations. A miss resumes the collector before it reads the disk.
 """
 
 from __future__ import annotations
@@ -159,30 +161,41 @@ def run(request: Request, steps: Steps[T]) -> T:
         result = steps.serve_disk(None)
         _report(request, "off", start)
         return result
-    quant_registry.get(request.fingerprint.quant).check(request.quant_config)
+    # Paused from here to the keeper's answer (and through serving a hit): nothing is allocated before.
+    enabled = pause_collector()
     try:
+        quant_registry.get(request.fingerprint.quant).check(request.quant_config)
         fingerprint = steps.complete(request.fingerprint)
+        if fingerprint != request.fingerprint:
+            request = attrs.evolve(request, fingerprint=fingerprint)
+            steps.fingerprint = fingerprint
     except BackendError as exc:  # nothing can be served into this model: its own load may still work
+        resume_collector(enabled)
         if request.strict:
             raise
         return _fallback(request, steps, str(exc), start)
-    if fingerprint != request.fingerprint:
-        request = attrs.evolve(request, fingerprint=fingerprint)
-        steps.fingerprint = fingerprint
+    except BaseException:
+        resume_collector(enabled)
+        raise
     if mode == "client":
-        return _client(request, steps, start)
+        return _client(request, steps, start, enabled)
+    resume_collector(enabled)
     return _daemon(request, steps, start)
 
 
-def _client(request: Request, steps: Steps[T], start: float) -> T:
+def _client(request: Request, steps: Steps[T], start: float, enabled: bool) -> T:
+    """Mode client, entered with the collector paused (``enabled``: whether it ran before): resumed once the
+    keeper answered, or a hit was served."""
     fingerprint = request.fingerprint
     diffs: list[tuple[str, object, object]] = []
     try:
-        cache = Cache(request.socket_dir, trusted_publishers=request.trusted)
-        with collector_paused():
+        try:
+            cache = Cache(request.socket_dir, trusted_publishers=request.trusted)
             handle = cache.get(fingerprint)
             if handle is not None:
                 return _serve(request, steps, handle, "hit", start)
+        finally:
+            resume_collector(enabled)
         reason, diffs = why_missing(cache, fingerprint)
     except KeeperNotResponding as exc:
         if request.strict:
@@ -206,7 +219,8 @@ def _client(request: Request, steps: Steps[T], start: float) -> T:
 
 
 def _daemon(request: Request, steps: Steps[T], start: float) -> T:
-    cache = Cache(request.socket_dir, trusted_publishers=request.trusted)
+    with collector_paused():
+        cache = Cache(request.socket_dir, trusted_publishers=request.trusted)
     cache.respawn = True  # mode daemon keeps a keeper running: also after a crash, to re-publish to
     with ThreadPoolExecutor(max_workers=1) as pool:
         no_keeper = False
@@ -284,17 +298,31 @@ def _load_and_publish(
     return _serve(request, steps, handle, "miss, published", start)
 
 
-@contextlib.contextmanager
-def collector_paused() -> Iterator[None]:
-    """Pause CPython's cyclic garbage collector inside the block (as it was before, after it): see the module
-    docstring. Reference counting still frees everything that is not in a cycle."""
+def pause_collector() -> bool:
+    """Pause CPython's cyclic garbage collector (see the module docstring) and return whether it ran; give that to
+    :func:`resume_collector`. Two calls and no object made: unlike entering a ``with`` block, which makes its
+    context manager's bound methods before the pause begins, and so could set off the very collection the pause
+    is there to keep out. Reference counting still frees everything that is not in a cycle."""
     enabled = gc.isenabled()
     gc.disable()
+    return enabled
+
+
+def resume_collector(enabled: bool) -> None:
+    """Let the collector run again if it ran before :func:`pause_collector` returned ``enabled``."""
+    if enabled:
+        gc.enable()
+
+
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """:func:`pause_collector` inside the block (as it was before, after it), for code whose first allocations
+    do not matter."""
+    enabled = pause_collector()
     try:
         yield
     finally:
-        if enabled:
-            gc.enable()
+        resume_collector(enabled)
 
 
 def _serve(request: Request, steps: Steps[T], handle: Handle, outcome: str, start: float) -> T:
@@ -438,6 +466,8 @@ __all__ = [
     "Steps",
     "check_mode",
     "collector_paused",
+    "pause_collector",
+    "resume_collector",
     "run",
     "why_missing",
     "without_cache",

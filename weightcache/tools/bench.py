@@ -18,15 +18,24 @@ private keeper. Then ``--repeat`` fresh engine processes each:
 4. the per-tensor floor, in the same process: one ``as_strided`` view per tensor over one flat tensor, wrapped
    as an ``nn.Parameter`` and set on a fresh meta module (``floor``). Attach can only approach it: it does
    that same work plus the keeper round trip and the checks;
-5. a checksum of every attached tensor's bits, compared with the one computed when the entry was filled.
+5. the checkpoint's identity once more (``Fingerprint.create``, what attach derives first; warm now, so a lower
+   bound of its share of the attach: ``identity again``);
+6. a checksum of every attached tensor's bits, compared with the one computed when the entry was filled.
 
 With a CUDA device it also measures the peer side by side: a holder process allocates the same tensors with
 torch and exports them with torch's legacy CUDA IPC reductions (``torch.multiprocessing``, pickled, as the SGLang
 and vLLM weight daemons do); ``--repeat`` fresh processes unpickle (rebuilding each tensor from its IPC handle)
 and bind them as Parameters. Its checksum must equal ours.
 
-Reported: median, min and max over the fresh processes of each column, the ratios (attach / floor, peer /
-attach, import / torch import), flatness in size, and whether every process saw identical bits. A table on
+With ``--real-checkpoint`` it also attaches what users attach: a safetensors file of the same layout and contents
+on disk, published as ``weightcache load`` publishes it (read from disk, per-tensor digests recorded) and attached
+by path (``wc.attach(model, ckpt_dir, mode="client")`` on the meta model) in as many fresh processes, alternating
+with the synthetic entry's; so its identity is derived from the file's headers and stat in every process, as an
+engine's is. Its columns are those of steps 2-6, on a line of its own.
+
+Reported: median, min and max over the fresh processes of each column, the ratios (attach / floor as a ratio of
+medians and as the median of each process's own ratio, peer / attach, import / torch import), flatness in size,
+and whether every process saw identical bits. A table on
 stdout and, with ``--json``, a JSON file; docs/benchmarks.md records the figures.
 """
 
@@ -150,10 +159,16 @@ def sizes_that_fit(
     )
 
 
-def plan_sizes(sizes: Sequence[float] | None, defaults: Sequence[float], device: str) -> list[float]:
+def plan_sizes(
+    sizes: Sequence[float] | None, defaults: Sequence[float], device: str, extra_copy: bool = False
+) -> list[float]:
     """:func:`sizes_that_fit` for this machine: ``sizes`` as given, or the ``defaults`` that fit (printing what
-    was left out)."""
-    fit, note = sizes_that_fit(sizes or defaults, memory_available(device), explicit=sizes is not None, device=device)
+    was left out). ``extra_copy``: a second entry of each size is held beside the first (a real checkpoint's),
+    so only two thirds of the memory count as available (three copies at the CPU's peak instead of two)."""
+    available = memory_available(device)
+    if extra_copy:
+        available = available * 2 // 3
+    fit, note = sizes_that_fit(sizes or defaults, available, explicit=sizes is not None, device=device)
     if note:
         print(f"weightcache bench: {note}", flush=True)
     return fit
@@ -199,6 +214,40 @@ def marker_checkpoint(directory: Path, gib: float, n: int, dtype_name: str) -> P
     save_file(
         {"marker": torch.zeros(1)}, str(path / "model.safetensors"), metadata={"bench": f"{gib}/{n}/{dtype_name}"}
     )
+    return path
+
+
+#: safetensors' names of the dtypes the bench writes into a real checkpoint.
+_SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
+
+
+def real_checkpoint(directory: Path, gib: float, shapes: list[int], dtype_name: str) -> Path:
+    """A real safetensors checkpoint of the bench's layout (tensor ``p{i}`` of ``shapes[i]`` elements holding
+    ``pattern(i)``), written one tensor at a time (the peak is one tensor, not the checkpoint): what a user's
+    engine attaches in :func:`run`'s real-checkpoint mode, whose identity is derived from the file itself."""
+    if dtype_name not in _SAFETENSORS_DTYPES:
+        raise wc.WeightCacheError(
+            f"--real-checkpoint writes {', '.join(_SAFETENSORS_DTYPES)} tensors; found --dtype {dtype_name}"
+        )
+    dtype = getattr(torch, dtype_name)
+    itemsize = torch.empty(0, dtype=dtype).element_size()
+    path = directory / f"real-{gib:g}g-{len(shapes)}-{dtype_name}"
+    path.mkdir(exist_ok=True)
+    header: dict[str, Any] = {}
+    offset = 0
+    for i, n in enumerate(shapes):
+        header[f"p{i}"] = {
+            "dtype": _SAFETENSORS_DTYPES[dtype_name],
+            "shape": [n],
+            "data_offsets": [offset, offset + n * itemsize],
+        }
+        offset += n * itemsize
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-len(raw) % 8)  # safetensors aligns the data to 8 bytes
+    with open(path / "model.safetensors", "wb") as f:
+        f.write(len(raw).to_bytes(8, "little") + raw)
+        for i, n in enumerate(shapes):
+            f.write(pattern(i, n, dtype, "cpu").contiguous().view(torch.uint8).numpy().tobytes())
     return path
 
 
@@ -321,6 +370,9 @@ if profile is not None:
 t4 = time.perf_counter()
 gc.collect()  # what a full collection costs at this point (CPython runs one when long-lived objects grew 25 %)
 t5 = time.perf_counter()
+t6 = time.perf_counter()
+wc.Fingerprint.create(spec["checkpoint"], device=device)  # the checkpoint's identity again (warm: a lower bound)
+t7 = time.perf_counter()
 params = list(model.parameters())
 from weightcache.tools.bench import checksum, floor_ms
 sums = checksum(params)
@@ -331,6 +383,7 @@ print(json.dumps({
     "import_ms": (t1 - t0) * 1e3, "attach_ms": (t3 - t2) * 1e3, "gc_ms": gc_ns["attach"][0] / 1e6,
     "gc_collections": gc_ns["attach"][1], "gc_full": gc_ns["attach"][2], "gc_import_ms": gc_ns["import"][0] / 1e6,
     "gc_import_full": gc_ns["import"][2], "gc_after_ms": (t5 - t4) * 1e3, "floor_ms": floor,
+    "identity_ms": (t7 - t6) * 1e3,
 }), flush=True)
 handle.close()
 """
@@ -476,6 +529,7 @@ def _run_one(
     peer: bool,
     profile_dir: Path | None,
     segment_gib: float | None = None,
+    real_checkpoint_mode: bool = False,
 ) -> dict[str, Any]:
     dtype = getattr(torch, dtype_name)
     itemsize = torch.empty(0, dtype=dtype).element_size()
@@ -498,35 +552,83 @@ def _run_one(
     row.update({"bytes": total, "segments": nseg, "publish_s": round(time.perf_counter() - t0, 3)})
     spec = {"checkpoint": str(marker), "device": device, "dtype": dtype_name, "shapes": shapes}
     spec["socket_dir"] = str(socket_dir)
+    real: dict[str, dict[str, Any]] = {}
+    real_fp = None
+    if real_checkpoint_mode:
+        real_dir = real_checkpoint(tmp, gib, shapes, dtype_name)
+        t0 = time.perf_counter()
+        # as a user publishes a checkpoint (`weightcache load`): read from disk, digests recorded
+        handle = wc.preload(real_dir, device=device, socket_dir=socket_dir, progress=False)
+        real_fp = handle.fingerprint
+        handle.close()
+        row["real_publish_s"] = round(time.perf_counter() - t0, 3)
+        real_spec = {**spec, "checkpoint": str(real_dir)}
+        real = {"real": {"spec": real_spec, "runs": []}}
     runs = []
-    for k in range(repeat):
+    for k in range(repeat):  # the variants alternate, so that the machine's load falls on each alike
         if profile_dir is not None:
             spec["profile"] = str(profile_dir / f"attach-{gib:g}g-{n}-{k}.prof")
         runs.append(_child(ENGINE, spec, "bench engine"))
+        for name, variant in real.items():
+            vspec = dict(variant["spec"])
+            if profile_dir is not None:
+                vspec["profile"] = str(profile_dir / f"attach-{name}-{gib:g}g-{n}-{k}.prof")
+            variant["runs"].append(_child(ENGINE, vspec, f"bench engine ({name})"))
     cache.evict(fp, force=True)
-    row["runs"] = runs
-    for key in ("attach_ms", "import_ms", "floor_ms", "gc_ms", "gc_import_ms", "gc_after_ms"):
-        row[key] = stats(runs, key)
-    for key in ("python_ms", "cuda_init_ms"):
-        row[key] = stats(runs, key)
-    row["attach_over_floor"] = round(row["attach_ms"]["median"] / row["floor_ms"]["median"], 3)
-    row["import_over_torch"] = round(row["import_ms"]["median"] / row["python_ms"]["median"], 4)
-    row["identical"] = all(r["checksum"] == expected and r["source"] == "cache" for r in runs)
+    if real_fp is not None:
+        cache.evict(real_fp, force=True)
+        shutil.rmtree(real_dir, ignore_errors=True)
+    row.update(_columns(runs, expected))
+    for name, variant in real.items():
+        row[name] = _columns(variant["runs"], expected)
+        row[f"{name}_over_synthetic"] = round(row[name]["attach_ms"]["median"] / row["attach_ms"]["median"], 3)
     if "peer" in row:
         row["peer_over_attach"] = round(row["peer"]["attach_ms"]["median"] / row["attach_ms"]["median"], 2)
         row["identical"] = row["identical"] and row["peer"]["identical"] and expected == expected_peer
+    row["identical"] = row["identical"] and all(row[name]["identical"] for name in real)
     return row
 
 
-def _line(r: dict[str, Any]) -> str:
+def _columns(runs: list[dict[str, Any]], expected: str) -> dict[str, Any]:
+    """The reported columns of one mechanism's fresh processes: medians, ratios and whether all saw ``expected``."""
+    row: dict[str, Any] = {"runs": runs}
+    for key in ("attach_ms", "import_ms", "floor_ms", "gc_ms", "gc_import_ms", "gc_after_ms", "identity_ms"):
+        row[key] = stats(runs, key)
+    for key in ("python_ms", "cuda_init_ms", "gc_full", "gc_import_full"):
+        row[key] = stats(runs, key)
+    row["attach_over_floor"] = round(row["attach_ms"]["median"] / row["floor_ms"]["median"], 3)
+    # per process (attach and floor of the same process share its moment of the machine's load): the median
+    row["attach_over_floor_paired"] = round(statistics.median(r["attach_ms"] / r["floor_ms"] for r in runs), 3)
+    row["import_over_torch"] = round(row["import_ms"]["median"] / row["python_ms"]["median"], 4)
+    row["identical"] = all(r["checksum"] == expected and r["source"] == "cache" for r in runs)
+    return row
+
+
+#: The real-checkpoint rows of a configuration, as :func:`_lines` labels them.
+REAL_VARIANTS = {"real": "real checkpoint"}
+
+
+def _lines(r: dict[str, Any]) -> list[str]:
+    """The synthetic row of a configuration, then its real-checkpoint rows (``--real-checkpoint``)."""
+    lines = [_line(r)]
+    for name, label in REAL_VARIANTS.items():
+        if name in r:
+            lines.append(_line({**r[name], "gib": r["gib"], "tensors": r["tensors"], "segments": r["segments"]}, label))
+    return lines
+
+
+def _line(r: dict[str, Any], label: str = "synthetic") -> str:
     a, imp, fl, g = r["attach_ms"], r["import_ms"], r["floor_ms"], r["gc_ms"]
     text = (
-        f"{r['gib']:>6g} GiB {r['tensors']:>5} tensors | attach median {a['median']:7.2f} ms "
+        f"{r['gib']:>6g} GiB {r['tensors']:>5} tensors, {label} | attach median {a['median']:7.2f} ms "
         f"({a['min']:.2f}-{a['max']:.2f}) | import {imp['median']:6.2f} ms ({imp['min']:.1f}-{imp['max']:.1f}; "
         f"gc in it {r['gc_import_ms']['median']:.1f}; torch {r['python_ms']['median']:.0f} ms) | "
-        f"floor {fl['median']:.2f} ms, attach/floor {r['attach_over_floor']:.2f}x | "
-        f"gc in attach {g['median']:.2f} ms (max {g['max']:.1f}); "
-        f"a full collection after it {r['gc_after_ms']['median']:.0f} ms"
+        f"floor {fl['median']:.2f} ms, attach/floor {r['attach_over_floor']:.2f}x "
+        f"(per process {r['attach_over_floor_paired']:.2f}x) | "
+        f"gc in attach {g['median']:.2f} ms (max {g['max']:.1f}; full collections in it: "
+        f"{r['gc_full']['max']:g} at most); "
+        f"a full collection after it {r['gc_after_ms']['median']:.0f} ms | "
+        f"identity again {r['identity_ms']['median']:.2f} ms"
     )
     if "peer" in r:
         p = r["peer"]["attach_ms"]
@@ -545,18 +647,21 @@ def run(
     peer: bool = True,
     profile_dir: str | os.PathLike[str] | None = None,
     segment_gib: float | None = None,
+    real_checkpoint: bool = False,
 ) -> int:
     """Publish a synthetic entry of each size (GiB) and tensor count into a private keeper and time its attach in
     ``repeat`` fresh engine processes (on CUDA, with ``peer``, also the legacy CUDA IPC attach of the same
     tensors); print a line per configuration and the flatness in size; write the report to ``json_out`` (after
     every configuration) when given. ``profile_dir``: each engine dumps a cProfile of its import and attach
     there. ``segment_gib``: largest segment (default 16 GiB on a GPU, as ``weightcache load`` streams a
-    checkpoint; 8 GiB on the CPU). Without ``sizes``, the defaults that fit in memory; given sizes that do not
-    fit are refused before anything is written, as is a device this process lacks. Returns 0 when every process
-    saw the published bits, else 1."""
+    checkpoint; 8 GiB on the CPU). ``real_checkpoint``: also write a safetensors file of the same layout and
+    contents, publish it as ``weightcache load`` does, and time its attach in as many fresh processes, alternating
+    with the synthetic ones (row ``real``). Without ``sizes``, the
+    defaults that fit in memory; given sizes that do not fit are refused before anything is written, as is a
+    device this process lacks. Returns 0 when every process saw the published bits, else 1."""
     placement_of(device)  # InvalidArgument for a device this process lacks, before any work
     report_path(json_out)  # its directory exists before the work starts
-    sizes = plan_sizes(sizes, DEFAULT_SIZES_GIB, device)
+    sizes = plan_sizes(sizes, DEFAULT_SIZES_GIB, device, extra_copy=real_checkpoint)
     if sys.flags.dont_write_bytecode:
         print(
             "note: PYTHONDONTWRITEBYTECODE is set: modules without a cached .pyc are compiled at every import, "
@@ -580,9 +685,12 @@ def run(
         cache.evict(warm_fp, force=True)
         for n in tensors:
             for gib in sizes:
-                r = _run_one(cache, socket_dir, tmp, device, gib, n, dtype, repeat, peer, profiles, segment_gib)
+                r = _run_one(
+                    cache, socket_dir, tmp, device, gib, n, dtype, repeat, peer, profiles, segment_gib, real_checkpoint
+                )
                 results.append(r)
-                print(_line(r), flush=True)
+                for text in _lines(r):
+                    print(text, flush=True)
                 if json_out:
                     Path(json_out).write_text(json.dumps(_report(device, results, tensors), indent=2))
     finally:

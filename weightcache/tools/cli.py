@@ -560,6 +560,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
             ("--profile", args.profile),
             ("--drop-caches", args.drop_caches),
             ("--no-peer", args.no_peer),
+            ("--real-checkpoint", args.real_checkpoint),
         ):
             if given:
                 raise wc.WeightCacheError(
@@ -575,6 +576,11 @@ def cmd_bench(args: argparse.Namespace) -> int:
             **options,
         )
     if args.restart:
+        if args.real_checkpoint:
+            raise wc.WeightCacheError(
+                "--real-checkpoint does not go with --restart (the restart benchmark attaches a real checkpoint "
+                "already)"
+            )
         from . import bench_restart  # imports torch
 
         return bench_restart.run(
@@ -596,6 +602,7 @@ def cmd_bench(args: argparse.Namespace) -> int:
         peer=not args.no_peer,
         profile_dir=args.profile,
         segment_gib=args.segment_gib,
+        real_checkpoint=args.real_checkpoint,
         **options,
     )
 
@@ -792,6 +799,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--profile", default=None, metavar="DIR", help="each engine writes a cProfile of its attach here")
     p.add_argument(
         "--segment-gib", type=float, default=None, help="largest segment of the entries (default: GPU 16, CPU 8)"
+    )
+    p.add_argument(
+        "--real-checkpoint",
+        action="store_true",
+        help="also attach a real safetensors checkpoint of the same layout, as users do, beside the synthetic entry",
     )
     p.set_defaults(func=cmd_bench)
     return parser
