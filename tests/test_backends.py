@@ -283,10 +283,9 @@ class RegisteringEngine(Backend):
             context.registered.update(kept)
 
 
-def engine_load(
-    backend: Backend, context: EngineLoad, socket_dir: Path, mode: str, strict: bool = False
-) -> tuple[Loaded, wc.Fingerprint]:
-    fp = backend.make_fingerprint(
+def engine_fingerprint(backend: Backend, context: EngineLoad) -> wc.Fingerprint:
+    """What an engine's loader makes before the structure joins it."""
+    return backend.make_fingerprint(
         str(context.checkpoint),
         dtype=None,
         engine_quant=None,
@@ -294,6 +293,12 @@ def engine_load(
         device="cpu",
         identity={"checkpoint": str(context.checkpoint)},
     )
+
+
+def engine_load(
+    backend: Backend, context: EngineLoad, socket_dir: Path, mode: str, strict: bool = False
+) -> tuple[Loaded, wc.Fingerprint]:
+    fp = engine_fingerprint(backend, context)
     options = LoaderOptions(mode=mode, socket_dir=str(socket_dir), strict=strict)  # type: ignore[arg-type]
     return backend.load_model(context, fingerprint=fp, device="cpu", options=options), fp
 
@@ -407,18 +412,9 @@ class RangedEngine(RegisteringEngine):
 def serve(
     backend: Backend, context: EngineLoad, socket_dir: Path, mode: str, strict: bool = False, describe: Any = None
 ) -> Loaded:
-    def fingerprint() -> wc.Fingerprint:
-        return backend.make_fingerprint(
-            str(context.checkpoint),
-            dtype=None,
-            engine_quant=None,
-            parallel=lambda: {"tp": (0, 1)},
-            device="cpu",
-            identity={"checkpoint": str(context.checkpoint)},
-        )
-
     options = LoaderOptions(mode=mode, socket_dir=str(socket_dir), strict=strict)  # type: ignore[arg-type]
-    return backend.serve_engine(context, describe=describe or fingerprint, device="cpu", options=options)
+    describe = describe or (lambda: engine_fingerprint(backend, context))
+    return backend.serve_engine(context, describe=describe, device="cpu", options=options)
 
 
 def test_an_engine_release_outside_the_range_starts_from_disk(
