@@ -458,6 +458,17 @@ def _in_thread(call: Callable[[], object], timeout: float) -> tuple[object, floa
     return box[0], time.monotonic() - start
 
 
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T`` in /proc/PID/task/TID/stat)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rpartition(")")[2].split()[0])
+        except OSError:
+            continue
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 def test_a_stopped_keeper_is_a_deadline_not_a_hang(checkpoint: Path, socket_dir: Path) -> None:
     keeper = start_keeper(socket_dir)
     try:
@@ -465,6 +476,9 @@ def test_a_stopped_keeper_is_a_deadline_not_a_hang(checkpoint: Path, socket_dir:
             fingerprint = handle.fingerprint
         conn = KeeperConnection.connect(socket_dir)
         keeper.send_signal(signal.SIGSTOP)
+        # SIGSTOP takes effect on each thread when the kernel next gets to it: on a loaded machine the keeper's
+        # server thread once answered the get before it stopped. Wait until every thread is stopped.
+        assert wait_until(lambda: all_threads_stopped(keeper.pid), 10)
         # Stopped between hello and get: the get has a deadline and says which op went unanswered.
         error, took = _in_thread(lambda: conn.get(fingerprint.digest, fingerprint.placement), 60)
         assert isinstance(error, wc.KeeperUnavailable), error
