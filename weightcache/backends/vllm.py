@@ -44,8 +44,10 @@ from torch import nn
 
 from .. import parity
 from .._version import __version__
+from ..cache import Cache
 from ..fingerprint import Fingerprint
 from ..handle import Handle
+from . import vllm_compile
 from . import vllm_releases as releases
 from .engine_config import QuantSpec, config_json, plain_json, quant_spec_from_config
 from .engine_steps import drop_parameters, own_tensors
@@ -250,9 +252,10 @@ def register() -> None:
     it: it never raises. A vLLM whose loader API the adapter cannot register with keeps working, and an engine
     that asks for ``--load-format weightcache`` is told the format is unknown after a warning that says why.
     Besides the loader it: sends weightcache's log lines to vLLM's log (:func:`_log_to_vllm`); validates
-    ``--model-loader-extra-config`` where vLLM builds its load config (:func:`_validate_early`); and, before
-    vLLM 0.32, makes GPU workers count the weights they map in their memory budget
-    (:func:`~weightcache.backends.vllm_releases.count_external_weights`).
+    ``--model-loader-extra-config`` where vLLM builds its load config (:func:`_validate_early`); before vLLM
+    0.32, makes GPU workers count the weights they map in their memory budget
+    (:func:`~weightcache.backends.vllm_releases.count_external_weights`); and makes workers publish vLLM's
+    compile cache after warm-up (:func:`~weightcache.backends.vllm_compile.install_hook`).
     """
     log = logging.getLogger(__name__)
     try:
@@ -268,7 +271,7 @@ def register() -> None:
             releases.RELEASES,
         )
         return
-    for step in (_validate_early, partial(releases.count_external_weights, LOAD_FORMAT)):
+    for step in (_validate_early, partial(releases.count_external_weights, LOAD_FORMAT), vllm_compile.install_hook):
         try:
             step()
         except Exception as exc:  # each is an improvement; the engine works without it
@@ -507,6 +510,9 @@ def _build_loader_class(backend: VllmBackend) -> type:
                 options=self.options,
             )
             self.handle, self.source = loaded.handle, loaded.source
+            if loaded.handle is not None:  # vLLM's compile cache too, before vLLM compiles (see vllm_compile)
+                cache = Cache(self.options.socket_dir, trusted_publishers=self.options.trusted_publishers)
+                vllm_compile.begin(vllm_config, loaded.handle.fingerprint, device, cache)
             return loaded.model
 
     return WeightCacheModelLoader

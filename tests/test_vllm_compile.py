@@ -1,0 +1,113 @@
+"""vLLM's compile cache as a keeper artifact: the archive the adapter packs and unpacks (no vLLM needed here; the
+engine round trip is tests/backends/test_vllm.py::test_vllms_compile_cache_comes_back_from_the_keeper_into_a_wiped
+_cache_directory)."""
+
+from __future__ import annotations
+
+import io
+import tarfile
+from pathlib import Path
+
+import pytest
+
+from weightcache.backends.vllm_compile import pack, units, unpack_into
+
+
+def write(path: Path, data: bytes, mode: int = 0o644) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(data)
+    path.chmod(mode)
+
+
+@pytest.fixture
+def cache(tmp_path: Path) -> Path:
+    """A vLLM compile cache as vLLM 0.26-0.33 lay it out: a hash directory with per-rank subdirectories and an
+    AOT hash directory with a shared inductor cache."""
+    root = tmp_path / "torch_compile_cache"
+    write(root / "0a1b2c3d4e" / "rank_0_0" / "backbone" / "vllm_compile_cache.py", b"{}")
+    write(root / "0a1b2c3d4e" / "rank_0_0" / "backbone" / "artifact_compile_range_1_8_subgraph_0", b"A" * 100)
+    write(root / "0a1b2c3d4e" / "rank_1_0" / "backbone" / "artifact_compile_range_1_8_subgraph_0", b"B" * 100)
+    write(root / "0a1b2c3d4e" / "rank_0_0" / "backbone" / "model.1234.tmp", b"half")
+    aot = root / "torch_aot_compile" / ("f" * 64)
+    write(aot / "inductor_cache" / "ab" / "cabcdef.so", b"\x7fELF", 0o755)
+    write(aot / "inductor_cache" / "locks" / "cabcdef.lock", b"")
+    write(aot / "rank_0_0" / "model", b"M" * 50)
+    return root
+
+
+def test_the_archive_holds_this_ranks_files_and_comes_back_where_vllm_looks(cache: Path, tmp_path: Path) -> None:
+    found = list(units(cache))
+    assert [u.relative_to(cache).as_posix() for u in found] == ["0a1b2c3d4e", "torch_aot_compile/" + "f" * 64]
+    blob, held = pack(cache, found, "rank_0_0")
+    assert sorted(held) == [
+        "0a1b2c3d4e/rank_0_0/backbone/artifact_compile_range_1_8_subgraph_0",
+        "0a1b2c3d4e/rank_0_0/backbone/vllm_compile_cache.py",
+        f"torch_aot_compile/{'f' * 64}/inductor_cache/ab/cabcdef.so",
+        f"torch_aot_compile/{'f' * 64}/rank_0_0/model",
+    ]  # not rank 1's, not a temporary or lock file
+    assert pack(cache, found, "rank_0_0")[0] == blob  # the same files give the same bytes (one SHA-256)
+
+    wiped = tmp_path / "new-container" / "torch_compile_cache"
+    written = unpack_into(blob, wiped)
+    assert written == held
+    for relative in held:
+        assert (wiped / relative).read_bytes() == (cache / relative).read_bytes()
+    assert (wiped / f"torch_aot_compile/{'f' * 64}/inductor_cache/ab/cabcdef.so").stat().st_mode & 0o111
+    assert not list(wiped.rglob(".wc-*"))  # no temporary file left behind
+
+
+def test_a_file_already_in_the_local_cache_is_never_overwritten(cache: Path, tmp_path: Path) -> None:
+    blob, held = pack(cache, list(units(cache)), "rank_0_0")
+    local = tmp_path / "local"
+    mine = local / "0a1b2c3d4e" / "rank_0_0" / "backbone" / "vllm_compile_cache.py"
+    write(mine, b"the user's own")
+    written = unpack_into(blob, local)
+    assert mine.read_bytes() == b"the user's own"
+    assert set(written) == set(held) - {"0a1b2c3d4e/rank_0_0/backbone/vllm_compile_cache.py"}
+
+
+def tar_of(*members: tarfile.TarInfo, data: bytes = b"x") -> bytes:
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        for member in members:
+            tar.addfile(member, io.BytesIO(data) if member.isfile() else None)
+    return buffer.getvalue()
+
+
+def file_member(name: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.size = 1
+    return info
+
+
+def link_member(name: str, target: str) -> tarfile.TarInfo:
+    info = tarfile.TarInfo(name)
+    info.type = tarfile.SYMTYPE
+    info.linkname = target
+    return info
+
+
+@pytest.mark.parametrize(
+    "bad",
+    [
+        file_member("../escape"),
+        file_member("/etc/passwd-like"),
+        file_member("a/../../escape"),
+        file_member("a/b\nc"),
+        link_member("0a1b2c3d4e/link", "/etc/passwd"),
+    ],
+    ids=["parent", "absolute", "climbs", "odd-name", "symlink"],
+)
+def test_an_archive_that_is_no_compile_cache_is_refused_before_anything_is_written(
+    bad: tarfile.TarInfo, tmp_path: Path
+) -> None:
+    blob = tar_of(file_member("0a1b2c3d4e/rank_0_0/ok"), bad)
+    target = tmp_path / "root"
+    with pytest.raises(ValueError, match="no file of vLLM's compile cache"):
+        unpack_into(blob, target)
+    assert not target.exists() and not (tmp_path / "escape").exists()
+
+
+def test_bytes_that_are_no_archive_are_an_error_not_a_crash(tmp_path: Path) -> None:
+    with pytest.raises(tarfile.TarError):
+        unpack_into(b"not a tar archive at all" * 40, tmp_path / "root")

@@ -1,0 +1,530 @@
+"""vLLM's compile cache from the keeper: a restart from an empty disk finds what an earlier start compiled.
+
+vLLM keeps what ``torch.compile`` made for a model under ``$VLLM_CACHE_ROOT/torch_compile_cache`` (default
+``~/.cache/vllm``): one directory per hash of everything that decides the compiled code (vLLM's config, its
+compile-relevant environment, the source files dynamo traced, the compiler's own factors). Inside: vLLM's index
+of compiled graphs, inductor's compiled artifacts (``standalone_compile``'s, which carry their Triton kernels),
+inductor's and Triton's cache directories, and, where the release and torch make one, the AOT-compiled function
+(``torch_aot_compile/<hash>/rank_<r>_<d>/model``). In a new container that directory is empty and vLLM compiles
+again; on an H200 that is ~14 s of a Llama-3-8B start (docs/benchmarks.md).
+
+For an engine whose weights weightcache serves (load format ``weightcache``, modes daemon and client), the
+adapter keeps that directory in the keeper as an artifact of kind :data:`KIND`, keyed by the weights' fingerprint
+and :func:`artifact_key` (vLLM, torch, Triton and Python versions; GPU and compute capability and CUDA, or CPU
+model and ISA; vLLM's own config hash and compile-environment hash; the AOT switch; the rank; the cache root's
+path, which vLLM writes into its index):
+
+- **restore**, when the loader has the weights (before vLLM compiles): the keeper's artifact is unpacked into the
+  cache root, each file only where none is (a file of the local cache is never overwritten);
+- **publish**, when the worker has compiled and warmed up (``compile_or_warm_up_model`` returned): the hash
+  directories this engine used, with only this rank's ``rank_<r>_<d>`` subdirectories, packed as a tar archive,
+  if anything was restored from nothing or vLLM wrote a file the artifact did not hold (it replaces the one it
+  restored).
+
+vLLM decides on every start whether what it finds is valid (its hash directory names, and its AOT artifact's
+check of the traced sources): a restored directory that does not match is a miss for vLLM, which compiles as it
+would have, and the next publish replaces the artifact. A miss of any kind here (no keeper, no artifact, a corrupt
+blob or archive) is logged and the engine compiles; nothing here stops an engine. Only artifacts this uid
+published are restored: they hold pickles and kernels that vLLM and torch load.
+
+Not held: FlashInfer's JIT cache (``~/.cache/flashinfer``; vLLM builds it when FlashInfer is installed; not
+installed where this was measured), DeepGEMM's JIT cache (``~/.deep_gemm``; FP8 block-quantized models), and the
+Triton kernels vLLM's own custom Triton ops compile into ``~/.triton/cache`` (outside the compile cache). See
+docs/guides/vllm.md.
+
+Switched off by ``WEIGHTCACHE_VLLM_COMPILE_CACHE=0``, by vLLM's ``VLLM_DISABLE_COMPILE_CACHE=1``, for an engine
+that compiles nothing (``enforce_eager``) and for an explicit ``compilation_config.cache_dir`` (a directory the
+user keeps).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import logging
+import os
+import re
+import sys
+import tarfile
+import tempfile
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from ..artifact_key import ArtifactKey
+from ..artifacts import Artifact
+from ..cache import Cache, weights_digest
+from ..errors import WeightCacheError
+from ..fingerprint import Fingerprint
+from ..torch_compile import device_fields
+
+log = logging.getLogger("weightcache.artifacts")
+
+#: The artifact kind this module publishes.
+KIND = "vllm.compile_cache"
+#: ``0``/``off``/``false``: the adapter neither restores nor publishes vLLM's compile cache.
+SWITCH_ENV = "WEIGHTCACHE_VLLM_COMPILE_CACHE"
+#: Where vLLM keeps its compile cache under ``VLLM_CACHE_ROOT``.
+SUBDIR = "torch_compile_cache"
+#: The directory of vLLM's AOT-compiled functions under :data:`SUBDIR`, itself one directory per hash.
+AOT_DIR = "torch_aot_compile"
+#: A path component of an archive member: plain names only (no ``..``, no absolute paths, no odd characters).
+_COMPONENT = re.compile(r"[A-Za-z0-9_+=,@-][A-Za-z0-9._+=,@-]{0,254}")
+#: Deepest path an archive may hold (vLLM's is ~6 levels below the root).
+MAX_DEPTH = 16
+#: A rank's own subdirectory of a hash directory.
+_RANK_DIR = re.compile(r"rank_\d+_\d+")
+#: vLLM's counters (``vllm.compilation.counter.compilation_counter``) that say whether it compiled or loaded.
+COUNTERS = (
+    "num_inductor_compiles",
+    "num_compiled_artifacts_loaded",
+    "num_compiled_artifacts_saved",
+    "num_aot_compiles",
+    "num_aot_artifacts_loaded",
+    "num_aot_artifacts_saved",
+)
+
+
+def vllm_counters() -> dict[str, int]:
+    """vLLM's own compile counters in this process (:data:`COUNTERS`; those a release lacks are left out)."""
+    try:
+        from vllm.compilation.counter import compilation_counter
+    except Exception:
+        return {}
+    return {name: int(getattr(compilation_counter, name)) for name in COUNTERS if hasattr(compilation_counter, name)}
+
+
+def switched_off() -> str | None:
+    """Why the adapter leaves vLLM's compile cache alone in this process, or None."""
+    if os.environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
+        return f"{SWITCH_ENV}={os.environ[SWITCH_ENV]}"
+    try:
+        import vllm.envs as envs
+
+        if envs.VLLM_DISABLE_COMPILE_CACHE:
+            return "VLLM_DISABLE_COMPILE_CACHE is set"
+    except Exception:  # an attribute a release lacks: vLLM's own default (enabled) applies
+        pass
+    return None
+
+
+def cache_root() -> Path:
+    """vLLM's compile cache directory: ``$VLLM_CACHE_ROOT/torch_compile_cache``."""
+    import vllm.envs as envs
+
+    return Path(envs.VLLM_CACHE_ROOT) / SUBDIR
+
+
+def not_compiled(vllm_config: Any) -> str | None:
+    """Why this engine compiles nothing that vLLM caches (or caches where weightcache does not look), or None."""
+    compilation = vllm_config.compilation_config
+    mode = getattr(compilation, "mode", None)
+    if mode is None:
+        mode = getattr(compilation, "level", None)
+    if mode is None or int(mode) == 0:
+        return "the engine compiles nothing (compilation mode NONE, e.g. enforce_eager)"
+    if getattr(compilation, "cache_dir", ""):
+        return f"compilation_config.cache_dir is set ({compilation.cache_dir}): a directory the user keeps"
+    return None
+
+
+def _env_hash() -> str | None:
+    """vLLM's hash of the environment variables that decide what it compiles (``envs.compile_factors`` since
+    0.26-ish; ``envs.compute_hash`` before)."""
+    import vllm.envs as envs
+
+    factors = getattr(envs, "compile_factors", None)
+    if callable(factors):
+        items = sorted((str(k), str(v)) for k, v in factors().items())
+        return hashlib.sha256(repr(items).encode()).hexdigest()
+    compute = getattr(envs, "compute_hash", None)
+    return str(compute()) if callable(compute) else None
+
+
+def _rank(vllm_config: Any) -> tuple[int, int]:
+    parallel = vllm_config.parallel_config
+    dp = getattr(parallel, "data_parallel_index", None)
+    if dp is None:
+        dp = getattr(parallel, "data_parallel_rank", 0)
+    return int(parallel.rank), int(dp or 0)
+
+
+def artifact_key(vllm_config: Any, device: torch.device) -> ArtifactKey:
+    """What a vLLM compile cache is valid for, besides the weights: vLLM, torch, Triton and Python versions, the
+    device (:func:`~weightcache.torch_compile.device_fields`), vLLM's config hash (``vllm_config.compute_hash()``:
+    model, cache, parallel, scheduler, compilation configs), its compile-environment hash, the AOT switch, this
+    rank, and the cache root (vLLM's index records absolute paths under it)."""
+    import vllm
+    import vllm.envs as envs
+
+    rank, dp_rank = _rank(vllm_config)
+    fields: dict[str, Any] = {
+        "vllm": vllm.__version__,
+        "torch": torch.__version__,
+        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
+        **device_fields(device),
+        "config": vllm_config.compute_hash(),
+        "env": _env_hash(),
+        "aot": bool(getattr(envs, "VLLM_USE_AOT_COMPILE", False)),
+        "rank": rank,
+        "dp_rank": dp_rank,
+        "root": str(cache_root()),
+    }
+    return ArtifactKey(KIND, fields)
+
+
+# --- the archive -------------------------------------------------------------------------------------------------
+
+
+def _member_path(name: str) -> tuple[str, ...] | None:
+    parts = tuple(name.split("/"))
+    if not 1 <= len(parts) <= MAX_DEPTH or not all(_COMPONENT.fullmatch(p) for p in parts):
+        return None
+    return parts
+
+
+def _wanted(relative: tuple[str, ...], own_rank: str) -> bool:
+    """A file of vLLM's compile cache worth holding: not another rank's, not a temporary or lock file."""
+    name = relative[-1]
+    if name.endswith((".tmp", ".lock")) or ".tmp" in name or name.startswith("."):
+        return False
+    return not any(_RANK_DIR.fullmatch(p) and p != own_rank for p in relative[:-1])
+
+
+def units(root: Path) -> Iterator[Path]:
+    """The hash directories of vLLM's compile cache: ``<root>/<hash>`` and ``<root>/torch_aot_compile/<hash>``."""
+    try:
+        children = sorted(root.iterdir())
+    except OSError:
+        return
+    for child in children:
+        if not child.is_dir() or child.is_symlink():
+            continue
+        if child.name == AOT_DIR:
+            try:
+                yield from sorted(d for d in child.iterdir() if d.is_dir() and not d.is_symlink())
+            except OSError:
+                continue
+        else:
+            yield child
+
+
+def _files(unit: Path) -> Iterator[Path]:
+    for directory, dirs, names in os.walk(unit):
+        dirs.sort()
+        for name in sorted(names):
+            path = Path(directory, name)
+            if path.is_file() and not path.is_symlink():
+                yield path
+
+
+def pack(root: Path, chosen: list[Path], own_rank: str) -> tuple[bytes, dict[str, int]]:
+    """A tar archive of the files of the hash directories ``chosen`` under ``root`` (this rank's only), and what
+    it holds (relative path -> size)."""
+    buffer = io.BytesIO()
+    held: dict[str, int] = {}
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        for unit in chosen:
+            for path in _files(unit):
+                relative = path.relative_to(root).as_posix()
+                parts = _member_path(relative)
+                if parts is None or not _wanted(parts, own_rank):
+                    continue
+                try:
+                    data = path.read_bytes()
+                    mode = path.stat().st_mode
+                except OSError:
+                    continue  # removed while we looked: vLLM's own business
+                info = tarfile.TarInfo(relative)
+                info.size = len(data)
+                info.mode = 0o755 if mode & 0o111 else 0o644
+                info.mtime = 0
+                tar.addfile(info, io.BytesIO(data))
+                held[relative] = len(data)
+    return buffer.getvalue(), held
+
+
+def unpack_into(blob: bytes, root: Path) -> dict[str, int]:
+    """Write each file of the archive under ``root`` where no file is; what was written (relative path -> size).
+
+    Raises ValueError, before writing anything, for an archive that is not one :func:`pack` could have made: a
+    member that is not a regular file, or whose name is absolute, climbs out of ``root`` or has odd characters."""
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+        members = tar.getmembers()
+        for member in members:
+            if not member.isfile() or _member_path(member.name) is None:
+                raise ValueError(f"the archive holds {member.name!r:.120}, which is no file of vLLM's compile cache")
+        written: dict[str, int] = {}
+        for member in members:
+            target = root.joinpath(*member.name.split("/"))
+            if target.exists():
+                continue
+            source = tar.extractfile(member)
+            if source is None:
+                raise ValueError(f"the archive's member {member.name!r:.120} has no data")
+            target.parent.mkdir(parents=True, exist_ok=True)
+            fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=".wc-", suffix=".tmp")
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    f.write(source.read())
+                os.chmod(temporary, 0o755 if member.mode & 0o111 else 0o644)
+                os.replace(temporary, target)
+            except BaseException:
+                Path(temporary).unlink(missing_ok=True)
+                raise
+            written[member.name] = member.size
+    return written
+
+
+# --- one engine's compile cache -------------------------------------------------------------------------------
+
+
+class EngineCompileCache:
+    """vLLM's compile cache of one engine (one rank), restored from and published to the keeper.
+
+    Attributes:
+        key: the artifact's key (:func:`artifact_key`).
+        root: vLLM's compile cache directory (:func:`cache_root`).
+        restored: the files :meth:`restore` wrote (relative path -> size).
+        loaded_bytes: the size of the artifact restored (0: none).
+        published_bytes: the size of the artifact :meth:`publish` published (0: none).
+        written: the files vLLM wrote into its compile cache between :meth:`restore` and :meth:`publish` (relative
+            to :attr:`root`): none for a start served whole from the artifact.
+        counts: vLLM's compile counters (:func:`vllm_counters`) from :meth:`restore` to :meth:`publish`: e.g.
+            ``num_inductor_compiles`` 0 and ``num_aot_artifacts_loaded`` 1 for a start served from the artifact.
+        artifact: the artifact held while the engine runs (leased; re-published if the keeper restarts).
+    """
+
+    def __init__(self, vllm_config: Any, weights: Fingerprint | str, key: ArtifactKey, cache: Cache) -> None:
+        self.vllm_config = vllm_config
+        self.weights = weights
+        self.key = key
+        self.cache = cache
+        self.root = cache_root()
+        rank, dp_rank = _rank(vllm_config)
+        self.own_rank = f"rank_{rank}_{dp_rank}"
+        self.restored: dict[str, int] = {}
+        self.held: dict[str, int] = {}
+        self.loaded_bytes = 0
+        self.published_bytes = 0
+        self.counts: dict[str, int] = {}
+        self.written: list[str] = []
+        self._counters_before = vllm_counters()
+        self.artifact: Artifact | None = None
+        self._loaded_sha: str | None = None
+        self._started = time.time() - 1.0  # mtimes have coarse clocks on some file systems
+
+    @property
+    def digest(self) -> str:
+        return weights_digest(self.weights)
+
+    def restore(self) -> int:
+        """Unpack the keeper's artifact for this engine into :attr:`root` (missing files only); how many files
+        were written. Any miss is logged and returns 0."""
+        self._started = time.time() - 1.0
+        self._counters_before = vllm_counters()
+        found = self.cache.open_artifact(self.weights, self.key)
+        if found is None:
+            log.info("weightcache: no %s artifact for %s; vLLM compiles as usual", KIND, self.digest[:12])
+            return 0
+        if found.info.publisher != os.getuid():
+            log.info(
+                "weightcache: the %s artifact for %s was published by uid %d, not this uid; vLLM compiles",
+                KIND,
+                self.digest[:12],
+                found.info.publisher,
+            )
+            found.close()
+            return 0
+        try:
+            blob = found.read()
+            if blob is None:
+                raise ValueError("the keeper let go of it")
+            self.restored = unpack_into(blob, self.root)
+            with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+                self.held = {m.name: m.size for m in tar.getmembers()}
+        except (ValueError, OSError, tarfile.TarError, WeightCacheError) as exc:
+            log.warning(
+                "weightcache: the %s artifact for %s could not be restored (%s); vLLM compiles",
+                KIND,
+                self.digest[:12],
+                exc,
+            )
+            found.close()
+            return 0
+        self.artifact = found
+        self.loaded_bytes = len(blob)
+        self._loaded_sha = hashlib.sha256(blob).hexdigest()
+        log.info(
+            "weightcache: restored vLLM's compile cache for %s from the keeper (%d bytes, %d files written, %d "
+            "already there) into %s",
+            self.digest[:12],
+            len(blob),
+            len(self.restored),
+            len(self.held) - len(self.restored),
+            self.root,
+        )
+        return len(self.restored)
+
+    def used_units(self) -> list[Path]:
+        """The hash directories this engine used: those vLLM's compilation config names, and those holding a file
+        written since :meth:`restore`."""
+        compilation = self.vllm_config.compilation_config
+        named = [
+            Path(p) for p in (getattr(compilation, "cache_dir", ""), getattr(compilation, "local_cache_dir", "")) if p
+        ]
+        return [
+            unit
+            for unit in units(self.root)
+            if any(unit == p or unit in p.parents for p in named) or self._written_since_start(unit)
+        ]
+
+    def _written_since_start(self, unit: Path) -> list[str]:
+        """The files of ``unit`` (relative to :attr:`root`) that vLLM wrote since :meth:`restore`."""
+        written = []
+        for path in _files(unit):
+            relative = path.relative_to(self.root).as_posix()
+            parts = _member_path(relative)
+            if relative in self.restored or parts is None or not _wanted(parts, self.own_rank):
+                continue
+            try:
+                if path.stat().st_mtime >= self._started:
+                    written.append(relative)
+            except OSError:
+                continue
+        return written
+
+    def publish(self) -> Artifact | None:
+        """After vLLM compiled and warmed up: publish the hash directories it used, unless the artifact restored
+        already held every file of them. Returns the artifact published (held while the engine runs), or None."""
+        now = vllm_counters()
+        self.counts = {name: value - self._counters_before.get(name, 0) for name, value in now.items()}
+        log.info("weightcache: vLLM's compile counters for %s since the load: %s", self.digest[:12], self.counts)
+        chosen = self.used_units()
+        self.written = [name for unit in chosen for name in self._written_since_start(unit)]
+        if self.written:
+            log.info(
+                "weightcache: vLLM wrote %d file(s) into its compile cache for %s since the load: %s",
+                len(self.written),
+                self.digest[:12],
+                ", ".join(self.written[:8]) + (" ..." if len(self.written) > 8 else ""),
+            )
+        if not chosen:
+            log.info("weightcache: vLLM's compile cache for %s is empty; nothing to publish", self.digest[:12])
+            return None
+        blob, held = pack(self.root, chosen, self.own_rank)
+        if self._loaded_sha is not None and set(held) <= set(self.held):
+            log.info("weightcache: vLLM compiled nothing the keeper's artifact lacked for %s", self.digest[:12])
+            return None
+        if hashlib.sha256(blob).hexdigest() == self._loaded_sha:
+            return None
+        try:
+            artifact = self.cache.put_artifact(self.weights, self.key, blob, hold=True, replace=self._loaded_sha)
+        except WeightCacheError as exc:
+            log.warning("weightcache: could not publish vLLM's compile cache for %s: %s", self.digest[:12], exc)
+            return None
+        if self.artifact is not None:
+            self.artifact.close()
+        self.artifact = artifact
+        self.published_bytes = len(blob)
+        log.info(
+            "weightcache: published vLLM's compile cache for %s (%d bytes, %d files of %s)%s",
+            self.digest[:12],
+            len(blob),
+            len(held),
+            ", ".join(u.relative_to(self.root).as_posix() for u in chosen),
+            "" if artifact.created else "; the keeper already held one for this key",
+        )
+        return artifact
+
+
+#: The compile caches of the engines of this process, by ``id(vllm_config)``, from the load to the warm-up.
+_PENDING: dict[int, EngineCompileCache] = {}
+#: Those published or restored: their artifacts stay leased while the process runs.
+_HELD: list[EngineCompileCache] = []
+
+
+def engine_caches() -> list[EngineCompileCache]:
+    """The compile caches this process restored or published, held while it runs (for tests and diagnostics)."""
+    return list(_HELD)
+
+
+def begin(vllm_config: Any, weights: Fingerprint | str, device: torch.device, cache: Cache) -> None:
+    """At the load (the loader has the weights, vLLM has not compiled): restore this engine's compile cache from
+    the keeper, and remember it for :func:`finish`. Never raises."""
+    try:
+        reason = switched_off() or not_compiled(vllm_config)
+        if reason is not None:
+            log.debug("weightcache: vLLM's compile cache is left alone: %s", reason)
+            return
+        state = EngineCompileCache(vllm_config, weights, artifact_key(vllm_config, device), cache)
+        state.restore()
+    except Exception as exc:
+        log.warning("weightcache: vLLM's compile cache was not restored (%s: %s)", type(exc).__name__, exc)
+        return
+    _PENDING[id(vllm_config)] = state
+
+
+def finish(vllm_config: Any) -> EngineCompileCache | None:
+    """After the worker compiled and warmed up: publish this engine's compile cache if the keeper lacked any of
+    it. Never raises; None for an engine :func:`begin` did not take."""
+    state = _PENDING.pop(id(vllm_config), None)
+    if state is None:
+        return None
+    try:
+        state.publish()
+    except Exception as exc:
+        log.warning("weightcache: vLLM's compile cache was not published (%s: %s)", type(exc).__name__, exc)
+    _HELD.append(state)  # its artifact, if any, stays leased while the process runs
+    return state
+
+
+_hooked: set[type] = set()
+
+
+def install_hook() -> None:
+    """Make the worker classes of this platform call :func:`finish` when ``compile_or_warm_up_model`` returns
+    (vLLM has no hook there). Installed by the plugin in each vLLM process; idempotent."""
+    from vllm.platforms import current_platform
+
+    modules = [("vllm.v1.worker.cpu_worker", "CPUWorker")] if current_platform.is_cpu() else []
+    modules.append(("vllm.v1.worker.gpu_worker", "Worker"))
+    import importlib
+
+    for module_name, class_name in modules:
+        cls = getattr(importlib.import_module(module_name), class_name)
+        if cls in _hooked or "compile_or_warm_up_model" not in vars(cls):
+            continue
+        cls.compile_or_warm_up_model = _after(cls.compile_or_warm_up_model)
+        _hooked.add(cls)
+
+
+def _after(original: Callable[..., Any]) -> Callable[..., Any]:
+    def compile_or_warm_up_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        result = original(self, *args, **kwargs)
+        finish(self.vllm_config)
+        return result
+
+    compile_or_warm_up_model.__wrapped__ = original  # type: ignore[attr-defined]
+    return compile_or_warm_up_model
+
+
+__all__ = [
+    "KIND",
+    "SWITCH_ENV",
+    "EngineCompileCache",
+    "artifact_key",
+    "begin",
+    "cache_root",
+    "engine_caches",
+    "finish",
+    "install_hook",
+    "not_compiled",
+    "pack",
+    "switched_off",
+    "unpack_into",
+    "vllm_counters",
+]
