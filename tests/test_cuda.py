@@ -441,3 +441,46 @@ def test_a_client_maps_through_ctypes_without_importing_cuda_bindings(checkpoint
     assert fast["sum"] == slow["sum"] == threaded["sum"] == expected
     assert fast["ctypes"] is True and fast["bindings"] is False
     assert slow["ctypes"] is False and slow["bindings"] is True
+
+
+def test_segments_are_created_rdma_capable_where_the_gpu_supports_it() -> None:
+    """A segment's allocation carries ``allocFlags.gpuDirectRDMACapable`` exactly where the device reports
+    GPUDirect RDMA with VMM (read back from the allocation by the driver), with the POSIX-fd handle type still
+    requested, and it still exports, verifies and maps through its fd as engines map it.
+
+    Read back from the creating handle: a handle imported from the fd reported ``allocFlags`` as 0 (and, in
+    another process, the handle type as none), whatever the allocation was created with (seen on an H200, CUDA
+    driver API 13.0, cuda-bindings 13.3.1)."""
+    from cuda.bindings import driver as cu
+
+    from weightcache.manifest import SegmentInfo
+    from weightcache.segments.cuda_vmm import CudaVmmSegment, CudaVmmTransport, granularity, placement_of, rdma_capable
+
+    torch.zeros(1, device="cuda:0")
+    ok = cu.CUresult.CUDA_SUCCESS
+    err, device = cu.cuDeviceGet(0)
+    assert err == ok
+    attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
+    err, supported = cu.cuDeviceGetAttribute(attribute, device)
+    assert err == ok
+    assert rdma_capable(0) is bool(supported)
+    placement = placement_of(0)
+    segment = CudaVmmSegment(3 << 20, placement)
+    try:
+        assert segment.rdma_capable is bool(supported)
+        assert segment.size % granularity(0) == 0
+        err, prop = cu.cuMemGetAllocationPropertiesFromHandle(segment._handle)
+        assert err == ok
+        assert prop.allocFlags.gpuDirectRDMACapable == int(bool(supported))
+        posix_fd = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+        assert prop.requestedHandleTypes == posix_fd
+        data = torch.arange(4096, device="cuda:0").to(torch.uint8)
+        segment.write(1 << 20, data)
+        segment.seal()
+        info = SegmentInfo("cuda_vmm", segment.size, placement)
+        CudaVmmTransport.verify_fd(segment.fd, info)
+        mapped, read_only = CudaVmmTransport().map_checked(segment.fd, info)
+        assert read_only and torch.equal(mapped[1 << 20 : (1 << 20) + data.numel()], data)
+        del mapped
+    finally:
+        segment.close()

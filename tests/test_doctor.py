@@ -79,13 +79,25 @@ def test_a_symlinked_socket_directory_fails(socket_dir: Path, tmp_path: Path) ->
 
 @pytest.mark.cuda
 def test_every_gpu_passes_the_vmm_round_trip(socket_dir: Path) -> None:
+    """Each GPU's line also says, as the device reports it, whether its segments are created RDMA-capable."""
     import torch
+    from cuda.bindings import driver as cu
 
     rc, checks = doctor(socket_dir)
     assert rc == 0 and checks["cuda"]["status"] == "ok", checks["cuda"]
+    torch.zeros(1, device="cuda:0")  # initialises the driver for the attribute queries below
+    attribute = cu.CUdevice_attribute.CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED
     for i in range(torch.cuda.device_count()):
         gpu = checks[f"cuda:{i}"]
         assert gpu["status"] == "ok" and "mapped read-only" in gpu["detail"], gpu
+        err, supported = cu.cuDeviceGetAttribute(attribute, cu.cuDeviceGet(i)[1])
+        assert err == cu.CUresult.CUDA_SUCCESS
+        rdma = (
+            "GPUDirect RDMA with VMM: supported (segments created RDMA-capable)"
+            if supported
+            else "GPUDirect RDMA with VMM: not supported (segments created without the flag)"
+        )
+        assert rdma in gpu["detail"], gpu
 
 
 @pytest.mark.cuda

@@ -1,8 +1,11 @@
-"""CPU segments (sealed memfds), packing, and the keeper-side fd checks."""
+"""CPU segments (sealed memfds), packing, the keeper-side fd checks, and what the CUDA transport decides without a
+GPU (its ctypes declarations, whether segments are created RDMA-capable)."""
 
 from __future__ import annotations
 
+import enum
 import os
+import types
 
 import pytest
 import torch
@@ -120,3 +123,67 @@ def test_the_ctypes_mapping_calls_match_cuda_h() -> None:
         ctypes.CDLL("libcuda.so.1")
     except OSError:
         assert cuda_import.driver() is None
+
+
+class FakeDriver:
+    """The few names of cuda-bindings' driver module that ``rdma_capable`` uses. ``known=False`` plays bindings
+    without the attribute; ``answer`` is what cuDeviceGetAttribute returns (an error code, or success and 0/1)."""
+
+    class CUresult(enum.Enum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+        CUDA_ERROR_NO_DEVICE = 100
+
+    def __init__(self, *, known: bool = True, answer: tuple[int, int] = (0, 1), init: int = 0) -> None:
+        names = {"CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED": 110} if known else {}
+        self.CUdevice_attribute = types.SimpleNamespace(**names)
+        self.answer = answer
+        self.init = init
+        self.queries: list[tuple[int, int]] = []
+
+    def cuInit(self, flags: int) -> tuple[FakeDriver.CUresult]:
+        return (self.CUresult(self.init),)
+
+    def cuDeviceGet(self, ordinal: int) -> tuple[FakeDriver.CUresult, int]:
+        return self.CUresult.CUDA_SUCCESS, ordinal
+
+    def cuDeviceGetAttribute(self, attribute: int, device: int) -> tuple[FakeDriver.CUresult, int]:
+        self.queries.append((attribute, device))
+        return self.CUresult(self.answer[0]), self.answer[1]
+
+
+@pytest.mark.parametrize(
+    ("driver", "expected", "asked"),
+    [
+        (FakeDriver(answer=(0, 1)), True, [1, 0]),
+        (FakeDriver(answer=(0, 0)), False, [1, 0]),
+        (FakeDriver(answer=(1, 0)), False, [1, 0]),  # a driver that does not know the attribute refuses it
+        (FakeDriver(known=False), False, []),  # cuda-bindings without the attribute: nothing to ask
+    ],
+    ids=["supported", "not-supported", "driver-refuses", "bindings-lack-it"],
+)
+def test_rdma_capable_asks_once_per_device_and_a_failed_query_means_no(
+    driver: FakeDriver, expected: bool, asked: list[int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whether GPU segments are created RDMA-capable: the device's answer, asked once per device and remembered;
+    when the query fails, no flag (segments as before) rather than an error. The driver is played by a fake: no
+    GPU here, and no real driver lacks the attribute."""
+    from weightcache.segments import cuda_vmm
+
+    monkeypatch.setattr(cuda_vmm, "_driver", lambda: driver)
+    monkeypatch.setattr(cuda_vmm, "_rdma", {})
+    assert [cuda_vmm.rdma_capable(1), cuda_vmm.rdma_capable(1)] == [expected, expected]
+    assert cuda_vmm.rdma_capable(0) is expected
+    assert driver.queries == [(110, device) for device in asked]  # once per device
+
+
+def test_rdma_capable_is_not_remembered_when_the_driver_cannot_start(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A cuInit that fails says nothing about the device: the answer is no for now, and asked again next time."""
+    from weightcache.segments import cuda_vmm
+
+    driver = FakeDriver(init=100)
+    monkeypatch.setattr(cuda_vmm, "_driver", lambda: driver)
+    monkeypatch.setattr(cuda_vmm, "_rdma", {})
+    assert cuda_vmm.rdma_capable(0) is False and not driver.queries
+    driver.init = 0
+    assert cuda_vmm.rdma_capable(0) is True and len(driver.queries) == 1

@@ -12,6 +12,11 @@ its mapping (see :class:`_Mapping`) and unmaps it when the last view of it is co
 Segments are placed by GPU UUID (``"GPU-<uuid>"``), never by index: ``CUDA_VISIBLE_DEVICES`` differs from
 process to process, the UUID does not.
 
+Where the GPU supports GPUDirect RDMA on VMM allocations, segments are also created RDMA-capable
+(``allocFlags.gpuDirectRDMACapable``; see :func:`rdma_capable`): a NIC can register a VMM allocation only if it
+was created so, and like the handle type the flag cannot be added later. Nothing uses it yet; it is there so that
+a keeper can one day serve the segments it already holds to another node's keeper.
+
 What a received VMM fd must be is :func:`weightcache.fdcheck.verify_cuda_vmm`'s (the keeper checks it without
 torch or CUDA). ``cuda-bindings`` is imported on first use (a CPU-only install lacks it), by publishers only:
 a client maps received segments through the few ctypes declarations of :mod:`weightcache.segments.cuda_import`,
@@ -37,6 +42,7 @@ from .dense import dense_bytes
 
 _lock = threading.Lock()
 _placements: dict[str, int] = {}
+_rdma: dict[int, bool] = {}  # device index -> GPUDirect RDMA with VMM supported, queried once per device
 
 
 def _driver() -> Any:
@@ -106,9 +112,47 @@ def _on_device(index: int) -> Iterator[None]:
         yield
 
 
-def granularity(index: int) -> int:
+def rdma_capable(index: int) -> bool:
+    """Whether the GPU ``cuda:index`` supports GPUDirect RDMA on VMM allocations
+    (``CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED``), so that the segments created on it are
+    RDMA-capable: a NIC can register them, which the flag given to ``cuMemCreate`` decides once and for all.
+
+    Asked once per device and remembered. A query that fails (a driver or cuda-bindings too old to know the
+    attribute) counts as not supported: segments are then created without the flag, as before, and work the same
+    on this node.
+    """
+    with _lock:
+        if index in _rdma:
+            return _rdma[index]
     cu = _driver()
-    prop = _allocation_prop(index)
+    if cu.cuInit(0)[0] != cu.CUresult.CUDA_SUCCESS:
+        return False  # not remembered: a driver that cannot start says nothing about the device
+    supported = _device_attribute(cu, index, "CU_DEVICE_ATTRIBUTE_GPU_DIRECT_RDMA_WITH_CUDA_VMM_SUPPORTED")
+    with _lock:
+        _rdma[index] = supported
+    return supported
+
+
+def _device_attribute(cu: Any, index: int, name: str) -> bool:
+    """A yes/no attribute of device ``index``; False when cuda-bindings lacks it or the driver refuses it."""
+    attribute = getattr(cu.CUdevice_attribute, name, None)
+    if attribute is None:
+        return False
+    err, device = cu.cuDeviceGet(index)
+    if err != cu.CUresult.CUDA_SUCCESS:
+        return False
+    err, value = cu.cuDeviceGetAttribute(attribute, device)
+    return err == cu.CUresult.CUDA_SUCCESS and bool(value)
+
+
+def granularity(index: int) -> int:
+    """The recommended granularity, in bytes, of segments created on ``cuda:index`` (a segment's size is a
+    multiple of it)."""
+    return _granularity(_allocation_prop(index))
+
+
+def _granularity(prop: Any) -> int:
+    cu = _driver()
     return int(
         _check(
             cu.cuMemGetAllocationGranularity(
@@ -120,11 +164,15 @@ def granularity(index: int) -> int:
 
 
 def _allocation_prop(index: int) -> Any:
+    """What ``cuMemCreate`` is asked for on ``cuda:index`` (the granularity is asked of the same): pinned device
+    memory exportable as a POSIX fd, and RDMA-capable where the device supports it."""
     cu = _driver()
     prop = cu.CUmemAllocationProp()
     prop.type = cu.CUmemAllocationType.CU_MEM_ALLOCATION_TYPE_PINNED
     prop.location = _location(index)
     prop.requestedHandleTypes = cu.CUmemAllocationHandleType.CU_MEM_HANDLE_TYPE_POSIX_FILE_DESCRIPTOR
+    if rdma_capable(index):
+        prop.allocFlags.gpuDirectRDMACapable = 1
     return prop
 
 
@@ -188,9 +236,14 @@ def _map(handle: Any, size: int, index: int, read_only: bool) -> tuple[int, bool
 
 
 class CudaVmmSegment(Segment):
-    """A VMM allocation being filled by the publisher (mapped read-write in this process until sealed)."""
+    """A VMM allocation being filled by the publisher (mapped read-write in this process until sealed).
+
+    :attr:`rdma_capable` says whether it was created with the GPUDirect RDMA flag (see :func:`rdma_capable`).
+    """
 
     kind: ClassVar[str] = "cuda_vmm"
+    #: Whether the allocation was created RDMA-capable (``allocFlags.gpuDirectRDMACapable``).
+    rdma_capable: bool
 
     def __init__(self, size: int, placement: str) -> None:
         self.index = device_index(placement)
@@ -199,14 +252,16 @@ class CudaVmmSegment(Segment):
 
     def _create(self, size: int, placement: str) -> None:
         cu = _driver()
-        gran = granularity(self.index)
+        prop = _allocation_prop(self.index)
+        gran = _granularity(prop)  # asked of the very properties cuMemCreate gets below, RDMA flag included
         size = -(-size // gran) * gran
         super().__init__(size, placement)
+        self.rdma_capable = bool(prop.allocFlags.gpuDirectRDMACapable)
         self._fd = -1
         self._mapping: _Mapping | None = None
         self._base: torch.Tensor | None = None
         try:
-            self._handle = _check(cu.cuMemCreate(size, _allocation_prop(self.index), 0), "cuMemCreate")
+            self._handle = _check(cu.cuMemCreate(size, prop, 0), "cuMemCreate")
         except SegmentError as exc:
             free, total = torch.cuda.mem_get_info(self.index)
             raise SegmentError(

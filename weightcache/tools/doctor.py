@@ -2,8 +2,9 @@
 
 Each check really exercises the thing it names: the memfd check creates, seals and maps a segment; the fd
 passing check sends a descriptor over a Unix socket pair; the CUDA check allocates a VMM segment, exports it as
-a POSIX fd and maps it read-only, on every visible GPU; the keeper check connects and lists the entries. Nothing
-is changed: no keeper is started, no directory is created, nothing is published.
+a POSIX fd and maps it read-only, on every visible GPU, and says whether segments there are created RDMA-capable;
+the keeper check connects and lists the entries. Nothing is changed: no keeper is started, no directory is
+created, nothing is published.
 """
 
 from __future__ import annotations
@@ -344,6 +345,7 @@ def _gpu(index: int, cu: Any) -> Check:
         )
     placement = placement_of(index)
     segment = CudaVmmSegment(1, placement)
+    rdma = _rdma_detail(segment.rdma_capable)
     try:
         segment.write(0, torch.arange(8, dtype=torch.uint8, device=name))
         segment.seal()
@@ -368,12 +370,21 @@ def _gpu(index: int, cu: Any) -> Check:
             name,
             "warn",
             f"{label}: VMM segment exported as a POSIX fd and mapped, but read-WRITE ({why}): an engine writing "
-            f"its weights would change them for every engine; {memory}",
+            f"its weights would change them for every engine; {rdma}; {memory}",
             "unset WEIGHTCACHE_CUDA_WRITABLE"
             if not read_only_mappings()
             else "update the NVIDIA driver; until then engines must not write their weights",
         )
-    return Check(name, "ok", f"{label}: VMM segment exported as a POSIX fd and mapped read-only; {memory}")
+    return Check(name, "ok", f"{label}: VMM segment exported as a POSIX fd and mapped read-only; {rdma}; {memory}")
+
+
+def _rdma_detail(created_rdma_capable: bool) -> str:
+    """Whether the GPU supports GPUDirect RDMA with VMM, as the test segment was created: a NIC can register (and
+    a keeper may one day serve to another node) only segments created RDMA-capable. Neither is a problem here:
+    segments work the same on this node."""
+    if created_rdma_capable:
+        return "GPUDirect RDMA with VMM: supported (segments created RDMA-capable)"
+    return "GPUDirect RDMA with VMM: not supported (segments created without the flag)"
 
 
 def _engines() -> Iterator[Check]:
