@@ -8,6 +8,13 @@ The model is benchmarks/restart_llama.py's Llama-3-8B-shaped random bf16 checkpo
 it warm on local disk); ``--cold-compile`` gives every start an empty one.
 
     PYTHONPATH=$PWD python benchmarks/restart_vllm.py --workdir /tmp/llama8b --json out.json --repeat 3
+    PYTHONPATH=$PWD python benchmarks/restart_vllm.py --workdir /tmp/llama8b --scenario compile --repeat 2
+
+``--scenario compile`` (issue 21) measures vLLM's compile cache from the keeper, one cache root for every start
+(``<workdir>/vllm-cache``; its path is part of the artifact's key): auto with it wiped (cold), auto with it warm,
+daemon (publishes the weights and, after warm-up, the compile cache), then client with it wiped before each start
+(weights and compile cache from the keeper). Every log line of vLLM and weightcache is recorded with its time
+since process start (``lines`` in the JSON), which is how the phases between them are found.
 
 Phases (seconds, from vLLM's log lines, absent where a release does not log them): weights (the loader's own
 line, or weightcache's), dynamo, inductor (compiling or loading compiled graphs), torch.compile in total, memory
@@ -21,6 +28,7 @@ import argparse
 import json
 import os
 import re
+import shutil
 import statistics
 import subprocess
 import sys
@@ -34,10 +42,19 @@ sys.path.insert(0, str(Path(__file__).parent))
 from restart_llama import build_checkpoint
 
 ENGINE = r"""
-import sys, time, json
+import sys, time, json, logging
 t0 = float(sys.argv[4])
 marks = {"python": time.time() - t0}
+lines = []
+
+
+class Timed(logging.Handler):  # every log line of vLLM and weightcache, with its time since process start
+    def emit(self, record):
+        lines.append([round(record.created - t0, 3), record.name, record.getMessage()[:300]])
+
+
 import vllm
+logging.getLogger("vllm").addHandler(Timed())  # weightcache's lines reach it (the plugin forwards them)
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 marks["vllm imported"] = time.time() - t0
@@ -47,8 +64,16 @@ marks["engine ready"] = time.time() - t0
 out = llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 17)))],
                    SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
 marks["first token"] = time.time() - t0
+try:
+    from weightcache.backends import vllm_compile
+    artifacts = [{"restored_files": c.restored.__len__(), "loaded_bytes": c.loaded_bytes,
+                  "published_bytes": c.published_bytes, "written": len(c.written), "counts": c.counts}
+                 for c in vllm_compile.engine_caches()]
+except Exception as exc:
+    artifacts = repr(exc)
 print("MARKS " + json.dumps({"marks": marks, "token": out[0].outputs[0].token_ids[0],
-      "kv_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks, "vllm": vllm.__version__}), flush=True)
+      "kv_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks, "vllm": vllm.__version__,
+      "artifacts": artifacts, "lines": lines}), flush=True)
 """
 
 #: (phase, regular expression over vLLM's and weightcache's log lines; group 1 in seconds, or ms where named).
@@ -89,7 +114,7 @@ def run_engine(mode: str, ckpt: Path, socket_dir: Path, env: dict[str, str]) -> 
         values = [float(v) for v in re.findall(pattern, text)]
         if values:
             phases[name] = round(sum(values) / (1000 if name == "weightcache" else 1), 3)
-    result.update(mode=mode, phases=phases, log_tail=[line for line in text.splitlines() if "weightcache" in line][-3:])
+    result.update(mode=mode, phases=phases, log_tail=[line for line in text.splitlines() if "weightcache" in line][-6:])
     return result
 
 
@@ -100,6 +125,14 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=1, help="fresh processes per mode (auto and client)")
     parser.add_argument("--cold-compile", action="store_true", help="an empty vLLM cache directory for each start")
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (a smaller model)")
+    parser.add_argument(
+        "--scenario",
+        choices=("weights", "compile"),
+        default="weights",
+        help="weights: auto, daemon, client (the compile cache as it is); compile: vLLM's compile cache from the "
+        "keeper (auto cold, auto with a warm local cache, daemon (publishes weights and compile cache), then "
+        "client with the cache directory wiped before each start)",
+    )
     args = parser.parse_args()
 
     from weightcache.checkpoint import drop_page_cache
@@ -122,20 +155,45 @@ def main() -> int:
             drop_page_cache(ckpt, system=True)
         result = run_engine(mode, ckpt, socket_dir, run_env)
         runs.append(result)
-        print(json.dumps({k: result[k] for k in ("mode", "marks", "phases", "token", "kv_blocks")}), flush=True)
+        print(
+            json.dumps({k: result.get(k) for k in ("mode", "marks", "phases", "token", "kv_blocks", "artifacts")}),
+            flush=True,
+        )
 
-    for _ in range(args.repeat):
-        once("auto", drop=True)
-    once("daemon", drop=True)
-    for _ in range(args.repeat):
-        once("client", drop=True)
+    if args.scenario == "weights":
+        for _ in range(args.repeat):
+            once("auto", drop=True)
+        once("daemon", drop=True)
+        for _ in range(args.repeat):
+            once("client", drop=True)
+    else:
+        # one cache root for every start (its path is part of the artifact's key), wiped where a way needs it
+        root = work / "vllm-cache"
+        env["VLLM_CACHE_ROOT"] = str(root)
+
+        def way(name: str, mode: str, wipe: bool) -> None:
+            if wipe:
+                shutil.rmtree(root, ignore_errors=True)
+            once(mode, drop=True)
+            runs[-1]["way"] = name
+
+        for _ in range(args.repeat):
+            way("auto, cold (empty cache directory)", "auto", wipe=True)
+        for _ in range(args.repeat):
+            way("auto, warm local cache", "auto", wipe=False)
+        way("daemon, warm local cache (publishes weights and compile cache)", "daemon", wipe=False)
+        for _ in range(args.repeat):
+            way("client, wiped cache directory (weights and compile cache from the keeper)", "client", wipe=True)
     assert len({r["token"] for r in runs}) == 1, "the engines disagree on the first token"
+    keys = [r.get("way", r["mode"]) for r in runs]
     summary = {
-        mode: {
-            "first token (median s)": statistics.median(r["marks"]["first token"] for r in runs if r["mode"] == mode),
-            "runs": sum(r["mode"] == mode for r in runs),
+        key: {
+            "first token (median s)": statistics.median(
+                r["marks"]["first token"] for r in runs if r.get("way", r["mode"]) == key
+            ),
+            "runs": keys.count(key),
         }
-        for mode in ("auto", "daemon", "client")
+        for key in dict.fromkeys(keys)
     }
     print(json.dumps(summary, indent=1))
     if args.json:

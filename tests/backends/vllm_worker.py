@@ -3,8 +3,9 @@
 Usage: python vllm_worker.py '<json spec>'; spec keys: model, load_format, extra (model_loader_extra_config),
 evict (drop the checkpoint from the page cache first), fsize_limit (RLIMIT_FSIZE in bytes: memfd segments
 fail), max_tokens, table (write the model's parity table there), model_impl (vLLM's: "auto", "vllm" or
-"transformers"), pretend_version (vLLM reports this version: a release outside the adapter's range), remove_api
-([module, name]: that name is deleted from the module once vLLM has imported it, as if a release had moved it).
+"transformers"), compile (torch.compile on; vLLM's compile cache reported under "compile"), max_model_len,
+pretend_version (vLLM reports this version: a release outside the adapter's range), remove_api ([module, name]:
+that name is deleted from the module once vLLM has imported it, as if a release had moved it).
 """
 
 from __future__ import annotations
@@ -49,9 +50,9 @@ def main() -> None:
         llm = LLM(
             model=spec["model"],
             skip_tokenizer_init=True,
-            enforce_eager=True,
+            enforce_eager=not spec.get("compile"),
             dtype="float32",
-            max_model_len=128,
+            max_model_len=spec.get("max_model_len", 128),
             load_format=spec.get("load_format", "auto"),
             model_loader_extra_config=spec.get("extra") or {},
             model_impl=spec.get("model_impl", "auto"),
@@ -66,6 +67,23 @@ def main() -> None:
         "resident_after_load": after_load,
         "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "weightcache" in str(w.message)],
     }
+    if spec.get("compile"):
+        from weightcache.backends import vllm_compile
+
+        result["compile"] = [
+            {
+                "restored_files": len(c.restored),
+                "loaded_bytes": c.loaded_bytes,
+                "published_bytes": c.published_bytes,
+                "written": c.written,
+                "counts": c.counts,
+            }
+            for c in vllm_compile.engine_caches()
+        ]
+        result["vllm_counters"] = vllm_compile.vllm_counters()
+        from weightcache.torch_compile import torch_cache_counters
+
+        result["torch_counters"] = torch_cache_counters()
     if spec.get("table"):
         from functools import partial
 
@@ -78,6 +96,7 @@ def main() -> None:
         from vllm.model_executor.model_loader import get_model_loader
 
         config = llm.llm_engine.vllm_config
+        result["config_hash"] = config.compute_hash()  # what vLLM keys its compile cache by
         loader = get_model_loader(config.load_config)
         result["loader"] = type(loader).__name__
         if hasattr(loader, "options"):

@@ -34,6 +34,7 @@ import json
 import logging
 import os
 import sys
+from collections import Counter
 from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any, ClassVar
@@ -165,11 +166,15 @@ class VllmBackend(Backend):
 
         compilation = context.vllm_config.compilation_config
         before = set(compilation.static_forward_context)
+        ops_before = _custom_op_counts(compilation)
         with set_default_torch_dtype(context.model_config.dtype), _rotary_cache_kept():
             model: nn.Module = initialize_model(
                 vllm_config=context.vllm_config, model_config=context.model_config, prefix=context.prefix
             )
         model.__dict__[_REGISTERED] = [n for n in compilation.static_forward_context if n not in before]
+        model.__dict__[_COUNTED_OPS] = {
+            name: counts - ops_before[name] for name, counts in _custom_op_counts(compilation).items()
+        }
         return model
 
     def load_from_disk(self, context: VllmLoad) -> nn.Module:
@@ -196,9 +201,10 @@ class VllmBackend(Backend):
     def release_model(self, model: nn.Module, context: VllmLoad) -> None:
         """Forget the layers ``model`` registered by name in vLLM's compilation config (its attention and MoE
         layers, in ``static_forward_context`` and ``static_all_moe_layers``), so that vLLM's own loader can build
-        its model under the same names. The names are those :meth:`build_model` saw appear, and those of layers
-        that are modules of ``model`` (not every release keeps its registered layers among the model's modules:
-        vLLM 0.27's Transformers modeling backend does not)."""
+        its model under the same names, and the custom ops its build counted (:func:`_custom_op_counts`). The
+        names are those :meth:`build_model` saw appear, and those of layers that are modules of ``model`` (not
+        every release keeps its registered layers among the model's modules: vLLM 0.27's Transformers modeling
+        backend does not)."""
         compilation = context.vllm_config.compilation_config
         layers = {id(m) for m in model.modules()}
         forward_context = compilation.static_forward_context
@@ -209,6 +215,11 @@ class VllmBackend(Backend):
         moe_layers = getattr(compilation, "static_all_moe_layers", None)
         if moe_layers is not None:
             moe_layers[:] = [name for name in moe_layers if name not in names]
+        for name, added in model.__dict__.get(_COUNTED_OPS, {}).items():
+            counts = getattr(compilation, name)
+            kept = +(counts - added)  # no zero entries: vLLM's hash sees {} and {"op": 0} as different
+            counts.clear()
+            counts.update(kept)
 
     @contextlib.contextmanager
     def scratch_build(self, context: VllmLoad) -> Iterator[None]:
@@ -243,6 +254,22 @@ class VllmLoad:
 _LOADER_CLASS: type | None = None
 #: Where :meth:`VllmBackend.build_model` keeps the layer names a model registered with vLLM.
 _REGISTERED = "_weightcache_registered_layers"
+#: Where it keeps the custom ops the build counted (:func:`_custom_op_counts`).
+_COUNTED_OPS = "_weightcache_counted_custom_ops"
+#: The counters of custom ops in vLLM's CompilationConfig that every model build adds to.
+CUSTOM_OP_COUNTERS = ("enabled_custom_ops", "disabled_custom_ops")
+
+
+def _custom_op_counts(compilation: Any) -> dict[str, Counter[str]]:
+    """Copies of vLLM's counts of the custom ops its models' layers use (``enabled_custom_ops``,
+    ``disabled_custom_ops``: each layer built adds one). Before vLLM 0.32 they are part of the config hash that
+    keys vLLM's compile cache, so a model built and dropped must take its counts back, or the engine's key is not
+    the one a plain start computes and its compile cache misses."""
+    return {
+        name: Counter(value)
+        for name in CUSTOM_OP_COUNTERS
+        if isinstance(value := getattr(compilation, name, None), Counter)
+    }
 
 
 def register() -> None:
@@ -411,23 +438,30 @@ def _target_device(vllm_config: Any, load_config: Any) -> torch.device:
 def _scratch_registrations(vllm_config: Any) -> Iterator[None]:
     """Models built inside register their layers with vLLM (by name, in the compilation config) as if no other
     model were registered, and are forgotten afterwards: the registrations from before (the model the engine
-    runs, when asked after the load) are set aside meanwhile and put back as they were. So a scratch model can
+    runs, when asked after the load) are set aside meanwhile and put back as they were, and so are the custom-op
+    counts (:func:`_custom_op_counts`) and vLLM's cache of rotary embeddings (:func:`_rotary_cache_kept`: the
+    engine's model then makes and counts its own, as in a plain start). So a scratch model can
     be built before the engine's model (which then registers the same names) or while it runs."""
     compilation = vllm_config.compilation_config
     context = compilation.static_forward_context
     kept = dict(context)
+    kept_ops = _custom_op_counts(compilation)
     moe_layers = getattr(compilation, "static_all_moe_layers", None)
     kept_moe = list(moe_layers) if moe_layers is not None else []
     context.clear()
     if moe_layers is not None:
         moe_layers.clear()
     try:
-        yield
+        with _rotary_cache_kept():  # a rotary embedding cached by a scratch build would skip the engine's count
+            yield
     finally:
         context.clear()
         context.update(kept)
         if moe_layers is not None:
             moe_layers[:] = kept_moe
+        for name, counts in kept_ops.items():
+            getattr(compilation, name).clear()
+            getattr(compilation, name).update(counts)
 
 
 @contextlib.contextmanager
