@@ -484,3 +484,21 @@ def test_segments_are_created_rdma_capable_where_the_gpu_supports_it() -> None:
         del mapped
     finally:
         segment.close()
+
+
+def test_bench_real_checkpoint_holds_the_synthetic_entrys_bits_on_gpu(tmp_path: Path) -> None:
+    """`bench --real-checkpoint` on a GPU: the safetensors file holds the synthetic entry's contents (made with the
+    GPU's generator, whose bits differ from the CPU's), so every process of both variants sees the same bits and
+    the row is `identical True` (the H200 run of 2026-12-01 reported False: the file was made on the CPU)."""
+    report = tmp_path / "bench.json"
+    args = ["--device", "cuda:0", "--sizes", "0.01", "--tensors", "30", "--repeat", "2", "--real-checkpoint"]
+    out = subprocess.run(
+        [sys.executable, "-m", "weightcache", "bench", *args, "--json", str(report)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stdout + out.stderr
+    [row] = json.loads(report.read_text())["results"]
+    assert row["real"]["identical"] is True and row["identical"] is True
+    assert {run["checksum"] for run in row["real"]["runs"]} == {run["checksum"] for run in row["runs"]}

@@ -221,10 +221,11 @@ def marker_checkpoint(directory: Path, gib: float, n: int, dtype_name: str) -> P
 _SAFETENSORS_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32", "float64": "F64"}
 
 
-def real_checkpoint(directory: Path, gib: float, shapes: list[int], dtype_name: str) -> Path:
+def real_checkpoint(directory: Path, gib: float, shapes: list[int], dtype_name: str, device: str = "cpu") -> Path:
     """A real safetensors checkpoint of the bench's layout (tensor ``p{i}`` of ``shapes[i]`` elements holding
-    ``pattern(i)``), written one tensor at a time (the peak is one tensor, not the checkpoint): what a user's
-    engine attaches in :func:`run`'s real-checkpoint mode, whose identity is derived from the file itself."""
+    ``pattern(i)`` as made on ``device``, the synthetic entry's contents: a CUDA generator gives other bits than
+    the CPU's), written one tensor at a time (the peak is one tensor, not the checkpoint): what a user's engine
+    attaches in :func:`run`'s real-checkpoint mode, whose identity is derived from the file itself."""
     if dtype_name not in _SAFETENSORS_DTYPES:
         raise wc.WeightCacheError(
             f"--real-checkpoint writes {', '.join(_SAFETENSORS_DTYPES)} tensors; found --dtype {dtype_name}"
@@ -247,7 +248,7 @@ def real_checkpoint(directory: Path, gib: float, shapes: list[int], dtype_name: 
     with open(path / "model.safetensors", "wb") as f:
         f.write(len(raw).to_bytes(8, "little") + raw)
         for i, n in enumerate(shapes):
-            f.write(pattern(i, n, dtype, "cpu").contiguous().view(torch.uint8).numpy().tobytes())
+            f.write(pattern(i, n, dtype, device).contiguous().view(torch.uint8).cpu().numpy().tobytes())
     return path
 
 
@@ -555,7 +556,7 @@ def _run_one(
     real: dict[str, dict[str, Any]] = {}
     real_fp = None
     if real_checkpoint_mode:
-        real_dir = real_checkpoint(tmp, gib, shapes, dtype_name)
+        real_dir = real_checkpoint(tmp, gib, shapes, dtype_name, device)
         t0 = time.perf_counter()
         # as a user publishes a checkpoint (`weightcache load`): read from disk, digests recorded
         handle = wc.preload(real_dir, device=device, socket_dir=socket_dir, progress=False)
