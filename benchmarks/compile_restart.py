@@ -1,27 +1,60 @@
 """Time to first output of a torch.compile-d transformers model in a fresh process: cold, warm local disk, and warm
 from the keeper with an empty local cache directory.
 
-The model is a tiny random Llama (``--layers``, ``--hidden``; built from a ``LlamaConfig`` and saved once in
-``--workdir``; nothing is downloaded), attached from the keeper (mode daemon) and compiled with inductor. Each run
-is a fresh process (``worker``) that goes: start Python -> import torch, transformers, weightcache -> build the
-model on meta -> attach -> ``torch.compile`` -> first forward pass of an 8-token prompt. Three ways:
+Two models (``--shape``), random weights, nothing downloaded, the checkpoint saved once under ``--workdir``:
+
+    tiny       (default) a Llama of ``--layers`` layers (default 1) and width ``--hidden`` (default 64),
+               vocabulary 128, float32, built from a ``LlamaConfig``
+    llama3-8b  Llama-3-8B's shapes (benchmarks/restart_llama.py's ``LLAMA3_8B``: 32 layers, hidden 4096, MLP 14336,
+               32 heads of which 8 KV heads, vocabulary 128,256; 16 GB in bf16), made on ``--device`` and saved in
+               bf16 by ``restart_llama.build_checkpoint`` (in a child process, so that this one holds no CUDA
+               context); ``--layers N`` keeps N layers of that width (default 32; the checkpoint is per N)
+
+Each run is a fresh process (``worker``) that goes, with a timestamp (``time.time()``) after each step, the GPU
+synchronised before the marks that follow GPU work:
+
+    launch (the parent's clock) -> start (this file's standard-library imports done) -> torch imported -> CUDA
+    context created (``--device cuda:N``; nothing on the CPU) -> transformers imported -> weightcache imported ->
+    config read and model built on meta -> attach (from the keeper) -> artifact loaded (way keeper; nothing for
+    the others) -> ``torch.compile`` and the first forward pass of an 8-token prompt, its greedy next token on
+    the host
+
+and reports torch's cache counters (FX graph and AOTAutograd cache hits and misses), its graph and graph-break
+counts, and the seconds torch's ``dynamo_timed`` sections took (``torch._dynamo.utils.compilation_time_metrics``:
+e.g. ``_compile.compile_inner`` is dynamo with everything under it, ``OutputGraph.call_user_compiler`` the
+backend, i.e. AOTAutograd and inductor; the names are torch's and vary by release). Three ways:
 
     cold     an empty inductor cache directory, no artifact loaded (what every container start pays today)
-    local    the cache directory a cold run filled, no artifact loaded (torch's own warm local disk cache)
+    local    the cache directory a cold compile filled, no artifact loaded (torch's own warm local disk cache)
     keeper   an empty inductor cache directory, and ``wc.compile_cache`` loads the keeper's artifact first
 
-The keeper's artifact is published once, by a run with ``wc.compile_cache`` before the measured keeper runs.
-Every run's logits are hashed: all must be bitwise equal. Reports the median of ``--runs`` fresh processes per way
-(wall time from ``subprocess`` start to the process reporting its first output) and torch's cache counters.
+``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` (its ``triton/``) are set per way. Before the measured runs:
+one worker attaches in mode daemon without compiling, which loads the checkpoint and publishes the weights into
+the keeper (so that every measured run attaches them from the keeper: the point is compile time); then one worker
+compiles cold with ``wc.compile_cache``, which publishes the keeper's artifact, and its cache directory, filled by
+that cold compile, is the one every ``local`` run reuses. Then ``--runs`` rounds of cold, local, keeper. Reports
+the median of each way and of each step (wall time from ``subprocess`` start to the process reporting its first
+output, and inside the process), the artifact's size, and whether all logits were bitwise equal (on a GPU, cold
+compiles may autotune kernels differently: the greedy tokens are compared too).
 
-    PYTHONPATH=$PWD python benchmarks/compile_restart.py --workdir /tmp/wc-compile --runs 5 --json out.json
+    PYTHONPATH=$PWD python benchmarks/compile_restart.py bench --workdir /tmp/wc-compile --runs 5 --json out.json
+    PYTHONPATH=$PWD python benchmarks/compile_restart.py bench --shape llama3-8b --device cuda:0 --runs 3 \\
+        --workdir /tmp/wc-compile-8b --json out.json
 
-``worker`` is also what tests/test_torch_compile.py runs.
+Duration of the second (an H200; estimate, not yet measured): the checkpoint ~45 s (34 s measured for
+restart_llama.py there), publishing the weights ~30-40 s, then ``runs + 1`` cold compiles and ``2 * runs`` warm
+starts. A warm start pays the imports (~9 s there: torch 2.1 s, transformers and the meta model ~6.7 s, from
+restart_llama.py's run) plus dynamo's trace of the whole model, which every process pays and which grows with the
+layers (dynamo traces each layer again; inductor then lowers the one graph of all of them, also per layer). See
+docs/architecture.md for the CPU measurements this estimate scales from. Needs transformers (and accelerate for a
+GPU: the publishing worker loads with ``device_map``). ``worker`` is also what tests/test_torch_compile.py runs.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -33,52 +66,113 @@ import time
 from pathlib import Path
 from typing import Any
 
+_STARTED = time.time()  # the worker's "start" mark: the interpreter is up and this file's imports are done
+
 WAYS = ("cold", "local", "keeper")
+SHAPES = ("tiny", "llama3-8b")
+#: (step, from mark, to mark); "launch" is the parent's clock just before it starts the process.
+STEPS = (
+    ("python start", "launch", "start"),
+    ("torch import", "start", "torch"),
+    ("CUDA init", "torch", "cuda"),
+    ("transformers import", "cuda", "transformers"),
+    ("weightcache import", "transformers", "weightcache"),
+    ("meta model", "weightcache", "model"),
+    ("attach", "model", "attach"),
+    ("artifact load", "attach", "artifact"),
+    ("compile + first forward", "artifact", "first_output"),
+    ("total to first output", "launch", "first_output"),
+)
+#: torch's dynamo_timed sections worth a column: dynamo with everything under it, and the backend under that.
+DYNAMO_TOTAL = "_compile.compile_inner"
+BACKEND = "OutputGraph.call_user_compiler"
 
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
-    """One engine start: attach, compile, first output. ``args.keeper``: load/publish through wc.compile_cache."""
-    start = time.perf_counter()
+    """One engine start: attach, compile, first output. ``args.keeper``: load/publish through wc.compile_cache;
+    ``args.attach_only``: attach (mode daemon: load and publish on a miss) and stop there."""
+    marks = {"start": _STARTED}
     import hashlib
 
     import torch
+
+    marks["torch"] = time.time()
+    device = torch.device(args.device)
+
+    def synchronize() -> None:
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+
+    if device.type == "cuda":
+        torch.zeros(1, device=device)
+        synchronize()
+    marks["cuda"] = time.time()
     import transformers
 
+    marks["transformers"] = time.time()
     import weightcache as wc
 
+    marks["weightcache"] = time.time()
     config = transformers.AutoConfig.from_pretrained(args.checkpoint)
+    build = {"dtype": getattr(torch, args.dtype)} if args.dtype else {}
     with torch.device("meta"):
-        model = transformers.AutoModelForCausalLM.from_config(config)
-    handle = wc.attach(model, args.checkpoint, mode="daemon", socket_dir=args.socket_dir, dtype=args.dtype)
+        model = transformers.AutoModelForCausalLM.from_config(config, **build)
+    marks["model"] = time.time()
+    handle = wc.attach(
+        model, args.checkpoint, mode="daemon", device=args.device, socket_dir=args.socket_dir, dtype=args.dtype
+    )
+    synchronize()
+    marks["attach"] = time.time()
+    report: dict[str, Any] = {"weights": handle.fingerprint.digest, "source": handle.source, "marks": marks}
+    if args.attach_only:
+        handle.close()
+        return report
     model.eval()
     options = json.loads(args.options)
     compile_args = {"backend": "inductor", **({"options": options} if options else {})}
-    ids = torch.arange(8).reshape(1, 8)
-    stats = None
-    with torch.no_grad():
+    ids = torch.arange(8, device=device).reshape(1, 8)
+    cc = None
+    with torch.no_grad(), contextlib.ExitStack() as stack:
         if args.keeper:
-            with wc.compile_cache(
-                handle, options=compile_args, shapes=[list(ids.shape)], socket_dir=args.socket_dir
-            ) as cc:
-                compiled = torch.compile(model, **compile_args)
-                logits = compiled(ids).logits
-            stats = cc.stats
-            cc.close()
-        else:
-            compiled = torch.compile(model, **compile_args)
-            logits = compiled(ids).logits
-    first_output = time.perf_counter() - start
+            cc = stack.enter_context(
+                wc.compile_cache(
+                    handle,
+                    options=compile_args,
+                    shapes=[list(ids.shape)],
+                    device=args.device,
+                    socket_dir=args.socket_dir,
+                )
+            )
+        marks["artifact"] = time.time()
+        compiled = torch.compile(model, **compile_args)
+        logits = compiled(ids).logits
+        token = int(logits[0, -1].argmax())  # on the host: the first token
+        synchronize()
+        marks["first_output"] = time.time()
+    # leaving the ExitStack published the artifact on a miss (after the mark: an engine would be serving by then)
+    stats = None if cc is None else _stats(cc.stats)
+    if cc is not None:
+        cc.close()
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
     from weightcache.torch_compile import torch_cache_counters
 
     handle.close()
-    return {
-        "first_output_s": round(first_output, 3),
-        "logits_sha256": hashlib.sha256(logits.float().contiguous().numpy().tobytes()).hexdigest(),
-        "weights": handle.fingerprint.digest,
-        "source": handle.source,
-        "stats": None if stats is None else _stats(stats),
-        "counters": torch_cache_counters(),
-    }
+    report.update(
+        first_output_s=round(marks["first_output"] - marks["start"], 3),
+        token=token,
+        logits_sha256=hashlib.sha256(logits.float().cpu().contiguous().numpy().tobytes()).hexdigest(),
+        stats=stats,
+        counters=torch_cache_counters(),
+        graphs=dict(counters["stats"]),
+        graph_breaks=sum(counters["graph_break"].values()),
+        compile_times_s={name: round(sum(values), 3) for name, values in compilation_time_metrics.items()},
+        max_memory_allocated=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
+        device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        torch=torch.__version__,
+        transformers=transformers.__version__,
+    )
+    return report
 
 
 def _stats(stats: Any) -> dict[str, Any]:
@@ -110,6 +204,28 @@ def make_checkpoint(path: Path, layers: int, hidden: int) -> Path:
     return path
 
 
+def _restart_llama() -> Any:
+    """benchmarks/restart_llama.py as a module (this file is also loaded by path, where benchmarks/ is no package)."""
+    spec = importlib.util.spec_from_file_location("restart_llama", Path(__file__).with_name("restart_llama.py"))
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def make_llama3_8b(path: Path, layers: int, device: str) -> Path:
+    """The Llama-3-8B-shaped checkpoint of ``layers`` layers (bf16, random) under ``path`` once, written by a
+    child process (``checkpoint``) to ``path``'s ``.partial`` sibling and renamed when complete."""
+    if (path / "config.json").exists():
+        return path
+    partial = path.with_name(path.name + ".partial")
+    shutil.rmtree(partial, ignore_errors=True)
+    cmd = [sys.executable, __file__, "checkpoint", "--path", str(partial), "--layers", str(layers)]
+    subprocess.run([*cmd, "--device", device], check=True, timeout=900)
+    partial.rename(path)
+    return path
+
+
 def run_worker(
     checkpoint: Path,
     socket_dir: Path,
@@ -118,9 +234,12 @@ def run_worker(
     keeper: bool,
     options: dict[str, Any] | None = None,
     dtype: str | None = None,
+    device: str = "cpu",
+    attach_only: bool = False,
     timeout: float = 600,
 ) -> dict[str, Any]:
-    """One fresh worker process with ``cache_dir`` as its inductor cache; its report plus its wall time."""
+    """One fresh worker process with ``cache_dir`` as its inductor cache; its report plus its wall time and the
+    seconds of each step (``steps_s``)."""
     env = {
         **os.environ,
         "TORCHINDUCTOR_CACHE_DIR": str(cache_dir),
@@ -129,8 +248,9 @@ def run_worker(
         "TORCHINDUCTOR_AUTOGRAD_CACHE": "1",
     }
     cmd = [sys.executable, __file__, "worker", "--checkpoint", str(checkpoint), "--socket-dir", str(socket_dir)]
-    cmd += ["--options", json.dumps(options or {})] + (["--keeper"] if keeper else [])
-    cmd += ["--dtype", dtype] if dtype else []
+    cmd += ["--options", json.dumps(options or {}), "--device", device] + (["--keeper"] if keeper else [])
+    cmd += (["--dtype", dtype] if dtype else []) + (["--attach-only"] if attach_only else [])
+    launch = time.time()
     started = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
     wall = time.perf_counter() - started
@@ -138,48 +258,120 @@ def run_worker(
         raise RuntimeError(f"worker failed ({out.returncode}):\n{out.stderr[-4000:]}")
     report: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     report["wall_s"] = round(wall, 3)
+    marks = {"launch": launch, **report["marks"]}
+    report["steps_s"] = {step: round(marks[b] - marks[a], 3) for step, a, b in STEPS if a in marks and b in marks}
     return report
 
 
-def bench(workdir: Path, runs: int, layers: int, hidden: int) -> dict[str, Any]:
+def _median(runs: list[dict[str, Any]], field: str, key: str | None = None) -> float | None:
+    values = [r[field] if key is None else r[field].get(key) for r in runs]
+    present = [v for v in values if v is not None]
+    return round(statistics.median(present), 3) if present else None
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 2) if a is not None and b else None
+
+
+def bench(
+    workdir: Path,
+    runs: int,
+    layers: int | None = None,
+    hidden: int = 64,
+    *,
+    shape: str = "tiny",
+    device: str = "cpu",
+    dtype: str | None = None,
+    options: dict[str, Any] | None = None,
+) -> dict[str, Any]:
     from weightcache.client import KeeperConnection, ensure_keeper, stop_keeper
 
     workdir.mkdir(parents=True, exist_ok=True)
-    checkpoint = make_checkpoint(workdir / "ckpt", layers, hidden)
+    began = time.perf_counter()
+    if shape == "llama3-8b":
+        layers = 32 if layers is None else layers
+        dtype = dtype or "bfloat16"
+        checkpoint = make_llama3_8b(workdir / f"llama3-8b-{layers}l", layers, device)
+    else:
+        layers = 1 if layers is None else layers
+        checkpoint = make_checkpoint(workdir / f"ckpt-{layers}l-{hidden}", layers, hidden)
+    timings = {"checkpoint_s": round(time.perf_counter() - began, 1)}
+    checkpoint_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-bench-", dir="/tmp")) / "s"
     ensure_keeper(socket_dir)
     results: dict[str, list[dict[str, Any]]] = {way: [] for way in WAYS}
+
+    def run(cache_dir: Path, **kwargs: Any) -> dict[str, Any]:
+        return run_worker(checkpoint, socket_dir, cache_dir, options=options, dtype=dtype, device=device, **kwargs)
+
     try:
+        t0 = time.perf_counter()
+        weights = run(workdir / "weights-cache", keeper=False, attach_only=True)  # loads, publishes the weights
+        timings["publish_weights_s"] = round(time.perf_counter() - t0, 1)
         local = workdir / "local-cache"
         shutil.rmtree(local, ignore_errors=True)
-        run_worker(checkpoint, socket_dir, local, keeper=False)  # fills the local cache: what "local" reuses
-        publisher = run_worker(checkpoint, socket_dir, workdir / "publish-cache", keeper=True)
-        shutil.rmtree(workdir / "publish-cache", ignore_errors=True)
-        for _ in range(runs):
+        publisher = run(local, keeper=True)  # a cold compile fills `local` and publishes the keeper's artifact
+        for i in range(runs):
             for way in WAYS:
-                if way == "local":  # the directory the cold run above filled, as it is
-                    results[way].append(run_worker(checkpoint, socket_dir, local, keeper=False))
+                if way == "local":  # the directory the cold compile above filled, as it is
+                    results[way].append(run(local, keeper=False))
                     continue
                 fresh = workdir / f"{way}-cache"
                 shutil.rmtree(fresh, ignore_errors=True)
-                results[way].append(run_worker(checkpoint, socket_dir, fresh, keeper=way == "keeper"))
+                results[way].append(run(fresh, keeper=way == "keeper"))
                 shutil.rmtree(fresh, ignore_errors=True)
-        hashes = {r["logits_sha256"] for rs in results.values() for r in rs} | {publisher["logits_sha256"]}
-        artifact_bytes = publisher["stats"]["published_bytes"]
+            done = {way: results[way][-1]["wall_s"] for way in WAYS}
+            print(f"round {i + 1}/{runs}: wall s {done}", file=sys.stderr, flush=True)
     finally:
-        stop_keeper(KeeperConnection.connect(socket_dir), wait=10)
+        stop_keeper(KeeperConnection.connect(socket_dir), wait=30)
         shutil.rmtree(socket_dir.parent, ignore_errors=True)
+        shutil.rmtree(workdir / "weights-cache", ignore_errors=True)
+    timings["total_s"] = round(time.perf_counter() - began, 1)
+    every = [publisher, *(r for rs in results.values() for r in rs)]
+    medians = {way: _median(rs, "wall_s") for way, rs in results.items()}
+    inside = {way: _median(rs, "first_output_s") for way, rs in results.items()}
+    steps = {way: {step: _median(rs, "steps_s", step) for step, _, _ in STEPS} for way, rs in results.items()}
+    compiling = {way: steps[way]["compile + first forward"] for way in WAYS}
     return {
+        "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
+        "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
+        "shape": shape,
         "layers": layers,
-        "hidden": hidden,
+        "hidden": hidden if shape == "tiny" else None,
+        "device": device,
+        "device_name": publisher["device_name"],
+        "dtype": dtype,
+        "torch": publisher["torch"],
+        "transformers": publisher["transformers"],
         "runs": runs,
-        "bitwise_equal": len(hashes) == 1,
-        "artifact_bytes": artifact_bytes,
-        "median_wall_s": {way: statistics.median(r["wall_s"] for r in rs) for way, rs in results.items()},
-        "median_first_output_s": {
-            way: statistics.median(r["first_output_s"] for r in rs) for way, rs in results.items()
+        "checkpoint_bytes": checkpoint_bytes,
+        "weights_source": sorted({r["source"] for r in every}),
+        "bitwise_equal": len({r["logits_sha256"] for r in every}) == 1,
+        "logits_per_way": {way: sorted({r["logits_sha256"][:12] for r in rs}) for way, rs in results.items()},
+        "same_token": len({r["token"] for r in every}) == 1,
+        "artifact_bytes": publisher["stats"]["published_bytes"],
+        "median_wall_s": medians,
+        "median_first_output_s": inside,
+        "median_steps_s": steps,
+        "ratios": {
+            "keeper/local wall": _ratio(medians["keeper"], medians["local"]),
+            "cold/keeper wall": _ratio(medians["cold"], medians["keeper"]),
+            "keeper/local compile + first forward": _ratio(compiling["keeper"], compiling["local"]),
+            "cold/keeper compile + first forward": _ratio(compiling["cold"], compiling["keeper"]),
         },
-        "keeper_stats": [r["stats"] for r in results["keeper"]],
+        "median_compile_times_s": {
+            way: {name: _median(rs, "compile_times_s", name) for name in (DYNAMO_TOTAL, BACKEND)}
+            for way, rs in results.items()
+        },
+        "keeper_counters": [
+            {k: r["stats"][k] for k in ("source", "loaded_bytes", "hits", "misses", "kernels_restored")}
+            for r in results["keeper"]
+        ],
+        "graph_breaks": sorted({r["graph_breaks"] for r in every}),
+        "max_memory_allocated": max((r["max_memory_allocated"] or 0) for r in every) or None,
+        "timings": timings,
+        "weights_run": weights,
+        "publisher": publisher,
         "runs_detail": results,
     }
 
@@ -192,22 +384,36 @@ def main() -> int:
     w.add_argument("--socket-dir", required=True)
     w.add_argument("--options", default="{}")
     w.add_argument("--dtype", default=None)
+    w.add_argument("--device", default="cpu")
     w.add_argument("--keeper", action="store_true")
+    w.add_argument("--attach-only", action="store_true")
+    c = sub.add_parser("checkpoint", help="write the llama3-8b-shaped checkpoint (what bench runs in a child)")
+    c.add_argument("--path", type=Path, required=True)
+    c.add_argument("--layers", type=int, default=32)
+    c.add_argument("--device", default="cuda:0")
     b = sub.add_parser("bench")
     b.add_argument("--workdir", type=Path, default=Path("/tmp/wc-compile-bench"))
-    b.add_argument("--runs", type=int, default=5)
-    b.add_argument("--layers", type=int, default=1)
-    b.add_argument("--hidden", type=int, default=64)
+    b.add_argument("--runs", type=int, default=5, help="rounds of cold, local, keeper (default 5)")
+    b.add_argument("--shape", choices=SHAPES, default="tiny")
+    b.add_argument("--layers", type=int, default=None, help="layers (default: tiny 1, llama3-8b 32)")
+    b.add_argument("--hidden", type=int, default=64, help="width of the tiny model (default 64)")
+    b.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
+    b.add_argument("--dtype", default=None, help="dtype to attach in (default: tiny float32, llama3-8b bfloat16)")
     b.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     if args.command == "worker":
         print(json.dumps(worker(args)))
         return 0
-    result = bench(args.workdir, args.runs, args.layers, args.hidden)
-    summary = {k: v for k, v in result.items() if k not in ("runs_detail", "keeper_stats")}
-    print(json.dumps(summary, indent=2))
+    if args.command == "checkpoint":
+        _restart_llama().build_checkpoint(args.path, args.device, {"num_hidden_layers": args.layers})
+        return 0
+    result = bench(
+        args.workdir, args.runs, args.layers, args.hidden, shape=args.shape, device=args.device, dtype=args.dtype
+    )
     if args.json:
         args.json.write_text(json.dumps(result, indent=2))
+    summary = {k: v for k, v in result.items() if k not in ("runs_detail", "publisher", "weights_run")}
+    print(json.dumps(summary, indent=2))
     return 0
 
 
