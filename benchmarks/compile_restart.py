@@ -32,22 +32,33 @@ backend, i.e. AOTAutograd and inductor; the names are torch's and vary by releas
 one worker attaches in mode daemon without compiling, which loads the checkpoint and publishes the weights into
 the keeper (so that every measured run attaches them from the keeper: the point is compile time); then one worker
 compiles cold with ``wc.compile_cache``, which publishes the keeper's artifact, and its cache directory, filled by
-that cold compile, is the one every ``local`` run reuses. Then ``--runs`` rounds of cold, local, keeper. Reports
-the median of each way and of each step (wall time from ``subprocess`` start to the process reporting its first
-output, and inside the process), the artifact's size, and whether all logits were bitwise equal (on a GPU, cold
-compiles may autotune kernels differently: the greedy tokens are compared too).
+that cold compile, is the one every ``local`` run reuses. Then ``--runs`` rounds of cold, local, keeper (cold only
+in the first ``--cold-runs``). Reports the median of each way and of each step (wall time from ``subprocess``
+start to the process reporting its first output, and inside the process), the artifact's size, and whether all
+logits were bitwise equal (on a GPU, cold compiles may autotune kernels differently: the greedy tokens are compared
+too). ``--json`` is written after every round; ``--deadline-s`` leaves out any run that would end past that many
+seconds from the start, judged by the slowest run of its way so far (before the first, by the publishing cold
+compile, half of it for a warm way), so that a time limit leaves a complete report of the runs that fitted.
 
     PYTHONPATH=$PWD python benchmarks/compile_restart.py bench --workdir /tmp/wc-compile --runs 5 --json out.json
     PYTHONPATH=$PWD python benchmarks/compile_restart.py bench --shape llama3-8b --device cuda:0 --runs 3 \\
-        --workdir /tmp/wc-compile-8b --json out.json
+        --cold-runs 2 --deadline-s 510 --workdir /tmp/wc-compile-8b --json out.json
 
-Duration of the second (an H200; estimate, not yet measured): the checkpoint ~45 s (34 s measured for
-restart_llama.py there), publishing the weights ~30-40 s, then ``runs + 1`` cold compiles and ``2 * runs`` warm
-starts. A warm start pays the imports (~9 s there: torch 2.1 s, transformers and the meta model ~6.7 s, from
-restart_llama.py's run) plus dynamo's trace of the whole model, which every process pays and which grows with the
-layers (dynamo traces each layer again; inductor then lowers the one graph of all of them, also per layer). See
-docs/architecture.md for the CPU measurements this estimate scales from. Needs transformers (and accelerate for a
-GPU: the publishing worker loads with ``device_map``). ``worker`` is also what tests/test_torch_compile.py runs.
+How the time grows with layers, measured on the dev VM (2 vCPUs, torch 2.13.0+cpu, tiny model of width 64, one
+process per figure, 2026-12-01): dynamo's trace (``_compile.compile_inner`` less the backend) 1.0-1.7 s at 1 layer,
+1.7-1.9 s at 4, 4.5-5.5 s at 16, 7.2-8.2 s at 32 (~0.2 s per layer: dynamo traces every layer again, and every
+process, the keeper's included, pays it); inductor's cold backend 17-18 s, 24-28 s, 31-39 s, 53-65 s (lowering,
+scheduling and code generation are per layer too; identical kernels are compiled once); a backend served from a
+cache ~2 s at any depth. Whole processes at 32 layers: cold 70-86 s, local 17 s, keeper 20 s.
+
+Duration of the second command on an H200 (an estimate, not measured): the checkpoint ~45 s (34 s measured there
+for restart_llama.py), publishing the weights ~35 s, a cold process ~65-90 s (imports ~9 s there, trace ~8 s,
+inductor and Triton ~45-70 s), a warm one ~20-27 s (imports, trace, cache hit, first forward); so ~45 + 35 + 80 +
+2 x 80 + 6 x 25 = ~470 s, and the deadline cuts what does not fit. The checkpoint can be written ahead in a call of
+its own (``checkpoint --path /tmp/wc-compile-8b/llama3-8b-32l --layers 32 --device cuda:0``); bench then reuses it.
+GPU memory: the keeper's 16 GB of weights, each worker's context and compile work (``max_memory_allocated`` in the
+report), ~48 GB while the checkpoint is made (float32, then bf16); disk: 16 GB. Needs transformers (and accelerate
+on a GPU: the publishing worker loads with ``device_map``). ``worker`` is also what tests/test_torch_compile.py runs.
 """
 
 from __future__ import annotations
@@ -213,15 +224,19 @@ def _restart_llama() -> Any:
     return module
 
 
-def make_llama3_8b(path: Path, layers: int, device: str) -> Path:
-    """The Llama-3-8B-shaped checkpoint of ``layers`` layers (bf16, random) under ``path`` once, written by a
-    child process (``checkpoint``) to ``path``'s ``.partial`` sibling and renamed when complete."""
+def make_llama3_8b(path: Path, layers: int, device: str, *, here: bool = False) -> Path:
+    """The Llama-3-8B-shaped checkpoint of ``layers`` layers (bf16, random) under ``path`` once, written to
+    ``path``'s ``.partial`` sibling and renamed when complete; by a child process (``checkpoint``) unless ``here``,
+    so that this process creates no CUDA context."""
     if (path / "config.json").exists():
+        return path
+    if not here:
+        cmd = [sys.executable, __file__, "checkpoint", "--path", str(path), "--layers", str(layers)]
+        subprocess.run([*cmd, "--device", device], check=True, timeout=900)
         return path
     partial = path.with_name(path.name + ".partial")
     shutil.rmtree(partial, ignore_errors=True)
-    cmd = [sys.executable, __file__, "checkpoint", "--path", str(partial), "--layers", str(layers)]
-    subprocess.run([*cmd, "--device", device], check=True, timeout=900)
+    _restart_llama().build_checkpoint(partial, device, {"num_hidden_layers": layers})
     partial.rename(path)
     return path
 
@@ -283,9 +298,16 @@ def bench(
     device: str = "cpu",
     dtype: str | None = None,
     options: dict[str, Any] | None = None,
+    cold_runs: int | None = None,
+    deadline_s: float | None = None,
+    json_path: Path | None = None,
 ) -> dict[str, Any]:
+    """Set up (checkpoint, keeper, weights, artifact), then ``runs`` rounds of the three ways (cold only in the
+    first ``cold_runs``). With ``deadline_s``, a run that would end past that many seconds from the start (by the
+    slowest run of its way so far) is left out. With ``json_path``, the report is written after every round."""
     from weightcache.client import KeeperConnection, ensure_keeper, stop_keeper
 
+    cold_runs = runs if cold_runs is None else min(cold_runs, runs)
     workdir.mkdir(parents=True, exist_ok=True)
     began = time.perf_counter()
     if shape == "llama3-8b":
@@ -295,38 +317,77 @@ def bench(
     else:
         layers = 1 if layers is None else layers
         checkpoint = make_checkpoint(workdir / f"ckpt-{layers}l-{hidden}", layers, hidden)
-    timings = {"checkpoint_s": round(time.perf_counter() - began, 1)}
-    checkpoint_bytes = sum(f.stat().st_size for f in checkpoint.glob("*.safetensors"))
+    setup = {
+        "shape": shape,
+        "layers": layers,
+        "hidden": hidden if shape == "tiny" else None,
+        "device": device,
+        "dtype": dtype,
+        "runs": runs,
+        "cold_runs": cold_runs,
+        "deadline_s": deadline_s,
+        "checkpoint_bytes": sum(f.stat().st_size for f in checkpoint.glob("*.safetensors")),
+        "timings": {"checkpoint_s": round(time.perf_counter() - began, 1)},
+    }
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-bench-", dir="/tmp")) / "s"
     ensure_keeper(socket_dir)
     results: dict[str, list[dict[str, Any]]] = {way: [] for way in WAYS}
+    skipped: list[str] = []  # "way round" of the runs the deadline left out
+    setup["skipped"] = skipped
 
     def run(cache_dir: Path, **kwargs: Any) -> dict[str, Any]:
         return run_worker(checkpoint, socket_dir, cache_dir, options=options, dtype=dtype, device=device, **kwargs)
 
+    report: dict[str, Any] = {}
     try:
         t0 = time.perf_counter()
         weights = run(workdir / "weights-cache", keeper=False, attach_only=True)  # loads, publishes the weights
-        timings["publish_weights_s"] = round(time.perf_counter() - t0, 1)
+        setup["timings"]["publish_weights_s"] = round(time.perf_counter() - t0, 1)
         local = workdir / "local-cache"
         shutil.rmtree(local, ignore_errors=True)
         publisher = run(local, keeper=True)  # a cold compile fills `local` and publishes the keeper's artifact
+        print(f"published: wall s {publisher['wall_s']}", file=sys.stderr, flush=True)
+        # before a way's first run, its expected time is the publishing cold compile's (half of it for a warm way)
+        guess = {way: publisher["wall_s"] * (1.0 if way == "cold" else 0.5) for way in WAYS}
         for i in range(runs):
-            for way in WAYS:
+            done: dict[str, float] = {}
+            for way in WAYS if i < cold_runs else ("local", "keeper"):
+                expected = max([r["wall_s"] for r in results[way]] or [guess[way]])  # its slowest run so far
+                if deadline_s is not None and time.perf_counter() - began + expected > deadline_s:
+                    skipped.append(f"{way} {i + 1}")
+                    continue
                 if way == "local":  # the directory the cold compile above filled, as it is
                     results[way].append(run(local, keeper=False))
-                    continue
-                fresh = workdir / f"{way}-cache"
-                shutil.rmtree(fresh, ignore_errors=True)
-                results[way].append(run(fresh, keeper=way == "keeper"))
-                shutil.rmtree(fresh, ignore_errors=True)
-            done = {way: results[way][-1]["wall_s"] for way in WAYS}
-            print(f"round {i + 1}/{runs}: wall s {done}", file=sys.stderr, flush=True)
+                else:
+                    fresh = workdir / f"{way}-cache"
+                    shutil.rmtree(fresh, ignore_errors=True)
+                    results[way].append(run(fresh, keeper=way == "keeper"))
+                    shutil.rmtree(fresh, ignore_errors=True)
+                done[way] = results[way][-1]["wall_s"]
+            print(f"round {i + 1}/{runs}: wall s {done}; skipped {skipped}", file=sys.stderr, flush=True)
+            report = _report(setup, weights, publisher, results, began, complete=False)
+            if json_path is not None:
+                json_path.write_text(json.dumps(report, indent=2))
     finally:
         stop_keeper(KeeperConnection.connect(socket_dir), wait=30)
         shutil.rmtree(socket_dir.parent, ignore_errors=True)
         shutil.rmtree(workdir / "weights-cache", ignore_errors=True)
-    timings["total_s"] = round(time.perf_counter() - began, 1)
+    report = _report(setup, weights, publisher, results, began, complete=True)
+    if json_path is not None:
+        json_path.write_text(json.dumps(report, indent=2))
+    return report
+
+
+def _report(
+    setup: dict[str, Any],
+    weights: dict[str, Any],
+    publisher: dict[str, Any],
+    results: dict[str, list[dict[str, Any]]],
+    began: float,
+    *,
+    complete: bool,
+) -> dict[str, Any]:
+    """The bench's report from the runs so far (``complete``: the keeper was stopped, nothing more will run)."""
     every = [publisher, *(r for rs in results.values() for r in rs)]
     medians = {way: _median(rs, "wall_s") for way, rs in results.items()}
     inside = {way: _median(rs, "first_output_s") for way, rs in results.items()}
@@ -335,16 +396,12 @@ def bench(
     return {
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
-        "shape": shape,
-        "layers": layers,
-        "hidden": hidden if shape == "tiny" else None,
-        "device": device,
+        "complete": complete,
+        **{k: v for k, v in setup.items() if k != "timings"},
         "device_name": publisher["device_name"],
-        "dtype": dtype,
         "torch": publisher["torch"],
         "transformers": publisher["transformers"],
-        "runs": runs,
-        "checkpoint_bytes": checkpoint_bytes,
+        "runs_done": {way: len(rs) for way, rs in results.items()},
         "weights_source": sorted({r["source"] for r in every}),
         "bitwise_equal": len({r["logits_sha256"] for r in every}) == 1,
         "logits_per_way": {way: sorted({r["logits_sha256"][:12] for r in rs}) for way, rs in results.items()},
@@ -369,7 +426,7 @@ def bench(
         ],
         "graph_breaks": sorted({r["graph_breaks"] for r in every}),
         "max_memory_allocated": max((r["max_memory_allocated"] or 0) for r in every) or None,
-        "timings": timings,
+        "timings": {**setup["timings"], "total_s": round(time.perf_counter() - began, 1)},
         "weights_run": weights,
         "publisher": publisher,
         "runs_detail": results,
@@ -399,19 +456,33 @@ def main() -> int:
     b.add_argument("--hidden", type=int, default=64, help="width of the tiny model (default 64)")
     b.add_argument("--device", default="cpu", help="cpu (default) or cuda:N")
     b.add_argument("--dtype", default=None, help="dtype to attach in (default: tiny float32, llama3-8b bfloat16)")
-    b.add_argument("--json", type=Path, default=None)
+    b.add_argument("--cold-runs", type=int, default=None, help="rounds that include a cold run (default: --runs)")
+    b.add_argument(
+        "--deadline-s",
+        type=float,
+        default=None,
+        help="leave out any run that would end past this many seconds from the start",
+    )
+    b.add_argument("--json", type=Path, default=None, help="the report, written after every round")
     args = parser.parse_args()
     if args.command == "worker":
         print(json.dumps(worker(args)))
         return 0
     if args.command == "checkpoint":
-        _restart_llama().build_checkpoint(args.path, args.device, {"num_hidden_layers": args.layers})
+        make_llama3_8b(args.path, args.layers, args.device, here=True)
         return 0
     result = bench(
-        args.workdir, args.runs, args.layers, args.hidden, shape=args.shape, device=args.device, dtype=args.dtype
+        args.workdir,
+        args.runs,
+        args.layers,
+        args.hidden,
+        shape=args.shape,
+        device=args.device,
+        dtype=args.dtype,
+        cold_runs=args.cold_runs,
+        deadline_s=args.deadline_s,
+        json_path=args.json,
     )
-    if args.json:
-        args.json.write_text(json.dumps(result, indent=2))
     summary = {k: v for k, v in result.items() if k not in ("runs_detail", "publisher", "weights_run")}
     print(json.dumps(summary, indent=2))
     return 0
