@@ -12,7 +12,8 @@ Then a zygote: a process that has imported torch and transformers and resolved `
 torch op run) forks a child per request; the child reads the config and builds the meta model. Reported: the
 zygote's own preparation, and in the child the time from the fork request to the model (what a restart would pay
 instead of the imports). Last, ``python -X importtime`` of the same imports, once per repeat: the self time of
-every module summed by top-level package (medians), and the slowest single modules.
+every module summed by top-level package (medians), the slowest single modules, and what resolving
+``AutoModelForCausalLM`` imports, by package.
 
     python benchmarks/import_split.py --repeat 5 --json out.json
 
@@ -139,6 +140,26 @@ def importtime() -> tuple[dict[str, int], dict[str, int]]:
     return packages, modules
 
 
+def auto_class_importtime() -> dict[str, int]:
+    """One ``-X importtime`` run of ``import torch, transformers`` and then ``transformers.AutoModelForCausalLM``:
+    self microseconds of the modules that resolving the auto class imported, summed per package (two name parts
+    for torch and transformers: ``torch._dynamo``; one for others: ``sympy``)."""
+    code = "import torch, transformers; transformers.AutoModelForCausalLM"
+    out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, check=True)
+    rows = []
+    for line in out.stderr.splitlines():
+        if line.startswith("import time:") and "cumulative" not in line:
+            self_us, _, name = line[len("import time:") :].split("|", 2)
+            rows.append((int(self_us), name[1:]))  # one space after the bar; then two per level of nesting
+    after = max(i for i, (_, name) in enumerate(rows) if name == "transformers")  # transformers' own import ends
+    packages: dict[str, int] = {}
+    for self_us, name in rows[after + 1 :]:
+        parts = name.strip().split(".")
+        key = ".".join(parts[:2]) if parts[0] in ("torch", "transformers") else parts[0]
+        packages[key] = packages.get(key, 0) + self_us
+    return packages
+
+
 def median(values: list[float]) -> float:
     return round(statistics.median(values), 3)
 
@@ -153,6 +174,7 @@ def main() -> int:
         steps = [run(STEPS_CODE, tmp) for _ in range(args.repeat)]
         zygote = run(ZYGOTE_CODE, tmp, str(args.repeat))
         times = [importtime() for _ in range(args.repeat)]
+        auto = [auto_class_importtime() for _ in range(args.repeat)]
     order = ["start", "torch", "transformers", "auto class", "config", "meta model", "meta model again"]
     split = {f"{a} -> {b}": median([(s["t"][b] - s["t"][a]) for s in steps]) for a, b in itertools.pairwise(order)}
     split["start -> meta model"] = median([s["t"]["meta model"] - s["t"]["start"] for s in steps])
@@ -178,6 +200,12 @@ def main() -> int:
         },
         "importtime_self_by_package_s": dict(sorted(by_package.items(), key=lambda kv: -kv[1])[:20]),
         "importtime_slowest_self_s": {m: median([t[1].get(m, 0) / 1e6 for t in times]) for m in slowest[:15]},
+        "auto_class_importtime_self_s": dict(
+            sorted(
+                ((k, median([a.get(k, 0) / 1e6 for a in auto])) for k in {k for a in auto for k in a}),
+                key=lambda kv: -kv[1],
+            )[:12]
+        ),
         "runs": steps,
     }
     text = json.dumps({k: v for k, v in report.items() if k != "runs"}, indent=2)
