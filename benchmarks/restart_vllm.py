@@ -14,7 +14,10 @@ it warm on local disk); ``--cold-compile`` gives every start an empty one.
 (``<workdir>/vllm-cache``; its path is part of the artifact's key): auto with it wiped (cold), auto with it warm,
 daemon (publishes the weights and, after warm-up, the compile cache), then client with it wiped before each start
 (weights and compile cache from the keeper). Every log line of vLLM and weightcache is recorded with its time
-since process start (``lines`` in the JSON), which is how the phases between them are found.
+since process start (``lines`` in the JSON), which is how the phases between them are found. ``--scenario
+empty-disk`` wipes vLLM's and Triton's (``~/.triton/cache``) directories before every start: a daemon start that
+compiles and publishes, then clients that find everything in the keeper (the first client still JIT-compiles
+vLLM's Triton kernels, which a compiling start puts into vLLM's own directory, and publishes them).
 
 Phases (seconds, from vLLM's log lines, absent where a release does not log them): weights (the loader's own
 line, or weightcache's), dynamo, inductor (compiling or loading compiled graphs), torch.compile in total, memory
@@ -127,11 +130,12 @@ def main() -> int:
     parser.add_argument("--layers", type=int, default=None, help="fewer layers (a smaller model)")
     parser.add_argument(
         "--scenario",
-        choices=("weights", "compile"),
+        choices=("weights", "compile", "empty-disk"),
         default="weights",
         help="weights: auto, daemon, client (the compile cache as it is); compile: vLLM's compile cache from the "
         "keeper (auto cold, auto with a warm local cache, daemon (publishes weights and compile cache), then "
-        "client with the cache directory wiped before each start)",
+        "client with the cache directory wiped before each start); empty-disk: vLLM's and Triton's cache "
+        "directories wiped before every start (a new container each time): daemon (publishes), then client",
     )
     args = parser.parse_args()
 
@@ -166,6 +170,20 @@ def main() -> int:
         once("daemon", drop=True)
         for _ in range(args.repeat):
             once("client", drop=True)
+    elif args.scenario == "empty-disk":
+        root, triton = work / "vllm-cache", Path.home() / ".triton" / "cache"
+        env["VLLM_CACHE_ROOT"] = str(root)
+        env.pop("TRITON_CACHE_DIR", None)
+
+        def empty(name: str, mode: str) -> None:
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(triton, ignore_errors=True)
+            once(mode, drop=True)
+            runs[-1]["way"] = name
+
+        empty("daemon, empty disk (compiles; publishes weights, compile cache, model info)", "daemon")
+        for _ in range(max(args.repeat, 2)):
+            empty("client, empty disk (weights, compile cache, Triton kernels, model info from the keeper)", "client")
     else:
         # one cache root for every start (its path is part of the artifact's key), wiped where a way needs it
         root = work / "vllm-cache"

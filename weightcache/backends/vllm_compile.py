@@ -27,9 +27,14 @@ would have, and the next publish replaces the artifact. A miss of any kind here 
 blob or archive) is logged and the engine compiles; nothing here stops an engine. Only artifacts this uid
 published are restored: they hold pickles and kernels that vLLM and torch load.
 
+The artifact also holds the entries of Triton's own cache directory (``TRITON_CACHE_DIR``, default
+``~/.triton/cache``) that the start wrote: the kernels of vLLM's own Triton ops, which its warm-up JIT-compiles
+(~15 s of a Llama-3-8B start on an H200) and which land there, outside vLLM's compile cache, whenever the
+compiled model came from the cache (vLLM points ``TRITON_CACHE_DIR`` into its compile cache only while it
+compiles). Triton keys each kernel by its source, Triton's version, the target GPU and the options, not by paths.
+
 Not held: FlashInfer's JIT cache (``~/.cache/flashinfer``; vLLM builds it when FlashInfer is installed; not
-installed where this was measured), DeepGEMM's JIT cache (``~/.deep_gemm``; FP8 block-quantized models), and the
-Triton kernels vLLM's own custom Triton ops compile into ``~/.triton/cache`` (outside the compile cache). See
+installed where this was measured) and DeepGEMM's JIT cache (``~/.deep_gemm``; FP8 block-quantized models). See
 docs/guides/vllm.md.
 
 Switched off by ``WEIGHTCACHE_VLLM_COMPILE_CACHE=0``, by vLLM's ``VLLM_DISABLE_COMPILE_CACHE=1``, for an engine
@@ -48,7 +53,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -75,6 +80,8 @@ AOT_DIR = "torch_aot_compile"
 _COMPONENT = re.compile(r"[A-Za-z0-9_+=,@-][A-Za-z0-9._+=,@-]{0,254}")
 #: Deepest path an archive may hold (vLLM's is ~6 levels below the root).
 MAX_DEPTH = 16
+#: The archive's prefix for entries of Triton's own cache directory (:func:`triton_cache_dir`).
+TRITON = "@triton"
 #: A rank's own subdirectory of a hash directory.
 _RANK_DIR = re.compile(r"rank_\d+_\d+")
 #: vLLM's counters (``vllm.compilation.counter.compilation_counter``) that say whether it compiled or loaded.
@@ -221,37 +228,46 @@ def _files(unit: Path) -> Iterator[Path]:
                 yield path
 
 
-def pack(root: Path, chosen: list[Path], own_rank: str) -> tuple[bytes, dict[str, int]]:
-    """A tar archive of the files of the hash directories ``chosen`` under ``root`` (this rank's only), and what
-    it holds (relative path -> size)."""
+def pack(
+    root: Path, chosen: list[Path], own_rank: str, others: Mapping[str, tuple[Path, list[Path]]] | None = None
+) -> tuple[bytes, dict[str, int]]:
+    """A tar archive of the files of the hash directories ``chosen`` under ``root`` (this rank's only), and of
+    the directories each of ``others`` names (``{"@triton": (Triton's cache directory, its entries)}``: members
+    ``@triton/<entry>/<file>``), and what it holds (member name -> size)."""
     buffer = io.BytesIO()
     held: dict[str, int] = {}
+    sections: list[tuple[str, Path, list[Path]]] = [("", root, chosen)]
+    sections += [(prefix + "/", base, dirs) for prefix, (base, dirs) in (others or {}).items()]
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
-        for unit in chosen:
-            for path in _files(unit):
-                relative = path.relative_to(root).as_posix()
-                parts = _member_path(relative)
-                if parts is None or not _wanted(parts, own_rank):
-                    continue
-                try:
-                    data = path.read_bytes()
-                    mode = path.stat().st_mode
-                except OSError:
-                    continue  # removed while we looked: vLLM's own business
-                info = tarfile.TarInfo(relative)
-                info.size = len(data)
-                info.mode = 0o755 if mode & 0o111 else 0o644
-                info.mtime = 0
-                tar.addfile(info, io.BytesIO(data))
-                held[relative] = len(data)
+        for prefix, base, dirs in sections:
+            for unit in dirs:
+                for path in _files(unit):
+                    relative = prefix + path.relative_to(base).as_posix()
+                    parts = _member_path(relative)
+                    if parts is None or not _wanted(parts, own_rank):
+                        continue
+                    try:
+                        data = path.read_bytes()
+                        mode = path.stat().st_mode
+                    except OSError:
+                        continue  # removed while we looked: vLLM's own business
+                    info = tarfile.TarInfo(relative)
+                    info.size = len(data)
+                    info.mode = 0o755 if mode & 0o111 else 0o644
+                    info.mtime = 0
+                    tar.addfile(info, io.BytesIO(data))
+                    held[relative] = len(data)
     return buffer.getvalue(), held
 
 
-def unpack_into(blob: bytes, root: Path) -> dict[str, int]:
-    """Write each file of the archive under ``root`` where no file is; what was written (relative path -> size).
+def unpack_into(blob: bytes, root: Path, others: Mapping[str, Path] | None = None) -> dict[str, int]:
+    """Write each file of the archive where no file is: under ``root``, or, for a member ``<prefix>/<path>``
+    whose prefix ``others`` names (``"@triton"``), under that directory (members of a prefix it does not name
+    are left out); what was written (member name -> size).
 
     Raises ValueError, before writing anything, for an archive that is not one :func:`pack` could have made: a
     member that is not a regular file, or whose name is absolute, climbs out of ``root`` or has odd characters."""
+    others = dict(others or {})
     with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
         members = tar.getmembers()
         for member in members:
@@ -259,7 +275,13 @@ def unpack_into(blob: bytes, root: Path) -> dict[str, int]:
                 raise ValueError(f"the archive holds {member.name!r:.120}, which is no file of vLLM's compile cache")
         written: dict[str, int] = {}
         for member in members:
-            target = root.joinpath(*member.name.split("/"))
+            first, _, rest = member.name.partition("/")
+            if first.startswith("@"):
+                if first not in others or not rest:
+                    continue
+                target = others[first].joinpath(*rest.split("/"))
+            else:
+                target = root.joinpath(*member.name.split("/"))
             if target.exists():
                 continue
             source = tar.extractfile(member)
@@ -279,6 +301,20 @@ def unpack_into(blob: bytes, root: Path) -> dict[str, int]:
     return written
 
 
+def triton_cache_dir() -> Path:
+    """Where Triton keeps the kernels it compiles in this process: ``TRITON_CACHE_DIR``, else Triton's default
+    (``~/.triton/cache``)."""
+    configured = os.environ.get("TRITON_CACHE_DIR")
+    if configured:
+        return Path(configured)
+    try:
+        from triton.runtime.cache import default_cache_dir  # type: ignore[import-not-found,unused-ignore]
+
+        return Path(default_cache_dir())
+    except Exception:  # no Triton (a CPU host), or a release that moved it: Triton's documented default
+        return Path.home() / ".triton" / "cache"
+
+
 # --- one engine's compile cache -------------------------------------------------------------------------------
 
 
@@ -288,7 +324,8 @@ class EngineCompileCache:
     Attributes:
         key: the artifact's key (:func:`artifact_key`).
         root: vLLM's compile cache directory (:func:`cache_root`).
-        restored: the files :meth:`restore` wrote (relative path -> size).
+        restored: the files :meth:`restore` wrote (member name -> size: relative to :attr:`root`, or
+            ``@triton/...`` for Triton's own cache directory, :attr:`triton`).
         loaded_bytes: the size of the artifact restored (0: none).
         published_bytes: the size of the artifact :meth:`publish` published (0: none).
         written: the files vLLM wrote into its compile cache between :meth:`restore` and :meth:`publish` (relative
@@ -304,6 +341,10 @@ class EngineCompileCache:
         self.key = key
         self.cache = cache
         self.root = cache_root()
+        triton = triton_cache_dir()
+        #: Triton's own cache directory, where vLLM's Triton kernels go when no compile set it under :attr:`root`
+        #: (vLLM's warm-up JIT-compiles them: ~15 s of a Llama-3-8B start on an H200); None when it is inside.
+        self.triton: Path | None = None if triton == self.root or self.root in triton.parents else triton
         rank, dp_rank = _rank(vllm_config)
         self.own_rank = f"rank_{rank}_{dp_rank}"
         self.restored: dict[str, int] = {}
@@ -343,7 +384,7 @@ class EngineCompileCache:
             blob = found.read()
             if blob is None:
                 raise ValueError("the keeper let go of it")
-            self.restored = unpack_into(blob, self.root)
+            self.restored = unpack_into(blob, self.root, {TRITON: self.triton} if self.triton else None)
             with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
                 self.held = {m.name: m.size for m in tar.getmembers()}
         except (ValueError, OSError, tarfile.TarError, WeightCacheError) as exc:
@@ -382,11 +423,25 @@ class EngineCompileCache:
             if any(unit == p or unit in p.parents for p in named) or self._written_since_start(unit)
         ]
 
-    def _written_since_start(self, unit: Path) -> list[str]:
-        """The files of ``unit`` (relative to :attr:`root`) that vLLM wrote since :meth:`restore`."""
+    def triton_entries(self) -> list[Path]:
+        """The entries (one directory per kernel) of Triton's cache directory that this start wrote or restored."""
+        if self.triton is None:
+            return []
+        try:
+            entries = sorted(
+                d for d in self.triton.iterdir() if d.is_dir() and not d.is_symlink() and not d.name.startswith("tmp")
+            )
+        except OSError:
+            return []
+        restored = {name.split("/")[1] for name in self.restored if name.startswith(TRITON + "/")}
+        return [d for d in entries if d.name in restored or self._written_since_start(d, self.triton, TRITON + "/")]
+
+    def _written_since_start(self, unit: Path, base: Path | None = None, prefix: str = "") -> list[str]:
+        """The files of ``unit`` (member names: relative to :attr:`root`, or ``prefix`` + relative to ``base``)
+        that were written since :meth:`restore`."""
         written = []
         for path in _files(unit):
-            relative = path.relative_to(self.root).as_posix()
+            relative = prefix + path.relative_to(base or self.root).as_posix()
             parts = _member_path(relative)
             if relative in self.restored or parts is None or not _wanted(parts, self.own_rank):
                 continue
@@ -404,7 +459,9 @@ class EngineCompileCache:
         self.counts = {name: value - self._counters_before.get(name, 0) for name, value in now.items()}
         log.info("weightcache: vLLM's compile counters for %s since the load: %s", self.digest[:12], self.counts)
         chosen = self.used_units()
+        kernels = self.triton_entries()
         self.written = [name for unit in chosen for name in self._written_since_start(unit)]
+        self.written += [n for d in kernels for n in self._written_since_start(d, self.triton, TRITON + "/")]
         if self.written:
             log.info(
                 "weightcache: vLLM wrote %d file(s) into its compile cache for %s since the load: %s",
@@ -412,10 +469,11 @@ class EngineCompileCache:
                 self.digest[:12],
                 ", ".join(self.written[:8]) + (" ..." if len(self.written) > 8 else ""),
             )
-        if not chosen:
+        if not chosen and not kernels:
             log.info("weightcache: vLLM's compile cache for %s is empty; nothing to publish", self.digest[:12])
             return None
-        blob, held = pack(self.root, chosen, self.own_rank)
+        others = {TRITON: (self.triton, kernels)} if self.triton is not None and kernels else None
+        blob, held = pack(self.root, chosen, self.own_rank, others)
         if self._loaded_sha is not None and set(held) <= set(self.held):
             log.info("weightcache: vLLM compiled nothing the keeper's artifact lacked for %s", self.digest[:12])
             return None
@@ -435,10 +493,85 @@ class EngineCompileCache:
             self.digest[:12],
             len(blob),
             len(held),
-            ", ".join(u.relative_to(self.root).as_posix() for u in chosen),
+            ", ".join([u.relative_to(self.root).as_posix() for u in chosen] + [f"{len(kernels)} Triton kernels"]),
             "" if artifact.created else "; the keeper already held one for this key",
         )
         return artifact
+
+
+# --- vLLM's model-info cache -------------------------------------------------------------------------------------
+
+#: The artifact kind of vLLM's model-info cache (``$VLLM_CACHE_ROOT/modelinfos``).
+MODELINFO_KIND = "vllm.modelinfos"
+#: What vLLM learns of a model class does not depend on weights: its artifact is filed under this constant
+#: instead of a weights digest (the SHA-256 of ``b"vllm.modelinfos"``).
+MODELINFO_WEIGHTS = hashlib.sha256(b"vllm.modelinfos").hexdigest()
+
+
+def modelinfo_dir() -> Path:
+    """vLLM's model-info cache: ``$VLLM_CACHE_ROOT/modelinfos`` (one JSON file per model class, with the hash of
+    the class's source file that vLLM checks before using it)."""
+    import vllm.envs as envs
+
+    return Path(envs.VLLM_CACHE_ROOT) / "modelinfos"
+
+
+def modelinfo_key() -> ArtifactKey:
+    """The key of the model-info artifact: vLLM's and Python's versions (vLLM checks each file's source hash)."""
+    import vllm
+
+    return ArtifactKey(
+        MODELINFO_KIND, {"vllm": vllm.__version__, "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
+    )
+
+
+def restore_modelinfos(cache: Cache) -> int:
+    """Before vLLM inspects the model class (it does so in a subprocess that imports the model's module, ~12-14 s
+    on the H200 when ``modelinfos`` is empty): write the keeper's model-info files where none are; how many were
+    written. Never raises."""
+    try:
+        if switched_off() is not None:
+            return 0
+        found = cache.open_artifact(MODELINFO_WEIGHTS, modelinfo_key())
+        if found is None:
+            return 0
+        try:
+            if found.info.publisher != os.getuid():
+                return 0
+            blob = found.read()
+        finally:
+            found.close()
+        written = unpack_into(blob or b"", modelinfo_dir()) if blob else {}
+    except Exception as exc:
+        log.warning("weightcache: vLLM's model-info cache was not restored (%s: %s)", type(exc).__name__, exc)
+        return 0
+    if written:
+        log.info("weightcache: restored %d of vLLM's model-info files from the keeper", len(written))
+    return len(written)
+
+
+def publish_modelinfos(cache: Cache) -> bool:
+    """After the engine started: publish vLLM's model-info files if the keeper's artifact lacks any of them (or
+    holds other bytes); whether one was published. Never raises."""
+    try:
+        directory = modelinfo_dir()
+        if switched_off() is not None or not directory.is_dir():
+            return False
+        blob, held = pack(directory, [directory], "")
+        if not held:
+            return False
+        key = modelinfo_key()
+        current = cache.get_artifact(MODELINFO_WEIGHTS, key)
+        if current == blob:
+            return False
+        replace = hashlib.sha256(current).hexdigest() if current is not None else None
+        artifact = cache.put_artifact(MODELINFO_WEIGHTS, key, blob, replace=replace)
+        artifact.close()
+    except Exception as exc:
+        log.warning("weightcache: vLLM's model-info cache was not published (%s: %s)", type(exc).__name__, exc)
+        return False
+    log.info("weightcache: published vLLM's model-info cache (%d files)", len(held))
+    return True
 
 
 #: The compile caches of the engines of this process, by ``id(vllm_config)``, from the load to the warm-up.
@@ -478,6 +611,7 @@ def finish(vllm_config: Any) -> EngineCompileCache | None:
         state.publish()
     except Exception as exc:
         log.warning("weightcache: vLLM's compile cache was not published (%s: %s)", type(exc).__name__, exc)
+    publish_modelinfos(state.cache)
     _HELD.append(state)  # its artifact, if any, stays leased while the process runs
     return state
 
@@ -514,7 +648,10 @@ def _after(original: Callable[..., Any]) -> Callable[..., Any]:
 
 __all__ = [
     "KIND",
+    "MODELINFO_KIND",
+    "MODELINFO_WEIGHTS",
     "SWITCH_ENV",
+    "TRITON",
     "EngineCompileCache",
     "artifact_key",
     "begin",
@@ -522,6 +659,11 @@ __all__ = [
     "engine_caches",
     "finish",
     "install_hook",
+    "modelinfo_dir",
+    "modelinfo_key",
+    "publish_modelinfos",
+    "restore_modelinfos",
+    "triton_cache_dir",
     "not_compiled",
     "pack",
     "switched_off",
