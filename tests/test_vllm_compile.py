@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.backends.vllm_compile import pack, units, unpack_into
+from weightcache.backends.vllm_compile import chosen_units, pack, unit_of, units, unpack_into
 
 
 def write(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -131,3 +131,21 @@ def test_tritons_own_cache_entries_travel_under_their_prefix(cache: Path, tmp_pa
     elsewhere = tmp_path / "no-triton"
     written = unpack_into(blob, elsewhere)
     assert not any(name.startswith("@triton/") for name in written) and not (elsewhere / "@triton").exists()
+
+
+def test_a_republish_keeps_every_directory_it_restored(cache: Path) -> None:
+    """After vLLM loads its AOT function its config names only the compiled graphs' directory: a publish (say,
+    of Triton kernels the warm-up wrote) must still pack the AOT directory it restored, or the artifact it
+    replaces loses the AOT function (seen on the H200: the next start compiled it again)."""
+    graphs = cache / "0a1b2c3d4e"
+    aot = cache / "torch_aot_compile" / ("f" * 64)
+    restored = [
+        "0a1b2c3d4e/rank_0_0/backbone/vllm_compile_cache.py",
+        f"torch_aot_compile/{'f' * 64}/rank_0_0/model",
+        "@triton/ABCDEFGH/kernel.cubin",
+    ]
+    named = [graphs / "rank_0_0" / "backbone"]
+    assert chosen_units(cache, named, restored, lambda unit: False) == [graphs, aot]
+    assert chosen_units(cache, named, [], lambda unit: False) == [graphs]
+    assert chosen_units(cache, [], [], lambda unit: unit == aot) == [aot]
+    assert unit_of("@triton/ABCDEFGH/kernel.cubin") is None and unit_of("torch_aot_compile") is None

@@ -53,7 +53,7 @@ import sys
 import tarfile
 import tempfile
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -301,6 +301,35 @@ def unpack_into(blob: bytes, root: Path, others: Mapping[str, Path] | None = Non
     return written
 
 
+def unit_of(member: str) -> str | None:
+    """The hash directory (relative to the compile cache's root) an archive member belongs to: ``<hash>`` or
+    ``torch_aot_compile/<hash>``; None for a member of another section (``@triton/...``) or a bare file."""
+    parts = member.split("/")
+    if parts[0].startswith("@"):
+        return None
+    if parts[0] == AOT_DIR:
+        return "/".join(parts[:2]) if len(parts) > 2 else None
+    return parts[0] if len(parts) > 1 else None
+
+
+def chosen_units(
+    root: Path, named: Iterable[Path], restored: Iterable[str], fresh: Callable[[Path], bool]
+) -> list[Path]:
+    """The hash directories of ``root`` (:func:`units`) a publish packs: those that are or hold a path vLLM's
+    config ``named``, those holding a ``restored`` member (a publish replaces the artifact restored, so it must
+    keep what that held: after an AOT load vLLM's config names only the graphs' directory, not the AOT one), and
+    those ``fresh`` says were written since the restore."""
+    named = list(named)
+    kept = {u for u in map(unit_of, restored) if u is not None}
+    return [
+        unit
+        for unit in units(root)
+        if any(unit == p or unit in p.parents for p in named)
+        or unit.relative_to(root).as_posix() in kept
+        or fresh(unit)
+    ]
+
+
 def triton_cache_dir() -> Path:
     """Where Triton keeps the kernels it compiles in this process: ``TRITON_CACHE_DIR``, else Triton's default
     (``~/.triton/cache``)."""
@@ -411,17 +440,13 @@ class EngineCompileCache:
         return len(self.restored)
 
     def used_units(self) -> list[Path]:
-        """The hash directories this engine used: those vLLM's compilation config names, and those holding a file
-        written since :meth:`restore`."""
+        """The hash directories this engine used (:func:`chosen_units`): those vLLM's compilation config names,
+        those :meth:`restore` wrote into, and those holding a file written since."""
         compilation = self.vllm_config.compilation_config
         named = [
             Path(p) for p in (getattr(compilation, "cache_dir", ""), getattr(compilation, "local_cache_dir", "")) if p
         ]
-        return [
-            unit
-            for unit in units(self.root)
-            if any(unit == p or unit in p.parents for p in named) or self._written_since_start(unit)
-        ]
+        return chosen_units(self.root, named, self.restored, lambda unit: bool(self._written_since_start(unit)))
 
     def triton_entries(self) -> list[Path]:
         """The entries (one directory per kernel) of Triton's cache directory that this start wrote or restored."""
@@ -656,6 +681,7 @@ __all__ = [
     "artifact_key",
     "begin",
     "cache_root",
+    "chosen_units",
     "engine_caches",
     "finish",
     "install_hook",
@@ -667,6 +693,7 @@ __all__ = [
     "not_compiled",
     "pack",
     "switched_off",
+    "unit_of",
     "unpack_into",
     "vllm_counters",
 ]
