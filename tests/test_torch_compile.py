@@ -106,3 +106,28 @@ def test_a_fresh_process_with_an_empty_cache_dir_gets_every_graph_from_the_keepe
         [sys.executable, "-m", "weightcache", "ls", "--socket-dir", str(socket_dir)], capture_output=True, text=True
     )
     assert listed.stdout.count(KIND) == 2, listed.stdout
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_an_empty_cache_dir_gets_every_graph_and_triton_kernel_from_the_keeper(
+    tmp_path: Path, socket_dir: Path
+) -> None:
+    """The same on cuda:0 (bf16): inductor's Triton kernels travel in torch's bundle; process B with an empty
+    inductor and Triton cache directory compiles nothing (torch's counters) and gives the same logits."""
+    checkpoint = compile_restart.make_checkpoint(tmp_path / "ckpt", layers=1, hidden=64)
+    wc.Cache(socket_dir, spawn=True)
+
+    def run(cache_dir: str) -> dict:
+        return compile_restart.run_worker(
+            checkpoint, socket_dir, tmp_path / cache_dir, keeper=True, device="cuda:0", dtype="bfloat16"
+        )
+
+    first = run("a")
+    assert first["stats"]["source"] == "none" and first["stats"]["misses"] > 0, first
+    assert first["stats"]["published_bytes"] > 0
+    second = run("b")
+    stats = second["stats"]
+    assert stats["source"] == "keeper" and stats["hits"] > 0 and stats["misses"] == 0, second
+    assert second["counters"]["inductor"].get("fxgraph_cache_miss", 0) == 0
+    assert stats["published_bytes"] == 0
+    assert second["logits_sha256"] == first["logits_sha256"]

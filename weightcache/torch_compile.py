@@ -140,6 +140,15 @@ def device_fields(device: torch.device | str | None = None) -> dict[str, Any]:
     return {"device": dev.type, "cpu": _cpu_model(), "isa": torch.backends.cpu.get_cpu_capability()}
 
 
+def _loaded_counts(info: object) -> dict[str, int]:
+    """What ``torch.compiler.load_cache_artifacts`` says it loaded, per cache (its CacheInfo's ``artifacts``);
+    empty where a torch release returns something else (the load itself has worked)."""
+    artifacts = getattr(info, "artifacts", None)
+    if not isinstance(artifacts, Mapping):
+        return {}
+    return {str(kind): len(keys) for kind, keys in artifacts.items() if isinstance(keys, (list, tuple, set))}
+
+
 def _cpu_model() -> str:
     try:
         with open("/proc/cpuinfo") as f:
@@ -362,7 +371,7 @@ class CompileCache:
             return False
         self.artifact = found
         self._loaded_sha = hashlib.sha256(blob).hexdigest()
-        loaded = {kind: len(keys) for kind, keys in (info.artifacts.items() if info is not None else ())}
+        loaded = _loaded_counts(info)
         self.stats = attrs.evolve(
             self.stats, source="keeper", loaded_bytes=len(blob), loaded=loaded, kernels_restored=restored
         )
