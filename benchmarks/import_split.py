@@ -35,23 +35,11 @@ import time
 from pathlib import Path
 from typing import Any
 
-LLAMA3_8B = {
-    "architectures": ["LlamaForCausalLM"],
-    "model_type": "llama",
-    "vocab_size": 128256,
-    "hidden_size": 4096,
-    "intermediate_size": 14336,
-    "num_hidden_layers": 32,
-    "num_attention_heads": 32,
-    "num_key_value_heads": 8,
-    "max_position_embeddings": 8192,
-    "rope_theta": 500000.0,
-    "rms_norm_eps": 1e-5,
-    "tie_word_embeddings": False,
-    "bos_token_id": 128000,
-    "eos_token_id": 128001,
-    "torch_dtype": "bfloat16",
-}
+sys.path.insert(0, str(Path(__file__).parent))
+from restart_llama import LLAMA3_8B as _SHAPES  # a sibling script, not a package
+
+#: restart_llama.py's Llama-3-8B shapes as a config.json transformers reads on its own.
+LLAMA3_8B = {"architectures": ["LlamaForCausalLM"], "model_type": "llama", **_SHAPES, "torch_dtype": "bfloat16"}
 
 STEPS_CODE = r"""
 import time
