@@ -22,11 +22,11 @@ from conftest import keeper_pid, one_tensor_manifest, process_gone, sealed_memfd
 
 import weightcache as wc
 from weightcache import artifacts as artifact_ops
-from weightcache import messages
+from weightcache import messages, protocol
 from weightcache.artifact_key import ArtifactKey, artifact_matches
 from weightcache.budget import Budget
 from weightcache.client import KeeperConnection
-from weightcache.errors import ProtocolError
+from weightcache.errors import KeeperError, ProtocolError
 from weightcache.keeper.store import Store
 from weightcache.messages import RequestError
 
@@ -345,3 +345,50 @@ def test_a_held_artifact_is_leased_and_republished_to_a_restarted_keeper(socket_
                 proc.kill()
         keeper.terminate()
         keeper.wait(30)
+
+
+def test_an_artifacts_reply_fd_counts_against_the_reply_shares(socket_dir: Path, checkpoint: Path) -> None:
+    """A get_artifact's reply carries a dup of the blob's memfd: like a get's segment fds, it is counted against
+    its uid's share of reply fds until the reply is read. With the share held by replies nobody reads, the
+    keeper answers busy (a miss for the reader, the lease not taken) and goes on; once they are read, it answers."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import hostile
+
+    keeper = start_keeper(socket_dir, nofile=2048)  # 250 reply fds for the owner (the floor: protocol.MAX_FDS)
+    try:
+        cache = wc.Cache(socket_dir)
+        key = ArtifactKey("test.kind", {"n": 1})
+        weights = "ab" * 32
+        cache.put_artifact(weights, key, b"blob").close()
+        with KeeperConnection.connect(socket_dir) as conn:
+            digest = hostile.publish(conn, wc.Fingerprint.create(checkpoint).to_json(), 125).partition("@")[0]
+        # two gets of 125 fds each whose replies are never read: all 250 of the owner's reply fds
+        request = json.dumps({"op": "get", "digest": digest, "placement": "cpu"}).encode()
+        frame = protocol.HEADER.pack(protocol.MAGIC, protocol.WIRE_VERSION, 0, len(request)) + request
+        stalled = [hostile.raw_connection(str(socket_dir)) for _ in range(2)]
+        for sock in stalled:
+            assert sock is not None
+            sock.sendall(frame)
+        with KeeperConnection.connect(socket_dir) as conn:
+
+            def refused() -> bool:  # once the keeper has sent the two replies (its threads answer them meanwhile)
+                try:
+                    _, fd = conn.get_artifact(weights, key)
+                except KeeperError as exc:
+                    assert exc.code == "busy" and "replies not read yet hold the keeper's fds" in str(exc)
+                    return True
+                if fd is not None:
+                    os.close(fd)
+                return False
+
+            assert wait_until(refused, timeout=10)
+        assert cache.get_artifact(weights, key) is None  # busy: a miss, logged
+        assert [a.leases for a in cache.artifacts()] == [0]
+        for sock in stalled:
+            assert sock is not None
+            sock.close()
+        assert wait_until(lambda: cache.get_artifact(weights, key) == b"blob", timeout=10)
+        assert keeper.poll() is None
+    finally:
+        keeper.terminate()
+        keeper.wait(10)

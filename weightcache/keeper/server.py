@@ -476,7 +476,15 @@ class Server:
         if found is None:
             others, near = self.store.artifact_misses(request.weights, request.key, trust, messages.MAX_NEAR_KEYS)
             return GetArtifactReply(found=False, others=tuple(others), near=tuple(near)).to_json(), []
-        return GetArtifactReply(found=True, artifact=found.info).to_json(), [found.fd]
+        reply = GetArtifactReply(found=True, artifact=found.info).to_json()
+        try:  # its memfd's dup is a reply fd like a get's: shared out per uid until the peer reads it
+            self._reserve_reply(peer, 1, len(json.dumps(reply)))
+        except RequestError:
+            os.close(found.fd)
+            if found.fresh:
+                self.store.unlease(peer.id, found.info.key)
+            raise
+        return reply, [found.fd]
 
     def _list_artifacts(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
         request = ListArtifactsRequest.from_json(message)

@@ -182,6 +182,8 @@ class ArtifactCheckout:
 
     info: ArtifactInfo
     fd: int
+    #: Whether this get took the lease (the connection did not hold it already): see :meth:`Store.unlease`.
+    fresh: bool = False
 
 
 @attrs.frozen
@@ -410,11 +412,11 @@ class Store:
             return Checkout(entry.key, entry.publisher, entry.manifest_text, out, fresh)
 
     def unlease(self, conn: int, key: str) -> None:
-        """Drop ``conn``'s lease on entry ``key`` (a get whose reply could not be sent after all)."""
+        """Drop ``conn``'s lease on entry or artifact ``key`` (a get whose reply could not be sent after all)."""
         with self._lock:
-            entry = self._entries.get(key)
-            if entry is not None:
-                entry.leases.pop(conn, None)
+            held = self._entries.get(key) or self._artifacts.get(key)
+            if held is not None:
+                held.leases.pop(conn, None)
 
     def holds(self, conn: int) -> bool:
         """Whether ``conn`` leases any entry."""
@@ -544,13 +546,15 @@ class Store:
                 return None
             now = self._clock()
             found.last_used = now
+            fresh = conn not in found.leases
             found.leases.setdefault(conn, Lease(pid, now))
             try:
                 fd = os.dup(found.fd)  # under the lock: an evict racing with this get cannot close it first
             except OSError as exc:
-                found.leases.pop(conn, None)
+                if fresh:
+                    found.leases.pop(conn, None)
                 raise RequestError(messages.BUSY, f"keeper is out of file descriptors ({exc}); retry later") from exc
-            return ArtifactCheckout(found.info(now), fd)
+            return ArtifactCheckout(found.info(now), fd, fresh)
 
     def artifact_misses(
         self, weights: str, key: ArtifactKey, trust: Sequence[int], limit: int
