@@ -20,7 +20,7 @@ synchronised before the marks that follow GPU work:
     the host
 
 and reports torch's cache counters (FX graph and AOTAutograd cache hits and misses), its graph and graph-break
-counts, and the seconds torch's ``dynamo_timed`` sections took (``torch._dynamo.utils.compilation_time_metrics``:
+counts, and the seconds torch's ``dynamo_timed`` sections took (``weightcache.torch_compile.compile_metrics``:
 e.g. ``_compile.compile_inner`` is dynamo with everything under it, ``OutputGraph.call_user_compiler`` the
 backend, i.e. AOTAutograd and inductor; the names are torch's and vary by release). Three ways:
 
@@ -164,9 +164,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     stats = None if cc is None else _stats(cc.stats)
     if cc is not None:
         cc.close()
-    from torch._dynamo.utils import compilation_time_metrics, counters
-
-    from weightcache.torch_compile import torch_cache_counters
+    from weightcache.torch_compile import compile_metrics, torch_cache_counters
 
     handle.close()
     report.update(
@@ -175,9 +173,7 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
         logits_sha256=hashlib.sha256(logits.float().cpu().contiguous().numpy().tobytes()).hexdigest(),
         stats=stats,
         counters=torch_cache_counters(),
-        graphs=dict(counters["stats"]),
-        graph_breaks=sum(counters["graph_break"].values()),
-        compile_times_s={name: round(sum(values), 3) for name, values in compilation_time_metrics.items()},
+        **compile_metrics(),
         max_memory_allocated=torch.cuda.max_memory_allocated(device) if device.type == "cuda" else None,
         device_name=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
         torch=torch.__version__,

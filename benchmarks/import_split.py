@@ -131,7 +131,7 @@ def importtime() -> tuple[dict[str, int], dict[str, int]]:
 def auto_class_importtime() -> dict[str, int]:
     """One ``-X importtime`` run of ``import torch, transformers`` and then ``transformers.AutoModelForCausalLM``:
     self microseconds of the modules that resolving the auto class imported, summed per package (two name parts
-    for torch and transformers: ``torch._dynamo``; one for others: ``sympy``)."""
+    for torch and transformers, e.g. dynamo's package under torch; one for others: ``sympy``)."""
     code = "import torch, transformers; transformers.AutoModelForCausalLM"
     out = subprocess.run([sys.executable, "-X", "importtime", "-c", code], capture_output=True, text=True, check=True)
     rows = []

@@ -106,6 +106,19 @@ def torch_cache_counters() -> dict[str, dict[str, int]]:
     return {group: dict(counters[group]) for group in ("inductor", "aot_autograd") if group in counters}
 
 
+def compile_metrics() -> dict[str, Any]:
+    """What torch's dynamo recorded of the compiles in this process: ``graphs`` (its ``stats`` counters: frames
+    and graphs seen), ``graph_breaks`` (their total) and ``compile_times_s`` (seconds per timed section, e.g.
+    ``_compile.compile_inner``, summed). For reports and benchmarks; torch keeps these in private modules."""
+    from torch._dynamo.utils import compilation_time_metrics, counters
+
+    return {
+        "graphs": dict(counters["stats"]),
+        "graph_breaks": sum(counters["graph_break"].values()),
+        "compile_times_s": {name: round(sum(values), 3) for name, values in compilation_time_metrics.items()},
+    }
+
+
 def _counter_totals() -> tuple[int, int]:
     from torch._dynamo.utils import counters
 
@@ -483,6 +496,7 @@ __all__ = [
     "CompileCacheStats",
     "compile_cache",
     "compile_key",
+    "compile_metrics",
     "device_fields",
     "torch_cache_counters",
 ]

@@ -331,17 +331,14 @@ def chosen_units(
 
 
 def triton_cache_dir() -> Path:
-    """Where Triton keeps the kernels it compiles in this process: ``TRITON_CACHE_DIR``, else Triton's default
-    (``~/.triton/cache``)."""
+    """Where Triton keeps the kernels it compiles in this process: ``TRITON_CACHE_DIR``, else Triton's default,
+    ``.triton/cache`` under ``TRITON_HOME`` or the home directory (Triton's rule; Triton itself is not imported:
+    the adapter imports no third-party package besides the engine's)."""
     configured = os.environ.get("TRITON_CACHE_DIR")
     if configured:
         return Path(configured)
-    try:
-        from triton.runtime.cache import default_cache_dir  # type: ignore[import-not-found,unused-ignore]
-
-        return Path(default_cache_dir())
-    except Exception:  # no Triton (a CPU host), or a release that moved it: Triton's documented default
-        return Path.home() / ".triton" / "cache"
+    home = os.environ.get("TRITON_HOME") or os.path.expanduser("~")
+    return Path(home) / ".triton" / "cache"
 
 
 # --- one engine's compile cache -------------------------------------------------------------------------------
