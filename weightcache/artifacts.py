@@ -18,8 +18,10 @@ import fcntl
 import hashlib
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import attrs
 
@@ -78,6 +80,25 @@ def read_blob(fd: int, size: int) -> bytes:
             raise SegmentError(f"the artifact's memfd holds {done} bytes; its record says {size}")
         done += n
     return bytes(out)
+
+
+def write_whole(target: Path, data: bytes, mode: int = 0o644) -> bool:
+    """Write ``data`` at ``target`` with ``mode`` unless a file is there (a local file is never overwritten), so
+    that a reader sees the whole file or none: written aside in the same directory, then renamed. Whether it was
+    written. What restores an artifact's files (inductor's kernels, vLLM's compile cache) writes through this."""
+    if target.exists():
+        return False
+    target.parent.mkdir(parents=True, exist_ok=True)
+    fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=".wc-", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(temporary, mode)
+        os.replace(temporary, target)
+    except BaseException:
+        Path(temporary).unlink(missing_ok=True)
+        raise
+    return True
 
 
 class ArtifactLease(BaseLease):
@@ -304,4 +325,15 @@ def connect_or_miss(socket_dir: str | os.PathLike[str] | None) -> KeeperConnecti
         return Miss(f"the keeper refused the connection: {exc}")
 
 
-__all__ = ["Artifact", "ArtifactLease", "Fetched", "Miss", "connect_or_miss", "get", "put", "read_blob", "sealed_memfd"]
+__all__ = [
+    "Artifact",
+    "ArtifactLease",
+    "Fetched",
+    "Miss",
+    "connect_or_miss",
+    "get",
+    "put",
+    "read_blob",
+    "sealed_memfd",
+    "write_whole",
+]

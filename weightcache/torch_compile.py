@@ -39,7 +39,6 @@ import platform
 import re
 import struct
 import sys
-import tempfile
 import time
 from collections.abc import Mapping
 from pathlib import Path
@@ -49,7 +48,7 @@ import attrs
 import torch
 
 from .artifact_key import ArtifactKey
-from .artifacts import Artifact
+from .artifacts import Artifact, write_whole
 from .cache import Cache, weights_digest
 from .errors import WeightCacheError
 from .fingerprint import Fingerprint
@@ -297,23 +296,7 @@ def restore_kernels(kernels: Mapping[str, bytes], cache_dir: Path | None = None)
     """Write each kernel at its path under the inductor cache directory unless a file is there; how many were
     written. Each file appears whole (written aside, then renamed)."""
     root = cache_dir or inductor_cache_dir()
-    written = 0
-    for relative, data in kernels.items():
-        target = root / relative
-        if target.exists():
-            continue
-        target.parent.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=".wc-", suffix=".so")
-        try:
-            with os.fdopen(fd, "wb") as f:
-                f.write(data)
-            os.chmod(temporary, 0o755)
-            os.replace(temporary, target)
-        except BaseException:
-            Path(temporary).unlink(missing_ok=True)
-            raise
-        written += 1
-    return written
+    return sum(write_whole(root / relative, data, 0o755) for relative, data in kernels.items())
 
 
 # --- the context manager ---------------------------------------------------------------------------------------

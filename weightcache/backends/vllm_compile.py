@@ -51,7 +51,6 @@ import os
 import re
 import sys
 import tarfile
-import tempfile
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
@@ -60,7 +59,7 @@ from typing import Any
 import torch
 
 from ..artifact_key import ArtifactKey
-from ..artifacts import Artifact
+from ..artifacts import Artifact, write_whole
 from ..cache import Cache, weights_digest
 from ..errors import WeightCacheError
 from ..fingerprint import Fingerprint
@@ -287,17 +286,8 @@ def unpack_into(blob: bytes, root: Path, others: Mapping[str, Path] | None = Non
             source = tar.extractfile(member)
             if source is None:
                 raise ValueError(f"the archive's member {member.name!r:.120} has no data")
-            target.parent.mkdir(parents=True, exist_ok=True)
-            fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=".wc-", suffix=".tmp")
-            try:
-                with os.fdopen(fd, "wb") as f:
-                    f.write(source.read())
-                os.chmod(temporary, 0o755 if member.mode & 0o111 else 0o644)
-                os.replace(temporary, target)
-            except BaseException:
-                Path(temporary).unlink(missing_ok=True)
-                raise
-            written[member.name] = member.size
+            if write_whole(target, source.read(), 0o755 if member.mode & 0o111 else 0o644):
+                written[member.name] = member.size
     return written
 
 
