@@ -69,7 +69,7 @@ out = llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 17)))],
 marks["first token"] = time.time() - t0
 try:
     from weightcache.backends import vllm_compile
-    artifacts = [{"restored_files": c.restored.__len__(), "loaded_bytes": c.loaded_bytes,
+    artifacts = [{"restored_files": len(c.restored), "loaded_bytes": c.loaded_bytes,
                   "published_bytes": c.published_bytes, "written": len(c.written), "counts": c.counts}
                  for c in vllm_compile.engine_caches()]
 except Exception as exc:
@@ -151,19 +151,26 @@ def main() -> int:
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
     runs: list[dict[str, Any]] = []
 
-    def once(mode: str, drop: bool) -> None:
+    def once(mode: str, drop: bool, way: str | None = None, wipe: tuple[Path, ...] = ()) -> None:
+        """One fresh engine in ``mode``; ``wipe``: directories deleted first; ``way``: the row's name."""
+        for directory in wipe:
+            shutil.rmtree(directory, ignore_errors=True)
         run_env = dict(env)
         if args.cold_compile:
             run_env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cache-")
         if drop:
             drop_page_cache(ckpt, system=True)
         result = run_engine(mode, ckpt, socket_dir, run_env)
+        if way is not None:
+            result["way"] = way
         runs.append(result)
         print(
             json.dumps({k: result.get(k) for k in ("mode", "marks", "phases", "token", "kv_blocks", "artifacts")}),
             flush=True,
         )
 
+    # one cache root for every start of the compile scenarios (its path is part of the artifact's key)
+    root, triton = work / "vllm-cache", Path.home() / ".triton" / "cache"
     if args.scenario == "weights":
         for _ in range(args.repeat):
             once("auto", drop=True)
@@ -171,37 +178,26 @@ def main() -> int:
         for _ in range(args.repeat):
             once("client", drop=True)
     elif args.scenario == "empty-disk":
-        root, triton = work / "vllm-cache", Path.home() / ".triton" / "cache"
         env["VLLM_CACHE_ROOT"] = str(root)
         env.pop("TRITON_CACHE_DIR", None)
-
-        def empty(name: str, mode: str) -> None:
-            shutil.rmtree(root, ignore_errors=True)
-            shutil.rmtree(triton, ignore_errors=True)
-            once(mode, drop=True)
-            runs[-1]["way"] = name
-
-        empty("daemon, empty disk (compiles; publishes weights, compile cache, model info)", "daemon")
+        once(
+            "daemon",
+            True,
+            "daemon, empty disk (compiles; publishes weights, compile cache, model info)",
+            (root, triton),
+        )
         for _ in range(max(args.repeat, 2)):
-            empty("client, empty disk (weights, compile cache, Triton kernels, model info from the keeper)", "client")
+            client = "client, empty disk (weights, compile cache, Triton kernels, model info from the keeper)"
+            once("client", True, client, (root, triton))
     else:
-        # one cache root for every start (its path is part of the artifact's key), wiped where a way needs it
-        root = work / "vllm-cache"
         env["VLLM_CACHE_ROOT"] = str(root)
-
-        def way(name: str, mode: str, wipe: bool) -> None:
-            if wipe:
-                shutil.rmtree(root, ignore_errors=True)
-            once(mode, drop=True)
-            runs[-1]["way"] = name
-
         for _ in range(args.repeat):
-            way("auto, cold (empty cache directory)", "auto", wipe=True)
+            once("auto", True, "auto, cold (empty cache directory)", (root,))
         for _ in range(args.repeat):
-            way("auto, warm local cache", "auto", wipe=False)
-        way("daemon, warm local cache (publishes weights and compile cache)", "daemon", wipe=False)
+            once("auto", True, "auto, warm local cache")
+        once("daemon", True, "daemon, warm local cache (publishes weights and compile cache)")
         for _ in range(args.repeat):
-            way("client, wiped cache directory (weights and compile cache from the keeper)", "client", wipe=True)
+            once("client", True, "client, wiped cache directory (weights and compile cache from the keeper)", (root,))
     assert len({r["token"] for r in runs}) == 1, "the engines disagree on the first token"
     keys = [r.get("way", r["mode"]) for r in runs]
     summary = {

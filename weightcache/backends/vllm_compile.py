@@ -195,7 +195,7 @@ def _member_path(name: str) -> tuple[str, ...] | None:
 def _wanted(relative: tuple[str, ...], own_rank: str) -> bool:
     """A file of vLLM's compile cache worth holding: not another rank's, not a temporary or lock file."""
     name = relative[-1]
-    if name.endswith((".tmp", ".lock")) or ".tmp" in name or name.startswith("."):
+    if ".tmp" in name or name.endswith(".lock") or name.startswith("."):
         return False
     return not any(_RANK_DIR.fullmatch(p) and p != own_rank for p in relative[:-1])
 
@@ -426,27 +426,30 @@ class EngineCompileCache:
         )
         return len(self.restored)
 
-    def used_units(self) -> list[Path]:
+    def used_units(self, fresh: Mapping[Path, list[str]]) -> list[Path]:
         """The hash directories this engine used (:func:`chosen_units`): those vLLM's compilation config names,
-        those :meth:`restore` wrote into, and those holding a file written since."""
+        those :meth:`restore` wrote into, and those ``fresh`` (:meth:`_written_since_start` of every unit) says
+        hold a file written since."""
         compilation = self.vllm_config.compilation_config
         named = [
             Path(p) for p in (getattr(compilation, "cache_dir", ""), getattr(compilation, "local_cache_dir", "")) if p
         ]
-        return chosen_units(self.root, named, self.restored, lambda unit: bool(self._written_since_start(unit)))
+        return chosen_units(self.root, named, self.restored, lambda unit: bool(fresh.get(unit)))
 
-    def triton_entries(self) -> list[Path]:
-        """The entries (one directory per kernel) of Triton's cache directory that this start wrote or restored."""
+    def triton_entries(self) -> dict[Path, list[str]]:
+        """The entries (one directory per kernel) of Triton's cache directory that this start wrote or restored,
+        each with the files written since :meth:`restore`."""
         if self.triton is None:
-            return []
+            return {}
         try:
             entries = sorted(
                 d for d in self.triton.iterdir() if d.is_dir() and not d.is_symlink() and not d.name.startswith("tmp")
             )
         except OSError:
-            return []
+            return {}
         restored = {name.split("/")[1] for name in self.restored if name.startswith(TRITON + "/")}
-        return [d for d in entries if d.name in restored or self._written_since_start(d, self.triton, TRITON + "/")]
+        found = {d: self._written_since_start(d, self.triton, TRITON + "/") for d in entries}
+        return {d: written for d, written in found.items() if written or d.name in restored}
 
     def _written_since_start(self, unit: Path, base: Path | None = None, prefix: str = "") -> list[str]:
         """The files of ``unit`` (member names: relative to :attr:`root`, or ``prefix`` + relative to ``base``)
@@ -470,10 +473,11 @@ class EngineCompileCache:
         now = vllm_counters()
         self.counts = {name: value - self._counters_before.get(name, 0) for name, value in now.items()}
         log.info("weightcache: vLLM's compile counters for %s since the load: %s", self.digest[:12], self.counts)
-        chosen = self.used_units()
+        fresh = {unit: self._written_since_start(unit) for unit in units(self.root)}  # each directory walked once
+        chosen = self.used_units(fresh)
         kernels = self.triton_entries()
-        self.written = [name for unit in chosen for name in self._written_since_start(unit)]
-        self.written += [n for d in kernels for n in self._written_since_start(d, self.triton, TRITON + "/")]
+        self.written = [name for unit in chosen for name in fresh.get(unit, [])]
+        self.written += [name for written in kernels.values() for name in written]
         if self.written:
             log.info(
                 "weightcache: vLLM wrote %d file(s) into its compile cache for %s since the load: %s",
@@ -484,7 +488,7 @@ class EngineCompileCache:
         if not chosen and not kernels:
             log.info("weightcache: vLLM's compile cache for %s is empty; nothing to publish", self.digest[:12])
             return None
-        others = {TRITON: (self.triton, kernels)} if self.triton is not None and kernels else None
+        others = {TRITON: (self.triton, list(kernels))} if self.triton is not None and kernels else None
         blob, held = pack(self.root, chosen, self.own_rank, others)
         if self._loaded_sha is not None and set(held) <= set(self.held):
             log.info("weightcache: vLLM compiled nothing the keeper's artifact lacked for %s", self.digest[:12])
