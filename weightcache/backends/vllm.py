@@ -53,7 +53,7 @@ from . import vllm_releases as releases
 from .engine_config import QuantSpec, config_json, plain_json, quant_spec_from_config
 from .engine_steps import drop_parameters, own_tensors
 from .releases import ReleaseRange
-from .template import MODE_ENV, Backend, LoaderOptions
+from .template import Backend, LoaderOptions
 
 #: The load format the loader is registered under.
 LOAD_FORMAT = "weightcache"
@@ -352,9 +352,12 @@ def _validate_early() -> None:
     original_model_config = EngineArgs.create_model_config
 
     def create_model_config(self: Any) -> Any:
-        if self.load_format == LOAD_FORMAT and os.environ.get(MODE_ENV, "").strip().lower() != "off":
+        if self.load_format == LOAD_FORMAT:
             options = LoaderOptions.parse(self.model_loader_extra_config, where=_OPTIONS_ORIGIN)
-            vllm_compile.restore_modelinfos(Cache(options.socket_dir, trusted_publishers=options.trusted_publishers))
+            if VllmBackend().effective_options(options) is not None:  # None: the kill switch says off
+                vllm_compile.restore_modelinfos(
+                    Cache(options.socket_dir, trusted_publishers=options.trusted_publishers)
+                )
         return original_model_config(self)
 
     EngineArgs.create_model_config = create_model_config
