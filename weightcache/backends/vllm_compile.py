@@ -32,6 +32,9 @@ The artifact also holds the entries of Triton's own cache directory (``TRITON_CA
 (~15 s of a Llama-3-8B start on an H200) and which land there, outside vLLM's compile cache, whenever the
 compiled model came from the cache (vLLM points ``TRITON_CACHE_DIR`` into its compile cache only while it
 compiles). Triton keys each kernel by its source, Triton's version, the target GPU and the options, not by paths.
+A start that compiles puts them into its compile cache's ``triton_cache`` instead (it travels with the hash
+directory); the restore also copies those into Triton's own directory (:func:`mirror_triton`), where a start that
+loads the compiled model looks for them.
 
 Not held: FlashInfer's JIT cache (``~/.cache/flashinfer``; vLLM builds it when FlashInfer is installed; not
 installed where this was measured) and DeepGEMM's JIT cache (``~/.deep_gemm``; FP8 block-quantized models). See
@@ -320,6 +323,30 @@ def chosen_units(
     ]
 
 
+def mirror_triton(root: Path, members: Iterable[str], triton: Path) -> dict[str, int]:
+    """Copy the Triton kernels among the files ``members`` of ``root`` (``.../triton_cache/<entry>/<file>``: where
+    vLLM points ``TRITON_CACHE_DIR`` while it compiles) into Triton's own cache directory ``triton``, each file
+    only where none is; what was written (``@triton/<entry>/<file>`` -> size).
+
+    A start that compiles puts the kernels its warm-up JIT-compiles into its compile cache's ``triton_cache``; a
+    start that loads the compiled model from that cache looks for them in Triton's own directory, where they are
+    not, and compiles them again (~15 s of a Llama-3-8B start on an H200). Triton names an entry by a hash of the
+    kernel's source, Triton's version, the target and the options, so the same entry is valid in either place."""
+    written: dict[str, int] = {}
+    for name in members:
+        parts = name.split("/")
+        if len(parts) < 4 or parts[-3] != "triton_cache" or parts[0].startswith("@"):
+            continue
+        try:
+            data = root.joinpath(*parts).read_bytes()
+            mode = root.joinpath(*parts).stat().st_mode
+        except OSError:
+            continue
+        if write_whole(triton / parts[-2] / parts[-1], data, 0o755 if mode & 0o111 else 0o644):
+            written[f"{TRITON}/{parts[-2]}/{parts[-1]}"] = len(data)
+    return written
+
+
 def triton_cache_dir() -> Path:
     """Where Triton keeps the kernels it compiles in this process: ``TRITON_CACHE_DIR``, else Triton's default,
     ``.triton/cache`` under ``TRITON_HOME`` or the home directory (Triton's rule; Triton itself is not imported:
@@ -364,6 +391,9 @@ class EngineCompileCache:
         rank, dp_rank = _rank(vllm_config)
         self.own_rank = f"rank_{rank}_{dp_rank}"
         self.restored: dict[str, int] = {}
+        #: The kernels of the compile cache's ``triton_cache`` directories that :meth:`restore` also copied into
+        #: :attr:`triton` (:func:`mirror_triton`): not published again under ``@triton/``.
+        self.mirrored: dict[str, int] = {}
         self.held: dict[str, int] = {}
         self.loaded_bytes = 0
         self.published_bytes = 0
@@ -403,6 +433,8 @@ class EngineCompileCache:
             self.restored = unpack_into(blob, self.root, {TRITON: self.triton} if self.triton else None)
             with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
                 self.held = {m.name: m.size for m in tar.getmembers()}
+            if self.triton is not None:
+                self.mirrored = mirror_triton(self.root, self.held, self.triton)
         except (ValueError, OSError, tarfile.TarError, WeightCacheError) as exc:
             log.warning(
                 "weightcache: the %s artifact for %s could not be restored (%s); vLLM compiles",
@@ -417,12 +449,13 @@ class EngineCompileCache:
         self._loaded_sha = hashlib.sha256(blob).hexdigest()
         log.info(
             "weightcache: restored vLLM's compile cache for %s from the keeper (%d bytes, %d files written, %d "
-            "already there) into %s",
+            "already there) into %s%s",
             self.digest[:12],
             len(blob),
             len(self.restored),
             len(self.held) - len(self.restored),
             self.root,
+            f"; {len(self.mirrored)} Triton kernel file(s) copied into {self.triton}" if self.mirrored else "",
         )
         return len(self.restored)
 
@@ -458,7 +491,9 @@ class EngineCompileCache:
         for path in _files(unit):
             relative = prefix + path.relative_to(base or self.root).as_posix()
             parts = _member_path(relative)
-            if relative in self.restored or parts is None or not _wanted(parts, self.own_rank):
+            if relative in self.restored or relative in self.mirrored:
+                continue
+            if parts is None or not _wanted(parts, self.own_rank):
                 continue
             try:
                 if path.stat().st_mtime >= self._started:
