@@ -154,14 +154,20 @@ def test_a_republish_keeps_every_directory_it_restored(cache: Path) -> None:
 def test_kernels_a_compiling_start_kept_in_its_compile_cache_also_go_where_a_loading_start_looks(
     cache: Path, tmp_path: Path
 ) -> None:
-    """A start that compiles JIT-compiles vLLM's Triton kernels into its compile cache's ``triton_cache`` (vLLM
-    points TRITON_CACHE_DIR there while it compiles); a start that loads the compiled model looks in Triton's own
-    directory. The restore copies them there too (seen on the H200: the first client after a compiling daemon
-    JIT-compiled all 44 kernels again, 16.5 s), never over a file that is there, and nothing else."""
-    entry = "5GP645LNMOUMQD4YHU3M7YABRID6ZISEJP3YW6YKEF2W54576SVQ"
-    kernels = cache / "0a1b2c3d4e" / "rank_0_0" / "triton_cache" / entry
+    """A start that compiles JIT-compiles vLLM's Triton kernels into its compile cache (inductor points
+    TRITON_CACHE_DIR at ``torch_aot_compile/<hash>/inductor_cache/triton/<device>``; vLLM's older adaptor at the hash
+    directory's ``triton_cache``); a start that loads the compiled model looks in Triton's own directory. The
+    restore copies every Triton cache entry (a directory with Triton's ``__grp__`` file) there too (seen on the
+    H200: the first client after a compiling daemon JIT-compiled all 44 again, ~15 s), never over a file that is
+    there, and nothing else."""
+    entry, older = (
+        "5GP645LNMOUMQD4YHU3M7YABRID6ZISEJP3YW6YKEF2W54576SVQ",
+        "ABCDEFGHIJKLMNOPQRSTUVWXYZ234567ABCDEFGHIJKLMNOPQRST",
+    )
+    kernels = cache / "torch_aot_compile" / ("f" * 64) / "inductor_cache" / "triton" / "0" / entry
     write(kernels / "_apply_write_kernel.cubin", b"\x7fELF-cubin", 0o755)
     write(kernels / "__grp___apply_write_kernel.json", b'{"child_paths": {}}')
+    write(cache / "0a1b2c3d4e" / "rank_0_0" / "triton_cache" / older / "__grp__k.json", b"{}")
     blob, held = pack(cache, list(units(cache)), "rank_0_0")
     wiped = tmp_path / "new" / "torch_compile_cache"
     unpack_into(blob, wiped)
@@ -169,10 +175,10 @@ def test_kernels_a_compiling_start_kept_in_its_compile_cache_also_go_where_a_loa
     triton = tmp_path / "new" / "triton"
     write(triton / entry / "__grp___apply_write_kernel.json", b"local")
     mirrored = mirror_triton(wiped, held, triton)
-    assert mirrored == {f"@triton/{entry}/_apply_write_kernel.cubin": len(b"\x7fELF-cubin")}
+    assert mirrored == {f"@triton/{entry}/_apply_write_kernel.cubin": 10, f"@triton/{older}/__grp__k.json": 2}
     assert (triton / entry / "_apply_write_kernel.cubin").read_bytes() == b"\x7fELF-cubin"
     assert (triton / entry / "_apply_write_kernel.cubin").stat().st_mode & 0o111
     assert (triton / entry / "__grp___apply_write_kernel.json").read_bytes() == b"local"  # never overwritten
-    assert sorted(p.name for p in triton.iterdir()) == [entry]  # only kernels: no graphs, no AOT files
-    # a member of Triton's own section or a file named like a kernel elsewhere is no compile cache kernel
-    assert mirror_triton(wiped, ["@triton/X/triton_cache/Y/z.cubin", "triton_cache/Y/z.cubin"], triton) == {}
+    assert sorted(p.name for p in triton.iterdir()) == sorted([entry, older])  # no graphs, no AOT function
+    # Triton's own section of the archive is restored by unpack_into, not copied again
+    assert mirror_triton(wiped, [f"@triton/{entry}/__grp__x.json"], triton) == {}

@@ -32,9 +32,9 @@ The artifact also holds the entries of Triton's own cache directory (``TRITON_CA
 (~15 s of a Llama-3-8B start on an H200) and which land there, outside vLLM's compile cache, whenever the
 compiled model came from the cache (vLLM points ``TRITON_CACHE_DIR`` into its compile cache only while it
 compiles). Triton keys each kernel by its source, Triton's version, the target GPU and the options, not by paths.
-A start that compiles puts them into its compile cache's ``triton_cache`` instead (it travels with the hash
-directory); the restore also copies those into Triton's own directory (:func:`mirror_triton`), where a start that
-loads the compiled model looks for them.
+A start that compiles puts them into its compile cache instead (inductor points ``TRITON_CACHE_DIR`` at its own
+cache directory there; they travel with the hash directory); the restore also copies those into Triton's own
+directory (:func:`mirror_triton`), where a start that loads the compiled model looks for them.
 
 Not held: FlashInfer's JIT cache (``~/.cache/flashinfer``; vLLM builds it when FlashInfer is installed; not
 installed where this was measured) and DeepGEMM's JIT cache (``~/.deep_gemm``; FP8 block-quantized models). See
@@ -324,26 +324,35 @@ def chosen_units(
 
 
 def mirror_triton(root: Path, members: Iterable[str], triton: Path) -> dict[str, int]:
-    """Copy the Triton kernels among the files ``members`` of ``root`` (``.../triton_cache/<entry>/<file>``: where
-    vLLM points ``TRITON_CACHE_DIR`` while it compiles) into Triton's own cache directory ``triton``, each file
-    only where none is; what was written (``@triton/<entry>/<file>`` -> size).
+    """Copy the Triton cache entries among the files ``members`` of ``root`` into Triton's own cache directory
+    ``triton``, each file only where none is; what was written (``@triton/<entry>/<file>`` -> size).
 
-    A start that compiles puts the kernels its warm-up JIT-compiles into its compile cache's ``triton_cache``; a
-    start that loads the compiled model from that cache looks for them in Triton's own directory, where they are
-    not, and compiles them again (~15 s of a Llama-3-8B start on an H200). Triton names an entry by a hash of the
-    kernel's source, Triton's version, the target and the options, so the same entry is valid in either place."""
-    written: dict[str, int] = {}
+    A Triton cache entry is a directory named by the kernel's hash that holds Triton's group file
+    (``__grp__<name>.json``) beside the kernel's files. A start that compiles JIT-compiles the kernels of its
+    warm-up into the compile cache: inductor sets ``TRITON_CACHE_DIR`` to its own cache directory's
+    ``triton/<device>`` (under ``torch_aot_compile/<hash>/inductor_cache`` where vLLM makes an AOT function), and
+    vLLM's older inductor adaptor to the hash directory's ``triton_cache``. A start that loads the compiled model
+    from that cache sets neither and looks in Triton's own directory, where they are not, and compiles them again
+    (~15 s of a Llama-3-8B start on an H200). Triton names an entry by a hash of the kernel's source, Triton's
+    version, the target and the options, so the same entry is valid in either place."""
+    by_entry: dict[tuple[str, ...], list[str]] = {}
     for name in members:
-        parts = name.split("/")
-        if len(parts) < 4 or parts[-3] != "triton_cache" or parts[0].startswith("@"):
+        parts = tuple(name.split("/"))
+        if len(parts) >= 3 and not parts[0].startswith("@"):
+            by_entry.setdefault(parts[:-1], []).append(parts[-1])
+    written: dict[str, int] = {}
+    for entry, names in by_entry.items():
+        if not any(n.startswith("__grp__") and n.endswith(".json") for n in names):
             continue
-        try:
-            data = root.joinpath(*parts).read_bytes()
-            mode = root.joinpath(*parts).stat().st_mode
-        except OSError:
-            continue
-        if write_whole(triton / parts[-2] / parts[-1], data, 0o755 if mode & 0o111 else 0o644):
-            written[f"{TRITON}/{parts[-2]}/{parts[-1]}"] = len(data)
+        for name in names:
+            source = root.joinpath(*entry, name)
+            try:
+                data = source.read_bytes()
+                mode = source.stat().st_mode
+            except OSError:
+                continue
+            if write_whole(triton / entry[-1] / name, data, 0o755 if mode & 0o111 else 0o644):
+                written[f"{TRITON}/{entry[-1]}/{name}"] = len(data)
     return written
 
 
