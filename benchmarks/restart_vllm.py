@@ -166,10 +166,6 @@ def main() -> int:
 
     began = time.perf_counter()
     round_s: list[float] = []
-    reserve_s = [60.0]  # the empty-disk scenario's last start (auto, warm), by the first start's length
-
-    def elapsed() -> float:
-        return time.perf_counter() - began
 
     def once(
         mode: str,
@@ -191,8 +187,6 @@ def main() -> int:
         if way is not None:
             result["way"] = way
         runs.append(result)
-        if not round_s and len(runs) == 1:
-            reserve_s[0] = 0.7 * result["marks"]["first token"]
         if args.json:
             Path(args.json).write_text(json.dumps({"complete": False, "runs": runs}, indent=1))
         print(
@@ -221,8 +215,10 @@ def main() -> int:
             # machine that keeps it; the keeper's compile cache switched off, so that only the disk serves
             ("client, warm local disk (compile cache from the keeper off)", (), {SWITCH: "0"}),
         ]
+        last_start_s = 0.7 * runs[0]["marks"]["first token"]  # auto from a warm disk, by auto from an empty one
         for i in range(args.repeat):
-            if i and args.deadline_s and elapsed() + 1.3 * round_s[-1] + reserve_s[0] > args.deadline_s:
+            ends_s = time.perf_counter() - began + 1.3 * round_s[-1] + last_start_s if i else 0.0
+            if args.deadline_s and ends_s > args.deadline_s:
                 print(f"round {i + 1} left out: past --deadline-s", flush=True)
                 break
             t = time.perf_counter()

@@ -30,11 +30,11 @@ published are restored: they hold pickles and kernels that vLLM and torch load.
 The artifact also holds the entries of Triton's own cache directory (``TRITON_CACHE_DIR``, default
 ``~/.triton/cache``) that the start wrote: the kernels of vLLM's own Triton ops, which its warm-up JIT-compiles
 (~15 s of a Llama-3-8B start on an H200) and which land there, outside vLLM's compile cache, whenever the
-compiled model came from the cache (vLLM points ``TRITON_CACHE_DIR`` into its compile cache only while it
-compiles). Triton keys each kernel by its source, Triton's version, the target GPU and the options, not by paths.
-A start that compiles puts them into its compile cache instead (inductor points ``TRITON_CACHE_DIR`` at its own
-cache directory there; they travel with the hash directory); the restore also copies those into Triton's own
-directory (:func:`mirror_triton`), where a start that loads the compiled model looks for them.
+compiled model came from the cache. Triton keys each kernel by its source, Triton's version, the target GPU and
+the options, not by paths. A start that compiles puts them into its compile cache instead (inductor, or vLLM's
+older inductor adaptor, points ``TRITON_CACHE_DIR`` there while it compiles; they travel with the hash directory);
+the restore also copies those into Triton's own directory (:func:`mirror_triton`), where a start that loads the
+compiled model looks for them.
 
 Not held: FlashInfer's JIT cache (``~/.cache/flashinfer``; vLLM builds it when FlashInfer is installed; not
 installed where this was measured) and DeepGEMM's JIT cache (``~/.deep_gemm``; FP8 block-quantized models). See
@@ -400,8 +400,8 @@ class EngineCompileCache:
         rank, dp_rank = _rank(vllm_config)
         self.own_rank = f"rank_{rank}_{dp_rank}"
         self.restored: dict[str, int] = {}
-        #: The kernels of the compile cache's ``triton_cache`` directories that :meth:`restore` also copied into
-        #: :attr:`triton` (:func:`mirror_triton`): not published again under ``@triton/``.
+        #: The files of the Triton cache entries inside the restored compile cache that :meth:`restore` also
+        #: copied into :attr:`triton` (:func:`mirror_triton`): not published again under ``@triton/``.
         self.mirrored: dict[str, int] = {}
         self.held: dict[str, int] = {}
         self.loaded_bytes = 0
