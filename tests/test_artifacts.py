@@ -12,6 +12,7 @@ import hashlib
 import json
 import logging
 import os
+import select
 import signal
 import subprocess
 import sys
@@ -369,9 +370,12 @@ def test_an_artifacts_reply_fd_counts_against_the_reply_shares(socket_dir: Path,
         for sock in stalled:
             assert sock is not None
             sock.sendall(frame)
+        # both replies sent before this uid asks for anything else: a get_artifact answered between the two would
+        # hold one reply fd of the share, and the second get would be refused busy instead of filling it
+        assert wait_until(lambda: len(select.select(stalled, [], [], 0.1)[0]) == 2, timeout=10)
         with KeeperConnection.connect(socket_dir) as conn:
 
-            def refused() -> bool:  # once the keeper has sent the two replies (its threads answer them meanwhile)
+            def refused() -> bool:
                 try:
                     _, fd = conn.get_artifact(weights, key)
                 except KeeperError as exc:
