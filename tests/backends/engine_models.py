@@ -43,7 +43,8 @@ def make_tiny_llama(directory: str | os.PathLike[str], *, seed: int = 0) -> Path
 
 
 #: Tiny configs of architectures besides Llama, by name: (transformers config class, model class, config).
-#: vLLM's CPU attention needs head_dim >= 32.
+#: vLLM's CPU attention needs head_dim >= 32; its CPU fused-MoE kernels need every expert dimension (hidden size,
+#: the expert's intermediate size and twice it) a multiple of 32, and bfloat16 weights on a CPU with AMX.
 TINY_ARCHITECTURES: dict[str, tuple[str, str, dict[str, object]]] = {
     "qwen2": (
         "Qwen2Config",

@@ -5,7 +5,8 @@ evict (drop the checkpoint from the page cache first), fsize_limit (RLIMIT_FSIZE
 fail), max_tokens, table (write the model's parity table there), model_impl (vLLM's: "auto", "vllm" or
 "transformers"), compile (torch.compile on; vLLM's compile cache reported under "compile"), max_model_len,
 pretend_version (vLLM reports this version: a release outside the adapter's range), remove_api ([module, name]:
-that name is deleted from the module once vLLM has imported it, as if a release had moved it).
+that name is deleted from the module once vLLM has imported it, as if a release had moved it), dtype (vLLM's
+dtype, default "float32").
 """
 
 from __future__ import annotations
@@ -51,7 +52,7 @@ def main() -> None:
             model=spec["model"],
             skip_tokenizer_init=True,
             enforce_eager=not spec.get("compile"),
-            dtype="float32",
+            dtype=spec.get("dtype", "float32"),
             max_model_len=spec.get("max_model_len", 128),
             load_format=spec.get("load_format", "auto"),
             model_loader_extra_config=spec.get("extra") or {},
