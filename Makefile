@@ -62,11 +62,16 @@ $(SGLANG_VENV)/.installed: .ci/engine-env pyproject.toml
 # WEIGHTCACHE_ENGINE_TESTS turns "engine not installed" from a skip into a failure.
 ENGINE_VENVS := $(if $(filter vllm,$(ENGINES)),$(foreach r,$(VLLM_RELEASES),.venv-vllm-$(r))) \
 	$(if $(filter sglang,$(ENGINES)),$(SGLANG_VENV))
+# Every engine and release runs even when an earlier one fails; the target fails at the end, naming each that did.
 test-engines: $(foreach v,$(ENGINE_VENVS),$(v)/.installed)
-	$(foreach r,$(if $(filter vllm,$(ENGINES)),$(VLLM_RELEASES)),WEIGHTCACHE_ENGINE_TESTS=vllm .venv-vllm-$(r)/bin/python \
-		-m pytest -p no:cacheprovider tests/backends/test_vllm.py $(if $(filter $(VLLM_NEWEST),$(r)),,-k "$(VLLM_OLDER_SKIP)") &&) true
-	$(if $(filter sglang,$(ENGINES)),WEIGHTCACHE_ENGINE_TESTS=sglang $(SGLANG_VENV)/bin/python -m pytest \
-		-p no:cacheprovider tests/backends/test_sglang.py)
+	@failed=; \
+	$(foreach r,$(if $(filter vllm,$(ENGINES)),$(VLLM_RELEASES)),echo "== vLLM $(r)"; \
+		WEIGHTCACHE_ENGINE_TESTS=vllm .venv-vllm-$(r)/bin/python -m pytest -p no:cacheprovider \
+		tests/backends/test_vllm.py $(if $(filter $(VLLM_NEWEST),$(r)),,-k "$(VLLM_OLDER_SKIP)") \
+		|| failed="$$failed vllm-$(r)";) \
+	$(if $(filter sglang,$(ENGINES)),echo "== SGLang"; WEIGHTCACHE_ENGINE_TESTS=sglang $(SGLANG_VENV)/bin/python \
+		-m pytest -p no:cacheprovider tests/backends/test_sglang.py || failed="$$failed sglang";) \
+	if [ -n "$$failed" ]; then echo "engine tests failed:$$failed" >&2; exit 1; fi
 
 bench: $(BIN)/.installed
 	$(BIN)/weightcache bench --json bench-results/cpu-attach.json

@@ -49,6 +49,7 @@ LAYERS: dict[str, int] = {
     "republish.py": 2,
     "artifacts.py": 2,
     "keeper/*.py": 2,
+    "warm/*.py": 2,  # the warm process: imports what it is told by name, never torch by an import statement
     # L3: the torch side
     "segments/*.py": 3,
     "torch_dtypes.py": 3,

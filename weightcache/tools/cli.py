@@ -1,4 +1,5 @@
-"""The ``weightcache`` command: serve | load | ls | inspect | evict | stop | parity | doctor | bench.
+"""The ``weightcache`` command: serve | load | ls | inspect | evict | stop | parity | doctor | bench, and the warm
+process's run | warm (:mod:`weightcache.tools.cli_warm`).
 
 Argument parsing and the commands; each command translates its arguments into calls of the library's public
 API (``weightcache.attach``/``preload``/``Cache``, :class:`weightcache.client.KeeperConnection` for the keeper
@@ -35,6 +36,7 @@ from weightcache.parity import compare, read_table
 from weightcache.rundir import resolve_group
 from weightcache.units import format_age, format_bytes
 
+from . import cli_warm
 from .engine_parity import engine_parity
 
 if TYPE_CHECKING:
@@ -806,6 +808,7 @@ def build_parser() -> argparse.ArgumentParser:
         help="also attach a real safetensors checkpoint of the same layout, as users do, beside the synthetic entry",
     )
     p.set_defaults(func=cmd_bench)
+    cli_warm.add_commands(add)
     return parser
 
 

@@ -1,0 +1,351 @@
+"""The warm process (weightcache.warm) with real processes: ``weightcache run`` forks a torch program from a
+pre-imported process, and the program sees what a direct start gives it (arguments, environment, working
+directory, streams, umask, limits), exits with the same status, and gets the launcher's signals; another uid is
+refused; a warm process whose packages changed is replaced; a missing or dead one means a direct start with a
+line that says why.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import tempfile
+import textwrap
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from conftest import process_gone, wait_until
+
+from weightcache.warm import identity, target
+
+pytestmark = pytest.mark.slow
+
+#: The program both ways: what it was given, a torch result, whether torch was imported before it asked.
+PROGRAM = textwrap.dedent(
+    """
+    import json, os, resource, sys
+    preimported = "torch" in sys.modules
+    import torch
+    umask = os.umask(0); os.umask(umask)
+    print(json.dumps({
+        "argv": sys.argv, "cwd": os.getcwd(), "foo": os.environ.get("WC_TEST_FOO"), "path0": sys.path[0],
+        "stdin": sys.stdin.read(), "umask": umask, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
+        "sum": torch.arange(10, dtype=torch.float32).pow(2).sum().item(), "ppid": os.getppid(),
+        "preimported": preimported, "main": __name__, "stdout_tty": sys.stdout.isatty(),
+    }))
+    print("a line on stderr", file=sys.stderr)
+    sys.exit(int(os.environ.get("WC_TEST_CODE", "0")))
+    """
+)
+
+
+#: Prints its pid and its parent's, then sleeps.
+SLEEPER = "import os, time; print(os.getpid(), os.getppid(), flush=True); time.sleep(60)"
+
+
+def cli(*args: str) -> list[str]:
+    return [sys.executable, "-m", "weightcache", *args]
+
+
+@pytest.fixture(scope="module")
+def warm_dir(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Path]:
+    directory = tmp_path_factory.mktemp("warm")
+    os.chmod(directory, 0o700)
+    yield directory
+    subprocess.run(cli("warm", "stop", "--all"), env={**os.environ, "WEIGHTCACHE_DIR": str(directory)}, timeout=30)
+
+
+@pytest.fixture(scope="module")
+def env(warm_dir: Path) -> dict[str, str]:
+    return {**os.environ, "WEIGHTCACHE_DIR": str(warm_dir), "WEIGHTCACHE_WARM": "1"}
+
+
+@pytest.fixture(scope="module")
+def warm_pid(env: dict[str, str]) -> int:
+    """A warm process that preloads torch, started and waited for."""
+    out = subprocess.run(
+        cli("warm", "start", "--preload", "torch"), env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    return hello(env, ("torch",))["pid"]
+
+
+def hello(env: dict[str, str], preloads: tuple[str, ...]) -> dict:
+    out = subprocess.run(cli("warm", "ls", "--json"), env=env, capture_output=True, text=True, timeout=30)
+    assert out.returncode == 0, out.stderr
+    slot = identity.slot(sys.executable, preloads)
+    [found] = [h for h in json.loads(out.stdout) if h["slot"] == slot]
+    return found
+
+
+@pytest.fixture
+def program(tmp_path: Path) -> Path:
+    (tmp_path / "prog.py").write_text(PROGRAM)
+    return tmp_path / "prog.py"
+
+
+def run_both(
+    program: Path, env: dict[str, str], *args: str, stdin: str = "", extra: dict[str, str] | None = None
+) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+    """The program started directly and through ``weightcache run``, from its directory, with ``args``."""
+    both = []
+    for launcher in ([], [*cli("run", "--preload", "torch", "--")]):
+        both.append(
+            subprocess.run(
+                [*launcher, sys.executable, program.name, *args],
+                cwd=program.parent,
+                env={**env, **(extra or {})},
+                input=stdin,
+                capture_output=True,
+                text=True,
+                timeout=120,
+            )
+        )
+    return both[0], both[1]
+
+
+def test_a_forked_torch_program_sees_what_a_direct_start_gives_it(
+    program: Path, env: dict[str, str], warm_pid: int
+) -> None:
+    """Same arguments, environment, working directory, sys.path[0], standard input, output and error, umask,
+    limits and exit status; the torch result equal; but forked from the warm process (its parent), with torch
+    already imported."""
+    extra = {"WC_TEST_FOO": "bar baz", "WC_TEST_CODE": "3"}
+    direct, warm = run_both(program, env, "x", "--flag", "ä", stdin="from stdin\n", extra=extra)
+    assert direct.returncode == warm.returncode == 3, (direct.stderr, warm.stderr)
+    assert direct.stderr == warm.stderr == "a line on stderr\n"
+    d, w = json.loads(direct.stdout), json.loads(warm.stdout)
+    assert w.pop("ppid") == warm_pid and d.pop("ppid") != warm_pid
+    assert (d.pop("preimported"), w.pop("preimported")) == (False, True)
+    assert d == w
+    assert w["argv"] == ["prog.py", "x", "--flag", "ä"] and w["foo"] == "bar baz" and w["stdin"] == "from stdin\n"
+    assert w["sum"] == 285.0 and w["main"] == "__main__"
+
+
+def test_module_code_and_console_script_forms(tmp_path: Path, env: dict[str, str], warm_pid: int) -> None:
+    """``python -m``, ``python -c`` and a console script of the environment (``weightcache`` itself) run from
+    the warm process as they run directly."""
+    (tmp_path / "wcmod_probe.py").write_text("import sys\nprint(__name__, sys.argv[1:], sys.path[0] == '')\n")
+    probes = [
+        [sys.executable, "-m", "wcmod_probe", "a"],
+        [sys.executable, "-c", "import sys, os; print(sys.argv, os.getppid() == int(sys.argv[1]))", str(warm_pid)],
+        [str(Path(sys.executable).parent / "weightcache"), "--version"],
+    ]
+    for command in probes:
+        direct = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
+        warm = subprocess.run(
+            [*cli("run", "--preload", "torch", "--"), *command],
+            cwd=tmp_path,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert warm.returncode == direct.returncode == 0, (command, direct.stderr, warm.stderr)
+        assert warm.stderr == "", warm.stderr  # no fallback line: the warm process ran it
+        if command[1] == "-c":
+            assert direct.stdout == f"['-c', '{warm_pid}'] False\n" and warm.stdout == f"['-c', '{warm_pid}'] True\n"
+        else:
+            assert warm.stdout == direct.stdout, command
+
+
+def test_signals_reach_the_command_and_its_death_is_the_launchers(
+    tmp_path: Path, env: dict[str, str], warm_pid: int
+) -> None:
+    """SIGTERM to the launcher reaches the command's handler (exit status 7 comes back); SIGINT becomes the
+    command's KeyboardInterrupt and, uncaught, its death by SIGINT, which the launcher dies of too; a command
+    killed by SIGKILL gives a launcher killed by SIGKILL."""
+    script = tmp_path / "sig.py"
+    script.write_text(
+        textwrap.dedent(
+            """
+            import os, signal, sys, time
+            mode = sys.argv[1]
+            if mode == "term":
+                signal.signal(signal.SIGTERM, lambda *a: (print("got SIGTERM", flush=True), sys.exit(7)))
+            print("ready", flush=True)
+            if mode == "kill":
+                os.kill(os.getpid(), signal.SIGKILL)
+            time.sleep(60)
+            """
+        )
+    )
+    outcomes = {}
+    for mode, signum in (("term", signal.SIGTERM), ("int", signal.SIGINT), ("kill", None)):
+        proc = subprocess.Popen(
+            [*cli("run", "--preload", "torch", "--"), sys.executable, str(script), mode],
+            env=env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert proc.stdout is not None
+        assert proc.stdout.readline() == "ready\n"
+        if signum is not None:
+            proc.send_signal(signum)
+        out, err = proc.communicate(timeout=30)
+        outcomes[mode] = (proc.returncode, out, err)
+    assert outcomes["term"][:2] == (7, "got SIGTERM\n"), outcomes["term"]
+    assert outcomes["int"][0] == -signal.SIGINT and "KeyboardInterrupt" in outcomes["int"][2], outcomes["int"]
+    assert outcomes["kill"][0] == -signal.SIGKILL, outcomes["kill"]
+
+
+def test_the_command_dies_with_its_launcher(env: dict[str, str], warm_pid: int) -> None:
+    """A launcher killed outright (SIGKILL: it forwards nothing) takes its command with it, as a supervisor's kill
+    of the whole unit would."""
+    proc = subprocess.Popen(
+        [*cli("run", "--preload", "torch", "--"), sys.executable, "-c", SLEEPER],
+        env=env,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert proc.stdout is not None
+    child, parent = map(int, proc.stdout.readline().split())
+    assert parent == warm_pid
+    proc.kill()
+    proc.wait(timeout=10)
+    assert wait_until(lambda: process_gone(child), timeout=10)
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second uid")
+def test_another_uid_is_refused(env: dict[str, str]) -> None:
+    """The socket sits 0600 in a 0700 directory; past both (opened up here on purpose, in a directory of its own
+    under /tmp that another uid can reach), the warm process still checks the peer's uid and refuses to fork for
+    anyone but its owner, and keeps serving its owner."""
+    directory = Path(tempfile.mkdtemp(prefix="wc-warm-uid-", dir="/tmp"))
+    own = {**env, "WEIGHTCACHE_DIR": str(directory)}
+    try:
+        start = subprocess.run(cli("warm", "start", "--preload", "json"), env=own, capture_output=True, timeout=60)
+        assert start.returncode == 0, start.stderr
+        pid = hello(own, ("json",))["pid"]
+        socket = directory / "warm" / f"{identity.slot(sys.executable, ('json',))}.sock"
+        for path, mode in ((directory, 0o711), (directory / "warm", 0o711), (socket, 0o666)):
+            os.chmod(path, mode)
+        probe = textwrap.dedent(
+            f"""
+            import os, socket
+            from weightcache import protocol
+            os.setgroups([]); os.setgid(65534); os.setuid(65534)
+            conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+            conn.connect({str(socket)!r})
+            reply, _ = protocol.recv_frame(conn, idle_timeout=10)  # refused at once, before any request
+            print(reply["op"], reply["message"])
+            """
+        )
+        out = subprocess.run([sys.executable, "-c", probe], env=own, capture_output=True, text=True, timeout=60)
+        for path, mode in ((socket, 0o600), (directory / "warm", 0o700), (directory, 0o700)):
+            os.chmod(path, mode)
+        assert out.returncode == 0, out.stderr
+        assert out.stdout.startswith("error ") and "serves uid 0 only; the peer runs as uid 65534" in out.stdout
+        assert hello(own, ("json",))["pid"] == pid  # and it keeps serving its owner
+    finally:
+        os.chmod(directory, 0o700)
+        subprocess.run(cli("warm", "stop", "--all"), env=own, capture_output=True, timeout=30)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_stale_warm_process_is_replaced(tmp_path: Path, env: dict[str, str]) -> None:
+    """A warm process whose preloaded package changed on disk (an upgrade) is stopped by the next launcher, which
+    starts that command directly with a line saying so; the next warm process imports the new code."""
+    package = tmp_path / "wcstale_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("VERSION = 1\n")
+    stale_env = {**env, "PYTHONPATH": str(tmp_path)}
+    code = "import os, wcstale_pkg; print(wcstale_pkg.VERSION, os.getppid())"
+
+    def run() -> subprocess.CompletedProcess[str]:
+        return subprocess.run(
+            [*cli("run", "--preload", "wcstale_pkg", "--"), sys.executable, "-c", code],
+            env=stale_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    start = subprocess.run(
+        cli("warm", "start", "--preload", "wcstale_pkg"), env=stale_env, capture_output=True, text=True, timeout=60
+    )
+    assert start.returncode == 0, start.stderr
+    first = hello(stale_env, ("wcstale_pkg",))["pid"]
+    assert run().stdout == f"1 {first}\n"
+    (package / "__init__.py").write_text("VERSION = 2  # upgraded\n")
+    replaced = run()
+    assert replaced.returncode == 0 and replaced.stdout.startswith("2 ")
+    assert (
+        "imported other versions of its packages" in replaced.stderr
+        and "starting the command directly" in replaced.stderr
+    )
+    assert wait_until(lambda: process_gone(first), timeout=10)
+    assert wait_until(lambda: run().stderr == "", timeout=60)
+    second = hello(stale_env, ("wcstale_pkg",))["pid"]
+    assert second != first and run().stdout == f"2 {second}\n"
+
+
+def test_missing_dead_or_switched_off_means_a_direct_start(tmp_path: Path, env: dict[str, str]) -> None:
+    """No warm process yet: the command starts directly and one starts for the next time. Killed (its socket left
+    behind): the same. WEIGHTCACHE_WARM=0: directly, without a word. A command it cannot start (an interpreter
+    option): directly, saying why."""
+    own = {**env, "WEIGHTCACHE_DIR": str(tmp_path)}
+    os.chmod(tmp_path, 0o700)
+    command = [*cli("run", "--preload", "json", "--"), sys.executable, "-c", "import os; print(os.getppid())"]
+    first = subprocess.run(command, env=own, capture_output=True, text=True, timeout=60)
+    assert first.returncode == 0 and int(first.stdout) == os.getpid()  # exec'd in the launcher's place
+    assert "no warm process for this command yet; one is starting" in first.stderr
+    assert wait_until(
+        lambda: subprocess.run(command, env=own, capture_output=True, text=True, timeout=60).stderr == "", timeout=60
+    )
+    pid = hello(own, ("json",))["pid"]
+    os.kill(pid, signal.SIGKILL)
+    assert wait_until(lambda: process_gone(pid), timeout=10)
+    after = subprocess.run(command, env=own, capture_output=True, text=True, timeout=60)
+    assert after.returncode == 0 and int(after.stdout) == os.getpid()
+    assert "no warm process for this command yet" in after.stderr
+    off = subprocess.run(command, env={**own, "WEIGHTCACHE_WARM": "0"}, capture_output=True, text=True, timeout=60)
+    assert off.returncode == 0 and int(off.stdout) == os.getpid() and off.stderr == ""
+    option = subprocess.run(
+        [*cli("run", "--"), sys.executable, "-X", "dev", "-c", "print('ran')"], env=own, capture_output=True, text=True
+    )
+    assert (
+        option.stdout == "ran\n"
+        and "the interpreter option '-X' takes effect only when an interpreter starts" in option.stderr
+    )
+    subprocess.run(cli("warm", "stop", "--all"), env=own, timeout=30)
+
+
+def test_targets_and_default_preloads(tmp_path: Path) -> None:
+    """What a command line resolves to, without running it."""
+    (tmp_path / "s.py").write_text("")
+    resolve = lambda *argv: target.resolve(argv, env=os.environ, cwd=str(tmp_path), executable=sys.executable)  # noqa: E731
+    script = resolve(sys.executable, "-u", "s.py", "a")
+    assert (script.kind, script.value, script.argv, script.unbuffered) == ("script", "s.py", ("s.py", "a"), True)
+    assert script.path0 == str(tmp_path.resolve())
+    assert resolve(sys.executable, "-m", "json.tool", "x").argv == ("json.tool", "x")
+    console = resolve(str(Path(sys.executable).parent / "weightcache"), "ls")
+    assert console.kind == "script" and console.entry == "weightcache.tools.cli:main"
+    assert target.default_preloads(console) == ("torch", "weightcache.tools.cli")
+    assert target.default_preloads(resolve(sys.executable, "-m", "json.tool")) == ("torch", "json")
+    for argv, why in (
+        (["/bin/sh", "-c", "true"], "is not run by this environment's interpreter"),
+        ([sys.executable, "-O", "s.py"], "takes effect only when an interpreter starts"),
+        ([sys.executable, "missing.py"], "does not exist"),
+        (["no-such-program-wc"], "is not an executable on PATH"),
+    ):
+        with pytest.raises(target.NotWarmable, match=why):
+            resolve(*argv)
+
+
+def test_the_warm_process_keeps_one_thread_and_frees_its_slot_on_stop(env: dict[str, str], warm_pid: int) -> None:
+    found = hello(env, ("torch",))
+    assert found["threads"] == 1 and found["imported"]["torch"] > 0
+    start = time.monotonic()
+    stop = subprocess.run(
+        cli("warm", "stop", "--preload", "torch"), env=env, capture_output=True, text=True, timeout=30
+    )
+    assert stop.returncode == 0 and "stopped the warm process" in stop.stdout
+    assert wait_until(lambda: process_gone(warm_pid), timeout=10), time.monotonic() - start

@@ -1,0 +1,197 @@
+"""The forked child of a warm process: become the process the launcher would have started, run it, exit.
+
+Called once, right after ``fork()``, and never returns. In order:
+
+1. close the warm process's sockets, make the child a process group of its own, put back the default signal
+   dispositions Python starts with;
+2. take the launcher's standard input, output and error (fds passed over the socket), working directory, umask,
+   resource limits and environment (``os.environ`` is replaced, so the C environment too);
+3. rebuild ``sys.stdin``/``stdout``/``stderr`` as the interpreter would for those fds (line-buffered on a
+   terminal, stderr always; ``-u`` unbuffered), set ``sys.argv`` and ``sys.path[0]``;
+4. reseed what a fresh interpreter seeds from the OS (``random``, NumPy's global generator if it is imported;
+   torch's default generator starts from a fixed seed in every process and the warm process never used it) and
+   turn the collector back on (the warm process froze its import-time objects);
+5. run the target as ``python`` would (``runpy`` for a script or ``-m``, ``exec`` for ``-c``), then exit the way
+   the interpreter exits: non-daemon threads joined, ``atexit`` functions run, streams flushed, the exit status
+   of ``SystemExit`` (printed if it is not a number), 1 after an uncaught exception (traceback printed), and
+   death by SIGINT after an uncaught ``KeyboardInterrupt``.
+
+What it cannot give a child, and the guide says: a new ``PYTHONHASHSEED`` (the key keeps it equal), interpreter
+options other than ``-u``, a controlling terminal (job control), and the launcher's pid.
+
+Layer L2: standard library only; the target imports what it imports.
+"""
+
+from __future__ import annotations
+
+import atexit
+import gc
+import io
+import os
+import random
+import resource
+import runpy
+import signal
+import sys
+import threading
+import traceback
+import types
+from collections.abc import Mapping, Sequence
+from typing import NoReturn
+
+from .target import Target
+
+#: Resource limits a launcher sends and a child takes, by name of the ``resource`` constant.
+LIMITS = ("RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_MEMLOCK", "RLIMIT_STACK", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_FSIZE")
+
+
+def current_limits() -> dict[str, list[int]]:
+    """This process's limits of :data:`LIMITS`, as a launcher sends them."""
+    return {name: list(resource.getrlimit(getattr(resource, name))) for name in LIMITS if hasattr(resource, name)}
+
+
+def _apply_limits(limits: Mapping[str, Sequence[int]]) -> None:
+    for name, (soft, hard) in limits.items():
+        if name not in LIMITS or not hasattr(resource, name):
+            continue
+        which = getattr(resource, name)
+        try:
+            resource.setrlimit(which, (soft, hard))
+        except (ValueError, OSError) as exc:
+            # A hard limit above the warm process's cannot be raised by an unprivileged child: keep its own.
+            print(
+                f"weightcache run: could not set {name} to {soft}/{hard} ({exc}); keeping the warm process's "
+                f"{resource.getrlimit(which)}",
+                file=sys.stderr,
+            )
+
+
+def _stream(fd: int, write: bool, unbuffered: bool, encoding: str, errors: str) -> io.TextIOWrapper:
+    if write and unbuffered:
+        raw = io.FileIO(fd, "w", closefd=False)
+        return io.TextIOWrapper(raw, encoding=encoding, errors=errors, newline="\n", write_through=True)
+    line = write and (fd == 2 or os.isatty(fd))
+    buffered: io.BufferedIOBase
+    if write:
+        buffered = io.BufferedWriter(io.FileIO(fd, "w", closefd=False))
+    else:
+        buffered = io.BufferedReader(io.FileIO(fd, "r", closefd=False))
+    return io.TextIOWrapper(buffered, encoding=encoding, errors=errors, newline="\n", line_buffering=line)
+
+
+def _reopen_stdio(unbuffered: bool, env: Mapping[str, str]) -> None:
+    override = env.get("PYTHONIOENCODING", "")
+    wanted_encoding, _, wanted_errors = override.partition(":")
+    for fd, name in ((0, "stdin"), (1, "stdout"), (2, "stderr")):
+        old = getattr(sys, f"__{name}__") or getattr(sys, name)
+        encoding = wanted_encoding or getattr(old, "encoding", None) or "utf-8"
+        errors = wanted_errors or ("backslashreplace" if fd == 2 else getattr(old, "errors", None) or "strict")
+        stream = _stream(fd, fd != 0, unbuffered or bool(env.get("PYTHONUNBUFFERED")), encoding, errors)
+        setattr(sys, name, stream)
+        setattr(sys, f"__{name}__", stream)
+
+
+def _reseed() -> None:
+    random.seed()
+    numpy_random = sys.modules.get("numpy.random")
+    if numpy_random is not None:
+        numpy_random.seed()  # the legacy global generator, seeded from the OS in a fresh process
+
+
+def _run(target: Target) -> None:
+    if target.kind == "script":
+        runpy.run_path(target.value, run_name="__main__")
+    elif target.kind == "module":
+        runpy.run_module(target.value, run_name="__main__", alter_sys=True)
+    else:
+        main = types.ModuleType("__main__")
+        main.__dict__["__builtins__"] = __builtins__
+        sys.modules["__main__"] = main
+        exec(compile(target.value, "<string>", "exec"), main.__dict__)
+
+
+def _exit_status(code: object) -> int:
+    if code is None:
+        return 0
+    if isinstance(code, int):
+        return code & 0xFF
+    print(code, file=sys.stderr)
+    return 1
+
+
+def _finish(status: int) -> NoReturn:
+    """Exit as the interpreter does: wait for non-daemon threads, run atexit, flush, leave."""
+    shutdown = getattr(threading, "_shutdown", None)
+    try:
+        if shutdown is not None:
+            shutdown()
+        atexit._run_exitfuncs()
+    finally:
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                pass
+        os._exit(status)
+
+
+def run_child(
+    target: Target,
+    *,
+    stdio: Sequence[int],
+    env: Mapping[str, str],
+    cwd: str,
+    umask: int,
+    limits: Mapping[str, Sequence[int]],
+    base_path: Sequence[str],
+    close: Sequence[int],
+) -> NoReturn:
+    """Turn this freshly forked process into ``target`` started by the launcher (see the module docstring)."""
+    status = 1
+    try:
+        for fd in close:
+            try:
+                os.close(fd)
+            except OSError:
+                pass
+        os.setpgid(0, 0)
+        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
+            signal.signal(signum, signal.SIG_DFL)
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets it at start
+        for fd, source in enumerate(stdio):
+            os.dup2(source, fd)
+            if source > 2:
+                os.close(source)
+        os.chdir(cwd)
+        os.umask(umask)
+        _apply_limits(limits)
+        os.environ.clear()
+        os.environ.update(env)
+        _reopen_stdio(target.unbuffered, env)
+        sys.argv = list(target.argv)
+        sys.path[:] = [target.path0, *base_path]
+        _reseed()
+        gc.enable()  # the frozen import-time objects stay frozen: collections never touch (copy) their pages
+    except BaseException:
+        traceback.print_exc()
+        print("weightcache run: the warm process's child could not take the launcher's place", file=sys.stderr)
+        os._exit(1)
+    try:
+        _run(target)
+        status = 0
+    except SystemExit as exc:
+        status = _exit_status(exc.code)
+    except KeyboardInterrupt:
+        traceback.print_exc()
+        sys.stderr.flush()
+        signal.signal(signal.SIGINT, signal.SIG_DFL)
+        os.kill(os.getpid(), signal.SIGINT)
+        status = 128 + signal.SIGINT
+    except BaseException:
+        sys.excepthook(*sys.exc_info())
+        status = 1
+    _finish(status)
+
+
+__all__ = ["LIMITS", "current_limits", "run_child"]

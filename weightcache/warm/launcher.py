@@ -1,0 +1,308 @@
+"""``weightcache run -- CMD ...``: start a command from its warm process, or directly when there is none.
+
+The launcher works out what the command runs (:func:`weightcache.warm.target.resolve`), which warm process serves
+it (:mod:`weightcache.warm.identity`), and asks that process to fork the command with the launcher's arguments,
+environment, working directory, umask, resource limits and standard streams. Then it stands in for the command:
+signals it receives go to the command (SIGINT, SIGQUIT and SIGHUP to its process group, as a terminal sends them;
+every other forwarded signal to its pid), and it exits with the command's status, or dies of the command's signal.
+
+When the warm process cannot serve, the command still starts, directly (``exec``, so in this very process), after
+one line on stderr that says why:
+
+- ``WEIGHTCACHE_WARM=0`` (the switch), or a command the warm process cannot start (another interpreter, ``-X``
+  options, a binary): the line says so;
+- no warm process of this slot yet: one is started in the background for the next start;
+- a warm process whose key differs (an upgrade, another ``sys.path``): it is stopped, a new one started;
+- a warm process that refuses or fails the request: its reason.
+
+Layer L2: standard library and the warm package; never imports torch or an engine.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from pathlib import Path
+from typing import Any
+
+from .. import protocol
+from ..errors import ProtocolError, SocketDirError
+from . import identity
+from .child import current_limits
+from .server import DEFAULT_IDLE_TIMEOUT_S
+from .target import NotWarmable, Target, default_preloads, resolve
+
+#: The switch: ``WEIGHTCACHE_WARM=0`` starts every command directly.
+WARM_ENV = "WEIGHTCACHE_WARM"
+#: Sent to the command's process group, as a terminal does; other forwarded signals go to its pid.
+GROUP_SIGNALS = (signal.SIGINT, signal.SIGQUIT, signal.SIGHUP)
+FORWARDED = (*GROUP_SIGNALS, signal.SIGTERM, signal.SIGUSR1, signal.SIGUSR2, signal.SIGWINCH, signal.SIGALRM)
+#: Seconds to wait for a warm process's reply to ``hello`` or ``run``.
+REPLY_TIMEOUT_S = 10.0
+
+
+class WarmUnavailable(Exception):
+    """The warm process cannot start this command (the message says why)."""
+
+
+def enabled(env: Mapping[str, str]) -> bool:
+    """Whether the switch leaves the warm process on (anything but ``0``, ``off``, ``false``, ``no``)."""
+    return env.get(WARM_ENV, "1").strip().lower() not in ("0", "off", "false", "no")
+
+
+def note(message: str) -> None:
+    print(f"weightcache run: {message}", file=sys.stderr, flush=True)
+
+
+def exec_directly(command: Sequence[str], env: Mapping[str, str]) -> int:
+    """Replace this process with ``command``; 127 (and a line on stderr) if it cannot be found, 126 if it cannot
+    be run, as a shell answers."""
+    try:
+        os.execvpe(command[0], list(command), dict(env))
+    except FileNotFoundError:
+        note(f"{command[0]}: command not found")
+        return 127
+    except OSError as exc:
+        note(f"{command[0]}: {exc.strerror}")
+        return 126
+
+
+def connect(path: Path, timeout: float = REPLY_TIMEOUT_S) -> socket.socket | None:
+    """A connection to the warm process at ``path``, or None if none listens there."""
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.settimeout(timeout)
+    try:
+        sock.connect(str(path))
+    except (FileNotFoundError, ConnectionRefusedError):
+        sock.close()
+        return None
+    _, uid, _ = protocol.peer_credentials(sock)
+    if uid != os.getuid():
+        sock.close()
+        raise WarmUnavailable(f"the warm socket {path} is served by uid {uid}, not by this user ({os.getuid()})")
+    return sock
+
+
+def ask(sock: socket.socket, message: dict[str, Any], fds: Sequence[int] = ()) -> dict[str, Any]:
+    """Send one request and read one reply; an ``error`` reply raises WarmUnavailable with its message."""
+    try:
+        protocol.send_frame(sock, message, fds)
+        reply, extra = protocol.recv_frame(sock, idle_timeout=REPLY_TIMEOUT_S, max_fds=0)
+    except (ProtocolError, OSError) as exc:
+        raise WarmUnavailable(f"the warm process did not answer {message['op']!r}: {exc}") from exc
+    protocol.close_fds(extra)
+    if reply.get("op") == "error":
+        raise WarmUnavailable(str(reply.get("message", "refused")))
+    return reply
+
+
+def hello(path: Path) -> dict[str, Any] | None:
+    """The ``hello`` of the warm process at ``path``, or None if none listens there."""
+    sock = connect(path)
+    if sock is None:
+        return None
+    with sock:
+        return ask(sock, {"op": "hello"})
+
+
+def stop(path: Path) -> dict[str, Any] | None:
+    """Ask the warm process at ``path`` to stop (it frees its slot at once and exits once its children have);
+    its reply, or None if none listens there."""
+    sock = connect(path)
+    if sock is None:
+        return None
+    with sock:
+        return ask(sock, {"op": "stop"})
+
+
+def spawn(directory: Path, preloads: Sequence[str], idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S) -> Path:
+    """Start a warm process for ``preloads`` in the background (its own session, detached from this process by a
+    double fork, logging to ``<slot>.log``); returns the log's path. Returns at once: it imports in the background.
+    """
+    slot = identity.slot(sys.executable, preloads)
+    log = directory / f"{slot}.log"
+    argv = [sys.executable, "-m", "weightcache.warm", "--dir", str(directory), "--idle-timeout", str(idle_timeout)]
+    argv += [f"--preload={p}" for p in preloads]
+    log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
+    try:
+        first = os.fork()
+        if first == 0:
+            try:
+                os.setsid()
+                if os.fork() == 0:
+                    null = os.open(os.devnull, os.O_RDONLY)
+                    os.dup2(null, 0)
+                    os.dup2(log_fd, 1)
+                    os.dup2(log_fd, 2)
+                    os.chdir("/")
+                    os.execv(sys.executable, argv)
+            finally:
+                os._exit(0)
+        os.waitpid(first, 0)
+    finally:
+        os.close(log_fd)
+    return log
+
+
+def wait_ready(directory: Path, preloads: Sequence[str], timeout: float) -> dict[str, Any]:
+    """Wait until the warm process of this slot answers ``hello`` with the current key; its hello. Raises
+    WarmUnavailable with the end of its log if it does not within ``timeout`` seconds."""
+    slot = identity.slot(sys.executable, preloads)
+    key = identity.key(sys.executable, preloads, identity.base_path())
+    deadline = time.monotonic() + timeout
+    while True:
+        try:
+            found = hello(directory / f"{slot}.sock")
+        except WarmUnavailable:  # one that is stopping, or not yet listening
+            found = None
+        if found is not None and found.get("key") == key:
+            return found
+        if time.monotonic() > deadline:
+            log = directory / f"{slot}.log"
+            tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
+            raise WarmUnavailable(f"no warm process answered within {timeout:.0f} s; the end of {log}:\n{tail}")
+        time.sleep(0.1)
+
+
+def ensure(directory: Path, preloads: Sequence[str], *, idle_timeout: float, timeout: float) -> dict[str, Any]:
+    """A warm process of this slot with the current key, started (or replaced) and waited for; its hello."""
+    path = directory / f"{identity.slot(sys.executable, preloads)}.sock"
+    try:
+        found = hello(path)
+    except WarmUnavailable:
+        found = None
+    if found is not None and found.get("key") != identity.key(sys.executable, preloads, identity.base_path()):
+        stop(path)
+        found = None
+    if found is None:
+        spawn(directory, preloads, idle_timeout)
+    return wait_ready(directory, preloads, timeout)
+
+
+def _std_fds() -> list[int]:
+    fds = []
+    for fd in (0, 1, 2):
+        try:
+            os.fstat(fd)
+            fds.append(fd)
+        except OSError:  # closed in the launcher: the command gets /dev/null there
+            fds.append(os.open(os.devnull, os.O_RDWR))
+    return fds
+
+
+def _umask() -> int:
+    mask = os.umask(0)
+    os.umask(mask)
+    return mask
+
+
+def _request(target: Target, env: Mapping[str, str], cwd: str) -> dict[str, Any]:
+    return {
+        "op": "run",
+        "target": target.to_wire(),
+        "env": dict(env),
+        "cwd": cwd,
+        "umask": _umask(),
+        "limits": current_limits(),
+    }
+
+
+def _wait(sock: socket.socket, pid: int) -> int:
+    """Forward signals to the command until the warm process says it exited; its status (or this process dies of
+    its signal)."""
+
+    def forward(signum: int, _frame: object) -> None:
+        try:
+            if signum in GROUP_SIGNALS:
+                os.killpg(pid, signum)
+            else:
+                os.kill(pid, signum)
+        except ProcessLookupError:
+            pass
+
+    for signum in FORWARDED:
+        signal.signal(signum, forward)
+    try:
+        reply, extra = protocol.recv_frame(sock, idle_timeout=None, max_fds=0)
+        protocol.close_fds(extra)
+    except (ProtocolError, OSError) as exc:
+        note(f"the warm process went away while the command (pid {pid}) ran ({exc}); its exit status is lost")
+        return 1
+    finally:
+        for signum in FORWARDED:
+            signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
+    if "signal" in reply:
+        died_of = int(reply["signal"])
+        if died_of not in (signal.SIGKILL, signal.SIGSTOP):  # the two whose disposition cannot be set
+            signal.signal(died_of, signal.SIG_DFL)
+        os.kill(os.getpid(), died_of)
+        return 128 + died_of
+    return int(reply.get("code", 1))
+
+
+def run(
+    command: Sequence[str],
+    *,
+    socket_dir: str | os.PathLike[str] | None = None,
+    preloads: Sequence[str] | None = None,
+    idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S,
+) -> int:
+    """Start ``command`` from its warm process, or directly (see the module docstring); its exit status."""
+    env = dict(os.environ)
+    if not command:
+        note("no command given: weightcache run -- CMD [ARGS...]")
+        return 2
+    if not enabled(env):
+        return exec_directly(command, env)
+    cwd = os.getcwd()
+    try:
+        target = resolve(command, env=env, cwd=cwd, executable=sys.executable)
+        wanted = tuple(preloads) if preloads else default_preloads(target)
+        directory = identity.warm_dir(socket_dir)
+        slot = identity.slot(sys.executable, wanted)
+        path = directory / f"{slot}.sock"
+        found = hello(path)
+        if found is None:
+            log = spawn(directory, wanted, idle_timeout)
+            raise WarmUnavailable(f"no warm process for this command yet; one is starting (log: {log})")
+        if found.get("key") != identity.key(sys.executable, wanted, identity.base_path()):
+            stop(path)
+            log = spawn(directory, wanted, idle_timeout)
+            raise WarmUnavailable(
+                f"the warm process (pid {found.get('pid')}) imported other versions of its packages or another "
+                f"sys.path; stopped it, a new one is starting (log: {log})"
+            )
+        sock = connect(path)
+        if sock is None:
+            raise WarmUnavailable("the warm process went away")
+    except (NotWarmable, WarmUnavailable, SocketDirError, OSError) as exc:
+        note(f"{exc}; starting the command directly")
+        return exec_directly(command, env)
+    with sock:
+        fds = _std_fds()
+        try:
+            started = ask(sock, _request(target, env, cwd), fds)
+        except WarmUnavailable as exc:
+            note(f"{exc}; starting the command directly")
+            return exec_directly(command, env)
+        finally:
+            protocol.close_fds([fd for fd in fds if fd > 2])
+        return _wait(sock, int(started["pid"]))
+
+
+__all__ = [
+    "WARM_ENV",
+    "WarmUnavailable",
+    "enabled",
+    "ensure",
+    "exec_directly",
+    "hello",
+    "run",
+    "spawn",
+    "stop",
+    "wait_ready",
+]
