@@ -17,7 +17,10 @@ the first forward pass are hashed: off, daemon and client must be bitwise identi
 
     PYTHONPATH=$PWD python benchmarks/restart_llama.py --device cuda:0 --workdir /tmp/llama8b --json out.json
 
-``--layers``/``--hidden``/... shrink the model (the test suite runs a tiny one on the CPU).
+``--layers``/``--hidden``/... shrink the model (the test suite runs a tiny one on the CPU). ``--warm`` adds the
+mode ``client (warm)``: the same client engine started by ``weightcache run`` from a warm process that preloaded
+torch, transformers' Llama classes and weightcache's ``attach`` (:data:`WARM_PRELOADS`), started and waited for
+before the first engine; its rounds alternate with the plain client's. Its "python start" includes the launcher.
 """
 
 from __future__ import annotations
@@ -98,6 +101,9 @@ print(json.dumps({"mode": mode, "source": handle.source, "token": token, "logits
       flush=True)
 """
 
+#: What the warm process of ``--warm`` imports: everything the engine imports before its model exists.
+WARM_PRELOADS = "torch,transformers:AutoConfig,transformers:LlamaForCausalLM,weightcache:attach"
+
 #: (column, from milestone, to milestone); "launch" is the parent's clock just before it starts the process.
 STEPS = (
     ("python start", "launch", "start"),
@@ -129,10 +135,13 @@ def build_checkpoint(path: Path, device: str, overrides: dict[str, Any]) -> None
         torch.cuda.empty_cache()
 
 
-def engine(mode: str, ckpt: Path, device: str, socket_dir: Path) -> dict[str, Any]:
+def engine(mode: str, ckpt: Path, device: str, socket_dir: Path, *, warm: bool = False) -> dict[str, Any]:
+    """One fresh engine; ``warm``: started by ``weightcache run`` from the warm process of :data:`WARM_PRELOADS`."""
+    launcher = [sys.executable, "-m", "weightcache", "run", "--socket-dir", str(socket_dir)]
+    launcher += ["--preload", WARM_PRELOADS, "--"]
     launch = time.time()
     out = subprocess.run(
-        [sys.executable, "-c", ENGINE, mode, str(ckpt), device, str(socket_dir)],
+        [*(launcher if warm else []), sys.executable, "-c", ENGINE, mode, str(ckpt), device, str(socket_dir)],
         capture_output=True,
         text=True,
         check=False,
@@ -140,6 +149,8 @@ def engine(mode: str, ckpt: Path, device: str, socket_dir: Path) -> dict[str, An
     )
     if out.returncode != 0:
         raise SystemExit(f"engine in mode {mode} failed:\n{out.stderr[-4000:]}")
+    if warm and "weightcache run:" in out.stderr:  # it started directly: not what this row measures
+        raise SystemExit(f"the warm process did not start the engine:\n{out.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(out.stdout.strip().splitlines()[-1])
     result["t"]["launch"] = launch
     result["ms"] = {name: (result["t"][b] - result["t"][a]) * 1e3 for name, a, b in STEPS}
@@ -173,6 +184,7 @@ def main() -> int:
     parser.add_argument("--repeat", type=int, default=5, help="fresh engines per mode (default 5)")
     parser.add_argument("--json", dest="json_out", default=None)
     parser.add_argument("--no-drop", action="store_true", help="do not drop the page cache before mode off")
+    parser.add_argument("--warm", action="store_true", help="also clients started from a warm process")
     for key in ("num_hidden_layers", "hidden_size", "intermediate_size", "vocab_size"):
         parser.add_argument("--" + key.replace("_", "-"), type=int, default=None, help=f"override {key}")
     parser.add_argument("--num-attention-heads", type=int, default=None)
@@ -203,6 +215,10 @@ def main() -> int:
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-")) / "s"
     cache = wc.Cache(socket_dir, spawn=True)  # a private keeper, started before any engine
     runs: dict[str, list[dict[str, Any]]] = {"off": [], "daemon": [], "client": []}
+    if args.warm:
+        runs["client (warm)"] = []
+        warm_start = [sys.executable, "-m", "weightcache", "warm", "start", "--socket-dir", str(socket_dir)]
+        subprocess.run([*warm_start, "--preload", WARM_PRELOADS], check=True, timeout=300)
     try:
         for _ in range(args.repeat):
             if not args.no_drop:
@@ -213,7 +229,12 @@ def main() -> int:
         runs["daemon"].append(engine("daemon", ckpt, args.device, socket_dir))
         for _ in range(args.repeat):
             runs["client"].append(engine("client", ckpt, args.device, socket_dir))
+            if args.warm:
+                runs["client (warm)"].append(engine("client", ckpt, args.device, socket_dir, warm=True))
     finally:
+        if args.warm:
+            warm_stop = [sys.executable, "-m", "weightcache", "warm", "stop", "--all", "--socket-dir", str(socket_dir)]
+            subprocess.run(warm_stop, check=False, timeout=60)
         cache.stop(wait=30)
         shutil.rmtree(socket_dir.parent, ignore_errors=True)
     every = [r for mode_runs in runs.values() for r in mode_runs]
@@ -246,7 +267,8 @@ def main() -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(report, indent=2))
         print(f"wrote {args.json_out}")
-    ok = identical and sources == {"off": ["disk"], "daemon": ["cache"], "client": ["cache"]}
+    expected = {"off": ["disk"], "daemon": ["cache"], "client": ["cache"]}
+    ok = identical and sources == {**expected, **({"client (warm)": ["cache"]} if args.warm else {})}
     return 0 if ok else 1
 
 

@@ -447,14 +447,16 @@ def test_ctrl_c_while_load_reads_the_checkpoint_is_a_clean_exit(tmp_path: Path, 
 
 
 def test_the_llama_restart_runs_tiny_on_cpu(tmp_path: Path) -> None:
-    """benchmarks/restart_llama.py end to end with a two-layer model: every step timed, modes off, daemon and
-    client served from where they should be, bitwise identical logits."""
+    """benchmarks/restart_llama.py end to end with a two-layer model: every step timed, modes off, daemon,
+    client and client from a warm process (``--warm``; the script fails if one started directly) served from where
+    they should be, bitwise identical logits."""
     pytest.importorskip("transformers")
     report = tmp_path / "llama.json"
     shape = ("--num-hidden-layers", "2", "--hidden-size", "128", "--intermediate-size", "256")
     shape += ("--vocab-size", "512", "--num-attention-heads", "4", "--num-key-value-heads", "2")
     script = str(ROOT / "benchmarks" / "restart_llama.py")
     options = ("--device", "cpu", "--repeat", "1", "--workdir", str(tmp_path), "--no-drop", "--json", str(report))
+    options += ("--warm",)
     out = subprocess.run(
         [sys.executable, script, *options, *shape],
         capture_output=True,
@@ -464,7 +466,7 @@ def test_the_llama_restart_runs_tiny_on_cpu(tmp_path: Path) -> None:
     assert out.returncode == 0, out.stderr[-3000:]
     data = json.loads(report.read_text())
     assert data["identical"] is True
-    assert data["sources"] == {"off": ["disk"], "daemon": ["cache"], "client": ["cache"]}
+    assert data["sources"] == {"off": ["disk"], "daemon": ["cache"], "client": ["cache"], "client (warm)": ["cache"]}
     steps = data["summary"]["client"]
     assert steps["attach / load"]["median"] > 0 and steps["total to first token"]["median"] > 0
 

@@ -315,6 +315,15 @@ def test_missing_dead_or_switched_off_means_a_direct_start(tmp_path: Path, env: 
         option.stdout == "ran\n"
         and "the interpreter option '-X' takes effect only when an interpreter starts" in option.stderr
     )
+    (tmp_path / "wc_exit_preload.py").write_text("import os\nos._exit(3)\n")  # a warm process that dies importing
+    dying = subprocess.run(
+        cli("warm", "start", "--preload", "wc_exit_preload"),
+        env={**own, "PYTHONPATH": str(tmp_path)},
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert dying.returncode == 1 and "the warm process exited; the end of" in dying.stderr, dying.stderr
     subprocess.run(cli("warm", "stop", "--all"), env=own, timeout=30)
 
 
@@ -349,3 +358,55 @@ def test_the_warm_process_keeps_one_thread_and_frees_its_slot_on_stop(env: dict[
     )
     assert stop.returncode == 0 and "stopped the warm process" in stop.stdout
     assert wait_until(lambda: process_gone(warm_pid), timeout=10), time.monotonic() - start
+
+
+#: Run on a GPU through the warm process: CUDA must be usable in the child, and untouched before it.
+CUDA_CHILD = textwrap.dedent(
+    """
+    import json, sys, torch
+    before = torch.cuda.is_initialized()
+    x = torch.arange(1024, dtype=torch.float32, device="cuda:0").reshape(32, 32)
+    print(json.dumps({"before": before, "after": torch.cuda.is_initialized(), "sum": (x @ x).sum().item()}))
+    """
+)
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_warm_process_has_no_cuda_context_and_its_child_uses_cuda(tmp_path: Path) -> None:
+    """A warm process that imported torch and transformers' model classes has created no CUDA context (nor opened
+    the driver); its forked child initialises CUDA itself and computes what a direct start computes. A preload that
+    creates a context makes the warm process refuse to serve (its log says which), and the command starts
+    directly."""
+    own = {**os.environ, "WEIGHTCACHE_DIR": str(tmp_path)}
+    os.chmod(tmp_path, 0o700)
+    preloads = "torch,transformers:AutoModelForCausalLM"
+    start = subprocess.run(cli("warm", "start", "--preload", preloads), env=own, capture_output=True, text=True)
+    assert start.returncode == 0, start.stderr
+    found = hello(own, ("torch", "transformers:AutoModelForCausalLM"))
+    assert found["cuda_initialized"] is False and found["driver_files"] == [], found
+    command = [sys.executable, "-c", CUDA_CHILD]
+    direct = subprocess.run(command, env=own, capture_output=True, text=True, timeout=120)
+    warm = subprocess.run(
+        [*cli("run", "--preload", preloads, "--"), *command], env=own, capture_output=True, text=True, timeout=120
+    )
+    assert warm.returncode == direct.returncode == 0 and warm.stderr == "", (direct.stderr, warm.stderr)
+    assert (
+        json.loads(warm.stdout)
+        == json.loads(direct.stdout)
+        == {"before": False, "after": True, "sum": json.loads(direct.stdout)["sum"]}
+    )
+    (tmp_path / "wc_cuda_preload.py").write_text("import torch\ntorch.zeros(1, device='cuda:0')\n")
+    bad = {**own, "PYTHONPATH": str(tmp_path)}
+    refused = subprocess.run(
+        cli("warm", "start", "--preload", "wc_cuda_preload", "--timeout", "60"), env=bad, capture_output=True, text=True
+    )
+    assert refused.returncode == 1 and "importing wc_cuda_preload created a CUDA context" in refused.stderr
+    ran = subprocess.run(
+        [*cli("run", "--preload", "wc_cuda_preload", "--"), sys.executable, "-c", "print('ran')"],
+        env=bad,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert ran.stdout == "ran\n" and "starting the command directly" in ran.stderr
+    subprocess.run(cli("warm", "stop", "--all"), env=own, capture_output=True, timeout=30)

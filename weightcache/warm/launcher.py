@@ -20,6 +20,7 @@ Layer L2: standard library and the warm package; never imports torch or an engin
 
 from __future__ import annotations
 
+import fcntl
 import os
 import signal
 import socket
@@ -148,12 +149,33 @@ def spawn(directory: Path, preloads: Sequence[str], idle_timeout: float = DEFAUL
     return log
 
 
+#: Seconds after which a slot whose lock nobody holds means the warm process started for it has exited.
+LOCK_GRACE_S = 5.0
+
+
+def _slot_held(lock: Path) -> bool:
+    """Whether a process holds the slot's lock (a warm process takes it first thing, and holds it while it lives)."""
+    try:
+        fd = os.open(lock, os.O_RDONLY | os.O_NOFOLLOW | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return False
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return True
+    finally:
+        os.close(fd)
+    return False
+
+
 def wait_ready(directory: Path, preloads: Sequence[str], timeout: float) -> dict[str, Any]:
     """Wait until the warm process of this slot answers ``hello`` with the current key; its hello. Raises
-    WarmUnavailable with the end of its log if it does not within ``timeout`` seconds."""
+    WarmUnavailable with the end of its log if it does not within ``timeout`` seconds, or if no process holds the
+    slot any more (it exited: a failed preload that created a CUDA context, say)."""
     slot = identity.slot(sys.executable, preloads)
     key = identity.key(sys.executable, preloads, identity.base_path())
-    deadline = time.monotonic() + timeout
+    began = time.monotonic()
+    log = directory / f"{slot}.log"
     while True:
         try:
             found = hello(directory / f"{slot}.sock")
@@ -161,10 +183,12 @@ def wait_ready(directory: Path, preloads: Sequence[str], timeout: float) -> dict
             found = None
         if found is not None and found.get("key") == key:
             return found
-        if time.monotonic() > deadline:
-            log = directory / f"{slot}.log"
+        waited = time.monotonic() - began
+        gone = waited > LOCK_GRACE_S and not _slot_held(directory / f"{slot}.lock")
+        if gone or waited > timeout:
             tail = log.read_text(errors="replace")[-2000:] if log.exists() else "(no log)"
-            raise WarmUnavailable(f"no warm process answered within {timeout:.0f} s; the end of {log}:\n{tail}")
+            why = "the warm process exited" if gone else f"no warm process answered within {timeout:.0f} s"
+            raise WarmUnavailable(f"{why}; the end of {log}:\n{tail}")
         time.sleep(0.1)
 
 

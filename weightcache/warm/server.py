@@ -64,6 +64,20 @@ def cuda_initialized() -> bool:
     return bool(is_initialized()) if callable(is_initialized) else False
 
 
+def driver_files() -> list[str]:
+    """The NVIDIA device files this process holds open (``/dev/nvidia*``): a CUDA driver initialised here (or NVML)
+    opens them. For the log and ``hello``: what a child inherits."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if path.startswith("/dev/nvidia"):
+            found.append(path)
+    return sorted(found)
+
+
 def import_preloads(preloads: Sequence[str], log: Any) -> dict[str, object]:
     """Import each ``module`` or ``module:attr``; what happened to each (seconds, or the error), for ``hello``."""
     found: dict[str, object] = {}
@@ -264,6 +278,8 @@ class WarmServer:
             "imported": self.imported,
             "children": len(self.children),
             "threads": threading.active_count(),
+            "cuda_initialized": cuda_initialized(),
+            "driver_files": driver_files(),
             "started": self.started,
             "stopping": self.stopping,
         }
@@ -341,6 +357,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S)
     args = parser.parse_args(argv)
     gc.disable()  # import-time objects are frozen before the first fork, never collected here
+    # torch.cuda.is_available() in a preload must not initialise the driver (which no forked child could use):
+    # torch then asks NVML instead. Children get the launcher's environment, not this one.
+    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
     server = WarmServer(Path(args.dir), sys.executable, args.preload, args.idle_timeout)
     log = sys.stderr
     if not server.take_slot():
@@ -351,7 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         server.imported = import_preloads(server.preloads, log)
         print(
             f"warm: pid {os.getpid()} ready in {time.perf_counter() - start:.2f} s: "
-            f"{json.dumps(server.imported)}; threads {threading.active_count()}",
+            f"{json.dumps(server.imported)}; threads {threading.active_count()}; NVIDIA device files open: "
+            f"{driver_files() or 'none'}",
             file=log,
             flush=True,
         )
