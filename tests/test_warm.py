@@ -155,6 +155,49 @@ def test_module_code_and_console_script_forms(tmp_path: Path, env: dict[str, str
             assert warm.stdout == direct.stdout, command
 
 
+#: Spawns a process (multiprocessing's spawn, as vLLM starts its engine core) and reports what it found.
+SPAWNER = textwrap.dedent(
+    """
+    import multiprocessing as mp, os, sys
+
+    def child(queue, code):
+        queue.put(("torch" in sys.modules, os.getppid(), sys.argv[1:]))
+        sys.exit(code)
+
+    if __name__ == "__main__":
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        process = ctx.Process(target=child, args=(queue, 5))
+        process.start()
+        preimported, parent, argv = queue.get(timeout=60)
+        process.join(60)
+        print(preimported, parent == os.getpid(), argv, process.exitcode)
+    """
+)
+
+
+def test_what_the_command_spawns_comes_from_the_warm_process_too(
+    tmp_path: Path, env: dict[str, str], warm_pid: int
+) -> None:
+    """A process the command starts with multiprocessing's spawn is forked from the warm process as well (torch
+    already imported; its parent is the warm process), through multiprocessing's own pipes, and its parent sees it
+    as a spawned process of its own: its result, its exit code."""
+    (tmp_path / "spawner.py").write_text(SPAWNER)
+    command = [sys.executable, "spawner.py"]
+    direct = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
+    warm = subprocess.run(
+        [*cli("run", "--preload", "torch", "--"), *command],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert direct.returncode == warm.returncode == 0, (direct.stderr, warm.stderr)
+    assert direct.stdout == "False True [] 5\n"
+    assert warm.stdout == "True False [] 5\n" and warm.stderr == "", warm.stderr
+
+
 def test_signals_reach_the_command_and_its_death_is_the_launchers(
     tmp_path: Path, env: dict[str, str], warm_pid: int
 ) -> None:
@@ -341,7 +384,7 @@ def test_targets_and_default_preloads(tmp_path: Path) -> None:
     assert target.default_preloads(resolve(sys.executable, "-m", "json.tool")) == ("torch", "json")
     for argv, why in (
         (["/bin/sh", "-c", "true"], "is not run by this environment's interpreter"),
-        ([sys.executable, "-O", "s.py"], "takes effect only when an interpreter starts"),
+        ([sys.executable, "-X", "importtime", "s.py"], "option '-X' takes effect only when an interpreter starts"),
         ([sys.executable, "missing.py"], "does not exist"),
         (["no-such-program-wc"], "is not an executable on PATH"),
     ):

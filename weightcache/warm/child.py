@@ -4,8 +4,11 @@ Called once, right after ``fork()``, and never returns. In order:
 
 1. close the warm process's sockets, make the child a process group of its own, put back the default signal
    dispositions Python starts with;
-2. take the launcher's standard input, output and error (fds passed over the socket), working directory, umask,
-   resource limits and environment (``os.environ`` is replaced, so the C environment too);
+2. take the launcher's inheritable fds at their numbers (standard input, output and error, and any other fd a
+   direct start would inherit: a socket-activation listener, multiprocessing's pipes), working directory, umask,
+   resource limits and environment (``os.environ`` is replaced, so the C environment too); point multiprocessing's
+   ``spawn`` at the warm process's spawn launcher (:mod:`weightcache.warm.spawn`), so that what the command spawns
+   is forked from the warm process too;
 3. rebuild ``sys.stdin``/``stdout``/``stderr`` as the interpreter would for those fds (line-buffered on a
    terminal, stderr always; ``-u`` unbuffered), set ``sys.argv`` and ``sys.path[0]``;
 4. reseed what a fresh interpreter seeds from the OS (``random``, NumPy's global generator if it is imported;
@@ -25,8 +28,10 @@ Layer L2: standard library only; the target imports what it imports.
 from __future__ import annotations
 
 import atexit
+import fcntl
 import gc
 import io
+import multiprocessing
 import os
 import random
 import resource
@@ -135,18 +140,35 @@ def _finish(status: int) -> NoReturn:
         os._exit(status)
 
 
+def place_fds(fds: Sequence[tuple[int, int]]) -> None:
+    """Put each received fd at the number it had in the launcher (``(number, fd)`` pairs), inheritable, as a
+    direct start inherits it; the received copies are closed. Works whatever numbers overlap: every fd is first
+    moved above all of them."""
+    floor = max([n for pair in fds for n in pair], default=2) + 1
+    high = [(number, fcntl.fcntl(fd, fcntl.F_DUPFD, floor)) for number, fd in fds]
+    for _, fd in fds:
+        os.close(fd)
+    for number, fd in high:
+        os.dup2(fd, number, inheritable=True)
+        os.close(fd)
+
+
 def run_child(
     target: Target,
     *,
-    stdio: Sequence[int],
+    fds: Sequence[tuple[int, int]],
     env: Mapping[str, str],
     cwd: str,
     umask: int,
     limits: Mapping[str, Sequence[int]],
     base_path: Sequence[str],
     close: Sequence[int],
+    spawn_executable: str | None = None,
 ) -> NoReturn:
-    """Turn this freshly forked process into ``target`` started by the launcher (see the module docstring)."""
+    """Turn this freshly forked process into ``target`` started by the launcher (see the module docstring):
+    ``fds`` are the launcher's inheritable fds, ``(number, received fd)``, standard streams first;
+    ``spawn_executable``, if given, is what multiprocessing's ``spawn`` and ``forkserver`` start instead of the
+    interpreter, so that the processes the command spawns come from the warm process too."""
     status = 1
     try:
         for fd in close:
@@ -159,11 +181,13 @@ def run_child(
             signal.signal(signum, signal.SIG_DFL)
         signal.signal(signal.SIGINT, signal.default_int_handler)
         signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets it at start
-        for fd, source in enumerate(stdio):
-            os.dup2(source, fd)
-            if source > 2:
-                os.close(source)
+        place_fds(fds)
+        if spawn_executable is not None:
+            multiprocessing.set_executable(spawn_executable)
         os.chdir(cwd)
+        mp_process = sys.modules.get("multiprocessing.process")
+        if mp_process is not None:  # captured when the warm process imported it; spawn resolves __main__ by it
+            mp_process.ORIGINAL_DIR = os.getcwd()  # type: ignore[attr-defined]
         os.umask(umask)
         _apply_limits(limits)
         os.environ.clear()

@@ -4,11 +4,12 @@ A warm process is one per *slot*: an interpreter (the file of one environment's 
 preloads. Its socket, lock and log live in the private directory ``<socket dir>/warm/`` (0700, whatever the keeper's
 directory is shared with), named by the slot's digest.
 
-Its *key* says what it imported: the slot, the Python version, ``sys.path`` (so ``PYTHONPATH`` too),
-``PYTHONHASHSEED``, and the size and modification time of each preloaded package's ``__init__`` and of
-weightcache's own warm modules. An upgrade or a reinstall of any of them changes the key, so a launcher that finds
-a warm process of its slot with another key stops it and starts a new one: a child never runs code older than
-what a direct start would import.
+Its *key* says what it imported and how it runs: the slot, the Python version, ``sys.path`` (so ``PYTHONPATH``
+too), ``PYTHONHASHSEED``, the interpreter's settings (``-B``, ``-O``, ``-X``, ``-W``, from options or variables),
+and the size and modification time of each preloaded package's ``__init__`` and of weightcache's own warm
+modules. An upgrade or a reinstall of any of them changes the key, so a launcher that finds a warm process of its
+slot with another key stops it and starts a new one: a child never runs code older than what a direct start would
+import.
 
 Layer L2: standard library only; nothing here imports a preloaded module.
 """
@@ -24,6 +25,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from ..rundir import ensure_private_dir, resolve_socket_dir
+from .target import interpreter_flags
 
 #: The subdirectory of the socket directory that holds the warm processes' sockets, locks and logs.
 WARM_DIR_NAME = "warm"
@@ -72,6 +74,7 @@ def key(executable: str, preloads: Sequence[str], path: Sequence[str]) -> str:
             "python": sys.version,
             "path": list(path),
             "hashseed": os.environ.get("PYTHONHASHSEED"),
+            "flags": interpreter_flags(),  # -B, -O, -X, -W: what an interpreter started here would run with
             "packages": {p: _stamp(_origin(p)) for p in packages},
             "warm": [_stamp(str(here / name)) for name in ("server.py", "child.py", "target.py", "identity.py")],
         }

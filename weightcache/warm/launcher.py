@@ -26,7 +26,7 @@ import signal
 import socket
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -207,14 +207,29 @@ def ensure(directory: Path, preloads: Sequence[str], *, idle_timeout: float, tim
     return wait_ready(directory, preloads, timeout)
 
 
-def _std_fds() -> list[int]:
-    fds = []
-    for fd in (0, 1, 2):
+def inherited_fds() -> list[tuple[int, int]]:
+    """``(number, fd)`` for every fd a direct start of the command would inherit from this process: 0, 1 and 2
+    (``/dev/null`` where one is closed), then every other open fd without close-on-exec (Python opens its own
+    with it), in order. Raises WarmUnavailable past what one frame carries."""
+    fds: list[tuple[int, int]] = []
+    for number in (0, 1, 2):
         try:
-            os.fstat(fd)
-            fds.append(fd)
+            os.fstat(number)
+            fds.append((number, number))
         except OSError:  # closed in the launcher: the command gets /dev/null there
-            fds.append(os.open(os.devnull, os.O_RDWR))
+            fds.append((number, os.open(os.devnull, os.O_RDWR)))
+    for name in sorted(os.listdir("/proc/self/fd"), key=int):
+        number = int(name)
+        if number <= 2:
+            continue
+        try:
+            inheritable = not fcntl.fcntl(number, fcntl.F_GETFD) & fcntl.FD_CLOEXEC
+        except OSError:  # the directory's own fd, closed by now
+            continue
+        if inheritable:
+            fds.append((number, number))
+    if len(fds) > protocol.MAX_FDS:
+        raise WarmUnavailable(f"the command would inherit {len(fds)} fds; one request carries {protocol.MAX_FDS}")
     return fds
 
 
@@ -224,9 +239,10 @@ def _umask() -> int:
     return mask
 
 
-def _request(target: Target, env: Mapping[str, str], cwd: str) -> dict[str, Any]:
+def _request(target: Target, env: Mapping[str, str], cwd: str, numbers: Sequence[int]) -> dict[str, Any]:
     return {
         "op": "run",
+        "fd_numbers": list(numbers),
         "target": target.to_wire(),
         "env": dict(env),
         "cwd": cwd,
@@ -300,21 +316,31 @@ def run(
                 f"the warm process (pid {found.get('pid')}) imported other versions of its packages or another "
                 f"sys.path; stopped it, a new one is starting (log: {log})"
             )
-        sock = connect(path)
-        if sock is None:
-            raise WarmUnavailable("the warm process went away")
     except (NotWarmable, WarmUnavailable, SocketDirError, OSError) as exc:
         note(f"{exc}; starting the command directly")
         return exec_directly(command, env)
+    return start(path, target, env, cwd, lambda why: exec_directly(command, env))
+
+
+def start(path: Path, target: Target, env: Mapping[str, str], cwd: str, fallback: Callable[[str], int]) -> int:
+    """Ask the warm process at ``path`` to start ``target`` with this process's inheritable fds, then stand in for
+    it (signals, exit status); ``fallback(why)`` (after a line saying why) if it cannot."""
+    try:
+        sock = connect(path)
+        if sock is None:
+            raise WarmUnavailable("the warm process went away")
+        fds = inherited_fds()
+    except (WarmUnavailable, OSError) as exc:
+        note(f"{exc}; starting the command directly")
+        return fallback(str(exc))
     with sock:
-        fds = _std_fds()
         try:
-            started = ask(sock, _request(target, env, cwd), fds)
+            started = ask(sock, _request(target, env, cwd, [n for n, _ in fds]), [fd for _, fd in fds])
         except WarmUnavailable as exc:
             note(f"{exc}; starting the command directly")
-            return exec_directly(command, env)
+            return fallback(str(exc))
         finally:
-            protocol.close_fds([fd for fd in fds if fd > 2])
+            protocol.close_fds([fd for number, fd in fds if fd != number])
         return _wait(sock, int(started["pid"]))
 
 
@@ -325,8 +351,10 @@ __all__ = [
     "ensure",
     "exec_directly",
     "hello",
+    "inherited_fds",
     "run",
     "spawn",
+    "start",
     "stop",
     "wait_ready",
 ]

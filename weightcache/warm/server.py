@@ -9,7 +9,9 @@ connection is closed).
 
 Requests are JSON frames (:mod:`weightcache.protocol`): ``hello`` (the key, pid, preloads and what was found at
 import), ``run`` (a :class:`~weightcache.warm.target.Target`, environment, working directory, umask, limits, with
-the launcher's stdin, stdout and stderr attached as fds) and ``stop``. For ``run`` it forks; the child becomes the
+the launcher's inheritable fds attached, stdin, stdout and stderr first, and ``fd_numbers`` saying the number each
+had) and ``stop``. Beside its socket it writes ``<slot>.spawn``, the launcher that multiprocessing's ``spawn``
+runs in its children (:mod:`weightcache.warm.spawn`). For ``run`` it forks; the child becomes the
 command (:mod:`weightcache.warm.child`) and the reply says ``started`` with its pid; when the child exits, the
 reply ``exited`` carries its exit code or signal. If the launcher's connection closes while the child runs, the
 child's process group is killed (SIGKILL): a command dies with its launcher, as under a supervisor.
@@ -103,6 +105,28 @@ def import_preloads(preloads: Sequence[str], log: Any) -> dict[str, object]:
     return found
 
 
+#: The spawn launcher a warm process writes beside its socket (see :mod:`weightcache.warm.spawn`).
+SPAWN_LAUNCHER = """#!{python}
+# Written by the warm process of this slot: what multiprocessing's spawn runs in its children, instead of the
+# interpreter, so that a spawned process is forked from the warm process too. Falls back to the interpreter.
+import os, sys
+try:
+    from weightcache.warm.spawn import main
+except ImportError:
+    os.execv(sys.executable, [sys.executable, *sys.argv[1:]])
+sys.exit(main({socket!r}))
+"""
+
+
+def write_spawn_launcher(path: Path, python: str, socket_path: Path) -> None:
+    """Write the spawn launcher (0700, replaced atomically)."""
+    aside = path.with_name(path.name + ".new")
+    fd = os.open(aside, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_NOFOLLOW, 0o700)
+    with os.fdopen(fd, "w") as f:
+        f.write(SPAWN_LAUNCHER.format(python=python, socket=str(socket_path)))
+    os.replace(aside, path)
+
+
 class _Conn:
     def __init__(self, sock: socket.socket) -> None:
         self.sock = sock
@@ -122,6 +146,7 @@ class WarmServer:
         self.idle_timeout = idle_timeout
         self.socket_path = directory / f"{self.slot}.sock"
         self.lock_path = directory / f"{self.slot}.lock"
+        self.spawn_path = directory / f"{self.slot}.spawn"
         self.selector = selectors.DefaultSelector()
         self.listener: socket.socket | None = None
         self.lock_fd = -1
@@ -159,6 +184,7 @@ class WarmServer:
             os.umask(old)
         listener.listen(16)
         listener.setblocking(False)
+        write_spawn_launcher(self.spawn_path, sys.executable, self.socket_path)
         self.listener = listener
         self.selector.register(listener, selectors.EVENT_READ)
 
@@ -168,10 +194,11 @@ class WarmServer:
             self.selector.unregister(self.listener)
             self.listener.close()
             self.listener = None
-            try:
-                os.unlink(self.socket_path)
-            except FileNotFoundError:
-                pass
+            for path in (self.socket_path, self.spawn_path):
+                try:
+                    os.unlink(path)
+                except FileNotFoundError:
+                    pass
         if self.lock_fd >= 0:
             close_lock_file(self.lock_fd)
             self.lock_fd = -1
@@ -246,7 +273,7 @@ class WarmServer:
         self.last_active = time.monotonic()
         try:
             message, fds = protocol.recv_frame(
-                conn.sock, idle_timeout=protocol.FRAME_TIMEOUT_S, max_payload=MAX_REQUEST_BYTES, max_fds=3
+                conn.sock, idle_timeout=protocol.FRAME_TIMEOUT_S, max_payload=MAX_REQUEST_BYTES
             )
         except (ProtocolError, OSError):
             self._drop(conn)
@@ -286,8 +313,11 @@ class WarmServer:
 
     def _run(self, conn: _Conn, message: dict[str, Any], fds: list[int]) -> None:
         try:
-            if len(fds) != 3:
-                raise ProtocolError(f"run needs the launcher's stdin, stdout and stderr (3 fds); got {len(fds)}")
+            numbers = protocol.field(message, "fd_numbers", list)
+            if len(numbers) != len(fds) or not all(isinstance(n, int) and 0 <= n < 65536 for n in numbers):
+                raise ProtocolError(f"fd_numbers must give a number for each of the {len(fds)} fds attached")
+            if numbers[:3] != [0, 1, 2] or len(set(numbers)) != len(numbers):
+                raise ProtocolError("run needs the launcher's stdin, stdout and stderr first, and no number twice")
             target = Target.from_wire(protocol.field(message, "target", dict))
             env = protocol.field(message, "env", dict)
             if not all(isinstance(k, str) and isinstance(v, str) and "=" not in k for k, v in env.items()):
@@ -317,7 +347,8 @@ class WarmServer:
         if pid == 0:
             run_child(
                 target,
-                stdio=fds,
+                fds=list(zip(numbers, fds)),
+                spawn_executable=str(self.spawn_path),
                 env=env,
                 cwd=cwd,
                 umask=umask,

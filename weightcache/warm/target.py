@@ -9,8 +9,8 @@
   the script's file as that interpreter would (so ``__main__``, ``sys.argv[0]`` and multiprocessing's spawn
   see what they see in a direct start); the entry point only names the package to preload.
 
-Anything else (another interpreter, interpreter options that only a new interpreter can honour such as ``-X``,
-``-O`` or ``-W``, a shell script, a binary) is not a :class:`Target`: :func:`resolve` raises
+Anything else (another interpreter, interpreter options that only a new interpreter can honour, such as ``-X dev``
+where the warm process runs without it, a shell script, a binary) is not a :class:`Target`: :func:`resolve` raises
 :class:`NotWarmable` saying why, and the launcher starts the command directly.
 
 This module also names what a warm process imports for a target by default (:func:`default_preloads`): the
@@ -26,6 +26,7 @@ import importlib.metadata
 import importlib.util
 import os
 import shutil
+import subprocess
 from collections.abc import Mapping, Sequence
 
 import attrs
@@ -115,19 +116,29 @@ def _which(program: str, env: Mapping[str, str], cwd: str) -> str | None:
     return shutil.which(program, path=env.get("PATH", os.defpath))
 
 
+def interpreter_flags() -> list[str]:
+    """The options that give an interpreter this one's settings (``-B``, ``-O``, ``-X dev``, ``-W error``, ...), as
+    multiprocessing passes them to what it spawns. A warm process's key holds them, so a warm process of the same
+    key runs with the same: such an option on a command line changes nothing there."""
+    return list(subprocess._args_from_interpreter_flags())  # type: ignore[attr-defined]
+
+
 def _python_target(args: Sequence[str], cwd: str) -> Target:
     unbuffered = False
     rest = list(args)
+    same = interpreter_flags()
     while rest and rest[0].startswith("-") and rest[0] not in ("-m", "-c", "-"):
         option = rest.pop(0)
+        if option in ("-X", "-W") and rest:
+            option += rest.pop(0)  # written apart: compare as written together
         if option == "-u":
             unbuffered = True
         elif option == "--":
             break
-        else:
+        elif option not in same and not (option[:2] in ("-X", "-W") and [option[:2], option[2:]] in _pairs(same)):
             raise NotWarmable(
-                f"the interpreter option {option!r} takes effect only when an interpreter starts (the warm process "
-                "honours -u, -m and -c)"
+                f"the interpreter option {option[:2]!r} takes effect only when an interpreter starts (the warm "
+                "process honours -u, -m, -c, and options that give the settings it runs with)"
             )
     if not rest or rest[0] == "-":
         raise NotWarmable("a program read from standard input is not started by the warm process")
@@ -144,6 +155,10 @@ def _python_target(args: Sequence[str], cwd: str) -> Target:
         raise NotWarmable(f"the script {rest[0]!r} does not exist (in {cwd})")
     # As given: runpy sets sys.argv[0] to it, and the child runs in cwd.
     return Target("script", rest[0], tuple(rest), os.path.dirname(os.path.realpath(script)), unbuffered)
+
+
+def _pairs(flags: Sequence[str]) -> list[list[str]]:
+    return [[flags[i], flags[i + 1]] for i in range(len(flags) - 1) if flags[i] in ("-X", "-W")]
 
 
 def _shebang(path: str) -> str | None:
