@@ -7,6 +7,7 @@ line that says why.
 
 from __future__ import annotations
 
+import importlib.metadata
 import json
 import os
 import shutil
@@ -47,6 +48,20 @@ PROGRAM = textwrap.dedent(
 
 #: Prints its pid and its parent's, then sleeps.
 SLEEPER = "import os, time; print(os.getpid(), os.getppid(), flush=True); time.sleep(60)"
+
+
+def with_path(directory: Path) -> str:
+    """PYTHONPATH with ``directory`` first (weightcache itself may come from PYTHONPATH, as on the GPU machine)."""
+    return os.pathsep.join(filter(None, [str(directory), os.environ.get("PYTHONPATH")]))
+
+
+def console_script() -> Path:
+    """A console script of this environment: weightcache's own where it is installed, else pytest's."""
+    for name in ("weightcache", "pytest"):
+        path = Path(sys.executable).parent / name
+        if path.exists():
+            return path
+    pytest.skip("no console script beside this interpreter")
 
 
 def cli(*args: str) -> list[str]:
@@ -135,7 +150,7 @@ def test_module_code_and_console_script_forms(tmp_path: Path, env: dict[str, str
     probes = [
         [sys.executable, "-m", "wcmod_probe", "a"],
         [sys.executable, "-c", "import sys, os; print(sys.argv, os.getppid() == int(sys.argv[1]))", str(warm_pid)],
-        [str(Path(sys.executable).parent / "weightcache"), "--version"],
+        [str(console_script()), "--version"],
     ]
     for command in probes:
         direct = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
@@ -299,7 +314,7 @@ def test_a_stale_warm_process_is_replaced(tmp_path: Path, env: dict[str, str]) -
     package = tmp_path / "wcstale_pkg"
     package.mkdir()
     (package / "__init__.py").write_text("VERSION = 1\n")
-    stale_env = {**env, "PYTHONPATH": str(tmp_path)}
+    stale_env = {**env, "PYTHONPATH": with_path(tmp_path)}
     code = "import os, wcstale_pkg; print(wcstale_pkg.VERSION, os.getppid())"
 
     def run() -> subprocess.CompletedProcess[str]:
@@ -361,7 +376,7 @@ def test_missing_dead_or_switched_off_means_a_direct_start(tmp_path: Path, env: 
     (tmp_path / "wc_exit_preload.py").write_text("import os\nos._exit(3)\n")  # a warm process that dies importing
     dying = subprocess.run(
         cli("warm", "start", "--preload", "wc_exit_preload"),
-        env={**own, "PYTHONPATH": str(tmp_path)},
+        env={**own, "PYTHONPATH": with_path(tmp_path)},
         capture_output=True,
         text=True,
         timeout=60,
@@ -378,9 +393,11 @@ def test_targets_and_default_preloads(tmp_path: Path) -> None:
     assert (script.kind, script.value, script.argv, script.unbuffered) == ("script", "s.py", ("s.py", "a"), True)
     assert script.path0 == str(tmp_path.resolve())
     assert resolve(sys.executable, "-m", "json.tool", "x").argv == ("json.tool", "x")
-    console = resolve(str(Path(sys.executable).parent / "weightcache"), "ls")
-    assert console.kind == "script" and console.entry == "weightcache.tools.cli:main"
-    assert target.default_preloads(console) == ("torch", "weightcache.tools.cli")
+    script = console_script()
+    console = resolve(str(script), "ls")
+    [entry] = importlib.metadata.entry_points(group="console_scripts", name=script.name)
+    assert console.kind == "script" and console.entry == entry.value and console.argv == (str(script), "ls")
+    assert target.default_preloads(console) == ("torch", entry.value.split(":")[0])
     assert target.default_preloads(resolve(sys.executable, "-m", "json.tool")) == ("torch", "json")
     for argv, why in (
         (["/bin/sh", "-c", "true"], "is not run by this environment's interpreter"),
@@ -439,7 +456,7 @@ def test_on_a_gpu_the_warm_process_has_no_cuda_context_and_its_child_uses_cuda(t
         == {"before": False, "after": True, "sum": json.loads(direct.stdout)["sum"]}
     )
     (tmp_path / "wc_cuda_preload.py").write_text("import torch\ntorch.zeros(1, device='cuda:0')\n")
-    bad = {**own, "PYTHONPATH": str(tmp_path)}
+    bad = {**own, "PYTHONPATH": with_path(tmp_path)}
     refused = subprocess.run(
         cli("warm", "start", "--preload", "wc_cuda_preload", "--timeout", "60"), env=bad, capture_output=True, text=True
     )
