@@ -38,8 +38,16 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
-def run_vllm(spec: dict, *, multiprocessing: bool = False, timeout: float = 300, env: dict | None = None) -> dict:
-    """One engine in a new process; its result, with its output (vLLM's log goes to stdout) under ``log``."""
+def run_vllm(
+    spec: dict,
+    *,
+    multiprocessing: bool = False,
+    timeout: float = 300,
+    env: dict | None = None,
+    launcher: list[str] | None = None,
+) -> dict:
+    """One engine in a new process (started by ``launcher``, if given); its result, with its output (vLLM's log
+    goes to stdout) under ``log``."""
     env = dict(
         os.environ,
         VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
@@ -47,7 +55,7 @@ def run_vllm(spec: dict, *, multiprocessing: bool = False, timeout: float = 300,
         **(env or {}),
     )
     out = subprocess.run(
-        [sys.executable, str(HERE / "vllm_worker.py"), json.dumps(spec)],
+        [*(launcher or []), sys.executable, str(HERE / "vllm_worker.py"), json.dumps(spec)],
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -106,6 +114,39 @@ def test_other_architectures_and_moe_give_identical_tokens(architecture: str, so
     assert client["resident_after_load"] < 0.05, client
     [entry] = wc.Cache(socket_dir).entries()
     assert daemon["external_weight_memory"] == client["external_weight_memory"] == entry.bytes > 0
+
+
+def test_the_warm_process_starts_vllm_and_its_engine_process(tiny_llama: Path, socket_dir: Path) -> None:
+    """``weightcache run`` starts the worker from a warm process that imported vLLM, with vLLM's engine in its own
+    process (which vLLM spawns; on CPUs always): the worker finds vLLM imported, vLLM's spawn of its engine core
+    goes through the warm process's spawn launcher (so the engine core is forked from the warm process too), and
+    the greedy tokens are a direct start's, in mode client too."""
+    env = {"WEIGHTCACHE_DIR": str(socket_dir)}
+    preloads = "torch,vllm:LLM,vllm.v1.engine.core,weightcache.backends.vllm"
+    warm_cli = [sys.executable, "-m", "weightcache"]
+    started = subprocess.run(
+        [*warm_cli, "warm", "start", "--preload", preloads], env={**os.environ, **env}, capture_output=True, text=True
+    )
+    assert started.returncode == 0, started.stderr
+    slot = started.stdout.split("slot ")[1].split(":")[0]
+    try:
+        options = {"socket_dir": str(socket_dir)}
+        spec = {"model": str(tiny_llama), "children": True}
+        daemon = {**spec, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}}
+        direct = run_vllm(daemon, multiprocessing=True, env=env)
+        launcher = [*warm_cli, "run", "--preload", preloads, "--"]
+        client = {**spec, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "client", "strict": True}}
+        warm = run_vllm(client, multiprocessing=True, env=env, launcher=launcher)
+        assert not direct["preimported"] and warm["preimported"]
+        # a direct start spawns the engine core itself (which titles itself VLLM::EngineCore)
+        assert any(c.startswith("VLLM::EngineCore") for c in direct["children"]), direct["children"]
+        assert not any(".spawn " in c for c in direct["children"]), direct["children"]
+        launchers = [c for c in warm["children"] if "from multiprocessing.spawn import spawn_main" in c]
+        assert launchers and all(f"{slot}.spawn " in c for c in launchers), warm["children"]
+        assert len(direct["tokens"]) == 12 and warm["tokens"] == direct["tokens"]
+        assert "weightcache run:" not in warm["log"]  # no start fell back to a plain one
+    finally:
+        subprocess.run([*warm_cli, "warm", "stop", "--all"], env={**os.environ, **env}, capture_output=True)
 
 
 def test_a_layout_setting_outside_the_identity_is_a_miss_naming_the_structure(

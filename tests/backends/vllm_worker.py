@@ -6,19 +6,39 @@ fail), max_tokens, table (write the model's parity table there), model_impl (vLL
 "transformers"), compile (torch.compile on; vLLM's compile cache reported under "compile"), max_model_len,
 pretend_version (vLLM reports this version: a release outside the adapter's range), remove_api ([module, name]:
 that name is deleted from the module once vLLM has imported it, as if a release had moved it), dtype (vLLM's
-dtype, default "float32").
+dtype, default "float32"), children (report the command line of each process the worker started, after the engine
+is up). The result also says whether vLLM was imported before the worker started (``preimported``: a warm
+process's child).
 """
 
 from __future__ import annotations
 
-import json
-import os
 import sys
-import warnings
+
+PREIMPORTED = "vllm" in sys.modules  # started by a warm process (weightcache run) that imported vLLM already
+
+import json  # noqa: E402
+import os  # noqa: E402
+import warnings  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
-from engine_models import PROMPT, evict_from_page_cache, resident_fraction
+from engine_models import PROMPT, evict_from_page_cache, resident_fraction  # noqa: E402
+
+
+def children() -> list[str]:
+    """The command line of each process this one started (vLLM's engine core, the resource tracker)."""
+    found = []
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+            if parent == os.getpid():
+                with open(f"/proc/{pid}/cmdline", "rb") as f:
+                    found.append(f.read().replace(b"\0", b" ").decode(errors="replace"))
+        except (OSError, ValueError, IndexError):
+            continue
+    return found
 
 
 def main() -> None:
@@ -68,6 +88,9 @@ def main() -> None:
         "resident_after_load": after_load,
         "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "weightcache" in str(w.message)],
     }
+    result["preimported"] = PREIMPORTED
+    if spec.get("children"):
+        result["children"] = children()
     if spec.get("compile"):
         from weightcache.backends import vllm_compile
 
