@@ -39,6 +39,7 @@ PROGRAM = textwrap.dedent(
         "stdin": sys.stdin.read(), "umask": umask, "nofile": resource.getrlimit(resource.RLIMIT_NOFILE)[0],
         "sum": torch.arange(10, dtype=torch.float32).pow(2).sum().item(), "ppid": os.getppid(),
         "preimported": preimported, "main": __name__, "stdout_tty": sys.stdout.isatty(),
+        "comm": open("/proc/self/comm").read().strip(),
     }))
     print("a line on stderr", file=sys.stderr)
     sys.exit(int(os.environ.get("WC_TEST_CODE", "0")))
@@ -138,6 +139,7 @@ def test_a_forked_torch_program_sees_what_a_direct_start_gives_it(
     d, w = json.loads(direct.stdout), json.loads(warm.stdout)
     assert w.pop("ppid") == warm_pid and d.pop("ppid") != warm_pid
     assert (d.pop("preimported"), w.pop("preimported")) == (False, True)
+    assert d.pop("comm").startswith("python") and w.pop("comm") == "prog.py"  # named for ps and top
     assert d == w
     assert w["argv"] == ["prog.py", "x", "--flag", "ä"] and w["foo"] == "bar baz" and w["stdin"] == "from stdin\n"
     assert w["sum"] == 285.0 and w["main"] == "__main__"

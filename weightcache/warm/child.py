@@ -28,6 +28,7 @@ Layer L2: standard library only; the target imports what it imports.
 from __future__ import annotations
 
 import atexit
+import ctypes
 import fcntl
 import gc
 import io
@@ -45,6 +46,9 @@ from collections.abc import Mapping, Sequence
 from typing import NoReturn
 
 from .target import Target
+
+#: prctl's option that names the calling thread (the process's comm, 15 bytes).
+PR_SET_NAME = 15
 
 #: Resource limits a launcher sends and a child takes, by name of the ``resource`` constant.
 LIMITS = ("RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_MEMLOCK", "RLIMIT_STACK", "RLIMIT_AS", "RLIMIT_DATA", "RLIMIT_FSIZE")
@@ -94,6 +98,17 @@ def _reopen_stdio(unbuffered: bool, env: Mapping[str, str]) -> None:
         stream = _stream(fd, fd != 0, unbuffered or bool(env.get("PYTHONUNBUFFERED")), encoding, errors)
         setattr(sys, name, stream)
         setattr(sys, f"__{name}__", stream)
+
+
+def _name_process(target: Target) -> None:
+    """Name the process as ``ps -o comm`` and ``top`` show it (the script's or module's name, or ``python``): its
+    command line is still the warm process's, which only a new interpreter could change."""
+    name = {"script": os.path.basename(target.value), "module": target.value}.get(target.kind, "python")
+    try:
+        libc = ctypes.CDLL(None, use_errno=True)
+        libc.prctl(PR_SET_NAME, name.encode()[:15], 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def _reseed() -> None:
@@ -196,6 +211,7 @@ def run_child(
         sys.argv = list(target.argv)
         sys.path[:] = [target.path0, *base_path]
         _reseed()
+        _name_process(target)
         gc.enable()  # the frozen import-time objects stay frozen: collections never touch (copy) their pages
     except BaseException:
         traceback.print_exc()
