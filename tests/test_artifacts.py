@@ -16,6 +16,7 @@ import select
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -340,6 +341,43 @@ def test_a_held_artifact_is_leased_and_republished_to_a_restarted_keeper(socket_
             proc.stdin.close()
             proc.wait(30)
         assert wait_until(lambda: [a.leases for a in cache.artifacts()] == [0])
+    finally:
+        for proc in holders:
+            if proc.poll() is None:
+                proc.kill()
+        keeper.terminate()
+        keeper.wait(30)
+
+
+def test_a_connection_that_holds_only_an_artifact_is_never_dropped_as_idle(socket_dir: Path) -> None:
+    """A connection whose only lease is an artifact's stays open past the keeper's idle timeout (as one holding
+    weights does): its artifact stays leased (a plain evict refuses it) and its holder never sees the keeper go
+    away. Before, the keeper counted only weight leases and dropped it after ``--idle-timeout``."""
+    keeper = start_keeper(socket_dir, "--idle-timeout", "0.5")
+    holders = []
+    try:
+        for action in ("put", "get"):
+            proc = subprocess.Popen(
+                [sys.executable, "-c", HOLDER, str(socket_dir), action, json.dumps(KEY.to_json())],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=subprocess.PIPE,
+                text=True,
+            )
+            holders.append(proc)
+            assert proc.stdout is not None
+            assert json.loads(proc.stdout.readline()) == {"held": True, "data": True}
+        time.sleep(2.5)  # five idle timeouts
+        cache = wc.Cache(socket_dir)
+        [info] = cache.artifacts()
+        assert info.leases == 2
+        with pytest.raises(wc.KeeperError, match="leased"):
+            cache.evict(info.key)
+        for proc in holders:
+            _, err = proc.communicate("", timeout=30)
+            assert proc.returncode == 0 and "went away" not in err, err
+        log = (socket_dir / "keeper.log").read_text() if (socket_dir / "keeper.log").exists() else ""
+        assert "idle, holding no lease: dropped" not in log
     finally:
         for proc in holders:
             if proc.poll() is None:

@@ -419,9 +419,9 @@ class Store:
                 held.leases.pop(conn, None)
 
     def holds(self, conn: int) -> bool:
-        """Whether ``conn`` leases any entry."""
+        """Whether ``conn`` leases any entry or artifact (the server never drops such a connection as idle)."""
         with self._lock:
-            return any(conn in e.leases for e in self._entries.values())
+            return any(conn in e.leases for e in self._held())
 
     def publishers(self, digest: str, placement: str) -> list[int]:
         """The uids that hold an entry for ``digest`` on ``placement``."""
