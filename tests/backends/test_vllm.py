@@ -149,6 +149,24 @@ def test_the_warm_process_starts_vllm_and_its_engine_process(tiny_llama: Path, s
         subprocess.run([*warm_cli, "warm", "stop", "--all"], env={**os.environ, **env}, capture_output=True)
 
 
+def test_an_engine_holding_its_compile_cache_is_never_dropped_as_idle(tiny_llama: Path, socket_dir: Path) -> None:
+    """An engine in mode daemon with torch.compile on holds its weights' lease on one connection and its compile
+    cache's on another; with the keeper's ``--idle-timeout`` at 1 s, neither is dropped while the engine lingers
+    (before, the artifact's connection was, every second, and the engine logged that the keeper went away)."""
+    serve = [sys.executable, "-m", "weightcache", "serve", "--detach", "--socket-dir", str(socket_dir)]
+    subprocess.run([*serve, "--idle-timeout", "1"], check=True, capture_output=True, timeout=60)
+    try:
+        extra = {"socket_dir": str(socket_dir), "mode": "daemon"}
+        spec = {"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": extra, "compile": True, "linger": 4}
+        daemon = run_vllm(spec, env={"VLLM_CACHE_ROOT": str(socket_dir.parent / "vllm-cache")})
+        assert daemon["compile"] and daemon["compile"][0]["published_bytes"] > 0, daemon["compile"]
+        assert "went away" not in daemon["log"]
+        log = (socket_dir / "keeper.log").read_text()
+        assert "idle, holding no lease: dropped" not in log, log[-3000:]
+    finally:
+        wc.Cache(socket_dir).stop(wait=30)
+
+
 def test_a_layout_setting_outside_the_identity_is_a_miss_naming_the_structure(
     tiny_llama: Path, socket_dir: Path
 ) -> None:

@@ -7,8 +7,8 @@ fail), max_tokens, table (write the model's parity table there), model_impl (vLL
 pretend_version (vLLM reports this version: a release outside the adapter's range), remove_api ([module, name]:
 that name is deleted from the module once vLLM has imported it, as if a release had moved it), dtype (vLLM's
 dtype, default "float32"), children (report the command line of each process the worker started, after the engine
-is up). The result also says whether vLLM was imported before the worker started (``preimported``: a warm
-process's child).
+is up), linger (seconds the engine stays up after generating, before it reports). The result also says whether
+vLLM was imported before the worker started (``preimported``: a warm process's child).
 """
 
 from __future__ import annotations
@@ -88,6 +88,10 @@ def main() -> None:
         "resident_after_load": after_load,
         "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "weightcache" in str(w.message)],
     }
+    if spec.get("linger"):  # the engine stays up, holding what it holds, before it reports
+        import time
+
+        time.sleep(spec["linger"])
     result["preimported"] = PREIMPORTED
     if spec.get("children"):
         result["children"] = children()
