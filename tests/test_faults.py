@@ -126,6 +126,40 @@ def test_a_stopped_keeper_is_not_respawned_but_a_new_one_gets_the_entries(checkp
         holder.close()
 
 
+def test_a_deliberate_stop_stays_a_stop_for_every_entry_point(checkpoint: Path, socket_dir: Path) -> None:
+    """After `weightcache stop` (or SIGTERM), nothing starts a keeper by itself: a new engine in mode daemon loads
+    from disk with a FallbackWarning that says the keeper was stopped on purpose and how to start it (strict: that
+    error), `weightcache load` and `Cache(spawn=True)` refuse with the same words. `weightcache serve` starts one
+    again, and mode daemon publishes to it."""
+    keeper = start_keeper(socket_dir)
+    wc.Cache(socket_dir).stop()
+    keeper.wait(30)
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir), "mode": "daemon"}
+    engine = run_worker("attach", spec)
+    assert engine["source"] == "disk" and keeper_pid(socket_dir) is None
+    [warning] = engine["warnings"]  # FallbackWarnings only
+    assert "the keeper was stopped on purpose" in warning and "weightcache serve --detach --socket-dir" in warning
+    strict = run_worker("attach", {**spec, "strict": True})
+    assert strict["error"] == "KeeperUnavailable" and "the keeper was stopped on purpose" in strict["message"]
+    load = subprocess.run(
+        [sys.executable, "-m", "weightcache", "load", str(checkpoint), "--socket-dir", str(socket_dir)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert load.returncode == 1 and "the keeper was stopped on purpose" in load.stderr, load.stderr
+    with pytest.raises(wc.KeeperUnavailable, match="stopped on purpose"):
+        wc.Cache(socket_dir, spawn=True)
+    assert keeper_pid(socket_dir) is None
+    keeper = start_keeper(socket_dir)
+    try:
+        assert run_worker("attach", spec)["warnings"] == []
+        assert len(wc.Cache(socket_dir).entries()) == 1
+    finally:
+        keeper.terminate()
+        keeper.wait(30)
+
+
 def test_handle_closed_while_its_keeper_is_gone_is_not_republished(checkpoint: Path, socket_dir: Path) -> None:
     keeper = start_keeper(socket_dir)
     cache = wc.Cache(socket_dir)

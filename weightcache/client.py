@@ -62,6 +62,8 @@ from .rundir import (
     is_explicit,
     resolve_socket_dir,
     socket_path,
+    stopped_message,
+    stopped_on_purpose,
 )
 
 #: Seconds to wait for a spawned keeper to report readiness.
@@ -161,6 +163,10 @@ class KeeperConnection:
             sock = _connect_socket(path, CONNECT_TIMEOUT_S)
         except (FileNotFoundError, ConnectionRefusedError) as exc:
             what = "no socket" if isinstance(exc, FileNotFoundError) else "a stale socket (its keeper died)"
+            if stopped_on_purpose(directory):
+                raise KeeperUnavailable(
+                    f"no keeper is running at {path} ({what}): {stopped_message(directory)}"
+                ) from None
             raise KeeperUnavailable(
                 f"no keeper is running at {path} ({what}); start one with `weightcache serve`, or start an engine "
                 "in mode daemon, which starts one"
@@ -515,14 +521,18 @@ def ensure_keeper(
     """Make sure a keeper serves ``socket_dir``, spawning a detached one if none does. Returns the directory.
 
     Racing callers serialise on a file lock, so exactly one keeper is started; the keeper's own instance
-    lock backs this up for keepers started by hand. In our own shared directory the keeper is spawned for its
-    group again; in another user's, only that user can start one (KeeperUnavailable says so).
+    lock backs this up for keepers started by hand. Where the last keeper was stopped on purpose
+    (:func:`~weightcache.rundir.stopped_on_purpose`), none is spawned: KeeperUnavailable says how to start one.
+    In our own shared directory the keeper is spawned for its group again; in another user's, only that user can
+    start one (KeeperUnavailable says so).
     """
     explicit = is_explicit(socket_dir) if explicit is None else explicit
     directory = resolve_socket_dir(socket_dir)
     with contextlib.suppress(KeeperUnavailable):
         KeeperConnection.connect(directory, explicit=explicit).close()
         return directory
+    if stopped_on_purpose(directory):  # a deliberate stop stays a stop: only `weightcache serve` undoes it
+        raise KeeperUnavailable(stopped_message(directory))
     owner, group = check_socket_dir(directory, explicit=explicit) if os.path.lexists(directory) else (os.getuid(), None)
     if owner != os.getuid():
         raise KeeperUnavailable(

@@ -59,6 +59,7 @@ from .errors import (
 )
 from .fingerprint import Fingerprint, format_differences
 from .handle import Handle
+from .rundir import resolve_socket_dir, stopped_message, stopped_on_purpose
 
 if TYPE_CHECKING:
     from .loader import StoredTensor
@@ -232,6 +233,11 @@ def _daemon(request: Request, steps: Steps[T], start: float) -> T:
                 raise
             return _fallback(request, steps, f"the keeper is not responding ({exc})", start)
         except KeeperUnavailable:
+            directory = resolve_socket_dir(request.socket_dir)
+            if stopped_on_purpose(directory):  # a deliberate stop stays a stop: no keeper of our own
+                if request.strict:
+                    raise KeeperUnavailable(stopped_message(directory)) from None
+                return _fallback(request, steps, stopped_message(directory), start)
             no_keeper = True  # so nothing is cached
             handle = None
         except (UnsupportedQuantError, BindError, BackendError):

@@ -30,7 +30,6 @@ import select
 import threading
 import time
 import weakref
-from pathlib import Path
 
 import attrs
 
@@ -38,7 +37,7 @@ from .client import KeeperConnection, ensure_keeper
 from .errors import KeeperError, KeeperUnavailable, WeightCacheError
 from .lease import BaseLease
 from .protocol import close_fds
-from .rundir import STOPPED_NAME
+from .rundir import stopped_on_purpose
 
 log = logging.getLogger("weightcache.republish")
 
@@ -58,11 +57,6 @@ class _Watched:
     next_try: float = 0.0
     delay: float = FIRST_RETRY_S
     last_error: str | None = None
-
-
-def stopped_on_purpose(socket_dir: Path) -> bool:
-    """Whether the last keeper of ``socket_dir`` was stopped on request rather than crashing."""
-    return (socket_dir / STOPPED_NAME).exists()
 
 
 class Republisher:

@@ -235,5 +235,20 @@ def filesystem_problem(exc: OSError) -> str:
     return ""
 
 
+def stopped_on_purpose(socket_dir: Path) -> bool:
+    """Whether the last keeper of ``socket_dir`` was stopped on request (``weightcache stop``, SIGTERM) rather than
+    crashing: it left :data:`STOPPED_NAME`, which the next keeper that starts there removes."""
+    return (socket_dir / STOPPED_NAME).exists()
+
+
+def stopped_message(socket_dir: Path) -> str:
+    """What to say when something would start a keeper where one was stopped on purpose: it will not, and how to."""
+    return (
+        f"the keeper was stopped on purpose (`weightcache stop` or SIGTERM left {socket_dir / STOPPED_NAME}), and "
+        f"nothing starts it again by itself; start it: `weightcache serve --detach --socket-dir {socket_dir}` (or "
+        "its systemd unit)"
+    )
+
+
 def socket_path(socket_dir: Path) -> Path:
     return socket_dir / SOCKET_NAME

@@ -12,9 +12,10 @@ import os
 import sys
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
-from weightcache.warm import identity, launcher
+from weightcache.warm import identity, launcher, server
 from weightcache.warm.server import DEFAULT_IDLE_TIMEOUT_S
 from weightcache.warm.target import NotWarmable, default_preloads, resolve
 
@@ -92,6 +93,11 @@ def cmd_warm_stop(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_warm_serve(args: argparse.Namespace) -> int:
+    preloads = [p for spec in args.preload or () for p in spec.split(",") if p]
+    return server.serve(Path(args.dir), preloads, args.idle_timeout)
+
+
 def cmd_warm_ls(args: argparse.Namespace) -> int:
     directory = identity.warm_dir(args.socket_dir)
     found = _all_hellos(directory)
@@ -129,13 +135,13 @@ def add_commands(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
             help="a warm process this command starts exits after S seconds unused "
             f"(default {DEFAULT_IDLE_TIMEOUT_S:.0f})",
         )
-        p.add_argument("cmd", nargs=argparse.REMAINDER, help="-- CMD [ARGS...]")
+        p.add_argument("cmd", nargs=argparse.REMAINDER, help="the command and its arguments, after --")
 
-    p = add("run", "start a command from its warm, pre-imported process (or directly): weightcache run -- CMD ...")
+    p = add("run", "start a command from its warm, pre-imported process, or directly when there is none")
     common(p)
     p.set_defaults(func=cmd_run)
 
-    p = add("warm", "manage warm processes: start (and wait), stop, ls")
+    p = add("warm", "manage warm processes: start one and wait, list them, stop them, or serve one")
     sub = p.add_subparsers(dest="warm_command", required=True)
 
     def socket_dir(s: argparse.ArgumentParser) -> None:  # after the subcommand too, never clobbering one before it
@@ -151,6 +157,11 @@ def add_commands(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     common(s)
     socket_dir(s)
     s.set_defaults(func=cmd_warm_stop)
+    s = sub.add_parser("serve", help="run a warm process in the foreground (what run and start spawn)")
+    s.add_argument("--dir", required=True, help="its directory (<socket dir>/warm)")
+    s.add_argument("--preload", action="append", metavar="MODULE[:ATTR]", help="what it imports (repeatable)")
+    s.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S, metavar="S", help="exit when unused")
+    s.set_defaults(func=cmd_warm_serve)
     s = sub.add_parser("ls", help="list the running warm processes")
     s.add_argument("--json", action="store_true")
     socket_dir(s)

@@ -28,11 +28,11 @@ from weightcache.client import KeeperConnection
 from weightcache.manifest import SegmentInfo
 from weightcache.rundir import (
     MAX_SOCKET_PATH,
-    STOPPED_NAME,
     check_socket_dir,
     is_explicit,
     resolve_socket_dir,
     socket_path,
+    stopped_on_purpose,
 )
 from weightcache.segments.cuda_vmm import CudaVmmSegment, CudaVmmTransport, placement_of, read_only_mappings
 from weightcache.segments.memfd import MemfdSegment, MemfdTransport
@@ -233,14 +233,18 @@ def _keeper(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
     try:
         conn = KeeperConnection.connect(socket_dir)
     except wc.KeeperUnavailable as exc:
-        stopped = (directory / STOPPED_NAME).exists()
-        why = " (it was stopped on request)" if stopped else ""
+        stopped = stopped_on_purpose(directory)
+        starts = (
+            "engines in mode daemon do not start one after a deliberate stop"
+            if stopped
+            else ("or an engine in mode daemon starts one")
+        )
         yield Check(
             "keeper",
             "warn",
-            f"{exc}{why}",
-            "nothing is cached until one runs: `weightcache serve --detach`, or an engine in mode daemon starts "
-            "one; mode client falls back to disk meanwhile",
+            str(exc),
+            f"nothing is cached until one runs: `weightcache serve --detach` ({starts}); mode client falls back to "
+            "disk meanwhile",
         )
         return
     except wc.SocketDirError:

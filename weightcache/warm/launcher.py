@@ -126,8 +126,8 @@ def spawn(directory: Path, preloads: Sequence[str], idle_timeout: float = DEFAUL
     """
     slot = identity.slot(sys.executable, preloads)
     log = directory / f"{slot}.log"
-    argv = [sys.executable, "-m", "weightcache.warm", "--dir", str(directory), "--idle-timeout", str(idle_timeout)]
-    argv += [f"--preload={p}" for p in preloads]
+    argv = [sys.executable, "-m", "weightcache", "warm", "serve", "--dir", str(directory)]
+    argv += ["--idle-timeout", str(idle_timeout), *(f"--preload={p}" for p in preloads)]
     log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         first = os.fork()

@@ -1,4 +1,4 @@
-"""The warm process: imports an engine once, then forks each start of it from that image.
+"""The warm process: imports an engine once, then forks each start of it from that image (``weightcache warm serve``).
 
 One process per slot (:mod:`weightcache.warm.identity`): it takes the slot's lock (a second one exits at once),
 imports its preloads, and checks that nothing created a CUDA context (a context does not survive ``fork()``; if one
@@ -27,7 +27,6 @@ torch (if imported) whether CUDA is initialised through ``sys.modules``.
 
 from __future__ import annotations
 
-import argparse
 import fcntl
 import gc
 import importlib
@@ -380,18 +379,15 @@ class WarmServer:
         self.last_active = time.monotonic()
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``python -m weightcache.warm --dir D --preload M ...``: run one warm process (see the module docstring)."""
-    parser = argparse.ArgumentParser(prog="python -m weightcache.warm")
-    parser.add_argument("--dir", required=True, help="the warm directory (<socket dir>/warm)")
-    parser.add_argument("--preload", action="append", default=[])
-    parser.add_argument("--idle-timeout", type=float, default=DEFAULT_IDLE_TIMEOUT_S)
-    args = parser.parse_args(argv)
+def serve(directory: Path, preloads: Sequence[str], idle_timeout: float = DEFAULT_IDLE_TIMEOUT_S) -> int:
+    """Run one warm process in this process (``weightcache warm serve``, which :func:`~weightcache.warm.launcher.spawn`
+    starts detached): take the slot, import, serve until stopped or idle; its exit status (0, or 2 with the reason
+    in the log on stderr)."""
     gc.disable()  # import-time objects are frozen before the first fork, never collected here
     # torch.cuda.is_available() in a preload must not initialise the driver (which no forked child could use):
     # torch then asks NVML instead. Children get the launcher's environment, not this one.
     os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
-    server = WarmServer(Path(args.dir), sys.executable, args.preload, args.idle_timeout)
+    server = WarmServer(directory, sys.executable, preloads, idle_timeout)
     log = sys.stderr
     if not server.take_slot():
         print(f"warm: slot {server.slot} is served already; exiting", file=log, flush=True)
@@ -416,4 +412,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["DEFAULT_IDLE_TIMEOUT_S", "WarmServer", "cuda_initialized", "import_preloads", "main"]
+__all__ = ["DEFAULT_IDLE_TIMEOUT_S", "WarmServer", "cuda_initialized", "import_preloads", "serve"]
