@@ -142,7 +142,7 @@ def add_commands(add: Callable[[str, str], argparse.ArgumentParser]) -> None:
     p.set_defaults(func=cmd_run)
 
     p = add("warm", "manage warm processes: start one and wait, list them, stop them, or serve one")
-    sub = p.add_subparsers(dest="warm_command", required=True)
+    sub = p.add_subparsers(dest="warm_command", required=True, help="start, ls, stop or serve")
 
     def socket_dir(s: argparse.ArgumentParser) -> None:  # after the subcommand too, never clobbering one before it
         s.add_argument("--socket-dir", default=argparse.SUPPRESS, help="as for weightcache warm")
