@@ -11,6 +11,7 @@ import json
 import re
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -252,3 +253,40 @@ def test_gpu_segments_are_large_when_the_weights_come_from_host_memory() -> None
     assert default_segment_bytes("GPU-x", sizes) == 1 << 30
     assert default_segment_bytes("GPU-x", sizes, from_host=True) == STREAM_SEGMENT_BYTES == 16 << 30
     assert default_segment_bytes("cpu", sizes, from_host=True) == 8 << 30
+
+
+def test_the_kill_switch_turns_off_every_entry_point(
+    checkpoint: Path, socket_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``WEIGHTCACHE_MODE=off`` is one switch for everything, as it is for the engines: ``attach`` in any mode
+    loads from disk without asking the keeper (no warning, ``strict`` does not apply), ``compile_cache`` neither
+    loads nor publishes (its miss reason says why), and ``weightcache load`` says it is off and publishes nothing."""
+    keeper = start_keeper(socket_dir)
+    try:
+        published = wc.attach(meta_model(**model_kwargs(checkpoint)), checkpoint, mode="daemon", socket_dir=socket_dir)
+        published.close()
+        monkeypatch.setenv("WEIGHTCACHE_MODE", "off")
+        for mode in ("daemon", "client"):
+            with warnings.catch_warnings():
+                warnings.simplefilter("error")  # no FallbackWarning
+                model = meta_model(**model_kwargs(checkpoint))
+                handle = wc.attach(model, checkpoint, mode=mode, socket_dir=socket_dir, strict=True)
+            assert handle.source == "disk" and torch.equal(model(INPUT_IDS), reference_output(checkpoint))
+        [entry] = wc.Cache(socket_dir).entries()
+        assert entry.leases == 0  # nobody attached it while switched off
+        with wc.compile_cache(handle.fingerprint, socket_dir=socket_dir) as compiled:
+            pass
+        assert compiled.stats.miss_reason == "WEIGHTCACHE_MODE=off" and compiled.stats.published_bytes == 0
+        assert wc.Cache(socket_dir).artifacts() == []
+        wc.Cache(socket_dir).evict(entry.digest)
+        load = subprocess.run(
+            [sys.executable, "-m", "weightcache", "load", str(checkpoint), "--socket-dir", str(socket_dir)],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
+        assert load.returncode == 1 and "WEIGHTCACHE_MODE=off" in load.stderr, load.stderr
+        assert wc.Cache(socket_dir).entries() == []
+    finally:
+        stop_keeper(socket_dir)
+        keeper.wait(30)

@@ -16,10 +16,10 @@ from torch import nn
 
 from . import loaders
 from .binding import bind, check_fit
-from .errors import InvalidArgument
+from .errors import InvalidArgument, WeightCacheError
 from .fingerprint import Fingerprint, placement_of
 from .handle import Handle
-from .pipeline import Mode, Request, Steps, pause_collector, resume_collector, run
+from .pipeline import SWITCH_ENV, Mode, Request, Steps, pause_collector, resume_collector, run, switched_off
 from .rundir import resolve_user
 from .torch_dtypes import convertible, resolve_dtype
 
@@ -145,7 +145,8 @@ def preload(
     start, for ``weightcache load`` and deployment scripts. The arguments mean what they mean for
     :func:`attach`, so the entry is the one ``attach`` with the same arguments finds.
 
-    Returns the attached Handle (``read_disk`` False when the keeper already held the entry); close it to
+    Raises WeightCacheError where ``WEIGHTCACHE_MODE=off`` switched weightcache off. Returns the attached Handle
+    (``read_disk`` False when the keeper already held the entry); close it to
     leave the entry unleased in the keeper. Publishing is strict: a refused budget or a failed allocation raises
     (BudgetExceeded, SegmentError, ...), since there is no engine to serve the loaded weights to.
 
@@ -153,6 +154,11 @@ def preload(
         digests: record a SHA-256 per tensor (what :meth:`Handle.verify` checks); default True.
         max_segment_bytes: largest segment (default: :func:`weightcache.publish.default_segment_bytes`).
     """
+    if switched_off():
+        raise WeightCacheError(
+            f"weightcache is switched off here ({SWITCH_ENV}=off in the environment): nothing was read or "
+            f"published; unset {SWITCH_ENV} to load into the keeper"
+        )
     dev, torch_dtype, fingerprint = _identify(checkpoint, device, dtype, quant, quant_config, parallel, transform)
     steps = CheckpointSteps(checkpoint, dev, torch_dtype, transform, progress)
     request = Request(fingerprint, "daemon", True, socket_dir, progress, digests, max_segment_bytes, quant_config)

@@ -67,6 +67,18 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("weightcache")
 
+#: The kill switch, read at every start (not at import or registration): ``off`` turns weightcache off for every
+#: entry point: :func:`run` serves the caller's own disk load (``attach`` and the engine adapters, whatever mode they
+#: were given; no warning, ``strict`` does not apply), ``preload`` (``weightcache load``) refuses, and
+#: ``compile_cache`` neither loads nor publishes. The engine adapters also take ``daemon`` or ``client`` from it.
+SWITCH_ENV = "WEIGHTCACHE_MODE"
+
+
+def switched_off() -> bool:
+    """Whether the operator turned weightcache off (``WEIGHTCACHE_MODE=off``)."""
+    return os.environ.get(SWITCH_ENV, "").strip() == "off"
+
+
 Mode = Literal["off", "daemon", "client"]
 MODES: tuple[Mode, ...] = ("off", "daemon", "client")
 T = TypeVar("T")
@@ -158,9 +170,9 @@ def run(request: Request, steps: Steps[T]) -> T:
     mode = check_mode(request.mode)
     steps.fingerprint = request.fingerprint
     start = time.perf_counter()
-    if mode == "off":
+    if mode == "off" or switched_off():
         result = steps.serve_disk(None)
-        _report(request, "off", start)
+        _report(request, "off", start, reason="" if mode == "off" else f"{SWITCH_ENV}=off")
         return result
     # Paused from here to the keeper's answer (and through serving a hit): nothing is allocated before.
     enabled = pause_collector()

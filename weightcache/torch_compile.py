@@ -53,6 +53,7 @@ from .cache import Cache, weights_digest
 from .errors import WeightCacheError
 from .fingerprint import Fingerprint
 from .handle import Handle
+from .pipeline import SWITCH_ENV, switched_off
 
 log = logging.getLogger("weightcache.artifacts")
 
@@ -332,6 +333,9 @@ class CompileCache:
         Starts counting torch's cache hits and misses."""
         self._counters = _counter_totals()
         self._started = time.time() - 1.0  # mtimes have coarse clocks on some file systems
+        if switched_off():
+            self.stats = attrs.evolve(self.stats, miss_reason=f"{SWITCH_ENV}=off")
+            return False
         found = self.cache.open_artifact(self.fingerprint, self.key)
         if found is not None and found.info.publisher != os.getuid():
             # An artifact is code (pickles, shared libraries): only this user's own are ever loaded.
@@ -393,7 +397,7 @@ class CompileCache:
         Returns the artifact published (held while this CompileCache is), or None (nothing to publish, all hits,
         or the keeper refused it: logged)."""
         stats = self.update_counts()
-        if not force and stats.source == "keeper" and stats.misses == 0:
+        if switched_off() or (not force and stats.source == "keeper" and stats.misses == 0):
             return None
         saved = torch.compiler.save_cache_artifacts()
         if saved is None:

@@ -57,6 +57,7 @@ from ..errors import (
 )
 from ..fingerprint import Fingerprint
 from ..handle import Handle
+from ..pipeline import SWITCH_ENV
 from ..rundir import resolve_user
 from ..structure import structure_digest
 from .engine_config import QuantSpec, device_spec
@@ -66,9 +67,10 @@ from .releases import ReleaseRange
 EngineMode = Literal["daemon", "client"]
 ENGINE_MODES: tuple[EngineMode, ...] = ("daemon", "client")
 
-#: The kill switch, read at every load (not at registration, so the load format stays valid): ``off`` makes every
-#: engine adapter the engine's own loader; ``daemon`` or ``client`` overrides the mode the launch command gave.
-MODE_ENV = "WEIGHTCACHE_MODE"
+#: The kill switch (:data:`weightcache.pipeline.SWITCH_ENV`), read at every load (not at registration, so the load
+#: format stays valid): ``off`` makes every engine adapter the engine's own loader; ``daemon`` or ``client``
+#: overrides the mode the launch command gave.
+MODE_ENV = SWITCH_ENV
 
 
 @attrs.frozen
