@@ -402,7 +402,7 @@ def test_publishing_an_existing_entry_takes_a_lease(
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to give a directory to another group")
 def test_spawning_in_own_shared_directory_keeps_it_shared(socket_dir: Path) -> None:
     first = start_keeper(socket_dir, "--allow-group", "4242")
-    first.terminate()
+    first.kill()  # a crash: after a deliberate stop nothing starts a keeper by itself
     first.wait(10)
     ensure_keeper(socket_dir)  # e.g. mode daemon, or a client re-publishing after a crash
     sock = os.stat(socket_dir / "keeper.sock")
@@ -432,9 +432,11 @@ def test_an_idle_connection_without_a_lease_is_dropped(socket_dir: Path) -> None
 
 
 def _fingerprint() -> dict:
+    """A real fingerprint's JSON (of a checkpoint made for it and removed again: only the JSON is used)."""
     from conftest import make_checkpoint
 
-    return wc.Fingerprint.create(make_checkpoint(tempfile.mkdtemp(prefix="wc-ckpt-"))).to_json()
+    with tempfile.TemporaryDirectory(prefix="wc-ckpt-") as directory:
+        return wc.Fingerprint.create(make_checkpoint(directory)).to_json()
 
 
 def test_a_peer_must_read_a_reply_before_its_next_request(socket_dir: Path, keeper: subprocess.Popen[bytes]) -> None:
