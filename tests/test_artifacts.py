@@ -309,20 +309,27 @@ artifact.close()
 """
 
 
+def start_holders(socket_dir: Path, holders: list[subprocess.Popen[str]]) -> None:
+    """Two processes holding the artifact of KEY, one that published it and one that got it (appended to
+    ``holders`` as each starts, so that the caller can end them whatever happens); returns once both hold it."""
+    for action in ("put", "get"):
+        proc = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(socket_dir), action, json.dumps(KEY.to_json())],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        holders.append(proc)
+        assert proc.stdout is not None
+        assert json.loads(proc.stdout.readline()) == {"held": True, "data": True}
+
+
 def test_a_held_artifact_is_leased_and_republished_to_a_restarted_keeper(socket_dir: Path) -> None:
     keeper = start_keeper(socket_dir)
-    holders = []
+    holders: list[subprocess.Popen[str]] = []
     try:
-        for action in ("put", "get"):
-            proc = subprocess.Popen(
-                [sys.executable, "-c", HOLDER, str(socket_dir), action, json.dumps(KEY.to_json())],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                text=True,
-            )
-            holders.append(proc)
-            assert proc.stdout is not None
-            assert json.loads(proc.stdout.readline()) == {"held": True, "data": True}
+        start_holders(socket_dir, holders)
         cache = wc.Cache(socket_dir)
         [info] = cache.artifacts()
         assert info.leases == 2 and {pid for pid, _ in info.holders} == {p.pid for p in holders}
@@ -354,19 +361,9 @@ def test_a_connection_that_holds_only_an_artifact_is_never_dropped_as_idle(socke
     weights does): its artifact stays leased (a plain evict refuses it) and its holder never sees the keeper go
     away. Before, the keeper counted only weight leases and dropped it after ``--idle-timeout``."""
     keeper = start_keeper(socket_dir, "--idle-timeout", "0.5")
-    holders = []
+    holders: list[subprocess.Popen[str]] = []
     try:
-        for action in ("put", "get"):
-            proc = subprocess.Popen(
-                [sys.executable, "-c", HOLDER, str(socket_dir), action, json.dumps(KEY.to_json())],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            holders.append(proc)
-            assert proc.stdout is not None
-            assert json.loads(proc.stdout.readline()) == {"held": True, "data": True}
+        start_holders(socket_dir, holders)
         time.sleep(2.5)  # five idle timeouts
         cache = wc.Cache(socket_dir)
         [info] = cache.artifacts()

@@ -106,24 +106,24 @@ def program(tmp_path: Path) -> Path:
     return tmp_path / "prog.py"
 
 
+def both(
+    command: list[str], cwd: Path, env: dict[str, str], stdin: str = ""
+) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
+    """``command`` started directly, then through ``weightcache run --preload torch``, in ``cwd``."""
+    direct, warm = (
+        subprocess.run(
+            [*launcher, *command], cwd=cwd, env=env, input=stdin, capture_output=True, text=True, timeout=120
+        )
+        for launcher in ([], cli("run", "--preload", "torch", "--"))
+    )
+    return direct, warm
+
+
 def run_both(
     program: Path, env: dict[str, str], *args: str, stdin: str = "", extra: dict[str, str] | None = None
 ) -> tuple[subprocess.CompletedProcess[str], subprocess.CompletedProcess[str]]:
     """The program started directly and through ``weightcache run``, from its directory, with ``args``."""
-    both = []
-    for launcher in ([], [*cli("run", "--preload", "torch", "--")]):
-        both.append(
-            subprocess.run(
-                [*launcher, sys.executable, program.name, *args],
-                cwd=program.parent,
-                env={**env, **(extra or {})},
-                input=stdin,
-                capture_output=True,
-                text=True,
-                timeout=120,
-            )
-        )
-    return both[0], both[1]
+    return both([sys.executable, program.name, *args], program.parent, {**env, **(extra or {})}, stdin)
 
 
 def test_a_forked_torch_program_sees_what_a_direct_start_gives_it(
@@ -155,15 +155,7 @@ def test_module_code_and_console_script_forms(tmp_path: Path, env: dict[str, str
         [str(console_script()), "--version"],
     ]
     for command in probes:
-        direct = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=60)
-        warm = subprocess.run(
-            [*cli("run", "--preload", "torch", "--"), *command],
-            cwd=tmp_path,
-            env=env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        direct, warm = both(command, tmp_path, env)
         assert warm.returncode == direct.returncode == 0, (command, direct.stderr, warm.stderr)
         assert warm.stderr == "", warm.stderr  # no fallback line: the warm process ran it
         if command[1] == "-c":
@@ -200,16 +192,7 @@ def test_what_the_command_spawns_comes_from_the_warm_process_too(
     already imported; its parent is the warm process), through multiprocessing's own pipes, and its parent sees it
     as a spawned process of its own: its result, its exit code."""
     (tmp_path / "spawner.py").write_text(SPAWNER)
-    command = [sys.executable, "spawner.py"]
-    direct = subprocess.run(command, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=120)
-    warm = subprocess.run(
-        [*cli("run", "--preload", "torch", "--"), *command],
-        cwd=tmp_path,
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    direct, warm = both([sys.executable, "spawner.py"], tmp_path, env)
     assert direct.returncode == warm.returncode == 0, (direct.stderr, warm.stderr)
     assert direct.stdout == "False True [] 5\n"
     assert warm.stdout == "True False [] 5\n" and warm.stderr == "", warm.stderr

@@ -170,12 +170,18 @@ def run(request: Request, steps: Steps[T]) -> T:
     mode = check_mode(request.mode)
     steps.fingerprint = request.fingerprint
     start = time.perf_counter()
-    if mode == "off" or switched_off():
+    if mode == "off":
         result = steps.serve_disk(None)
-        _report(request, "off", start, reason="" if mode == "off" else f"{SWITCH_ENV}=off")
+        _report(request, "off", start)
         return result
-    # Paused from here to the keeper's answer (and through serving a hit): nothing is allocated before.
+    # Paused from here to the keeper's answer (and through serving a hit): nothing is allocated before (reading the
+    # switch raises and catches a KeyError when it is unset).
     enabled = pause_collector()
+    if switched_off():
+        resume_collector(enabled)
+        result = steps.serve_disk(None)
+        _report(request, "off", start, reason=f"{SWITCH_ENV}=off")
+        return result
     try:
         quant_registry.get(request.fingerprint.quant).check(request.quant_config)
         fingerprint = steps.complete(request.fingerprint)

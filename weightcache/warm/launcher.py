@@ -251,30 +251,55 @@ def _request(target: Target, env: Mapping[str, str], cwd: str, numbers: Sequence
     }
 
 
-def _wait(sock: socket.socket, pid: int) -> int:
-    """Forward signals to the command until the warm process says it exited; its status (or this process dies of
-    its signal)."""
+class _Forwarder:
+    """Forwards the launcher's signals to the command. Installed before the request is sent, so that a signal that
+    arrives between the fork and the reply is held, then delivered once the command's pid is known, instead of
+    killing the launcher (and with it the command)."""
 
-    def forward(signum: int, _frame: object) -> None:
+    def __init__(self) -> None:
+        self.pid = 0
+        self.pending: list[int] = []
+
+    def __enter__(self) -> _Forwarder:
+        for signum in FORWARDED:
+            signal.signal(signum, self._forward)
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum in FORWARDED:
+            signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
+
+    def started(self, pid: int) -> None:
+        self.pid = pid
+        for signum in self.pending:
+            self._deliver(signum)
+        self.pending.clear()
+
+    def _forward(self, signum: int, _frame: object) -> None:
+        if self.pid:
+            self._deliver(signum)
+        else:
+            self.pending.append(signum)
+
+    def _deliver(self, signum: int) -> None:
         try:
             if signum in GROUP_SIGNALS:
-                os.killpg(pid, signum)
+                os.killpg(self.pid, signum)
             else:
-                os.kill(pid, signum)
+                os.kill(self.pid, signum)
         except ProcessLookupError:
             pass
 
-    for signum in FORWARDED:
-        signal.signal(signum, forward)
+
+def _wait(sock: socket.socket, pid: int) -> int:
+    """Wait (forwarding signals) until the warm process says the command exited; its status (or this process dies
+    of its signal)."""
     try:
         reply, extra = protocol.recv_frame(sock, idle_timeout=None, max_fds=0)
         protocol.close_fds(extra)
     except (ProtocolError, OSError) as exc:
         note(f"the warm process went away while the command (pid {pid}) ran ({exc}); its exit status is lost")
         return 1
-    finally:
-        for signum in FORWARDED:
-            signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
     if "signal" in reply:
         died_of = int(reply["signal"])
         if died_of not in (signal.SIGKILL, signal.SIGSTOP):  # the two whose disposition cannot be set
@@ -333,15 +358,22 @@ def start(path: Path, target: Target, env: Mapping[str, str], cwd: str, fallback
     except (WarmUnavailable, OSError) as exc:
         note(f"{exc}; starting the command directly")
         return fallback(str(exc))
+    refused: WarmUnavailable | None = None
     with sock:
-        try:
-            started = ask(sock, _request(target, env, cwd, [n for n, _ in fds]), [fd for _, fd in fds])
-        except WarmUnavailable as exc:
-            note(f"{exc}; starting the command directly")
-            return fallback(str(exc))
-        finally:
-            protocol.close_fds([fd for number, fd in fds if fd != number])
-        return _wait(sock, int(started["pid"]))
+        with _Forwarder() as forwarder:
+            try:
+                started = ask(sock, _request(target, env, cwd, [n for n, _ in fds]), [fd for _, fd in fds])
+            except WarmUnavailable as exc:
+                refused = exc
+            finally:
+                protocol.close_fds([fd for number, fd in fds if fd != number])
+            if refused is None:
+                forwarder.started(int(started["pid"]))
+                return _wait(sock, forwarder.pid)
+        for signum in forwarder.pending:  # what a direct start would have received before it ran: now, to us
+            os.kill(os.getpid(), signum)
+        note(f"{refused}; starting the command directly")
+        return fallback(str(refused))
 
 
 __all__ = [
