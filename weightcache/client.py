@@ -168,8 +168,8 @@ class KeeperConnection:
                     f"no keeper is running at {path} ({what}): {stopped_message(directory)}"
                 ) from None
             raise KeeperUnavailable(
-                f"no keeper is running at {path} ({what}); start one with `weightcache serve`, or start an engine "
-                "in mode daemon, which starts one"
+                f"no keeper is running at {path} ({what}); start one with `weightcache serve --detach --socket-dir "
+                f"{directory}`, or start an engine in mode daemon, which starts one"
             ) from None
         except OSError as exc:
             raise KeeperUnavailable(f"cannot connect to the keeper at {path}: {exc}") from exc
