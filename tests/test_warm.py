@@ -256,6 +256,20 @@ def test_the_command_dies_with_its_launcher(env: dict[str, str], warm_pid: int) 
     assert wait_until(lambda: process_gone(child), timeout=10)
 
 
+def test_the_warm_process_outlives_a_burst_of_commands_and_killed_launchers(env: dict[str, str], warm_pid: int) -> None:
+    """Twelve commands at once, every other launcher SIGKILLed as its command ends: the warm process keeps serving
+    (its events for a connection dropped, or a child reaped, earlier in the same wake-up are stale, not fatal)."""
+    launcher = [*cli("run", "--preload", "torch", "--"), sys.executable, "-c", "import time; time.sleep(0.3)"]
+    procs = [subprocess.Popen(launcher, env=env, stderr=subprocess.PIPE, text=True) for _ in range(12)]
+    time.sleep(0.3)
+    for proc in procs[::2]:
+        proc.kill()
+    for proc in procs:
+        proc.wait(60)
+    assert all(p.returncode == 0 for p in procs[1::2]), [p.stderr.read() for p in procs[1::2] if p.stderr]
+    assert hello(env, ("torch",))["pid"] == warm_pid and hello(env, ("torch",))["children"] == 0
+
+
 @pytest.mark.skipif(os.getuid() != 0, reason="needs root to act as a second uid")
 def test_another_uid_is_refused(env: dict[str, str]) -> None:
     """The socket sits 0600 in a 0700 directory; past both (opened up here on purpose, in a directory of its own

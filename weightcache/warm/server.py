@@ -214,12 +214,17 @@ class WarmServer:
             if not self.conns and not self.children and time.monotonic() - self.last_active > self.idle_timeout:
                 return
             for selected, _ in self.selector.select(timeout=1.0):
+                # An event of this batch may be stale: handling an earlier one can drop a connection or reap a
+                # child, and a new one can take its fd number.
                 if selected.fileobj is self.listener:
                     self._accept()
                 elif selected.data == "child":
-                    self._reap(selected.fd)
+                    if selected.fd in self.children:
+                        self._reap(selected.fd)
                 else:
-                    self._request(self.conns[selected.fd])
+                    conn = self.conns.get(selected.fd)
+                    if conn is not None and conn.sock is selected.fileobj:
+                        self._request(conn)
 
     def _accept(self) -> None:
         assert self.listener is not None
@@ -364,11 +369,14 @@ class WarmServer:
             self._drop(conn)
 
     def _reap(self, pidfd: int) -> None:
-        conn = self.children.pop(pidfd)
+        conn = self.children[pidfd]
+        pid, status = os.waitpid(conn.pid, os.WNOHANG)
+        if pid == 0:  # a stale event (its pidfd number reused by a child that still runs)
+            return
+        del self.children[pidfd]
         self.selector.unregister(pidfd)
         os.close(pidfd)
         conn.pidfd = -1
-        _, status = os.waitpid(conn.pid, 0)
         if os.WIFSIGNALED(status):
             reply: dict[str, Any] = {"op": "exited", "signal": os.WTERMSIG(status)}
         else:
