@@ -351,13 +351,20 @@ def test_missing_dead_or_switched_off_means_a_direct_start(tmp_path: Path, env: 
     own = {**env, "WEIGHTCACHE_DIR": str(tmp_path)}
     os.chmod(tmp_path, 0o700)
     command = [*cli("run", "--preload", "json", "--"), sys.executable, "-c", "import os; print(os.getppid())"]
-    first = subprocess.run(command, env=own, capture_output=True, text=True, timeout=60)
+    inherited, writer = os.pipe()  # an fd the launcher inherits (as from a supervisor): the command gets it,
+    try:  # the warm process it starts in the background must not keep it
+        first = subprocess.run(command, env=own, capture_output=True, text=True, timeout=60, pass_fds=(inherited,))
+    finally:
+        os.close(writer)
     assert first.returncode == 0 and int(first.stdout) == os.getpid()  # exec'd in the launcher's place
     assert "no warm process for this command yet; one is starting" in first.stderr
     assert wait_until(
         lambda: subprocess.run(command, env=own, capture_output=True, text=True, timeout=60).stderr == "", timeout=60
     )
     pid = hello(own, ("json",))["pid"]
+    pipe = os.readlink(f"/proc/self/fd/{inherited}")
+    os.close(inherited)
+    assert pipe not in [os.readlink(f"/proc/{pid}/fd/{fd}") for fd in os.listdir(f"/proc/{pid}/fd")]
     os.kill(pid, signal.SIGKILL)
     assert wait_until(lambda: process_gone(pid), timeout=10)
     after = subprocess.run(command, env=own, capture_output=True, text=True, timeout=60)

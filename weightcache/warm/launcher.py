@@ -139,6 +139,9 @@ def spawn(directory: Path, preloads: Sequence[str], idle_timeout: float = DEFAUL
                     os.dup2(null, 0)
                     os.dup2(log_fd, 1)
                     os.dup2(log_fd, 2)
+                    # nothing the launcher inherited (a supervisor's sockets, pipes) stays open in a process that
+                    # may outlive it by an hour
+                    os.closerange(3, os.sysconf("SC_OPEN_MAX"))
                     os.chdir("/")
                     os.execv(sys.executable, argv)
             finally:
