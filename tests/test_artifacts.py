@@ -309,6 +309,15 @@ artifact.close()
 """
 
 
+def end_holders(holders: list[subprocess.Popen[str]], keeper: subprocess.Popen[bytes]) -> None:
+    """Kill what :func:`start_holders` started and is still running, then stop ``keeper``."""
+    for proc in holders:
+        if proc.poll() is None:
+            proc.kill()
+    keeper.terminate()
+    keeper.wait(30)
+
+
 def start_holders(socket_dir: Path, holders: list[subprocess.Popen[str]]) -> None:
     """Two processes holding the artifact of KEY, one that published it and one that got it (appended to
     ``holders`` as each starts, so that the caller can end them whatever happens); returns once both hold it."""
@@ -349,11 +358,7 @@ def test_a_held_artifact_is_leased_and_republished_to_a_restarted_keeper(socket_
             proc.wait(30)
         assert wait_until(lambda: [a.leases for a in cache.artifacts()] == [0])
     finally:
-        for proc in holders:
-            if proc.poll() is None:
-                proc.kill()
-        keeper.terminate()
-        keeper.wait(30)
+        end_holders(holders, keeper)
 
 
 def test_a_connection_that_holds_only_an_artifact_is_never_dropped_as_idle(socket_dir: Path) -> None:
@@ -376,11 +381,7 @@ def test_a_connection_that_holds_only_an_artifact_is_never_dropped_as_idle(socke
         log = (socket_dir / "keeper.log").read_text() if (socket_dir / "keeper.log").exists() else ""
         assert "idle, holding no lease: dropped" not in log
     finally:
-        for proc in holders:
-            if proc.poll() is None:
-                proc.kill()
-        keeper.terminate()
-        keeper.wait(30)
+        end_holders(holders, keeper)
 
 
 def test_an_artifacts_reply_fd_counts_against_the_reply_shares(socket_dir: Path, checkpoint: Path) -> None:

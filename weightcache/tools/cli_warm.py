@@ -28,9 +28,14 @@ def _command(args: argparse.Namespace) -> list[str]:
     return command[1:] if command[:1] == ["--"] else command
 
 
+def _named(args: argparse.Namespace) -> tuple[str, ...]:
+    """The preloads ``--preload`` names (repeated, or comma-separated), in order."""
+    return tuple(p for spec in args.preload or () for p in spec.split(",") if p)
+
+
 def _preloads(args: argparse.Namespace, command: Sequence[str]) -> tuple[str, ...]:
     if args.preload:
-        return tuple(p for spec in args.preload for p in spec.split(",") if p)
+        return _named(args)
     if not command:
         raise SystemExit("weightcache warm: name the command it will start (-- CMD ...) or --preload MODULE")
     try:
@@ -41,9 +46,8 @@ def _preloads(args: argparse.Namespace, command: Sequence[str]) -> tuple[str, ..
 
 
 def cmd_run(args: argparse.Namespace) -> int:
-    preloads = [p for spec in args.preload or () for p in spec.split(",") if p]
     return launcher.run(
-        _command(args), socket_dir=args.socket_dir, preloads=preloads or None, idle_timeout=args.idle_timeout
+        _command(args), socket_dir=args.socket_dir, preloads=_named(args) or None, idle_timeout=args.idle_timeout
     )
 
 
@@ -94,8 +98,7 @@ def cmd_warm_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_warm_serve(args: argparse.Namespace) -> int:
-    preloads = [p for spec in args.preload or () for p in spec.split(",") if p]
-    return server.serve(Path(args.dir), preloads, args.idle_timeout)
+    return server.serve(Path(args.dir), _named(args), args.idle_timeout)
 
 
 def cmd_warm_ls(args: argparse.Namespace) -> int:
