@@ -12,6 +12,7 @@ import inspect
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -307,3 +308,31 @@ def test_the_snippets_of_a_page_run(page: str, tmp_path: Path, socket_dir: Path)
             run_snippet(reader, s)
     finally:
         reader.stop()
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on the CPU needs a C++ compiler")
+def test_the_compile_cache_snippet_hits_fully_from_its_second_run(tmp_path: Path, socket_dir: Path) -> None:
+    """docs/guides/pytorch.md's `compile_cache` block, exactly as written, run twice in fresh processes, each with
+    an empty inductor cache directory: the first compiles and publishes; the second loads every graph from the
+    keeper (torch's hits, no miss) and publishes nothing."""
+    [block] = [s for s in snippets("guides/pytorch.md") if "wc.compile_cache(" in s.code]
+    reader = Reader(tmp_path, socket_dir)
+    [model] = [s for s in snippets("quickstart.md") if s.marker == "file"]
+    (reader.cwd / model.arg).write_text(model.code)
+    reader.run(f"python {model.arg} save", "the quickstart's checkpoint")
+    script = reader.cwd / "compiled.py"
+    script.write_text(PRELUDE["guides/pytorch.md"] + "\n" + block.code)
+    try:
+        runs = []
+        for n in (1, 2):
+            reader.env["TORCHINDUCTOR_CACHE_DIR"] = str(tmp_path / f"inductor-{n}")
+            out = reader.run("python compiled.py", f"docs/guides/pytorch.md:{block.line}, run {n}")
+            runs.append(out.stdout)
+    finally:
+        reader.stop()
+    first, second = (re.search(r"CompileCacheStats\(.*\)", out) for out in runs)
+    assert first is not None and second is not None, runs
+    assert "source='none'" in first.group() and "published_bytes=0" not in first.group(), first.group()
+    assert "source='keeper'" in second.group() and "misses=0" in second.group(), second.group()
+    assert "hits=0" not in second.group() and "published_bytes=0" in second.group(), second.group()

@@ -6,8 +6,10 @@ The workers are benchmarks/compile_restart.py's (the benchmark of docs/benchmark
 
 from __future__ import annotations
 
+import hashlib
 import importlib.util
 import shutil
+import struct
 import subprocess
 import sys
 from pathlib import Path
@@ -15,7 +17,7 @@ from pathlib import Path
 import pytest
 
 import weightcache as wc
-from weightcache.torch_compile import KIND, compile_key, pack, unpack
+from weightcache.torch_compile import KIND, blob_info, compile_key, pack, unpack
 
 ROOT = Path(__file__).resolve().parent.parent
 _spec = importlib.util.spec_from_file_location("compile_restart", ROOT / "benchmarks" / "compile_restart.py")
@@ -24,6 +26,12 @@ compile_restart = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(compile_restart)
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on the CPU needs a C++ compiler")
+
+
+def shared_library(tail: bytes = b"") -> bytes:
+    """The first bytes of a 64-bit little-endian ELF shared object (e_type ET_DYN), then ``tail``."""
+    head = b"\x7fELF" + bytes([2, 1, 1, 0]) + bytes(8) + struct.pack("<H", 3)
+    return head + bytes(64 - len(head)) + tail
 
 
 def test_the_key_records_what_decides_validity(checkpoint: Path) -> None:
@@ -45,9 +53,13 @@ def test_the_key_records_what_decides_validity(checkpoint: Path) -> None:
 
 
 def test_the_blob_carries_the_bundle_and_only_kernel_paths() -> None:
-    blob = pack(b"bundle", {"ab/cabcdefgh12.main.so": b"elf", "cd/cxyzxyzxy.so": b""})
-    assert unpack(blob) == (b"bundle", {"ab/cabcdefgh12.main.so": b"elf", "cd/cxyzxyzxy.so": b""})
-    bad = pack(b"bundle", {"../../etc/cron.d/x.so": b"elf"})
+    elf = shared_library(b"code")
+    blob = pack(b"bundle", {"ab/cabcdefgh12.main.so": elf, "cd/cxyzxyzxy.so": shared_library()})
+    assert unpack(blob) == (b"bundle", {"ab/cabcdefgh12.main.so": elf, "cd/cxyzxyzxy.so": shared_library()})
+    assert blob_info(blob).generation == 0 and blob_info(blob).kernels == {"ab/cabcdefgh12.main.so", "cd/cxyzxyzxy.so"}
+    again = pack(b"bundle", {}, entries={"inductor": ["k2", "k1"]}, generation=1)
+    assert blob_info(again).entries == {"inductor": {"k1", "k2"}} and blob_info(again).generation == 1
+    bad = pack(b"bundle", {"../../etc/cron.d/x.so": elf})
     with pytest.raises(ValueError, match="no inductor kernel path"):
         unpack(bad)
     with pytest.raises(ValueError, match="accounts for"):
@@ -56,12 +68,41 @@ def test_the_blob_carries_the_bundle_and_only_kernel_paths() -> None:
         unpack(b"pickle-or-anything-else")
 
 
+@pytest.mark.parametrize(
+    "kernel",
+    [b"garbage" * 20, b"", shared_library()[:40], shared_library().replace(b"\x03\x00", b"\x02\x00", 1)],
+    ids=["garbage", "empty", "cut", "executable-not-library"],
+)
+def test_a_kernel_that_is_no_shared_library_is_a_miss_not_a_crash(
+    kernel: bytes, socket_dir: Path, checkpoint: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Issue 33, item 6: C++ kernels replaced by garbage were restored unchecked and the first compiled call
+    raised BackendCompilerFailed. Such a blob is refused before anything is written: a miss, and the next publish
+    replaces it."""
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+    with pytest.raises(ValueError, match="no shared library"):
+        unpack(pack(b"", {"ab/cabcdefgh12.so": kernel}))
+    fp = wc.Fingerprint.create(checkpoint)
+    cache = wc.Cache(socket_dir, spawn=True)
+    key = compile_key(fp)
+    cache.put_artifact(fp, key, pack(b"", {"ab/cabcdefgh12.so": kernel}))
+    with wc.compile_cache(fp, socket_dir=socket_dir) as cc:
+        pass
+    assert cc.stats.source == "none" and "no shared library" in str(cc.stats.miss_reason), cc.stats
+    assert not (tmp_path / "inductor" / "ab").exists()  # nothing of the blob was written
+
+
 def test_no_keeper_or_a_foreign_blob_only_means_compiling(socket_dir: Path, checkpoint: Path) -> None:
     fp = wc.Fingerprint.create(checkpoint)
     with wc.compile_cache(fp, socket_dir=socket_dir) as cc:  # no keeper: a miss, nothing raised
         pass
     assert cc.stats.source == "none" and cc.stats.published_bytes == 0
-    wc.Cache(socket_dir, spawn=True).put_artifact(fp, cc.key, b"not a torch.compile artifact")
+    assert str(cc.stats.miss_reason).startswith("no keeper"), cc.stats.miss_reason  # the real cause
+    cache = wc.Cache(socket_dir, spawn=True)
+    with wc.compile_cache(fp, socket_dir=socket_dir) as empty:
+        pass
+    assert f"no {KIND} artifact for weights {fp.digest[:12]}" in str(empty.stats.miss_reason), empty.stats
+    cache.put_artifact(fp, cc.key, b"not a torch.compile artifact")
     with wc.compile_cache(fp, socket_dir=socket_dir) as again:
         assert again.stats.source == "none" and "could not be loaded" in str(again.stats.miss_reason)
 
@@ -94,6 +135,17 @@ def test_a_fresh_process_with_an_empty_cache_dir_gets_every_graph_from_the_keepe
     assert second["counters"]["aot_autograd"].get("autograd_cache_miss", 0) == 0
     assert stats["kernels_restored"] > 0 and stats["published_bytes"] == 0
     assert second["logits_sha256"] == first["logits_sha256"]
+
+    # Garbage at the key (published by this uid, its SHA-256 intact) is a miss, and the next good publish
+    # replaces it: the keeper used to keep the first blob of a key, and every later start compiled cold.
+    good = cache.get_artifact(first["weights"], artifact.artifact_key)
+    assert good is not None
+    cache.put_artifact(first["weights"], artifact.artifact_key, b"garbage", replace=hashlib.sha256(good).hexdigest())
+    mended = run("c")
+    assert mended["stats"]["source"] == "none" and "could not be loaded" in mended["stats"]["miss_reason"], mended
+    assert mended["stats"]["published_bytes"] > 0
+    again = cache.get_artifact(first["weights"], artifact.artifact_key)
+    assert again is not None and again != b"garbage" and unpack(again)[0]
 
     third = run("b", options={"epilogue_fusion": False})  # another compile option: another key
     assert third["stats"]["source"] == "none" and third["stats"]["misses"] > 0, third

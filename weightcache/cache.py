@@ -32,6 +32,9 @@ if TYPE_CHECKING:  # packing is imported when something is published: an attach 
     from .loader import StoredTensor
     from .publish import Packed
 
+#: How a miss reason begins when the keeper was there but failed to answer (logged as a warning).
+KEEPER_FAILED = "the keeper failed to answer"
+
 log = logging.getLogger("weightcache.artifacts")
 
 
@@ -74,6 +77,8 @@ class Cache:
         # (weights, artifact key digest) -> SHA-256 of an artifact found corrupt: the next put of that key
         # replaces it (otherwise the keeper would keep the corrupt one and answer every later get with it).
         self._corrupt: dict[tuple[str, str], str] = {}
+        # (weights, artifact key digest) -> why the last get or open of that artifact found nothing.
+        self._misses: dict[tuple[str, str], str] = {}
 
     def _connect(self) -> KeeperConnection:
         return KeeperConnection.connect(self.socket_dir)
@@ -181,33 +186,43 @@ class Cache:
         found = self._fetch(fingerprint, key, hold=True)
         return found.artifact if found is not None else None
 
+    def miss_reason(self, fingerprint: Fingerprint | str, key: ArtifactKey) -> str | None:
+        """Why the last :meth:`get_artifact` or :meth:`open_artifact` of this Cache for ``fingerprint`` and ``key``
+        found nothing (``"no keeper: ..."``, ``"no torch.compile artifact for weights ... and this key"``, ``"the
+        keeper failed to answer: ..."``, a corrupt blob), or None after a hit or before any."""
+        return self._misses.get((weights_digest(fingerprint), key.digest))
+
     def _fetch(self, fingerprint: Fingerprint | str, key: ArtifactKey, *, hold: bool) -> Fetched | None:
         weights = weights_digest(fingerprint)
+        miss = self._get(weights, key, hold=hold)
+        if isinstance(miss, artifact_ops.Miss):
+            self._misses[(weights, key.digest)] = miss.reason
+            if miss.corrupt is not None:
+                self._corrupt[(weights, key.digest)] = miss.corrupt
+            serious = miss.corrupt is not None or miss.reason.startswith(KEEPER_FAILED)
+            (log.warning if serious else log.info)("weightcache: %s artifact miss: %s", key.kind, miss.reason)
+            return None
+        self._misses.pop((weights, key.digest), None)
+        log.info(
+            "weightcache: %s artifact hit: %s (%d bytes, publisher uid %d)",
+            key.kind,
+            miss.info.key[:24],
+            miss.info.bytes,
+            miss.info.publisher,
+        )
+        return miss
+
+    def _get(self, weights: str, key: ArtifactKey, *, hold: bool) -> Fetched | artifact_ops.Miss:
         conn = artifact_ops.connect_or_miss(self.socket_dir)
         if isinstance(conn, artifact_ops.Miss):
-            log.info("weightcache: %s artifact miss: %s", key.kind, conn.reason)
-            return None
+            return conn
         try:
             found = artifact_ops.get(conn, weights, key, trust=self.trust(conn), hold=hold, respawn=self.respawn)
         except (WeightCacheError, OSError) as exc:
             conn.close()
-            log.warning("weightcache: %s artifact miss: the keeper failed to answer: %s", key.kind, exc)
-            return None
-        if isinstance(found, artifact_ops.Miss):
+            return artifact_ops.Miss(f"{KEEPER_FAILED}: {exc}")
+        if isinstance(found, artifact_ops.Miss) or found.artifact is None:
             conn.close()
-            if found.corrupt is not None:
-                self._corrupt[(weights, key.digest)] = found.corrupt
-            (log.warning if found.corrupt else log.info)("weightcache: %s artifact miss: %s", key.kind, found.reason)
-            return None
-        if found.artifact is None:
-            conn.close()
-        log.info(
-            "weightcache: %s artifact hit: %s (%d bytes, publisher uid %d)",
-            key.kind,
-            found.info.key[:24],
-            found.info.bytes,
-            found.info.publisher,
-        )
         return found
 
     def stop(self, *, wait: float | None = None) -> int:

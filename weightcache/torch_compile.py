@@ -127,6 +127,16 @@ def _counter_totals() -> tuple[int, int]:
     return hits, misses
 
 
+def _saved_keys(info: object) -> dict[str, list[str]]:
+    """The keys of torch's cache entries a CacheInfo names, per cache (empty where a release gives none)."""
+    artifacts = getattr(info, "artifacts", None)
+    if not isinstance(artifacts, Mapping):
+        return {}
+    return {
+        str(kind): sorted(map(str, keys)) for kind, keys in artifacts.items() if isinstance(keys, (list, tuple, set))
+    }
+
+
 def _package_version(name: str) -> str | None:
     import importlib.metadata
 
@@ -253,15 +263,61 @@ def loaded_kernels(cache_dir: Path | None = None, since: float | None = None) ->
     return dict(sorted(found.items()))
 
 
-def pack(bundle: bytes, kernels: Mapping[str, bytes]) -> bytes:
-    """A blob: ``MAGIC``, a JSON header (the bundle's size, each kernel's path and size), then the bytes."""
-    header = json.dumps({"bundle": len(bundle), "kernels": [[path, len(data)] for path, data in kernels.items()]})
+def pack(
+    bundle: bytes,
+    kernels: Mapping[str, bytes],
+    *,
+    entries: Mapping[str, list[str]] | None = None,
+    generation: int = 0,
+) -> bytes:
+    """A blob: ``MAGIC``, a JSON header (the bundle's size, each kernel's path and size, the keys of torch's cache
+    entries the bundle holds per cache (``entries``), and the ``generation``: 0 for a blob a process published
+    after compiling with nothing loaded, n + 1 for one published after loading a blob of generation n), then the
+    bytes."""
+    header = json.dumps(
+        {
+            "bundle": len(bundle),
+            "kernels": [[path, len(data)] for path, data in kernels.items()],
+            "entries": {kind: sorted(keys) for kind, keys in (entries or {}).items()},
+            "generation": generation,
+        }
+    )
     head = header.encode()
     return b"".join([_HEADER.pack(MAGIC, len(head)), head, bundle, *kernels.values()])
 
 
-def unpack(blob: bytes) -> tuple[bytes, dict[str, bytes]]:
-    """torch's bundle and the kernels of a blob :func:`pack` made; ValueError naming what is wrong otherwise."""
+@attrs.frozen
+class BlobInfo:
+    """What a blob's header says besides its parts (:func:`blob_info`).
+
+    Attributes:
+        entries: the keys of torch's cache entries its bundle holds, per cache (``{"inductor": [...], ...}``).
+        kernels: the paths of the C++ kernels it carries.
+        generation: 0 for a blob published by a process that loaded none; n + 1 for one published by a process
+            that loaded a blob of generation n and still compiled.
+    """
+
+    entries: dict[str, frozenset[str]]
+    kernels: frozenset[str]
+    generation: int
+
+
+def blob_info(blob: bytes) -> BlobInfo:
+    """The header of a blob :func:`pack` made (:class:`BlobInfo`); ValueError for anything else (see
+    :func:`unpack`). A blob of an earlier release, without entries or generation, reads as generation 0 with none."""
+    header, _ = _header(blob)
+    entries = header.get("entries", {})
+    generation = header.get("generation", 0)
+    if not isinstance(entries, dict) or not isinstance(generation, int) or generation < 0:
+        raise ValueError("the artifact's header has malformed entries or generation")
+    return BlobInfo(
+        entries={str(kind): frozenset(map(str, keys)) for kind, keys in entries.items() if isinstance(keys, list)},
+        kernels=frozenset(str(item[0]) for item in header.get("kernels", []) if isinstance(item, list) and item),
+        generation=generation,
+    )
+
+
+def _header(blob: bytes) -> tuple[dict[str, Any], int]:
     if len(blob) < _HEADER.size:
         raise ValueError(f"a torch.compile artifact starts with a {_HEADER.size}-byte header; this one has {len(blob)}")
     magic, length = _HEADER.unpack_from(blob)
@@ -272,7 +328,23 @@ def unpack(blob: bytes) -> tuple[bytes, dict[str, bytes]]:
     header = json.loads(blob[_HEADER.size : _HEADER.size + length])
     if not isinstance(header, dict) or not isinstance(header.get("bundle"), int):
         raise ValueError("the artifact's header lacks the bundle's size")
-    offset = _HEADER.size + length
+    return header, _HEADER.size + length
+
+
+def _is_shared_library(data: bytes) -> bool:
+    """Whether ``data`` starts as a 64-bit ELF shared object of this byte order (what inductor's C++ kernels are):
+    garbage in a kernel's place is refused before it is written, rather than failing torch's compile later."""
+    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2:  # ELFCLASS64
+        return False
+    order = "<" if data[5] == 1 else ">"
+    (e_type,) = struct.unpack_from(order + "H", data, 16)
+    return bool(e_type == 3 and order == ("<" if sys.byteorder == "little" else ">"))  # ET_DYN
+
+
+def unpack(blob: bytes) -> tuple[bytes, dict[str, bytes]]:
+    """torch's bundle and the kernels of a blob :func:`pack` made; ValueError naming what is wrong otherwise (a
+    kernel that is not a shared library among them)."""
+    header, offset = _header(blob)
     bundle_size = header["bundle"]
     bundle = blob[offset : offset + bundle_size]
     offset += bundle_size
@@ -290,6 +362,12 @@ def unpack(blob: bytes) -> tuple[bytes, dict[str, bytes]]:
         offset += size
     if offset != len(blob) or len(bundle) != bundle_size:
         raise ValueError(f"the artifact's header accounts for {offset} bytes; it has {len(blob)}")
+    for path, data in kernels.items():
+        if not _is_shared_library(data):
+            raise ValueError(
+                f"the artifact's kernel {path} is no shared library of this machine ({len(data)} bytes starting "
+                f"{data[:8]!r}); it was damaged before it was published"
+            )
     return bundle, kernels
 
 
@@ -320,7 +398,12 @@ class CompileCache:
         self.hold = hold
         self.stats = CompileCacheStats()
         self.artifact: Artifact | None = None
-        self._loaded_sha: str | None = None
+        #: The SHA-256 of the keeper's blob for this key that a publish replaces: the one loaded, or one that could
+        #: not be loaded (garbage at the key must not outlive the next good publish).
+        self._replace: str | None = None
+        #: The header of the blob loaded (None: none was).
+        self._loaded: BlobInfo | None = None
+        self._grad_enabled = True
         self._counters = (0, 0)
         self._started = time.time()
 
@@ -333,6 +416,7 @@ class CompileCache:
         Starts counting torch's cache hits and misses."""
         self._counters = _counter_totals()
         self._started = time.time() - 1.0  # mtimes have coarse clocks on some file systems
+        self._grad_enabled = torch.is_grad_enabled()
         if switched_off():
             self.stats = attrs.evolve(self.stats, miss_reason=f"{SWITCH_ENV}=off")
             return False
@@ -357,21 +441,31 @@ class CompileCache:
         if blob is None:
             if found is not None:
                 found.close()
-            self.stats = attrs.evolve(self.stats, miss_reason=f"no {KIND} artifact in the keeper for this key")
+            reason = self.cache.miss_reason(self.fingerprint, self.key) if found is None else None
+            self.stats = attrs.evolve(
+                self.stats, miss_reason=reason or f"no {KIND} artifact in the keeper for this key"
+            )
             return False
+        self._replace = hashlib.sha256(blob).hexdigest()
         try:
+            info = blob_info(blob)
             bundle, kernels = unpack(blob)
             restored = restore_kernels(kernels)
-            info = torch.compiler.load_cache_artifacts(bundle)
-        except Exception as exc:  # a bundle torch or we refuse is a miss: compile as usual
-            log.warning("weightcache: %s artifact for %s could not be loaded (%s); compiling", KIND, self.weights, exc)
+            loaded_info = torch.compiler.load_cache_artifacts(bundle)
+        except Exception as exc:  # a bundle torch or we refuse is a miss: compile as usual, publish in its place
+            log.warning(
+                "weightcache: %s artifact for %s could not be loaded (%s); compiling, and the next publish replaces it",
+                KIND,
+                self.weights[:12],
+                exc,
+            )
             if found is not None:
                 found.close()
             self.stats = attrs.evolve(self.stats, miss_reason=f"the artifact could not be loaded: {exc}")
             return False
         self.artifact = found
-        self._loaded_sha = hashlib.sha256(blob).hexdigest()
-        loaded = _loaded_counts(info)
+        self._loaded = info
+        loaded = _loaded_counts(loaded_info)
         self.stats = attrs.evolve(
             self.stats, source="keeper", loaded_bytes=len(blob), loaded=loaded, kernels_restored=restored
         )
@@ -393,9 +487,14 @@ class CompileCache:
 
     def publish(self, *, force: bool = False) -> Artifact | None:
         """After warm-up: if anything missed (no artifact was loaded, or torch compiled graphs it did not hold), or
-        with ``force``, publish ``torch.compiler.save_cache_artifacts()`` and the C++ kernels this process loaded.
-        Returns the artifact published (held while this CompileCache is), or None (nothing to publish, all hits,
-        or the keeper refused it: logged)."""
+        with ``force``, publish ``torch.compiler.save_cache_artifacts()`` and the C++ kernels this process loaded,
+        in place of the blob loaded (or of one that could not be loaded). Returns the artifact published (held
+        while this CompileCache is), or None: nothing to publish, all hits, or the keeper refused it (logged).
+
+        A blob is not re-published for nothing: after a load, only if torch compiled a cache entry or a kernel
+        the blob lacked, and only once (generation 1): if torch still misses after loading a blob published
+        after a load, loading does not work for this program (a warning says so, and why torch may miss), and
+        re-publishing on every start would only churn the keeper."""
         stats = self.update_counts()
         if switched_off() or (not force and stats.source == "keeper" and stats.misses == 0):
             return None
@@ -403,13 +502,17 @@ class CompileCache:
         if saved is None:
             log.info("weightcache: torch recorded nothing to save for %s; nothing published", self.weights[:12])
             return None
-        bundle, _ = saved
+        bundle, saved_info = saved
+        entries = _saved_keys(saved_info)
         kernels = {path: file.read_bytes() for path, file in loaded_kernels(since=self._started).items()}
-        blob = pack(bundle, kernels)
+        generation = 0
+        if self._loaded is not None and not force:
+            if self._not_worth_publishing(entries, kernels):
+                return None
+            generation = self._loaded.generation + 1
+        blob = pack(bundle, kernels, entries=entries, generation=generation)
         try:
-            artifact = self.cache.put_artifact(
-                self.fingerprint, self.key, blob, hold=self.hold, replace=self._loaded_sha
-            )
+            artifact = self.cache.put_artifact(self.fingerprint, self.key, blob, hold=self.hold, replace=self._replace)
         except WeightCacheError as exc:
             log.warning("weightcache: could not publish the %s artifact for %s: %s", KIND, self.weights[:12], exc)
             return None
@@ -426,6 +529,43 @@ class CompileCache:
             "" if artifact.created else "; the keeper already held one for this key",
         )
         return artifact
+
+    def _not_worth_publishing(self, entries: Mapping[str, list[str]], kernels: Mapping[str, bytes]) -> bool:
+        """After a load and misses: whether a publish would add nothing (logged), or would be the second
+        re-publish in a row (a warning)."""
+        assert self._loaded is not None
+        held = self._loaded.entries
+        new = sum(len(set(keys) - held.get(kind, frozenset())) for kind, keys in entries.items())
+        new += len(set(kernels) - self._loaded.kernels)
+        hint = (
+            " Grad was enabled: torch puts no AOTAutograd entry of a graph compiled with grad enabled into its cache "
+            "bundle, so that stage compiles again on every start; run inference under torch.no_grad() or "
+            "torch.inference_mode()."
+            if self._grad_enabled
+            else ""
+        )
+        if new == 0:
+            log.info(
+                "weightcache: torch missed %d time(s) for %s although the %s artifact loaded, and compiled nothing "
+                "it lacks; nothing published.%s",
+                self.stats.misses,
+                self.weights[:12],
+                KIND,
+                hint,
+            )
+            return True
+        if self._loaded.generation >= 1:
+            log.warning(
+                "weightcache: torch compiled %d cache entr(ies) or kernel(s) for %s that the %s artifact lacks, "
+                "although that artifact was itself published after a load that missed: loading it does not serve "
+                "this program, so it is kept as it is rather than re-published on every start.%s",
+                new,
+                self.weights[:12],
+                KIND,
+                hint,
+            )
+            return True
+        return False
 
     def close(self) -> None:
         """Let go of the artifact held (it stays in the keeper, unleased)."""
@@ -480,7 +620,9 @@ def compile_cache(
 
 __all__ = [
     "CompileCache",
+    "BlobInfo",
     "CompileCacheStats",
+    "blob_info",
     "compile_cache",
     "compile_key",
     "compile_metrics",
