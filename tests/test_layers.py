@@ -225,6 +225,76 @@ def test_every_module_has_a_layer_and_imports_only_below_it() -> None:
     assert not found, "\n".join(found)
 
 
+def imports_of(relative: str, source: str) -> set[str]:
+    """The modules of the package that the module at ``relative`` imports, in any way the check sees (at the top,
+    inside a function, under ``if TYPE_CHECKING``)."""
+    name = module_name(relative)
+    visitor = _Imports(name if relative.endswith("__init__.py") else name.rpartition(".")[0])
+    visitor.visit(ast.parse(source, relative))
+    found = {module_file(imported) for _, imported, _, _ in visitor.found if imported.split(".")[0] == "weightcache"}
+    return {target for target in found if target is not None and target != relative}
+
+
+def circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of ``graph`` (module -> modules it imports): its strongly connected components of more
+    than one module (Tarjan's algorithm, iteratively), each sorted."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[list[str]] = []
+    for start in sorted(graph):
+        if start in index:
+            continue
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is not None:
+                if child not in index:
+                    index[child] = low[child] = len(index)
+                    stack.append(child)
+                    on_stack.add(child)
+                    work.append((child, iter(sorted(graph.get(child, ())))))
+                elif child in on_stack:
+                    low[node] = min(low[node], index[child])
+                continue
+            work.pop()
+            if work:
+                low[work[-1][0]] = min(low[work[-1][0]], low[node])
+            if low[node] == index[node]:
+                component = []
+                while True:
+                    member = stack.pop()
+                    on_stack.discard(member)
+                    component.append(member)
+                    if member == node:
+                        break
+                if len(component) > 1:
+                    found.append(sorted(component))
+    return found
+
+
+def test_no_import_circle_inside_the_package() -> None:
+    """Issue 34: ``backends/template.py`` imported ``engine_steps.py``, which imported ``Backend`` back (for
+    types only). Every import counts, even one for types or inside a function: a circle means a name lives in the
+    wrong room."""
+    graph = {relative: imports_of(relative, (PACKAGE / relative).read_text()) for relative in modules()}
+    assert not circles(graph), circles(graph)
+
+
+def test_the_circle_check_catches() -> None:
+    assert circles({"a.py": {"b.py"}, "b.py": {"c.py"}, "c.py": {"a.py"}, "d.py": {"a.py"}}) == [
+        ["a.py", "b.py", "c.py"]
+    ]
+    assert circles({"a.py": {"b.py"}, "b.py": set()}) == []
+    typed = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .template import Backend\n"
+    assert imports_of("backends/engine_steps.py", typed) == {"backends/template.py"}
+
+
 @pytest.mark.parametrize(
     ("relative", "source", "expected"),
     [

@@ -9,7 +9,7 @@ Imports no engine.
 from __future__ import annotations
 
 from collections.abc import Iterator, MutableMapping
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -21,8 +21,29 @@ from ..handle import Handle
 from ..pipeline import Steps
 from ..structure import structure_digest
 
-if TYPE_CHECKING:
-    from .template import Backend
+
+class EngineHooks(Protocol):
+    """What :class:`EngineSteps` asks of an adapter: the hooks of
+    :class:`~weightcache.backends.template.Backend`, which provides them all (this module names them here, so that
+    it needs nothing from the module that uses it)."""
+
+    @property
+    def name(self) -> str: ...
+
+    @property
+    def records_structure(self) -> bool: ...
+
+    def build_meta(self, context: Any) -> nn.Module: ...
+
+    def cannot_serve(self, model: nn.Module, context: Any) -> str | None: ...
+
+    def release_model(self, model: nn.Module, context: Any) -> None: ...
+
+    def published_state(self, context: Any) -> MutableMapping[str, torch.Tensor]: ...
+
+    def load_from_disk(self, context: Any) -> nn.Module: ...
+
+    def after_bind(self, model: nn.Module, handle: Handle, context: Any) -> None: ...
 
 
 class EngineSteps(Steps[nn.Module]):
@@ -31,7 +52,7 @@ class EngineSteps(Steps[nn.Module]):
     The model built before the lookup (:meth:`complete`) is kept for :meth:`serve` on a hit and released
     before anything loads from disk; one built later is checked against the structure the fingerprint holds."""
 
-    def __init__(self, backend: Backend, context: Any, device: torch.device) -> None:
+    def __init__(self, backend: EngineHooks, context: Any, device: torch.device) -> None:
         self.backend = backend
         self.context = context
         self.device = device
@@ -232,4 +253,4 @@ def adopt_published_layout(model: nn.Module, handle: Handle) -> frozenset[str]:
     return frozenset(attributes)
 
 
-__all__ = ["EngineSteps", "adopt_published_layout", "drop_parameters", "own_tensors", "private_if"]
+__all__ = ["EngineHooks", "EngineSteps", "adopt_published_layout", "drop_parameters", "own_tensors", "private_if"]
