@@ -61,6 +61,7 @@ class Timed(logging.Handler):  # every log line of vLLM and weightcache, with it
         lines.append([round(record.created - t0, 3), record.name, record.getMessage()[:300]])
 
 
+marks["preimported"] = "vllm" in sys.modules  # a warm process's child
 import vllm
 logging.getLogger("vllm").addHandler(Timed())  # weightcache's lines reach it (the plugin forwards them)
 from vllm import LLM, SamplingParams
@@ -75,7 +76,8 @@ marks["first token"] = time.time() - t0
 try:
     from weightcache.backends import vllm_compile
     artifacts = [{"restored_files": len(c.restored), "loaded_bytes": c.loaded_bytes,
-                  "published_bytes": c.published_bytes, "written": len(c.written), "counts": c.counts}
+                  "published_bytes": c.published_bytes, "written": len(c.written), "counts": c.counts,
+                  "rewritten": c.rewritten()[:8]}
                  for c in vllm_compile.engine_caches()]
 except Exception as exc:
     artifacts = repr(exc)
@@ -83,6 +85,9 @@ print("MARKS " + json.dumps({"marks": marks, "token": out[0].outputs[0].token_id
       "kv_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks, "vllm": vllm.__version__,
       "artifacts": artifacts, "lines": lines}), flush=True)
 """
+
+#: What the warm process of ``--scenario restart`` imports: vLLM's engine, its GPU worker and the Llama model.
+PRELOADS = "torch,vllm:LLM,vllm.v1.engine.core,vllm.v1.worker.gpu_worker,vllm.model_executor.models.llama"
 
 #: (phase, regular expression over vLLM's and weightcache's log lines; group 1 in seconds, or ms where named).
 PHASES: tuple[tuple[str, str], ...] = (
@@ -101,12 +106,15 @@ PHASES: tuple[tuple[str, str], ...] = (
 )
 
 
-def run_engine(mode: str, ckpt: Path, socket_dir: Path, env: dict[str, str]) -> dict[str, Any]:
+def run_engine(
+    mode: str, ckpt: Path, socket_dir: Path, env: dict[str, str], launcher: list[str] | None = None
+) -> dict[str, Any]:
+    """One engine in a fresh process (started by ``launcher``, e.g. ``weightcache run --``, if given)."""
     load_format = "auto" if mode == "auto" else "weightcache"
     extra = {} if mode == "auto" else {"mode": mode, "socket_dir": str(socket_dir)}
     t0 = time.time()
     out = subprocess.run(
-        [sys.executable, "-c", ENGINE, str(ckpt), load_format, json.dumps(extra), repr(t0)],
+        [*(launcher or []), sys.executable, "-c", ENGINE, str(ckpt), load_format, json.dumps(extra), repr(t0)],
         capture_output=True,
         text=True,
         env=env,
@@ -123,6 +131,8 @@ def run_engine(mode: str, ckpt: Path, socket_dir: Path, env: dict[str, str]) -> 
         if values:
             phases[name] = round(sum(values) / (1000 if name == "weightcache" else 1), 3)
     result.update(mode=mode, phases=phases, log_tail=[line for line in text.splitlines() if "weightcache" in line][-6:])
+    # whether vLLM loaded its AOT-compiled function or compiled again, and why, in its own words
+    result["aot"] = [line[-300:] for line in text.splitlines() if re.search(r"AOT compil|load failure", line)][:4]
     return result
 
 
@@ -141,13 +151,15 @@ def main() -> int:
     )
     parser.add_argument(
         "--scenario",
-        choices=("weights", "compile", "empty-disk"),
+        choices=("weights", "compile", "empty-disk", "restart"),
         default="weights",
         help="weights: auto, daemon, client (the compile cache as it is); compile: vLLM's compile cache from the "
         "keeper (auto cold, auto with a warm local cache, daemon (publishes weights and compile cache), then "
         "client with the cache directory wiped before each start); empty-disk: auto, daemon and a first client with "
         "vLLM's and Triton's cache directories wiped (a new container each time), then rounds of a client from an "
-        "empty disk beside one from the warm local disk, then auto from the warm local disk",
+        "empty disk beside one from the warm local disk, then auto from the warm local disk; restart (issue 29): "
+        "daemon and a first client from an empty disk, then rounds of three clients from an empty disk: plain, "
+        "with another cache root, and forked by the warm process (weightcache run)",
     )
     args = parser.parse_args()
 
@@ -173,6 +185,7 @@ def main() -> int:
         way: str | None = None,
         wipe: tuple[Path, ...] = (),
         extra: dict[str, str] | None = None,
+        launcher: list[str] | None = None,
     ) -> None:
         """One fresh engine in ``mode``; ``wipe``: directories deleted first; ``way``: the row's name; ``extra``:
         environment variables for this start. Every run is written to ``--json`` as soon as it ends."""
@@ -183,7 +196,7 @@ def main() -> int:
             run_env["VLLM_CACHE_ROOT"] = tempfile.mkdtemp(prefix="vllm-cache-")
         if drop:
             drop_page_cache(ckpt, system=True)
-        result = run_engine(mode, ckpt, socket_dir, run_env)
+        result = run_engine(mode, ckpt, socket_dir, run_env, launcher)
         if way is not None:
             result["way"] = way
         runs.append(result)
@@ -226,6 +239,36 @@ def main() -> int:
                 once("client", True, way, wipe, extra)
             round_s.append(time.perf_counter() - t)
         once("auto", True, "auto, warm local disk (what vLLM and the restores above left)")
+    elif args.scenario == "restart":
+        env["VLLM_CACHE_ROOT"] = str(root)
+        env.pop("TRITON_CACHE_DIR", None)
+        empty = (root, triton)
+        other = work / "another-cache-root" / "vllm"
+        once("daemon", True, "daemon, empty disk (compiles; publishes weights, compile cache, model info)", empty)
+        once("client", True, "client 1, empty disk (the first start after the compiling one)", empty)
+        warm = [sys.executable, "-m", "weightcache", "run", "--socket-dir", str(socket_dir), "--preload", PRELOADS]
+        t = time.perf_counter()
+        command = ["warm", "start", "--socket-dir", str(socket_dir), "--preload", PRELOADS]
+        started = subprocess.run(
+            [sys.executable, "-m", "weightcache", *command, "--", sys.executable, "-c", "pass"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        print(f"warm process ready in {time.perf_counter() - t:.1f} s: {started.stdout}{started.stderr}", flush=True)
+        rounds = [
+            ("client, empty disk (everything from the keeper)", empty, {}, None),
+            ("client, empty disk, another cache root", (other, triton), {"VLLM_CACHE_ROOT": str(other)}, None),
+            ("client, empty disk, forked by the warm process", empty, {}, warm),
+        ]
+        for i in range(args.repeat):
+            if args.deadline_s and i and time.perf_counter() - began + 1.2 * round_s[-1] > args.deadline_s:
+                print(f"round {i + 1} left out: past --deadline-s", flush=True)
+                break
+            t = time.perf_counter()
+            for way, wipe, extra, launcher in rounds:
+                once("client", True, way, wipe, extra, launcher)
+            round_s.append(time.perf_counter() - t)
     else:
         env["VLLM_CACHE_ROOT"] = str(root)
         for _ in range(args.repeat):

