@@ -1,7 +1,10 @@
 #!/usr/bin/env bash
 # vLLM on a GPU machine that has PyTorch but no vLLM and no network (how the H200 runs of docs/benchmarks.md were
-# made). The vLLM release and the dependencies that machine lacks travel as parts of one xz-compressed tar
-# (site/: vLLM's unpacked wheel; wheels/: its missing dependencies), each part in its own call.
+# made). The vLLM release and the dependencies that machine lacks travel as parts of one tar, each part in its own
+# call: either shared/tools/carry-wheels' (wheels/: vLLM's wheel and its missing dependencies; see WHEELS below) or
+# an xz-compressed one (site/: vLLM's unpacked wheel; wheels/: its missing dependencies).
+# WHEELS: what vLLM 0.26.0 needs at import and to serve offline beside the H200 image's packages (found by importing
+# its engine, worker, Llama model, FlashAttention backend and API server in a venv of those packages):
 #   gpu_vllm.sh receive DIR       copy the parts found in DIR to /tmp/carry (once per part, any order)
 #   gpu_vllm.sh install           join and unpack them; install the wheels, and weightcache as a distribution (vLLM
 #                                 finds its plugin through the entry point), into /tmp/site
@@ -10,6 +13,15 @@
 #   gpu_vllm.sh mp-probe          vLLM's multiprocessing engine with load format auto and weightcache NOT on the
 #                                 path, 120 s at most, then every thread's stack (faulthandler)
 # Logs go to $OUT (or /tmp/out).
+WHEELS="vllm==0.26.0 cbor2==6.3.0 pyzmq==27.3.0 openai-harmony==0.0.8 openai==3.57.0 jiter==0.19.0 distro
+sniffio==1.3.1 msgspec==0.23.0 pybase64==1.5.1 cachetools==8.0.2 llguidance==1.7.6 xgrammar==0.2.7 fastapi==0.136.3
+starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+partial-json-parser==0.2.1.1.post7 uvicorn==0.54.0 watchfiles==1.3.0 model-hosting-container-standards==0.1.16
+jmespath supervisor python-json-logger==4.2.0 prometheus-fastapi-instrumentator==8.1.0 setproctitle==1.3.8
+blake3==1.0.11 compressed-tensors==0.17.0 depyf==0.20.0 astor==0.8.1 dill==0.4.1 lark==1.2.2 outlines-core==0.2.14
+interegular==0.3.3 lm-format-enforcer==0.11.3 gguf ijson==3.6.0 jsonschema==4.26.0 jsonschema-specifications==2025.9.1
+referencing==0.37.0 rpds-py==2026.9.1 mistral-common==1.13.1 pycountry==26.2.16 pydantic-extra-types==2.11.1 diskcache"
+#   here: CARRY_PART_MB=55 shared/tools/carry-wheels .carry $WHEELS   (six parts of 55 MiB)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}
@@ -32,10 +44,14 @@ receive)
     ;;
 install)
     set -e
-    if command -v xz >/dev/null; then unxz=(xz -d -T0); else unxz=(python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)"); fi
-    cat /tmp/carry/part.* | "${unxz[@]}" | tar -C /tmp/carry -xf -
     mkdir -p "$site"
-    cp -r /tmp/carry/site/. "$site"/
+    if [ "$(head -c 6 /tmp/carry/part.00 | od -An -tx1 | tr -d ' ')" = "fd377a585a00" ]; then  # xz: site/ + wheels/
+        if command -v xz >/dev/null; then unxz=(xz -d -T0); else unxz=(python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)"); fi
+        cat /tmp/carry/part.* | "${unxz[@]}" | tar -C /tmp/carry -xf -
+        cp -r /tmp/carry/site/. "$site"/
+    else  # carry-wheels: wheels/ only, vLLM's among them
+        cat /tmp/carry/part.* | tar -C /tmp/carry -xf -
+    fi
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" /tmp/carry/wheels/*.whl
     PYTHONPATH=$site python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
     ;;

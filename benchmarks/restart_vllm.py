@@ -247,6 +247,7 @@ def main() -> int:
         once("daemon", True, "daemon, empty disk (compiles; publishes weights, compile cache, model info)", empty)
         once("client", True, "client 1, empty disk (the first start after the compiling one)", empty)
         warm = [sys.executable, "-m", "weightcache", "run", "--socket-dir", str(socket_dir), "--preload", PRELOADS]
+        warm.append("--")
         t = time.perf_counter()
         command = ["warm", "start", "--socket-dir", str(socket_dir), "--preload", PRELOADS]
         started = subprocess.run(
