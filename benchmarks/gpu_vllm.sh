@@ -13,7 +13,7 @@
 #   gpu_vllm.sh mp-probe          vLLM's multiprocessing engine with load format auto and weightcache NOT on the
 #                                 path, 120 s at most, then every thread's stack (faulthandler)
 # Logs go to $OUT (or /tmp/out).
-WHEELS="vllm==0.26.0 cbor2==6.3.0 pyzmq==27.3.0 openai-harmony==0.0.8 openai==3.57.0 jiter==0.19.0 distro
+WHEELS="vllm==0.26.0 cbor2==6.3.0 pyzmq==27.3.0 openai-harmony==0.0.8 openai==2.30.0 jiter==0.19.0 distro apache-tvm-ffi==0.1.10
 sniffio==1.3.1 msgspec==0.23.0 pybase64==1.5.1 cachetools==8.0.2 llguidance==1.7.6 xgrammar==0.2.7 fastapi==0.136.3
 starlette==1.10.0 pydantic==2.14.4 pydantic-core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
 partial-json-parser==0.2.1.1.post7 uvicorn==0.54.0 watchfiles==1.3.0 model-hosting-container-standards==0.1.16

@@ -23,6 +23,7 @@ from pathlib import Path
 import pytest
 from conftest import process_gone, wait_until
 
+import weightcache as wc
 from weightcache.warm import identity, target
 
 pytestmark = pytest.mark.slow
@@ -342,6 +343,41 @@ def test_a_stale_warm_process_is_replaced(tmp_path: Path, env: dict[str, str]) -
     assert wait_until(lambda: run().stderr == "", timeout=60)
     second = hello(stale_env, ("wcstale_pkg",))["pid"]
     assert second != first and run().stdout == f"2 {second}\n"
+
+
+def test_a_launcher_whose_weightcache_comes_from_its_working_directory_gets_its_warm_process(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """On the H200 the benchmark ran ``python -m weightcache`` from a checkout while the installed copy was on
+    PYTHONPATH: the launcher imported the checkout's weightcache (``-m`` puts the working directory first), the
+    warm process it spawned (from ``/``) the installed one, so their keys never matched and ``warm start`` waited
+    300 s for nothing. The warm process runs the launcher's own weightcache."""
+    checkout = tmp_path / "checkout"
+    shutil.copytree(Path(wc.__file__).parent, checkout / "weightcache", ignore=shutil.ignore_patterns("__pycache__"))
+    own = {**env, "WEIGHTCACHE_DIR": str(tmp_path / "s")}
+    os.mkdir(tmp_path / "s", 0o700)
+    try:
+        start = subprocess.run(
+            [*cli("warm", "start", "--preload", "json", "--timeout", "30"), "--", sys.executable, "-c", "pass"],
+            cwd=checkout,
+            env=own,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert start.returncode == 0, start.stdout + start.stderr
+        ran = subprocess.run(
+            [*cli("run", "--preload", "json", "--"), sys.executable, "-c", "import os, sys; print(os.getppid())"],
+            cwd=checkout,
+            env=own,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert ran.returncode == 0 and ran.stderr == "", ran.stderr
+        assert int(ran.stdout) == hello(own, ("json",))["pid"]  # forked by the warm process
+    finally:
+        subprocess.run(cli("warm", "stop", "--all"), cwd=checkout, env=own, timeout=30)
 
 
 def test_missing_dead_or_switched_off_means_a_direct_start(tmp_path: Path, env: dict[str, str]) -> None:

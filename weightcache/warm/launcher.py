@@ -126,7 +126,12 @@ def spawn(directory: Path, preloads: Sequence[str], idle_timeout: float = DEFAUL
     """
     slot = identity.slot(sys.executable, preloads)
     log = directory / f"{slot}.log"
-    argv = [sys.executable, "-m", "weightcache", "warm", "serve", "--dir", str(directory)]
+    # The warm process runs this process's own weightcache (``-m weightcache`` from "/" could find another copy
+    # on the path than the one this process imported, e.g. a checkout in the working directory: their keys would
+    # never match). It replaces sys.path[0], which for ``-c`` is the working directory and no key counts.
+    root = str(Path(__file__).resolve().parents[2])
+    code = f"import sys; sys.path[0] = {root!r}; from weightcache.tools.cli import main; sys.exit(main())"
+    argv = [sys.executable, "-c", code, "warm", "serve", "--dir", str(directory)]
     argv += ["--idle-timeout", str(idle_timeout), *(f"--preload={p}" for p in preloads)]
     log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
