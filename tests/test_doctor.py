@@ -53,7 +53,16 @@ def test_a_running_keeper_is_reported(socket_dir: Path, keeper: object) -> None:
     assert checks["socket dir"]["status"] == "ok" and "private (0700" in checks["socket dir"]["detail"]
     assert checks["keeper"]["status"] == "ok"
     assert f"pid {keeper_pid(socket_dir)}," in checks["keeper"]["detail"]
-    assert "0 entries" in checks["keeper"]["detail"]
+    assert "0 entries" in checks["keeper"]["detail"] and "0 compiled artifacts" in checks["keeper"]["detail"]
+
+
+def test_the_keeper_check_counts_compiled_artifacts_and_their_bytes(socket_dir: Path, keeper: object) -> None:
+    """Issue 32: doctor counted entries and ignored the artifacts' bytes, which share the same budget."""
+    import weightcache as wc
+
+    wc.Cache(socket_dir).put_artifact("ab" * 32, wc.ArtifactKey("test.kind", {"n": 1}), b"x" * 3000)
+    rc, checks = doctor(socket_dir)
+    assert rc == 0 and "1 compiled artifact (2.9 KiB)" in checks["keeper"]["detail"], checks["keeper"]
 
 
 def test_an_open_socket_directory_fails_with_the_fix(socket_dir: Path) -> None:

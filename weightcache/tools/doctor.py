@@ -282,11 +282,16 @@ def _keeper(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
         return
     with conn:
         reply = conn.list()
+        listed = conn.list_artifacts()
     k = reply.keeper
     held = sum(e.bytes for e in reply.entries)
+    artifacts = sum(a.bytes for a in listed.artifacts)
+    more = "at least " if listed.truncated else ""
+    count = len(listed.artifacts)
     detail = (
         f"pid {k.pid}, weightcache {k.version}, protocol {k.protocol}, up {k.uptime_s:.0f} s, "
-        f"{len(reply.entries)} entries ({format_bytes(held)}), {k.connections - 1} other connections"
+        f"{len(reply.entries)} entries ({format_bytes(held)}), {more}{count} compiled artifact"
+        f"{'' if count == 1 else 's'} ({more}{format_bytes(artifacts)}), {k.connections - 1} other connections"
     )
     if k.version != wc.__version__:
         yield Check(
