@@ -255,6 +255,14 @@ def test_a_corrupt_blob_is_a_miss_and_the_next_put_replaces_it(
     assert len(cache.artifacts()) == 1
 
 
+def deep(levels: int) -> object:
+    """A JSON value of lists nested ``levels`` deep."""
+    value: object = 0
+    for _ in range(levels - 1):
+        value = [value]
+    return value
+
+
 def test_bad_artifact_requests_are_refused_and_the_keeper_goes_on(
     keeper: subprocess.Popen[bytes], socket_dir: Path
 ) -> None:
@@ -268,6 +276,9 @@ def test_bad_artifact_requests_are_refused_and_the_keeper_goes_on(
             (base, [], "exactly one fd"),
             ({**base, "size": 5}, [fd], "holds 4 bytes"),
             ({"op": "get_artifact", "weights": WEIGHTS, "key": KEY.to_json()}, [fd], "carries no fds"),
+            # issue 33: a key nested ~1,000 deep was an internal error with a traceback in the keeper's log
+            ({**base, "key": {"kind": "x", "fields": {"a": deep(500)}}}, [fd], "nest more than 64 levels"),
+            ({"op": "get_artifact", "weights": WEIGHTS, "key": {"kind": "x", "fields": {"a": deep(900)}}}, [], "nest"),
         ]
         for message, fds, error in cases:
             with pytest.raises(wc.KeeperError, match=error) as refused:

@@ -20,7 +20,11 @@ from typing import Any
 import attrs
 
 from .errors import InvalidArgument, ProtocolError
-from .fingerprint import canonical_json
+from .fingerprint import MAX_EXTRA_DEPTH, canonical_json
+
+#: Deepest nesting of a key's fields (the fingerprint's limit on its ``extra``): a key nested ~1,000 deep made the
+#: keeper's JSON encoder recurse past Python's limit, an ``internal`` error with a traceback in its log per request.
+MAX_KEY_DEPTH = MAX_EXTRA_DEPTH
 
 #: An artifact's kind: a short name of what produced it, e.g. ``"torch.compile"``, ``"vllm.compile_cache"``.
 KIND_PATTERN = re.compile(r"[a-z0-9][a-z0-9._-]{0,63}")
@@ -36,7 +40,34 @@ SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
 
 
 def _fields(value: Mapping[str, Any]) -> dict[str, Any]:
-    return dict(value)
+    fields = dict(value)
+    depth = nesting(fields, MAX_KEY_DEPTH + 1)
+    if depth > MAX_KEY_DEPTH:
+        raise InvalidArgument(
+            f"artifact key fields nest more than {MAX_KEY_DEPTH} levels deep; flatten them (or hash a deep value "
+            "and put the hash in the key)"
+        )
+    return fields
+
+
+def nesting(value: object, stop: int) -> int:
+    """How deeply ``value`` nests dicts and lists (a dict of scalars is 1), counted without recursion and given up
+    at ``stop`` (returned as soon as that depth is reached)."""
+    deepest = 0
+    stack: list[tuple[object, int]] = [(value, 1)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict):
+            children: list[object] = list(item.values())
+        elif isinstance(item, (list, tuple)):
+            children = list(item)
+        else:
+            continue
+        deepest = max(deepest, depth)
+        if deepest >= stop:
+            return deepest
+        stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 @attrs.frozen
@@ -48,8 +79,8 @@ class ArtifactKey:
         fields: JSON values (str keys) that decide validity: versions, device, options, shapes. Two keys are the
             same artifact exactly when their kinds and fields are equal (compared as canonical JSON).
 
-    Raises InvalidArgument for a kind that does not match :data:`KIND_PATTERN`, fields that are not JSON, or a key
-    larger than :data:`MAX_KEY_BYTES`.
+    Raises InvalidArgument for a kind that does not match :data:`KIND_PATTERN`, fields that are not JSON or nest
+    deeper than :data:`MAX_KEY_DEPTH`, or a key larger than :data:`MAX_KEY_BYTES`.
     """
 
     kind: str
@@ -153,9 +184,11 @@ __all__ = [
     "KIND_PATTERN",
     "MAX_ARTIFACT_BYTES",
     "MAX_KEY_BYTES",
+    "MAX_KEY_DEPTH",
     "ArtifactKey",
     "artifact_entry_key",
     "artifact_matches",
     "check_sha256",
     "check_weights_digest",
+    "nesting",
 ]
