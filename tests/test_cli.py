@@ -127,6 +127,18 @@ def test_inspect_unknown_digest(socket_dir: Path, keeper: object) -> None:
     assert out.returncode == 1 and "no entry matches 'deadbeef'" in out.stderr
 
 
+def test_inspect_of_an_artifact_escapes_the_publishers_field_names(socket_dir: Path, keeper: object) -> None:
+    """Issue 33, item 7: ``inspect <artifact>`` printed a key's field names raw (ESC, BEL, CR, C1, RLO), which
+    another member of the group publishes; ``ls`` escaped them."""
+    hostile = "a\x1b[31mred\x07\r\x9b\u202eb"
+    key = wc.ArtifactKey("test.kind", {hostile: "v\x1b"})
+    wc.Cache(socket_dir).put_artifact("cd" * 32, key, b"blob")
+    out = wc_cli("inspect", "cdcdcdcd", "--socket-dir", str(socket_dir))
+    for raw in ("\x1b", "\x07", "\r", "\x9b", "\u202e"):
+        assert raw not in out.stdout, repr(out.stdout)
+    assert "key.a\\x1b[31mred" in out.stdout, out.stdout
+
+
 def test_bench_runs_small(tmp_path: Path) -> None:
     """Fresh engine processes per configuration: attach, import, the per-tensor floor and the collector's share
     each as median, min and max; every process saw the published bits."""

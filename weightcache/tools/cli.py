@@ -312,8 +312,9 @@ def _inspect_artifact(args: argparse.Namespace, artifacts: Sequence[ArtifactInfo
         ("age", format_age(a.age_s)),
         *((f"key.{name}", json.dumps(value)) for name, value in sorted(a.artifact_key.fields.items())),
     ]
-    width = max(len(key) for key, _ in rows) + 2
-    for key, value in rows:
+    shown = [(printable(key), printable(value)) for key, value in rows]  # a key's field names are the publisher's
+    width = max(len(key) for key, _ in shown) + 2
+    for key, value in shown:
         print(f"{key:<{width}}{value}")
     return 0
 
