@@ -361,3 +361,52 @@ def test_the_cli_escapes_what_a_member_published(checkpoint: Path, shared_dir: P
     finally:
         keeper.terminate()
         keeper.wait(10)
+
+
+#: As a member of GROUP: open (hold) the owner's artifact ``argv[2]`` of key {"n": 1}, report what it read and
+#: whether it holds it, then keep the artifact open until stdin closes.
+HOLDER = r"""
+import json, os, sys
+import torch
+import weightcache as wc
+import weightcache.cache, weightcache.artifacts, weightcache.republish
+socket_dir, weights = sys.argv[1], sys.argv[2]
+wc.Cache  # the lazy name resolved while this Python's files are readable
+os.setgroups([4242]); os.setgid(65534); os.setuid(65534)
+found = wc.Cache(socket_dir).open_artifact(weights, wc.ArtifactKey("test.kind", {"n": 1}))
+print(json.dumps({"data": found.read().decode() if found else None, "held": bool(found and found.held),
+                  "publisher": found.info.publisher if found else None}), flush=True)
+sys.stdin.read()
+"""
+
+
+def test_a_member_takes_no_lease_on_an_artifact_it_did_not_publish(shared_dir: Path) -> None:
+    """Issue 33, item 4: a member's lease on the owner's artifact pinned it (no member process ever loads another
+    uid's compiled code), and the owner could not evict it to publish its own. The member still reads the blob;
+    the keeper takes no lease for it, so the owner evicts it while the member's process keeps it open."""
+    keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
+    member = None
+    try:
+        cache = wc.Cache(shared_dir)
+        weights, key = "ef" * 32, wc.ArtifactKey("test.kind", {"n": 1})
+        cache.put_artifact(weights, key, b"the owner's blob")
+        member = subprocess.Popen(
+            [sys.executable, "-c", HOLDER, str(shared_dir), weights],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+        )
+        assert member.stdout is not None
+        line = member.stdout.readline()
+        assert line, member.communicate(timeout=30)
+        got = json.loads(line)
+        assert got == {"data": "the owner's blob", "held": False, "publisher": os.getuid()}, got
+        [artifact] = cache.artifacts()
+        assert artifact.leases == 0, artifact
+        assert cache.evict(artifact.key) == [artifact.key]  # not pinned by the member
+        assert cache.artifacts() == []
+    finally:
+        if member is not None:
+            member.communicate("", timeout=30)
+        keeper.terminate()
+        keeper.wait(timeout=30)

@@ -125,6 +125,8 @@ class Artifact:
 
     While it is open the keeper counts it as leased (never evicted for the budget), and if the keeper restarts
     this process re-publishes it from the memfd it holds. :meth:`close` (or the end of a ``with`` block) lets go.
+    An artifact another uid published is never held (the keeper leases an artifact to its publisher only): its
+    :attr:`held` is False and :meth:`read` gives its bytes once.
 
     Attributes:
         info: what the keeper reports of it (its entry key, weights digest, key, size, SHA-256, publisher).
@@ -167,7 +169,7 @@ class Artifact:
     def read(self) -> bytes | None:
         """The blob; None once closed (or never held). SegmentError if its bytes do not match its SHA-256."""
         data, self._data = self._data, None
-        if data is not None and self.held:
+        if data is not None and (self.held or self._lease is None):  # fetched, or another uid's: read, not held
             return data
         fds = self._lease.dup_fds() if self._lease is not None else None
         if fds is None:
@@ -275,7 +277,9 @@ def get(
 ) -> Fetched | Miss:
     """The artifact of ``weights`` for ``key`` over ``conn``, its bytes checked against its SHA-256, or a
     :class:`Miss` saying why not. Errors of the keeper or the connection propagate (the caller decides); a corrupt
-    blob is a Miss. With ``hold`` (and a hit), the Fetched's :class:`Artifact` owns ``conn`` and the memfd."""
+    blob is a Miss. With ``hold`` (and a hit on an artifact this uid published), the Fetched's :class:`Artifact`
+    owns ``conn`` and the memfd; another publisher's artifact comes as an :class:`Artifact` that is not held (the
+    keeper leases artifacts to their publishers only), and ``conn`` stays the caller's."""
     if not conn.serves_artifacts:
         return Miss(f"the keeper speaks protocol {conn.protocol}, which holds no artifacts (restart it to upgrade)")
     reply, fd = conn.get_artifact(weights, key, trust=trust)
@@ -298,6 +302,11 @@ def get(
     if not hold:
         os.close(fd)
         return Fetched(data, info)
+    if info.publisher != os.getuid():
+        # The keeper leases an artifact only to its publisher (no other uid loads its compiled code): this one is
+        # read, not held, and never re-published under this uid.
+        os.close(fd)
+        return Fetched(data, info, Artifact(info, None, data=data))
     lease = ArtifactLease(conn, fd, info, respawn=respawn)
     return Fetched(data, info, Artifact(info, lease, data=data))
 

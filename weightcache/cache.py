@@ -182,7 +182,9 @@ class Cache:
 
     def open_artifact(self, fingerprint: Fingerprint | str, key: ArtifactKey) -> Artifact | None:
         """Like :meth:`get_artifact`, but the artifact stays held (leased, and re-published if the keeper
-        restarts) until the returned :class:`Artifact` is closed; ``artifact.read()`` gives its bytes."""
+        restarts) until the returned :class:`Artifact` is closed; ``artifact.read()`` gives its bytes. An artifact
+        another uid published is read but not held (``artifact.held`` is False): the keeper leases an artifact
+        only to its publisher, whose processes alone load it."""
         found = self._fetch(fingerprint, key, hold=True)
         return found.artifact if found is not None else None
 
@@ -221,7 +223,7 @@ class Cache:
         except (WeightCacheError, OSError) as exc:
             conn.close()
             return artifact_ops.Miss(f"{KEEPER_FAILED}: {exc}")
-        if isinstance(found, artifact_ops.Miss) or found.artifact is None:
+        if isinstance(found, artifact_ops.Miss) or found.artifact is None or not found.artifact.held:
             conn.close()
         return found
 

@@ -472,7 +472,7 @@ class Server:
     def _get_artifact(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
         request = GetArtifactRequest.from_json(message)
         trust = request.trust or (peer.uid, self.store.owner)
-        found = self.store.get_artifact(peer.id, peer.pid, request.weights, request.key, trust)
+        found = self.store.get_artifact(peer.id, peer.pid, request.weights, request.key, trust, peer.uid)
         if found is None:
             others, near = self.store.artifact_misses(request.weights, request.key, trust, messages.MAX_NEAR_KEYS)
             return GetArtifactReply(found=False, others=tuple(others), near=tuple(near)).to_json(), []

@@ -532,10 +532,19 @@ class Store:
         )
 
     def get_artifact(
-        self, conn: int, pid: int, weights: str, key: ArtifactKey, trust: Sequence[int] | None = None
+        self,
+        conn: int,
+        pid: int,
+        weights: str,
+        key: ArtifactKey,
+        trust: Sequence[int] | None = None,
+        uid: int | None = None,
     ) -> ArtifactCheckout | None:
         """The artifact of ``weights`` for ``key`` of the first publisher in ``trust`` (default: the owner only)
-        that has one, leased by ``conn``, with a dup of its memfd; None if no trusted publisher has one."""
+        that has one, with a dup of its memfd; None if no trusted publisher has one. ``conn`` (of ``uid``) leases
+        it only if ``uid`` published it (or ``uid`` is None): an artifact is compiled code that only its
+        publisher's processes load, so another uid's lease would pin memory for nothing and keep its publisher
+        from evicting it."""
         with self._lock:
             found = None
             for uid in (self.owner,) if trust is None else trust:
@@ -546,8 +555,10 @@ class Store:
                 return None
             now = self._clock()
             found.last_used = now
-            fresh = conn not in found.leases
-            found.leases.setdefault(conn, Lease(pid, now))
+            lease = uid is None or uid == found.publisher
+            fresh = lease and conn not in found.leases
+            if lease:
+                found.leases.setdefault(conn, Lease(pid, now))
             try:
                 fd = os.dup(found.fd)  # under the lock: an evict racing with this get cannot close it first
             except OSError as exc:
