@@ -5,6 +5,7 @@ _cache_directory)."""
 from __future__ import annotations
 
 import io
+import os
 import tarfile
 from pathlib import Path
 
@@ -229,3 +230,62 @@ def test_the_meta_member_is_checked() -> None:
     with tarfile.open(fileobj=plain, mode="w"):
         pass
     assert archive_meta(plain.getvalue()) is None  # an archive of an earlier release: no meta, no relocation
+
+
+def test_a_restore_never_follows_a_planted_link_and_applies_the_umask(cache: Path, tmp_path: Path) -> None:
+    """Issue 33, item 8: in a group-shared cache directory a restore followed another user's planted links, and
+    restored files ignored the umask."""
+    blob, _ = pack(cache, list(units(cache)), "rank_0_0")
+    outside = tmp_path / "outside"
+    outside.mkdir()
+    planted = tmp_path / "planted" / "torch_compile_cache"
+    planted.mkdir(parents=True)
+    (planted / "0a1b2c3d4e").symlink_to(outside)  # where the archive's first hash directory goes
+    with pytest.raises(ValueError, match="symbolic link"):
+        unpack_into(blob, planted)
+    assert list(outside.iterdir()) == []
+
+    old = os.umask(0o077)
+    try:
+        written = unpack_into(blob, tmp_path / "private" / "torch_compile_cache")
+    finally:
+        os.umask(old)
+    modes = {name: (tmp_path / "private" / "torch_compile_cache" / name).stat().st_mode & 0o777 for name in written}
+    assert modes and all(mode & 0o077 == 0 for mode in modes.values()), modes
+
+
+def test_a_sparse_member_that_would_expand_past_its_archive_is_refused(tmp_path: Path) -> None:
+    """Issue 33, item 8: a 2 KiB sparse member (GNU sparse 1.0 in PAX headers) made a restore try to allocate
+    4 GiB. A member may not be sparse, nor claim more bytes than its archive holds."""
+    name = "0a1b2c3d4e/rank_0_0/model"
+    sparse_map = b"1\n0\n2048\n".ljust(512, b"\0")
+    info = tarfile.TarInfo(name)
+    info.size = len(sparse_map) + 2048
+    info.pax_headers = {
+        "GNU.sparse.major": "1",
+        "GNU.sparse.minor": "0",
+        "GNU.sparse.name": name,
+        "GNU.sparse.realsize": str(4 << 30),
+    }
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
+        tar.addfile(info, io.BytesIO(sparse_map + b"M" * 2048))
+    blob = buffer.getvalue()
+    with tarfile.open(fileobj=io.BytesIO(blob)) as tar:
+        [member] = tar.getmembers()
+        assert member.issparse() and member.size == 4 << 30  # what tarfile itself would expand it to
+    with pytest.raises(ValueError, match="no file of vLLM's compile cache|claims"):
+        unpack_into(blob, tmp_path / "root")
+    assert not (tmp_path / "root").exists()
+
+
+@pytest.mark.skipif(os.getuid() != 0, reason="needs root to make a file of another uid")
+def test_files_of_another_user_are_never_packed(cache: Path) -> None:
+    """Issue 33, item 8: files others drop into a shared Triton or compile cache directory were packed into the
+    owner's own artifact (which the owner's processes then load)."""
+    dropped = cache / "0a1b2c3d4e" / "rank_0_0" / "backbone" / "dropped_by_someone_else"
+    dropped.write_bytes(b"not yours")
+    os.chown(dropped, 65534, 65534)
+    _, held = pack(cache, list(units(cache)), "rank_0_0")
+    assert "0a1b2c3d4e/rank_0_0/backbone/dropped_by_someone_else" not in held
+    assert "0a1b2c3d4e/rank_0_0/backbone/vllm_compile_cache.py" in held

@@ -82,18 +82,44 @@ def read_blob(fd: int, size: int) -> bytes:
     return bytes(out)
 
 
-def write_whole(target: Path, data: bytes, mode: int = 0o644) -> bool:
-    """Write ``data`` at ``target`` with ``mode`` unless a file is there (a local file is never overwritten), so
-    that a reader sees the whole file or none: written aside in the same directory, then renamed. Whether it was
-    written. What restores an artifact's files (inductor's kernels, vLLM's compile cache) writes through this."""
-    if target.exists():
+def umask() -> int:
+    """This process's umask, read without changing it (``/proc/self/status``; 0o022 where that is not there)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("Umask:"):
+                    return int(line.split()[1], 8)
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0o022
+
+
+def write_whole(target: Path, data: bytes, mode: int = 0o644, *, within: Path | None = None) -> bool:
+    """Write ``data`` at ``target`` with ``mode`` (less the umask) unless a file is there (a local file is never
+    overwritten), so that a reader sees the whole file or none: written aside in the same directory, then renamed.
+    Whether it was written. What restores an artifact's files (inductor's kernels, vLLM's compile cache) writes
+    through this.
+
+    With ``within``, ``target`` must lie under that directory through real directories only: a symbolic link on
+    the way (one another user planted in a group-shared cache directory, say) raises ValueError before anything is
+    written, and the directories it creates are this user's."""
+    if within is not None:
+        relative = target.parent.relative_to(within)  # ValueError for a target outside it
+        within.mkdir(parents=True, exist_ok=True)
+        directory = within
+        for part in relative.parts:
+            directory = directory / part
+            if directory.is_symlink():
+                raise ValueError(f"{directory} is a symbolic link; a restore writes through real directories only")
+            directory.mkdir(exist_ok=True)
+    if target.is_symlink() or target.exists():
         return False
     target.parent.mkdir(parents=True, exist_ok=True)
     fd, temporary = tempfile.mkstemp(dir=target.parent, prefix=".wc-", suffix=".tmp")
     try:
         with os.fdopen(fd, "wb") as f:
             f.write(data)
-        os.chmod(temporary, mode)
+        os.chmod(temporary, mode & ~umask())
         os.replace(temporary, target)
     except BaseException:
         Path(temporary).unlink(missing_ok=True)
@@ -344,5 +370,6 @@ __all__ = [
     "put",
     "read_blob",
     "sealed_memfd",
+    "umask",
     "write_whole",
 ]

@@ -247,7 +247,8 @@ def loaded_kernels(cache_dir: Path | None = None, since: float | None = None) ->
         for file in root.glob("??/*.so"):
             relative = f"{file.parent.name}/{file.name}"
             with contextlib.suppress(OSError):
-                if KERNEL_PATH.fullmatch(relative) and file.stat().st_mtime >= since:
+                stat = file.stat()  # another user's file in a shared cache directory never joins this user's blob
+                if KERNEL_PATH.fullmatch(relative) and stat.st_mtime >= since and stat.st_uid == os.getuid():
                     found[relative] = file
     try:
         with open("/proc/self/maps") as f:
@@ -375,7 +376,7 @@ def restore_kernels(kernels: Mapping[str, bytes], cache_dir: Path | None = None)
     """Write each kernel at its path under the inductor cache directory unless a file is there; how many were
     written. Each file appears whole (written aside, then renamed)."""
     root = cache_dir or inductor_cache_dir()
-    return sum(write_whole(root / relative, data, 0o755) for relative, data in kernels.items())
+    return sum(write_whole(root / relative, data, 0o755, within=root) for relative, data in kernels.items())
 
 
 # --- the context manager ---------------------------------------------------------------------------------------

@@ -153,7 +153,8 @@ def pack(
     others: Mapping[str, tuple[Path, list[Path]]] | None = None,
     meta: ArchiveMeta | None = None,
 ) -> tuple[bytes, dict[str, int]]:
-    """A tar archive of the files of the hash directories ``chosen`` under ``root`` (this rank's only), and of
+    """A tar archive of the files this user owns in the hash directories ``chosen`` under ``root`` (this rank's
+    only; a file another user put into a shared directory is left out), and of
     the directories each of ``others`` names (``{"@triton": (Triton's cache directory, its entries)}``: members
     ``@triton/<entry>/<file>``), with ``meta`` as its :data:`META` member, and what it holds (member name ->
     size; the meta member included)."""
@@ -177,8 +178,11 @@ def pack(
                     if parts is None or not wanted(parts, own_rank):
                         continue
                     try:
+                        stat = path.stat()
+                        if stat.st_uid != os.getuid():
+                            continue  # another user's file in a shared directory: never in this user's artifact
                         data = path.read_bytes()
-                        mode = path.stat().st_mode
+                        mode = stat.st_mode
                     except OSError:
                         continue  # removed while we looked: vLLM's own business
                     info = tarfile.TarInfo(relative)
@@ -199,22 +203,27 @@ def unpack_into(
     the paths text files under ``root`` record are rewritten (:func:`relocated`).
 
     Raises ValueError, before writing anything, for an archive that is not one :func:`pack` could have made: a
-    member that is not a regular file, or whose name is absolute, climbs out of ``root`` or has odd characters."""
+    member that is not a regular file (a link, a device, a sparse file), claims more bytes than the archive has, or
+    whose name is absolute, climbs out of ``root`` or has odd characters; and, while writing, for a symbolic link on
+    the way to a member's place (:func:`~weightcache.artifacts.write_whole`). Files are written with the umask
+    applied."""
     others = dict(others or {})
     with tarfile.open(fileobj=io.BytesIO(blob), mode="r:") as tar:
         members = tar.getmembers()
         for member in members:
-            if not member.isfile() or member_path(member.name) is None:
+            if not member.isfile() or member.issparse() or member_path(member.name) is None:
                 raise ValueError(f"the archive holds {member.name!r:.120}, which is no file of vLLM's compile cache")
+            if member.size > len(blob):  # what it would expand to: no plain member is larger than its archive
+                raise ValueError(f"the archive's member {member.name!r:.120} claims {member.size} bytes in {len(blob)}")
         written: dict[str, int] = {}
         for member in members:
             first, _, rest = member.name.partition("/")
             if first.startswith("@"):
                 if first not in others or not rest:
                     continue
-                target = others[first].joinpath(*rest.split("/"))
+                base, target = others[first], others[first].joinpath(*rest.split("/"))
             else:
-                target = root.joinpath(*member.name.split("/"))
+                base, target = root, root.joinpath(*member.name.split("/"))
             if target.exists():
                 continue
             source = tar.extractfile(member)
@@ -223,7 +232,7 @@ def unpack_into(
             data = source.read()
             if relocate is not None and not first.startswith("@"):
                 data = relocated(data, *relocate)
-            if write_whole(target, data, 0o755 if member.mode & 0o111 else 0o644):
+            if write_whole(target, data, 0o755 if member.mode & 0o111 else 0o644, within=base):
                 written[member.name] = member.size
     return written
 
@@ -285,7 +294,7 @@ def mirror_triton(root: Path, members: Iterable[str], triton: Path) -> dict[str,
                 mode = source.stat().st_mode
             except OSError:
                 continue
-            if write_whole(triton / entry[-1] / name, data, 0o755 if mode & 0o111 else 0o644):
+            if write_whole(triton / entry[-1] / name, data, 0o755 if mode & 0o111 else 0o644, within=triton):
                 written[f"{TRITON}/{entry[-1]}/{name}"] = len(data)
     return written
 
