@@ -16,9 +16,10 @@ import sys
 import threading
 from typing import Any
 
-from weightcache import protocol
+from weightcache import artifacts, protocol
+from weightcache.artifact_key import ArtifactKey
 from weightcache.client import KeeperConnection
-from weightcache.errors import WeightCacheError
+from weightcache.errors import KeeperError, WeightCacheError
 from weightcache.manifest import MANIFEST_VERSION
 
 
@@ -132,6 +133,35 @@ def _send_quietly(sock: socket.socket, data: bytes) -> None:
         pass
 
 
+def list_flood(socket_dir: str, unread: int) -> dict[str, Any]:
+    """Issue 33, finding 1: publish ~1,000 tiny artifacts with ~15 KiB keys, send ``list_artifacts`` on
+    ``unread`` connections and read nothing, then ask once more on a connection that reads its replies."""
+    got: dict[str, Any] = {"published": 0}
+    with KeeperConnection.connect(socket_dir) as conn:
+        for i in range(1000):
+            key = ArtifactKey("hostile.flood", {"i": i, "pad": "x" * 15_000})
+            artifacts.put(conn, "ab" * 32, key, b"tiny")
+            got["published"] += 1
+    request = json.dumps({"op": "list_artifacts"}).encode()
+    frame = protocol.HEADER.pack(protocol.MAGIC, protocol.WIRE_VERSION, 0, len(request)) + request
+    held = []
+    for _ in range(unread):
+        sock = raw_connection(socket_dir)
+        if sock is not None:
+            sock.sendall(frame)
+            held.append(sock)
+    got["unread"] = len(held)
+    try:
+        with KeeperConnection.connect(socket_dir) as reader:
+            got["listed"] = len(reader.list_artifacts().artifacts)
+        got["busy"] = False
+    except KeeperError as exc:
+        got["busy"], got["code"], got["message"] = True, exc.code, str(exc)
+    print(json.dumps(got), flush=True)
+    sys.stdin.read()
+    return got
+
+
 #: What a terminal acts on: set its title, ring, return the cursor, a C1 CSI, a bidi override, a lone surrogate.
 EVIL = "\x1b]0;owned\x07\r\x9b2J\u202e\ud800"
 
@@ -149,5 +179,7 @@ if __name__ == "__main__":
     os.setuid(65534)
     if sys.argv[1] == "starve":
         starve(sys.argv[2], sys.argv[3], json.loads(sys.argv[4]))
+    elif sys.argv[1] == "list-flood":
+        list_flood(sys.argv[2], int(sys.argv[3]))
     else:
         publish_evil(sys.argv[2], json.loads(sys.argv[3]))

@@ -410,3 +410,36 @@ def test_a_member_takes_no_lease_on_an_artifact_it_did_not_publish(shared_dir: P
             member.communicate("", timeout=30)
         keeper.terminate()
         keeper.wait(timeout=30)
+
+
+def test_unread_artifact_lists_count_against_the_members_reply_share(shared_dir: Path) -> None:
+    """Issue 33, finding 1: a member with ~1,000 artifacts of ~15 KiB keys sent ``list_artifacts`` on 12
+    connections and read nothing; the keeper held every ~15 MiB reply (40 -> 637 MiB) and refused nothing. Those
+    replies now count against the member's share of reply bytes: once it is full, the member is answered busy,
+    and the owner's own list still works."""
+    # Detached, logging to its keeper.log: a keeper whose stderr is a pipe nobody reads blocks once 1,000
+    # "published artifact" lines fill it.
+    serve = [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(shared_dir), "--detach"]
+    subprocess.run([*serve, "--allow-group", str(GROUP), "--max-connections", "64"], check=True, timeout=60)
+    member = None
+    try:
+        member = subprocess.Popen(
+            [sys.executable, HOSTILE, "list-flood", str(shared_dir), "12"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        assert member.stdout is not None
+        line = member.stdout.readline()
+        assert line, member.stderr.read() if member.stderr else ""
+        got = json.loads(line)
+        assert got["published"] == 1000 and got["unread"] == 12, got
+        assert got["busy"] and got["code"] == "busy" and "replies not read yet" in got["message"], got
+        with KeeperConnection.connect(shared_dir) as owner:
+            assert len(owner.list_artifacts().artifacts) == 1000  # the owner is not the member's victim
+    finally:
+        if member is not None:
+            member.kill()
+            member.wait(10)
+        wc.Cache(shared_dir).stop(wait=30)

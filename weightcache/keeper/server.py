@@ -490,7 +490,10 @@ class Server:
         request = ListArtifactsRequest.from_json(message)
         shown, truncated = self.store.artifacts(request.weights, messages.MAX_LISTED_ARTIFACTS)
         listed: tuple[ArtifactInfo, ...] = tuple(shown)
-        return ListArtifactsReply(artifacts=listed, truncated=truncated).to_json(), []
+        # Up to 1,024 keys of up to 16 KiB each: held for a peer that may never read it, like a list's page.
+        payload = encode(ListArtifactsReply(artifacts=listed, truncated=truncated).to_json())
+        self._reserve_reply(peer, 0, len(payload))
+        return payload, []
 
 
 Handler = Callable[[Server, Peer, dict[str, Any], list[int]], tuple[Reply, list[int]]]
