@@ -71,6 +71,10 @@ def test_keys_are_values_with_a_canonical_digest() -> None:
     key = f"{WEIGHTS}/{KEY.digest}~1000"
     assert artifact_matches(key, WEIGHTS[:6]) and artifact_matches(key, f"{WEIGHTS[:12]}/{KEY.digest[:12]}")
     assert not artifact_matches(key, f"{WEIGHTS[:12]}/{'0' * 12}")
+    # issue 33, item 7: the name `ls` prints for another uid's artifact (`~uid` after the short key digest)
+    assert artifact_matches(key, f"{WEIGHTS[:12]}/{KEY.digest[:12]}~1000")
+    assert not artifact_matches(key, f"{WEIGHTS[:12]}/{KEY.digest[:12]}~1001")
+    assert not artifact_matches(f"{WEIGHTS}/{KEY.digest}", f"{WEIGHTS[:12]}/{KEY.digest[:12]}~1000")
 
 
 # --- the store alone ---------------------------------------------------------------------------------------------

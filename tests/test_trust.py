@@ -443,3 +443,41 @@ def test_unread_artifact_lists_count_against_the_members_reply_share(shared_dir:
             member.kill()
             member.wait(10)
         wc.Cache(shared_dir).stop(wait=30)
+
+
+#: As a member of GROUP: publish a small artifact of key {"n": 2} for weights ``argv[2]``.
+PUBLISHER = r"""
+import os, sys
+import torch
+import weightcache as wc
+import weightcache.cache, weightcache.artifacts, weightcache.republish
+socket_dir, weights = sys.argv[1], sys.argv[2]
+wc.Cache
+os.setgroups([4242]); os.setgid(65534); os.setuid(65534)
+wc.Cache(socket_dir).put_artifact(weights, wc.ArtifactKey("test.kind", {"n": 2}), b"a member's blob")
+"""
+
+
+def test_inspect_and_evict_take_the_name_ls_prints_for_a_members_artifact(shared_dir: Path) -> None:
+    """Issue 33, item 7: ``ls`` names another uid's artifact ``<weights>/<key digest>~<uid>``, and ``inspect``
+    and ``evict`` refused that very name."""
+    keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
+    try:
+        weights = "fe" * 32
+        subprocess.run([sys.executable, "-c", PUBLISHER, str(shared_dir), weights], check=True, timeout=60)
+
+        def cli(*args: str) -> subprocess.CompletedProcess[str]:
+            command = [sys.executable, "-m", "weightcache", *args, "--socket-dir", str(shared_dir)]
+            return subprocess.run(command, capture_output=True, text=True, timeout=60)
+
+        listed = cli("ls")
+        [name] = [word for word in listed.stdout.split() if word.startswith(weights[:12] + "/")]
+        assert name.endswith(f"~{MEMBER_UID}"), listed.stdout
+        shown = cli("inspect", name)
+        assert shown.returncode == 0 and f"(uid {MEMBER_UID})" in shown.stdout, shown.stdout + shown.stderr
+        evicted = cli("evict", name)
+        assert evicted.returncode == 0, evicted.stdout + evicted.stderr
+        assert wc.Cache(shared_dir).artifacts() == []
+    finally:
+        keeper.terminate()
+        keeper.wait(10)

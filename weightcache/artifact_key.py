@@ -172,11 +172,16 @@ def artifact_entry_key(weights: str, key_digest: str, publisher: int | None = No
 
 def artifact_matches(key: str, prefix: str) -> bool:
     """Whether ``prefix`` names the artifact whose keeper key is ``key``: a prefix of the key, or
-    ``<weights prefix>/<key digest prefix>`` (what ``weightcache ls`` shows: ``3f9a0c1e2b7d/9e1f2a3b4c5d``)."""
+    ``<weights prefix>/<key digest prefix>`` with ``~<uid>`` for another uid's (what ``weightcache ls`` shows:
+    ``3f9a0c1e2b7d/9e1f2a3b4c5d``, ``3f9a0c1e2b7d/9e1f2a3b4c5d~1001``)."""
     if "/" not in prefix:
         return key.startswith(prefix)
     weights, _, rest = prefix.partition("/")
     theirs, _, their_rest = key.partition("/")
+    if "~" in rest:  # a short digest and a publisher: the publisher must be the same
+        digest, _, uid = rest.partition("~")
+        their_digest, _, their_uid = their_rest.partition("~")
+        return theirs.startswith(weights) and their_digest.startswith(digest) and their_uid == uid
     return theirs.startswith(weights) and their_rest.startswith(rest)
 
 
