@@ -447,3 +447,33 @@ def test_an_artifacts_reply_fd_counts_against_the_reply_shares(socket_dir: Path,
     finally:
         keeper.terminate()
         keeper.wait(10)
+
+
+def test_every_artifact_is_listed_inspected_and_evicted_however_many_there_are(socket_dir: Path) -> None:
+    """Issue 33, finding 3: 1,100 newer artifacts under the same weights pushed an older one out of the one
+    capped reply of ``list_artifacts``: ``ls``, ``ls --json``, ``Cache.artifacts()`` and ``inspect`` lost it, and
+    ``evict --all`` exited 0 leaving 77 behind. The keeper pages; every reader walks every page."""
+    cache = wc.Cache(socket_dir, spawn=True)  # detached: its log is a file (1,101 log lines)
+    oldest = cache.put_artifact(WEIGHTS, ArtifactKey("test.old", {"n": 0}), b"the first one")
+    with KeeperConnection.connect(socket_dir) as conn:
+        for i in range(messages.MAX_LISTED_ARTIFACTS + 76):
+            artifact_ops.put(conn, WEIGHTS, ArtifactKey("test.flood", {"i": i}), b"x")
+        first = messages.ListArtifactsReply.from_json(conn._ask(messages.ListArtifactsRequest().to_json()))
+        assert len(first.artifacts) == messages.MAX_LISTED_ARTIFACTS and first.next is not None  # one page
+    listed = cache.artifacts()
+    assert len(listed) == messages.MAX_LISTED_ARTIFACTS + 77 and oldest.info.key in {a.key for a in listed}
+    assert listed[-1].key == oldest.info.key  # most recently used first, the first one last
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "weightcache", *args, "--socket-dir", str(socket_dir)]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120)
+
+    as_json = json.loads(cli("ls", "--json").stdout)
+    assert len(as_json["artifacts"]) == messages.MAX_LISTED_ARTIFACTS + 77
+    name = f"{WEIGHTS[:12]}/{oldest.info.key_digest[:12]}"
+    assert name in cli("ls").stdout
+    shown = cli("inspect", name)
+    assert shown.returncode == 0 and "test.old" in shown.stdout, shown.stderr
+    gone = cli("evict", "--all")
+    assert gone.returncode == 0, gone.stderr
+    assert cache.artifacts() == []

@@ -385,11 +385,26 @@ class KeeperConnection:
             raise
 
     def list_artifacts(self, weights: str | None = None) -> ListArtifactsReply:
-        """The artifacts the keeper holds (those of weights whose digest starts with ``weights``); empty from a
-        keeper that holds weights only (protocol 1)."""
+        """The artifacts the keeper holds (those of weights whose digest starts with ``weights``), most recently
+        used first; empty from a keeper that holds weights only (protocol 1).
+
+        The keeper answers in pages of at most :data:`~weightcache.messages.MAX_LISTED_ARTIFACTS`; this asks for
+        every page and returns them as one reply (``truncated`` only from a keeper that does not page)."""
         if not self.serves_artifacts:
             return ListArtifactsReply(artifacts=())
-        return ListArtifactsReply.from_json(self._ask(ListArtifactsRequest(weights).to_json()))
+        page = ListArtifactsReply.from_json(self._ask(ListArtifactsRequest(weights).to_json()))
+        found = list(page.artifacts)
+        for _ in range(MAX_LIST_PAGES):
+            if page.next is None:
+                found.sort(key=lambda a: a.last_used, reverse=True)
+                return ListArtifactsReply(artifacts=tuple(found), truncated=page.truncated)
+            after = page.next
+            page = ListArtifactsReply.from_json(self._ask(ListArtifactsRequest(weights, after).to_json()))
+            if page.next is not None and page.next <= after:
+                stuck = f"the keeper's artifact pages do not advance (after {after!r:.80}); restart it"
+                raise KeeperError(stuck, "list")
+            found.extend(page.artifacts)
+        raise KeeperError(f"the keeper lists more than {MAX_LIST_PAGES} pages of artifacts; evict some", "list")
 
     def _ask(self, message: dict[str, Any]) -> dict[str, Any]:
         reply, fds = self.request(message)

@@ -783,29 +783,47 @@ class GetArtifactReply(NamedTuple):
 
 
 class ListArtifactsRequest(NamedTuple):
-    """The artifacts the keeper holds; with ``weights``, only those whose weights digest starts with it."""
+    """The artifacts the keeper holds; with ``weights``, only those whose weights digest starts with it. The keeper
+    answers a page (in key order) of at most :data:`MAX_LISTED_ARTIFACTS`; ``after`` asks for the page that follows
+    the key a reply named as ``next``."""
 
     weights: str | None = None
+    after: str | None = None
 
     def to_json(self) -> dict[str, Any]:
         out: dict[str, Any] = {"op": LIST_ARTIFACTS}
         if self.weights is not None:
             out["weights"] = self.weights
+        if self.after is not None:
+            out["after"] = self.after
         return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ListArtifactsRequest:
-        return cls(weights=field(data, "weights", str, optional=True))
+        return cls(
+            weights=field(data, "weights", str, optional=True),
+            after=field(data, "after", str, optional=True),
+        )
 
 
 class ListArtifactsReply(NamedTuple):
-    """At most :data:`MAX_LISTED_ARTIFACTS` artifacts, most recently used first; ``truncated`` when more matched."""
+    """One page of at most :data:`MAX_LISTED_ARTIFACTS` artifacts in key order; ``next`` (and ``truncated``) when
+    more follow: ask again with ``after=next``. :meth:`~weightcache.client.KeeperConnection.list_artifacts` asks
+    for every page and gives them most recently used first."""
 
     artifacts: tuple[ArtifactInfo, ...]
     truncated: bool = False
+    next: str | None = None
 
     def to_json(self) -> dict[str, Any]:
-        return {"ok": True, "artifacts": [a.to_json() for a in self.artifacts], "truncated": self.truncated}
+        out: dict[str, Any] = {
+            "ok": True,
+            "artifacts": [a.to_json() for a in self.artifacts],
+            "truncated": self.truncated,
+        }
+        if self.next is not None:
+            out["next"] = self.next
+        return out
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> ListArtifactsReply:
@@ -813,6 +831,7 @@ class ListArtifactsReply(NamedTuple):
         return cls(
             artifacts=tuple(ArtifactInfo.from_json(_object(a, "artifacts")) for a in field(data, "artifacts", list)),
             truncated=bool(field(data, "truncated", bool, optional=True)),
+            next=field(data, "next", str, optional=True),
         )
 
 

@@ -488,10 +488,14 @@ class Server:
 
     def _list_artifacts(self, peer: Peer, message: dict[str, Any], fds: list[int]) -> tuple[Reply, list[int]]:
         request = ListArtifactsRequest.from_json(message)
-        shown, truncated = self.store.artifacts(request.weights, messages.MAX_LISTED_ARTIFACTS)
+        # Pages in key order ("" sorts before every key: the first page), so that a client walking them sees every
+        # artifact once however many there are (the first page of an earlier release was the most recently used).
+        after = request.after if request.after is not None else ""
+        shown, truncated = self.store.artifacts(request.weights, messages.MAX_LISTED_ARTIFACTS, after)
         listed: tuple[ArtifactInfo, ...] = tuple(shown)
+        following = listed[-1].key if truncated and listed else None
         # Up to 1,024 keys of up to 16 KiB each: held for a peer that may never read it, like a list's page.
-        payload = encode(ListArtifactsReply(artifacts=listed, truncated=truncated).to_json())
+        payload = encode(ListArtifactsReply(artifacts=listed, truncated=truncated, next=following).to_json())
         self._reserve_reply(peer, 0, len(payload))
         return payload, []
 

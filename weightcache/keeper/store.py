@@ -580,13 +580,19 @@ class Store:
         near.sort(key=lambda a: a.last_used, reverse=True)
         return others, [a.artifact_key for a in near[:limit]]
 
-    def artifacts(self, weights: str | None = None, limit: int | None = None) -> tuple[list[ArtifactInfo], bool]:
-        """The artifacts (those whose weights digest starts with ``weights``), most recently used first, at most
-        ``limit``; and whether more matched."""
+    def artifacts(
+        self, weights: str | None = None, limit: int | None = None, after: str | None = None
+    ) -> tuple[list[ArtifactInfo], bool]:
+        """The artifacts (those whose weights digest starts with ``weights``): without ``after``, most recently
+        used first; with ``after``, in key order from the first key past it (a page, as ``list_artifacts`` pages).
+        At most ``limit``; and whether more matched."""
         with self._lock:
             now = self._clock()
             found = [a for a in self._artifacts.values() if weights is None or a.weights.startswith(weights)]
-            found.sort(key=lambda a: a.last_used, reverse=True)
+            if after is None:
+                found.sort(key=lambda a: a.last_used, reverse=True)
+            else:
+                found = sorted((a for a in found if a.key > after), key=lambda a: a.key)
             shown = found if limit is None else found[:limit]
             return [a.info(now) for a in shown], len(shown) < len(found)
 
