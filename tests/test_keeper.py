@@ -488,3 +488,20 @@ def test_list_replies_stay_bounded_however_large_the_entries(socket_dir: Path, k
         )
         assert out.returncode == 0, out.stderr
     assert len(json.loads(out.stdout)["entries"]) == 40
+
+
+def test_a_connection_over_the_share_is_told_busy_never_broken_pipe(socket_dir: Path) -> None:
+    """Issue 33, finding 8: the keeper answers a connection it does not admit and closes it at once, often before
+    the client's hello arrives; the client then saw ``KeeperUnavailable: ... Broken pipe`` (21 of 36 times here)
+    instead of the refusal waiting in its socket. It reads the refusal: busy, saying why."""
+    serve = [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(socket_dir), "--detach"]
+    subprocess.run([*serve, "--max-connections", "4"], check=True, timeout=60, capture_output=True)
+    held = [KeeperConnection.connect(socket_dir) for _ in range(4)]
+    try:
+        for _ in range(30):
+            with pytest.raises(wc.KeeperError) as refused:
+                KeeperConnection.connect(socket_dir)
+            assert refused.value.code == "busy" and "connections" in str(refused.value), refused.value
+    finally:
+        for conn in held:
+            conn.close()

@@ -181,7 +181,12 @@ class KeeperConnection:
                     "of the shared socket directory); refusing to trust it"
                 )
             hello = HelloRequest(protocol_version, min_protocol_version, __version__, os.getpid())
-            protocol.send_frame(sock, hello.to_json())
+            try:
+                protocol.send_frame(sock, hello.to_json())
+            except (BrokenPipeError, ConnectionResetError):
+                # A keeper that does not admit this connection (busy, forbidden) answers at once and closes, maybe
+                # before the hello arrives: its refusal is still waiting to be read, and says why.
+                pass
             reply, fds = protocol.recv_frame(sock, idle_timeout=REPLY_TIMEOUT_S)
             protocol.close_fds(fds)
             if reply.get("ok") is not False:
