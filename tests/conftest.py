@@ -77,11 +77,15 @@ def open_fds(pid: int) -> int:
 
 
 def sealed_memfd(size: int, seal: bool = True) -> int:
-    """A memfd of ``size`` bytes, sealed against write, shrink and grow as publishers seal theirs (or not)."""
+    """A memfd of ``size`` bytes, its pages allocated as a publisher's written segment's are (the keeper's budget
+    counts the memory a segment really holds), sealed against write, shrink and grow as publishers seal theirs (or
+    not)."""
     import fcntl
 
     fd = os.memfd_create("weightcache", os.MFD_ALLOW_SEALING)
     os.ftruncate(fd, size)
+    if size:
+        os.posix_fallocate(fd, 0, size)
     if seal:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
     return fd

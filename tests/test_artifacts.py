@@ -8,6 +8,7 @@ them. tests/test_torch_compile.py has torch.compile on top of this.
 
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import json
 import logging
@@ -477,3 +478,32 @@ def test_every_artifact_is_listed_inspected_and_evicted_however_many_there_are(s
     gone = cli("evict", "--all")
     assert gone.returncode == 0, gone.stderr
     assert cache.artifacts() == []
+
+
+def test_a_memfd_sized_but_never_written_costs_the_budget_nothing(socket_dir: Path) -> None:
+    """Issue 33, finding 2: the store counted declared sizes, so memfds that were sized but never written (no
+    memory at all) filled the budget and every later publish failed with BudgetExceeded. The budget counts what a
+    segment really holds."""
+    serve = [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(socket_dir), "--detach"]
+    subprocess.run([*serve, "--max-bytes", "cpu=8M"], check=True, timeout=60, capture_output=True)
+    size = 6 << 20
+    hollow = os.memfd_create("hollow", os.MFD_ALLOW_SEALING)
+    os.ftruncate(hollow, size)  # 6 MiB declared, not a page written
+    fcntl.fcntl(hollow, fcntl.F_ADD_SEALS, fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW)
+    zeros = hashlib.sha256(bytes(size)).hexdigest()
+    with KeeperConnection.connect(socket_dir) as holder:  # holds its lease while this block runs
+        holder.put_artifact(WEIGHTS, ArtifactKey("test.hollow"), hollow, size, zeros)
+        os.close(hollow)
+        real = wc.Cache(socket_dir).put_artifact(WEIGHTS, KEY, os.urandom(4 << 20))  # 4 MiB written
+        assert real.created
+        [line] = [
+            x
+            for x in subprocess.run(
+                [sys.executable, "-m", "weightcache", "ls", "--socket-dir", str(socket_dir)],
+                capture_output=True,
+                text=True,
+                timeout=60,
+            ).stdout.splitlines()
+            if "budget" in x
+        ]
+        assert "cpu 4.0 MiB of 8.0 MiB" in line, line

@@ -69,4 +69,21 @@ def verify_fd(fd: int, info: SegmentInfo) -> None:
     check(fd, info)
 
 
-__all__ = ["REQUIRED_SEALS", "VMM_FD_TARGET", "inspect_fd", "verify_cuda_vmm", "verify_fd", "verify_memfd"]
+def committed_bytes(fd: int, info: SegmentInfo) -> int:
+    """The memory a checked segment really holds: for a memfd, the bytes of its pages that were ever written
+    (``st_blocks``; a sealed memfd cannot gain pages), at most its size; for a GPU segment, its size (the driver
+    commits it whole). A memfd sized but never written holds next to nothing, whatever size it declares."""
+    if info.kind != "memfd":
+        return info.size
+    return min(info.size, os.fstat(fd).st_blocks * 512)
+
+
+__all__ = [
+    "REQUIRED_SEALS",
+    "VMM_FD_TARGET",
+    "committed_bytes",
+    "inspect_fd",
+    "verify_cuda_vmm",
+    "verify_fd",
+    "verify_memfd",
+]

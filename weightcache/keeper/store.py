@@ -85,10 +85,17 @@ class Entry:
     last_used: float
     #: connection id -> lease
     leases: dict[int, Lease] = attrs.field(factory=dict)
+    #: What it costs the budget: the memory its segments really hold (:func:`~weightcache.fdcheck.committed_bytes`);
+    #: None: its declared size.
+    committed: int | None = None
 
     @property
     def placement(self) -> str:
         return self.manifest.fingerprint.placement
+
+    @property
+    def charge(self) -> int:
+        return self.size if self.committed is None else self.committed
 
     @property
     def size(self) -> int:
@@ -141,9 +148,15 @@ class Artifact:
     created: float
     last_used: float
     leases: dict[int, Lease] = attrs.field(factory=dict)
+    #: What it costs the budget: the bytes of its memfd really written (None: its declared size).
+    committed: int | None = None
 
     #: For the budget and eviction, which treat artifacts and entries alike.
     placement = ARTIFACT_PLACEMENT
+
+    @property
+    def charge(self) -> int:
+        return self.size if self.committed is None else self.committed
 
     @property
     def fds(self) -> list[int]:
@@ -313,13 +326,14 @@ class Store:
                         f"{self._fds.describe(uid)} (set by its open-file limit and --member-share). Evict entries "
                         "(`weightcache evict`), or publish with fewer, larger segments.",
                     )
+                committed = sum(fdcheck.committed_bytes(fd, info) for fd, info in zip(fds, manifest.segments))
                 try:
-                    evicted = self._make_room(key, placement, manifest.total_bytes, uid)
+                    evicted = self._make_room(key, placement, committed, uid)
                 except BaseException:
                     self._fds.give(uid, len(fds))
                     raise
                 lease = {conn: Lease(pid, now)}
-                entry = Entry(digest, uid, key, manifest, manifest_json, text, list(fds), now, now, lease)
+                entry = Entry(digest, uid, key, manifest, manifest_json, text, list(fds), now, now, lease, committed)
                 self._entries[key] = entry
         if existing is not None:
             close_fds(fds)
@@ -335,21 +349,22 @@ class Store:
 
     def _make_room(self, key: str, placement: str, needed: int, uid: int) -> list[Held]:
         """Evict ``uid``'s own unleased entries on ``placement``, least recently used first, until ``needed`` more
-        bytes fit its budget; return them (their fds closed). Evicts nothing and raises ``over_budget`` if even
+        bytes fit its budget (what each holds counts as its memory really committed: :attr:`Entry.charge`); return
+        them (their fds closed). Evicts nothing and raises ``over_budget`` if even
         evicting all of them would not be enough: entries of other uids are never evicted for this publish.
         Called with the lock held."""
         limit = self.budget.limit(placement)
         if limit is None:
             return []
         here = [e for e in self._held() if e.placement == placement]
-        held = sum(e.size for e in here)
+        held = sum(e.charge for e in here)
         if held + needed <= limit:
             return []
         evictable = [e for e in here if not e.leases and e.publisher == uid]
-        spare = sum(e.size for e in evictable)
+        spare = sum(e.charge for e in evictable)
         if held - spare + needed > limit:
-            leased = sum(e.size for e in here if e.leases)
-            others = sum(e.size for e in here if not e.leases and e.publisher != uid)
+            leased = sum(e.charge for e in here if e.leases)
+            others = sum(e.charge for e in here if not e.leases and e.publisher != uid)
             need, have, pinned, theirs, own = (format_bytes(n) for n in (needed, limit, leased, others, spare))
             raise RequestError(
                 messages.OVER_BUDGET,
@@ -364,7 +379,7 @@ class Store:
             if held + needed <= limit:
                 break
             self._drop(e)
-            held -= e.size
+            held -= e.charge
             out.append(e)
         return out
 
@@ -506,12 +521,15 @@ class Store:
                         f"{self._fds.describe(uid)} (set by its open-file limit and --member-share). Evict entries "
                         "(`weightcache evict`).",
                     )
+                info = SegmentInfo(kind="memfd", size=size, placement=ARTIFACT_PLACEMENT)
+                committed = fdcheck.committed_bytes(fd, info)
                 try:
-                    evicted = self._make_room(name, ARTIFACT_PLACEMENT, size, uid)
+                    evicted = self._make_room(name, ARTIFACT_PLACEMENT, committed, uid)
                 except BaseException:
                     self._fds.give(uid, 1)
                     raise
-                artifact = Artifact(weights, key, uid, name, size, sha256, fd, now, now, {conn: Lease(pid, now)})
+                lease = {conn: Lease(pid, now)}
+                artifact = Artifact(weights, key, uid, name, size, sha256, fd, now, now, lease, committed)
                 self._artifacts[name] = artifact
         if existing is not None:
             close_fds([fd])
@@ -613,7 +631,7 @@ class Store:
                     keys = held.setdefault(conn, [])
                     if len(keys) < keys_per_conn:
                         keys.append(e.key)
-                used[e.placement] = used.get(e.placement, 0) + e.size
+                used[e.placement] = used.get(e.placement, 0) + e.charge  # what counts against the budget
             keys = sorted(k for k in self._entries if after is None or k > after)
             entries = tuple(self._entries[k].info(now) for k in keys[:limit])
         leases = {conn: (tuple(keys_), counts[conn]) for conn, keys_ in held.items()}
