@@ -278,7 +278,8 @@ def test_publishers_live_side_by_side_and_get_follows_trust(make: Any) -> None:
 
 
 def test_budget_eviction_takes_only_the_publishers_own_entries(make: Any) -> None:
-    store = Store(Budget(None, {"cpu": 768}), owner=0)
+    # A member's share of the budget (550 B) that fits its 512 B entry: the rule under test is the one beyond it.
+    store = Store(Budget(None, {"cpu": 1000}), owner=0, member_share=0.55)
     manifest, fd = make("a")
     owners = store.publish(1, 1, manifest, [fd], uid=0)
     store.release(1)  # unleased: evictable, but only for the owner's own publishes

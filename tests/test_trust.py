@@ -481,3 +481,48 @@ def test_inspect_and_evict_take_the_name_ls_prints_for_a_members_artifact(shared
     finally:
         keeper.terminate()
         keeper.wait(10)
+
+
+#: As a member of GROUP: publish an artifact of ``argv[2]`` MiB named ``argv[3]``; print what the keeper said.
+SIZED = r"""
+import json, os, sys
+import torch
+import weightcache as wc
+import weightcache.cache, weightcache.artifacts, weightcache.republish
+socket_dir, mib, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+wc.Cache
+os.setgroups([4242]); os.setgid(65534); os.setuid(65534)
+try:
+    key = wc.ArtifactKey("test.sized", {"mib": mib, "name": name})
+    wc.Cache(socket_dir).put_artifact("cd" * 32, key, os.urandom(mib << 20))
+    print(json.dumps({"published": True}))
+except wc.WeightCacheError as exc:
+    print(json.dumps({"error": type(exc).__name__, "message": str(exc)}))
+"""
+
+
+def test_a_member_holds_at_most_its_share_of_the_budget(shared_dir: Path) -> None:
+    """Issue 33, finding 2: one member could fill the whole budget, so the owner's and the other members'
+    publishes failed. A member holds at most ``--member-share`` of a placement's budget (its own least recently
+    used unleased ones go first); the owner's publish fits beside it."""
+    serve = [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(shared_dir), "--detach"]
+    subprocess.run([*serve, "--allow-group", str(GROUP), "--max-bytes", "cpu=16M"], check=True, timeout=60)
+    try:
+
+        def member(mib: int, name: str) -> dict:
+            command = [sys.executable, "-c", SIZED, str(shared_dir), str(mib), name]
+            out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            result: dict = json.loads(out.stdout.strip().splitlines()[-1])
+            return result
+
+        too_big = member(5, "a")  # over a quarter of 16 MiB
+        assert too_big.get("error") == "BudgetExceeded" and "share of the keeper's budget" in too_big["message"]
+        assert member(3, "b") == {"published": True}
+        assert member(3, "c") == {"published": True}  # "b", unleased, makes room within the member's share
+        mine = [a for a in wc.Cache(shared_dir).artifacts() if a.publisher == MEMBER_UID]
+        assert [a.artifact_key.fields["name"] for a in mine] == ["c"]
+        owner = wc.Cache(shared_dir).put_artifact("cd" * 32, wc.ArtifactKey("test.owner"), os.urandom(12 << 20))
+        assert owner.created and not owner.evicted  # 12 MiB beside the member's 3
+    finally:
+        wc.Cache(shared_dir).stop(wait=30)

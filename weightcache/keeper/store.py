@@ -356,6 +356,7 @@ class Store:
         limit = self.budget.limit(placement)
         if limit is None:
             return []
+        out = self._within_share(key, placement, needed, uid, limit) if uid != self.owner else []
         here = [e for e in self._held() if e.placement == placement]
         held = sum(e.charge for e in here)
         if held + needed <= limit:
@@ -374,12 +375,39 @@ class Store:
                 "or evict entries (`weightcache ls`, `weightcache evict --force`), publish a smaller model, or "
                 "restart the keeper with a larger `weightcache serve --max-bytes`.",
             )
-        out: list[Held] = []
         for e in sorted(evictable, key=lambda e: e.last_used):
             if held + needed <= limit:
                 break
             self._drop(e)
             held -= e.charge
+            out.append(e)
+        return out
+
+    def _within_share(self, key: str, placement: str, needed: int, uid: int, limit: int) -> list[Held]:
+        """For a uid other than the owner: evict its own unleased entries on ``placement``, least recently used
+        first, until ``needed`` more bytes fit its share of the budget (``member_share`` of ``limit``), so that no
+        member holds more than its share whatever the others do; ``over_budget`` if even that is not enough.
+        Called with the lock held."""
+        share = int(limit * self.member_share)
+        mine = [e for e in self._held() if e.placement == placement and e.publisher == uid]
+        own = sum(e.charge for e in mine)
+        if own + needed <= share:
+            return []
+        evictable = sorted((e for e in mine if not e.leases), key=lambda e: e.last_used)
+        if own - sum(e.charge for e in evictable) + needed > share:
+            raise RequestError(
+                messages.OVER_BUDGET,
+                f"{key[:16]}... of uid {uid} needs {format_bytes(needed)} on {placement}, but uid {uid}'s share of "
+                f"the keeper's budget there is {format_bytes(share)} ({self.member_share:.0%} of "
+                f"{format_bytes(limit)}, `weightcache serve --member-share`), and it holds {format_bytes(own)} "
+                "already. Release or evict its entries and artifacts, or ask the keeper's owner for a larger share.",
+            )
+        out: list[Held] = []
+        for e in evictable:
+            if own + needed <= share:
+                break
+            self._drop(e)
+            own -= e.charge
             out.append(e)
         return out
 
