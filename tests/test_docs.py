@@ -336,3 +336,30 @@ def test_the_compile_cache_snippet_hits_fully_from_its_second_run(tmp_path: Path
     assert "source='none'" in first.group() and "published_bytes=0" not in first.group(), first.group()
     assert "source='keeper'" in second.group() and "misses=0" in second.group(), second.group()
     assert "hits=0" not in second.group() and "published_bytes=0" in second.group(), second.group()
+
+
+def test_the_cli_reference_lists_the_keepers_limits_as_the_code_sets_them() -> None:
+    """Issue 33: the keeper's limits that have no flag (send deadline, reply caps, page sizes) are listed in the
+    CLI reference, with the values the code uses."""
+    from weightcache import artifact_key, messages, protocol
+    from weightcache.keeper import server
+
+    text = (DOCS / "cli.md").read_text()
+    section = text.split("The keeper's limits that have no flag", 1)[1].split("```", 1)[0]
+    mib = 1 << 20
+    expected = {
+        "bytes of replies not read yet": f"{server.MAX_REPLY_BYTES // mib} MiB",
+        "a reply not read within": f"{server.SEND_TIMEOUT_S:.0f} s",
+        "a frame's remaining bytes after its first": f"{protocol.FRAME_TIMEOUT_S:.0f} s",
+        "fds on one frame": f"{protocol.MAX_FDS}",
+        "entries in one `list` page": f"{server.LIST_PAGE_ENTRIES:,}, and at most "
+        f"{messages.LIST_PAGE_BYTES // mib} MiB",
+        "artifacts in one `list_artifacts` page": f"{messages.MAX_LISTED_ARTIFACTS:,}",
+        "an artifact key": f"{artifact_key.MAX_KEY_BYTES // 1024} KiB of JSON, nested at most "
+        f"{artifact_key.MAX_KEY_DEPTH} levels",
+        "payload bytes of large frames being received at once": f"{server.MAX_INFLIGHT_BYTES // mib} MiB",
+    }
+    rows = dict(re.findall(r"^\| (.+?) \| (.+?) \|$", section, re.MULTILINE))
+    for name, value in expected.items():
+        [row] = [cell for label, cell in rows.items() if label.startswith(name)]
+        assert value in row, f"docs/cli.md's limit {name!r} says {row!r}; the code: {value}"
