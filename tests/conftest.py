@@ -156,6 +156,14 @@ def keeper(socket_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
             proc.wait()
 
 
+def serve_detached(socket_dir: Path, *args: str) -> None:
+    """A keeper in the background (`weightcache serve --detach --socket-dir socket_dir *args`), once it serves,
+    logging to its keeper.log: for tests whose keeper logs much (a :func:`start_keeper` keeper's stderr is a pipe
+    nobody reads, which blocks the keeper once ~1,000 log lines fill it). Stop it with ``Cache.stop``."""
+    command = [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(socket_dir), "--detach", *args]
+    subprocess.run(command, check=True, timeout=60, capture_output=True)
+
+
 def start_keeper(socket_dir: Path, *args: str, nofile: int | None = None) -> subprocess.Popen[bytes]:
     """A foreground keeper (`weightcache serve --socket-dir socket_dir *args`) as a child, once it serves;
     ``nofile`` sets its open-file limit (soft and hard)."""

@@ -21,7 +21,15 @@ import time
 from pathlib import Path
 
 import pytest
-from conftest import keeper_pid, one_tensor_manifest, process_gone, sealed_memfd, start_keeper, wait_until
+from conftest import (
+    keeper_pid,
+    one_tensor_manifest,
+    process_gone,
+    sealed_memfd,
+    serve_detached,
+    start_keeper,
+    wait_until,
+)
 
 import weightcache as wc
 from weightcache import artifacts as artifact_ops
@@ -484,8 +492,7 @@ def test_a_memfd_sized_but_never_written_costs_the_budget_nothing(socket_dir: Pa
     """Issue 33, finding 2: the store counted declared sizes, so memfds that were sized but never written (no
     memory at all) filled the budget and every later publish failed with BudgetExceeded. The budget counts what a
     segment really holds."""
-    serve = [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(socket_dir), "--detach"]
-    subprocess.run([*serve, "--max-bytes", "cpu=8M"], check=True, timeout=60, capture_output=True)
+    serve_detached(socket_dir, "--max-bytes", "cpu=8M")
     size = 6 << 20
     hollow = os.memfd_create("hollow", os.MFD_ALLOW_SEALING)
     os.ftruncate(hollow, size)  # 6 MiB declared, not a page written

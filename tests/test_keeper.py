@@ -17,7 +17,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, start_keeper, wait_until
+from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, serve_detached, start_keeper, wait_until
 
 import weightcache as wc
 from weightcache import protocol
@@ -494,8 +494,7 @@ def test_a_connection_over_the_share_is_told_busy_never_broken_pipe(socket_dir: 
     """Issue 33, finding 8: the keeper answers a connection it does not admit and closes it at once, often before
     the client's hello arrives; the client then saw ``KeeperUnavailable: ... Broken pipe`` (21 of 36 times here)
     instead of the refusal waiting in its socket. It reads the refusal: busy, saying why."""
-    serve = [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(socket_dir), "--detach"]
-    subprocess.run([*serve, "--max-connections", "4"], check=True, timeout=60, capture_output=True)
+    serve_detached(socket_dir, "--max-connections", "4")
     held = [KeeperConnection.connect(socket_dir) for _ in range(4)]
     try:
         for _ in range(30):

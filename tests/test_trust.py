@@ -18,7 +18,7 @@ from pathlib import Path
 import hostile
 import pytest
 import torch
-from conftest import start_keeper, wait_until
+from conftest import serve_detached, start_keeper, wait_until
 from models import meta_model
 from safetensors.torch import load_file
 
@@ -91,6 +91,19 @@ def as_member(socket_dir: Path, fingerprint: Fingerprint, action: str, checkpoin
     assert out.returncode == 0, out.stderr
     result: dict = json.loads(out.stdout.strip().splitlines()[-1])
     return result
+
+
+def start_member(*argv: str) -> tuple[subprocess.Popen[str], dict]:
+    """A member process (``python argv...``) that reports one JSON line and then holds what it took until its
+    stdin closes; the process and that report (the process's stderr in the failure if it printed none)."""
+    process = subprocess.Popen(
+        [sys.executable, *argv], stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True
+    )
+    assert process.stdout is not None
+    line = process.stdout.readline()
+    assert line, process.stderr.read() if process.stderr else ""
+    report: dict = json.loads(line)
+    return process, report
 
 
 @pytest.fixture
@@ -181,25 +194,9 @@ def test_republication_after_a_restart_follows_the_same_rules(checkpoint: Path, 
     try:
         with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=shared_dir) as handle:
             fingerprint = handle.fingerprint
-            holder = subprocess.Popen(
-                [
-                    sys.executable,
-                    "-c",
-                    MEMBER,
-                    str(shared_dir),
-                    json.dumps(fingerprint.to_json()),
-                    "hold",
-                    shapes(checkpoint),
-                ],
-                stdin=subprocess.PIPE,
-                stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
-                text=True,
-            )
-            assert holder.stdout is not None
-            line = holder.stdout.readline()
-            assert line, holder.stderr.read() if holder.stderr else ""
-            assert json.loads(line) == {"publisher": 0, "own": MEMBER_UID}
+            arguments = [str(shared_dir), json.dumps(fingerprint.to_json()), "hold", shapes(checkpoint)]
+            holder, report = start_member("-c", MEMBER, *arguments)
+            assert report == {"publisher": 0, "own": MEMBER_UID}
         keeper.kill()
         keeper.wait(10)
         keeper = start_keeper(shared_dir, "--allow-group", str(GROUP))
@@ -291,17 +288,7 @@ def test_one_member_cannot_starve_the_owner(checkpoint: Path, shared_dir: Path) 
         # An entry whose get reply (100 fds, a manifest of 1 MB) does not fit a socket buffer: unread, it blocks.
         big = hostile.publish(owner, {**fingerprint, "extra": "big"}, 100, tensors=1000, name_chars=1000)
         digest = big.partition("@")[0]
-        member = subprocess.Popen(
-            [sys.executable, HOSTILE, "starve", str(shared_dir), digest, json.dumps(fingerprint)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert member.stdout is not None
-        line = member.stdout.readline()
-        assert line, member.stderr.read() if member.stderr else ""
-        got = json.loads(line)
+        member, got = start_member(HOSTILE, "starve", str(shared_dir), digest, json.dumps(fingerprint))
 
         start = time.monotonic()
         ls = subprocess.run(
@@ -390,16 +377,7 @@ def test_a_member_takes_no_lease_on_an_artifact_it_did_not_publish(shared_dir: P
         cache = wc.Cache(shared_dir)
         weights, key = "ef" * 32, wc.ArtifactKey("test.kind", {"n": 1})
         cache.put_artifact(weights, key, b"the owner's blob")
-        member = subprocess.Popen(
-            [sys.executable, "-c", HOLDER, str(shared_dir), weights],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-        )
-        assert member.stdout is not None
-        line = member.stdout.readline()
-        assert line, member.communicate(timeout=30)
-        got = json.loads(line)
+        member, got = start_member("-c", HOLDER, str(shared_dir), weights)
         assert got == {"data": "the owner's blob", "held": False, "publisher": os.getuid()}, got
         [artifact] = cache.artifacts()
         assert artifact.leases == 0, artifact
@@ -417,23 +395,10 @@ def test_unread_artifact_lists_count_against_the_members_reply_share(shared_dir:
     connections and read nothing; the keeper held every ~15 MiB reply (40 -> 637 MiB) and refused nothing. Those
     replies now count against the member's share of reply bytes: once it is full, the member is answered busy,
     and the owner's own list still works."""
-    # Detached, logging to its keeper.log: a keeper whose stderr is a pipe nobody reads blocks once 1,000
-    # "published artifact" lines fill it.
-    serve = [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(shared_dir), "--detach"]
-    subprocess.run([*serve, "--allow-group", str(GROUP), "--max-connections", "64"], check=True, timeout=60)
+    serve_detached(shared_dir, "--allow-group", str(GROUP), "--max-connections", "64")
     member = None
     try:
-        member = subprocess.Popen(
-            [sys.executable, HOSTILE, "list-flood", str(shared_dir), "12"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE,
-            text=True,
-        )
-        assert member.stdout is not None
-        line = member.stdout.readline()
-        assert line, member.stderr.read() if member.stderr else ""
-        got = json.loads(line)
+        member, got = start_member(HOSTILE, "list-flood", str(shared_dir), "12")
         assert got["published"] == 1000 and got["unread"] == 12, got
         assert got["busy"] and got["code"] == "busy" and "replies not read yet" in got["message"], got
         with KeeperConnection.connect(shared_dir) as owner:
@@ -505,8 +470,7 @@ def test_a_member_holds_at_most_its_share_of_the_budget(shared_dir: Path) -> Non
     """Issue 33, finding 2: one member could fill the whole budget, so the owner's and the other members'
     publishes failed. A member holds at most ``--member-share`` of a placement's budget (its own least recently
     used unleased ones go first); the owner's publish fits beside it."""
-    serve = [sys.executable, "-m", "weightcache", "serve", "--socket-dir", str(shared_dir), "--detach"]
-    subprocess.run([*serve, "--allow-group", str(GROUP), "--max-bytes", "cpu=16M"], check=True, timeout=60)
+    serve_detached(shared_dir, "--allow-group", str(GROUP), "--max-bytes", "cpu=16M")
     try:
 
         def member(mib: int, name: str) -> dict:
