@@ -106,3 +106,22 @@ def test_peer_credentials() -> None:
     a, _b = pair()
     pid, uid, gid = protocol.peer_credentials(a)
     assert (pid, uid, gid) == (os.getpid(), os.getuid(), os.getgid())
+
+
+def test_members_share_the_others_pool_fairly() -> None:
+    """Issue 33, item 8: three members holding their quarter each used to starve a fourth for good (whatever one
+    gave back, it took again). A member that was refused counts among those sharing the members' pool, so the
+    others take nothing more until they are back under their part, and what they give back goes to it."""
+    now = [0.0]
+    shares = protocol.Shares(64, owner=0, fraction=0.25, clock=lambda: now[0])  # a member 16, all members 48
+    for member in (1, 2, 3):
+        assert all(shares.try_take(member, 1) for _ in range(16))
+    assert not shares.try_take(4, 1)  # the pool is full
+    assert "4 members share 48, so each may take up to 12 now" in shares.describe(1)
+    shares.give(1, 1)
+    assert not shares.try_take(1, 1)  # 15 is over its part of 12: what it gave back waits for the fourth
+    assert shares.try_take(4, 1)
+    assert shares.try_take(0, 16)  # the owner's quarter stays free whatever the members do
+    shares.give(4, 1)
+    now[0] += protocol.WAITING_S  # the fourth holds nothing and asked long ago: three members share again
+    assert shares.try_take(1, 1) and shares.used(1) == 16

@@ -323,3 +323,37 @@ def test_a_members_segment_fds_are_capped_to_its_share(make: Any) -> None:
     assert store.publish(2, 2, manifest, [fd], uid=0).created
     assert store.fds_held(member) == 250 and store.fds_held(0) == 1
     store.close()
+
+
+def test_members_are_bounded_against_each_other(make: Any) -> None:
+    """Issue 33, item 8: members together hold at most ``1 - member_share`` of a budget (the owner keeps the rest),
+    and while k members hold entries on a placement each may hold only its part of that pool, so no members can
+    starve another: a member whose publish fits its part evicts the least recently used unleased entries of
+    members over theirs, never the owner's and never a leased one."""
+    kib = 1024
+    store = Store(Budget(None, {"cpu": 64 * kib}), owner=0, clock=Clock())  # a member's share 16 KiB, pool 48
+    first = []
+    for member in (1001, 1002, 1003):
+        manifest, fd = make(f"m{member}", 16 * kib)
+        first.append(store.publish(member, 1, manifest, [fd], uid=member).key)
+        store.release(member)  # unleased
+    manifest, fd = make("fourth-whole", 16 * kib)
+    with pytest.raises(RequestError, match="4 members hold entries there, so each may hold 12.0 KiB") as info:
+        store.publish(4, 1, manifest, [fd], uid=1004)  # its share, but more than its part of the pool now
+    assert info.value.code == messages.OVER_BUDGET and not is_open(fd)
+    manifest, fd = make("fourth", 12 * kib)
+    reply = store.publish(4, 1, manifest, [fd], uid=1004)
+    assert reply.created and reply.evicted == (first[0],)  # the least recently used member over its part
+    manifest, fd = make("owners", 16 * kib)
+    assert store.publish(5, 1, manifest, [fd], uid=0).created  # the owner's quarter stays free for it
+    manifest, fd = make("again-1001", 12 * kib)
+    assert store.publish(6, 1, manifest, [fd], uid=1001).evicted == (first[1],)
+    # Leased entries never give way: once the last member over its part holds a lease, a fifth is refused.
+    third = store.get(8, 1, first[2].partition("@")[0], "cpu", trust=[1003])
+    assert third is not None
+    close_fds(third.fds)
+    manifest, fd = make("fifth", 12 * kib)
+    with pytest.raises(RequestError, match="members of the keeper's group hold .* leased or within its part"):
+        store.publish(7, 1, manifest, [fd], uid=1005)
+    assert len(store) == 4 and not is_open(fd)
+    store.close()

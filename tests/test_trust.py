@@ -455,8 +455,9 @@ import torch
 import weightcache as wc
 import weightcache.cache, weightcache.artifacts, weightcache.republish
 socket_dir, mib, name = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+uid = int(sys.argv[4]) if len(sys.argv) > 4 else 65534
 wc.Cache
-os.setgroups([4242]); os.setgid(65534); os.setuid(65534)
+os.setgroups([4242]); os.setgid(65534); os.setuid(uid)
 try:
     key = wc.ArtifactKey("test.sized", {"mib": mib, "name": name})
     wc.Cache(socket_dir).put_artifact("cd" * 32, key, os.urandom(mib << 20))
@@ -488,5 +489,34 @@ def test_a_member_holds_at_most_its_share_of_the_budget(shared_dir: Path) -> Non
         assert [a.artifact_key.fields["name"] for a in mine] == ["c"]
         owner = wc.Cache(shared_dir).put_artifact("cd" * 32, wc.ArtifactKey("test.owner"), os.urandom(12 << 20))
         assert owner.created and not owner.evicted  # 12 MiB beside the member's 3
+    finally:
+        wc.Cache(shared_dir).stop(wait=30)
+
+
+def test_members_are_bounded_against_each_other(shared_dir: Path) -> None:
+    """Issue 33, item 8: members were bounded against the owner but not against each other (four members at their
+    quarter filled the whole budget: a fifth, and the owner, were refused). Members together hold at most three
+    quarters; while five hold artifacts each may hold a fifth of that, and a member whose publish fits its part
+    makes room by evicting the least recently used unleased artifact of a member over its part."""
+    serve_detached(shared_dir, "--allow-group", str(GROUP), "--max-bytes", "cpu=16M")
+    try:
+
+        def member(uid: int, mib: int, name: str) -> dict:
+            command = [sys.executable, "-c", SIZED, str(shared_dir), str(mib), name, str(uid)]
+            out = subprocess.run(command, capture_output=True, text=True, timeout=60)
+            assert out.returncode == 0, out.stderr
+            result: dict = json.loads(out.stdout.strip().splitlines()[-1])
+            return result
+
+        for uid in (65531, 65532, 65533, 65534):
+            assert member(uid, 3, f"u{uid}") == {"published": True}  # 12 MiB: the members' three quarters
+        refused = member(65530, 3, "whole")
+        assert refused.get("error") == "BudgetExceeded", refused
+        assert "5 members hold entries there, so each may hold 2.4 MiB" in refused["message"], refused
+        assert member(65530, 2, "part") == {"published": True}
+        held = {a.publisher for a in wc.Cache(shared_dir).artifacts()}
+        assert held == {65530, 65532, 65533, 65534}  # the least recently used member over its part gave way
+        owner = wc.Cache(shared_dir).put_artifact("cd" * 32, wc.ArtifactKey("test.owner"), os.urandom(4 << 20))
+        assert owner.created and not owner.evicted  # the owner's quarter stayed free
     finally:
         wc.Cache(shared_dir).stop(wait=30)

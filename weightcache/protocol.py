@@ -22,7 +22,7 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from .errors import ProtocolError
@@ -63,23 +63,44 @@ class Busy(ProtocolError):
     """The receiver cannot take this frame now: the bytes in flight across its connections are at their cap."""
 
 
-class Shares:
-    """One capped resource of a receiver shared out per uid, so that no other user can starve its owner.
+#: Seconds a uid that was refused (or is waiting) still counts among the members that share the others' pool.
+WAITING_S = 60.0
 
-    The owner's uid may use all of ``total``. Every other uid may hold at most ``fraction`` of it, and all other
-    uids together at most ``1 - fraction``, so that at least ``fraction`` stays for the owner whatever the others
-    do. ``floor`` is the least any one uid may hold (one largest frame, say), so that a small total never makes a
-    request impossible. Thread-safe; :meth:`take` can wait for room until a deadline.
+
+class Shares:
+    """One capped resource of a receiver shared out per uid, so that no other user can starve its owner, and no
+    member another.
+
+    The owner's uid may use all of ``total``. Every other uid (a member) may hold at most ``fraction`` of it, and
+    all members together at most ``1 - fraction``, so that at least ``fraction`` stays for the owner whatever the
+    others do. Members are bounded against each other too: while ``k`` members hold some of the resource, wait
+    for it, or were refused it in the last :data:`WAITING_S` seconds, each may take only up to its fair part of
+    the members' pool (``(1 - fraction) / k``, never more than ``fraction``). A member that already holds more
+    keeps it, but takes nothing more until it is back under its part, so what the others give back goes to the
+    one that was refused. ``floor`` is the least any one uid may hold (one largest frame, say), so that a small
+    total never makes a request impossible. Thread-safe; :meth:`take` can wait for room until a deadline.
     """
 
-    def __init__(self, total: int, *, owner: int | None = None, fraction: float = 0.25, floor: int = 1) -> None:
+    def __init__(
+        self,
+        total: int,
+        *,
+        owner: int | None = None,
+        fraction: float = 0.25,
+        floor: int = 1,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
         self.total = total
         self.owner = owner
+        self.floor = floor
         self.per_uid = min(total, max(floor, int(total * fraction)))
         self.others = min(total, max(floor, int(total * (1 - fraction))))
         self._used: dict[int | None, int] = {}
         self._others_used = 0
         self._all = 0
+        self._clock = clock
+        #: members refused or waiting, and when they last were: they count among those sharing the pool.
+        self._wanting: dict[int, float] = {}
         self._cond = threading.Condition()
 
     def used(self, uid: int | None = None) -> int:
@@ -87,21 +108,45 @@ class Shares:
         with self._cond:
             return self._all if uid is None else self._used.get(uid, 0)
 
+    def _is_member(self, uid: int | None) -> bool:
+        return uid is not None and uid != self.owner
+
+    def _members(self, uid: int | None) -> int:
+        """How many members share the pool now, counting ``uid``. Called with the lock held."""
+        now = self._clock()
+        for gone in [u for u, when in self._wanting.items() if now - when >= WAITING_S]:
+            del self._wanting[gone]
+        sharing = {u for u, n in self._used.items() if n > 0 and self._is_member(u)}
+        sharing.update(self._wanting)
+        if uid is not None and uid != self.owner:
+            sharing.add(uid)
+        return max(1, len(sharing))
+
+    def _part(self, uid: int | None) -> int:
+        """The most member ``uid`` may hold after a take now: its fair part of the pool. Lock held."""
+        return min(self.per_uid, max(self.floor, self.others // self._members(uid)))
+
     def _room(self, uid: int | None, n: int) -> bool:
         if self._all + n > self.total:
             return False
-        if uid is None or uid == self.owner:
+        if not self._is_member(uid):
             return True
-        return self._used.get(uid, 0) + n <= self.per_uid and self._others_used + n <= self.others
+        return self._used.get(uid, 0) + n <= self._part(uid) and self._others_used + n <= self.others
+
+    def _wants(self, uid: int | None) -> None:
+        """Record that member ``uid`` was refused or waits (it counts among those sharing). Lock held."""
+        if uid is not None and uid != self.owner:
+            self._wanting[uid] = self._clock()
 
     def cap(self, uid: int | None) -> int:
         """The most ``uid`` may ever hold."""
-        return self.total if uid is None or uid == self.owner else self.per_uid
+        return self.total if not self._is_member(uid) else self.per_uid
 
     def try_take(self, uid: int | None, n: int) -> bool:
         """Take ``n`` for ``uid`` if there is room now; whether it was taken."""
         with self._cond:
             if not self._room(uid, n):
+                self._wants(uid)
                 return False
             self._add(uid, n)
             return True
@@ -113,6 +158,7 @@ class Shares:
             if n > self.cap(uid):
                 return False
             while not self._room(uid, n):
+                self._wants(uid)
                 remaining = deadline - time.monotonic()
                 if remaining <= 0:
                     return False
@@ -136,14 +182,20 @@ class Shares:
         self._all += n
         if uid is not None and uid != self.owner:
             self._others_used += n
+            if n > 0:
+                self._wanting.pop(uid, None)
 
     def describe(self, uid: int | None) -> str:
         """``uid 1000 holds 12 of its share of 16 (all: 40 of 64)``, for a refusal."""
         with self._cond:
             mine = self._used.get(uid, 0)
             all_ = self._all
-        who = "the owner" if uid is None or uid == self.owner else f"uid {uid}"
-        return f"{who} holds {mine} of its share of {self.cap(uid)} (all uids: {all_} of {self.total})"
+            members = self._members(uid) if self._is_member(uid) else 0
+            part = self._part(uid) if members else 0
+        if not members:
+            return f"the owner holds {mine} of its share of {self.total} (all uids: {all_} of {self.total})"
+        shared = f"; {members} members share {self.others}, so each may take up to {part} now" if members > 1 else ""
+        return f"uid {uid} holds {mine} of its share of {self.per_uid}{shared} (all uids: {all_} of {self.total})"
 
 
 class _Pool:

@@ -11,7 +11,11 @@ entry whose publisher the asker trusts.
 
 Memory budgets are per placement: a publish that would exceed its placement's budget first evicts its own
 publisher's unleased entries there, least recently used first, and is refused (``over_budget``) if even that
-cannot make room; another uid's entries are never evicted for it. The segment fds held are capped too
+cannot make room; the owner's entries and leased ones are never evicted for another uid's publish. Members (uids
+other than the owner) together hold at most ``1 - member_share`` of a budget, each at most its part of that
+(``member_share``, and never more than the pool over the number of members holding there): a member under its part
+evicts the least recently used unleased entries of members over theirs, so no members can starve another.
+The segment fds held are capped too
 (``max_fds``), so that publishers cannot take the keeper to its open-file limit, and shared out per uid
 (:class:`~weightcache.protocol.Shares`): another uid than the owner may hold at most ``member_share`` of them,
 and all other uids together at most the rest, so that no member's entries can keep the owner from publishing.
@@ -350,9 +354,9 @@ class Store:
     def _make_room(self, key: str, placement: str, needed: int, uid: int) -> list[Held]:
         """Evict ``uid``'s own unleased entries on ``placement``, least recently used first, until ``needed`` more
         bytes fit its budget (what each holds counts as its memory really committed: :attr:`Entry.charge`); return
-        them (their fds closed). Evicts nothing and raises ``over_budget`` if even
-        evicting all of them would not be enough: entries of other uids are never evicted for this publish.
-        Called with the lock held."""
+        them (their fds closed). Evicts nothing and raises ``over_budget`` if even evicting all of them would not be
+        enough: entries of other uids are never evicted here (a member's publish may first take those of members
+        over their part: :meth:`_within_share`). Called with the lock held."""
         limit = self.budget.limit(placement)
         if limit is None:
             return []
@@ -360,7 +364,7 @@ class Store:
         here = [e for e in self._held() if e.placement == placement]
         held = sum(e.charge for e in here)
         if held + needed <= limit:
-            return []
+            return out
         evictable = [e for e in here if not e.leases and e.publisher == uid]
         spare = sum(e.charge for e in evictable)
         if held - spare + needed > limit:
@@ -384,32 +388,71 @@ class Store:
         return out
 
     def _within_share(self, key: str, placement: str, needed: int, uid: int, limit: int) -> list[Held]:
-        """For a uid other than the owner: evict its own unleased entries on ``placement``, least recently used
-        first, until ``needed`` more bytes fit its share of the budget (``member_share`` of ``limit``), so that no
-        member holds more than its share whatever the others do; ``over_budget`` if even that is not enough.
-        Called with the lock held."""
+        """For a uid other than the owner (a member): make ``needed`` more bytes fit what members may hold on
+        ``placement``, or raise ``over_budget``. Members together hold at most ``1 - member_share`` of ``limit``
+        (the owner keeps the rest), and while ``k`` members hold entries there each may hold at most its part of
+        that pool: ``member_share`` of ``limit``, and never more than the pool over ``k``. A member over its part
+        first evicts its own unleased entries, least recently used first; a member whose publish fits its part
+        but not the pool evicts the least recently used unleased entries of members over their parts (never the
+        owner's, never a leased one), so that no member can starve another. Called with the lock held."""
         share = int(limit * self.member_share)
-        mine = [e for e in self._held() if e.placement == placement and e.publisher == uid]
-        own = sum(e.charge for e in mine)
-        if own + needed <= share:
-            return []
-        evictable = sorted((e for e in mine if not e.leases), key=lambda e: e.last_used)
-        if own - sum(e.charge for e in evictable) + needed > share:
+        pool = max(share, int(limit * (1 - self.member_share)))  # at least one member's share
+        here = [e for e in self._held() if e.placement == placement and e.publisher != self.owner]
+        holding: dict[int, int] = {uid: 0}
+        for e in here:
+            holding[e.publisher] = holding.get(e.publisher, 0) + e.charge
+        part = min(share, pool // len(holding))
+        mine = sorted((e for e in here if e.publisher == uid and not e.leases), key=lambda e: e.last_used)
+        own = holding[uid]
+        if own - sum(e.charge for e in mine) + needed > part:
+            sharing = (
+                f"; {len(holding)} members hold entries there, so each may hold {format_bytes(part)} of the "
+                f"members' {format_bytes(pool)}"
+                if part < share
+                else ""
+            )
             raise RequestError(
                 messages.OVER_BUDGET,
                 f"{key[:16]}... of uid {uid} needs {format_bytes(needed)} on {placement}, but uid {uid}'s share of "
                 f"the keeper's budget there is {format_bytes(share)} ({self.member_share:.0%} of "
-                f"{format_bytes(limit)}, `weightcache serve --member-share`), and it holds {format_bytes(own)} "
-                "already. Release or evict its entries and artifacts, or ask the keeper's owner for a larger share.",
+                f"{format_bytes(limit)}, `weightcache serve --member-share`){sharing}, and it holds "
+                f"{format_bytes(own)} already. Release or evict its entries and artifacts, or ask the keeper's owner "
+                "for a larger share.",
             )
-        out: list[Held] = []
-        for e in evictable:
-            if own + needed <= share:
+        victims: list[Held] = []
+        for e in mine:
+            if own + needed <= part:
                 break
-            self._drop(e)
+            victims.append(e)
             own -= e.charge
-            out.append(e)
-        return out
+            holding[uid] = own
+        members_held = sum(holding.values())
+        if members_held + needed > pool:
+            # Members over their part give way, least recently used first, each only down to its part.
+            others = sorted(
+                (e for e in here if e.publisher != uid and not e.leases and holding[e.publisher] > part),
+                key=lambda e: e.last_used,
+            )
+            for e in others:
+                if members_held + needed <= pool:
+                    break
+                if holding[e.publisher] > part:
+                    victims.append(e)
+                    holding[e.publisher] -= e.charge
+                    members_held -= e.charge
+            if members_held + needed > pool:
+                raise RequestError(
+                    messages.OVER_BUDGET,
+                    f"{key[:16]}... of uid {uid} needs {format_bytes(needed)} on {placement}, but the members of "
+                    f"the keeper's group hold {format_bytes(members_held)} of the {format_bytes(pool)} they may hold "
+                    f"together there ({1 - self.member_share:.0%} of {format_bytes(limit)}; the owner keeps the "
+                    f"rest), and what members over their part ({format_bytes(part)} each) hold unleased is not "
+                    "enough to make room: the rest is leased or within its part. Release entries and artifacts, or "
+                    "ask the keeper's owner for a larger `weightcache serve --max-bytes`.",
+                )
+        for e in victims:
+            self._drop(e)
+        return victims
 
     def _drop(self, entry: Held) -> None:
         """Forget ``entry`` (or artifact) and close its fds. Called with the lock held."""
