@@ -380,6 +380,55 @@ def test_a_launcher_whose_weightcache_comes_from_its_working_directory_gets_its_
         subprocess.run(cli("warm", "stop", "--all"), cwd=checkout, env=own, timeout=30)
 
 
+def test_a_relative_pythonpath_reaches_the_warm_process_as_the_launcher_reads_it(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """On the H200, ``PYTHONPATH=. pytest`` from a checkout: the launcher read "." as its working directory, the
+    warm process it spawned (from ``/``) as "/", so their sys.path (and keys) never matched: ``warm start`` waited
+    300 s and every ``run`` started directly, saying the warm process was stale. A relative entry means what it
+    means to the launcher, so the warm process gets it made absolute against the launcher's directory."""
+    lib = tmp_path / "lib"
+    lib.mkdir()
+    (lib / "wc_relative_mod.py").write_text("VALUE = 42\n")
+    own = {
+        **env,
+        "WEIGHTCACHE_DIR": str(tmp_path / "s"),
+        "PYTHONPATH": os.pathsep.join(filter(None, ["lib", env.get("PYTHONPATH")])),
+    }
+    os.mkdir(tmp_path / "s", 0o700)
+    try:
+        start = subprocess.run(
+            [
+                *cli("warm", "start", "--preload", "wc_relative_mod", "--timeout", "30"),
+                "--",
+                sys.executable,
+                "-c",
+                "pass",
+            ],
+            cwd=tmp_path,
+            env=own,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert start.returncode == 0, start.stdout + start.stderr
+        code = "import os, sys, wc_relative_mod; print(os.getppid(), os.environ['PYTHONPATH'].split(os.pathsep)[0])"
+        ran = subprocess.run(
+            [*cli("run", "--preload", "wc_relative_mod", "--"), sys.executable, "-c", code],
+            cwd=tmp_path,
+            env=own,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert ran.returncode == 0 and ran.stderr == "", ran.stderr
+        ppid, first = ran.stdout.split()
+        assert int(ppid) == hello(own, ("wc_relative_mod",))["pid"]  # forked by the warm process
+        assert first == "lib"  # the command's own environment is the launcher's, as given
+    finally:
+        subprocess.run(cli("warm", "stop", "--all"), cwd=tmp_path, env=own, timeout=30)
+
+
 def test_missing_dead_or_switched_off_means_a_direct_start(tmp_path: Path, env: dict[str, str]) -> None:
     """No warm process yet: the command starts directly and one starts for the next time. Killed (its socket left
     behind): the same. WEIGHTCACHE_WARM=0: directly, without a word. A command it cannot start (an interpreter

@@ -133,6 +133,7 @@ def spawn(directory: Path, preloads: Sequence[str], idle_timeout: float = DEFAUL
     code = f"import sys; sys.path[0] = {root!r}; from weightcache.tools.cli import main; sys.exit(main())"
     argv = [sys.executable, "-c", code, "warm", "serve", "--dir", str(directory)]
     argv += ["--idle-timeout", str(idle_timeout), *(f"--preload={p}" for p in preloads)]
+    env = warm_environment(os.environ, os.getcwd())
     log_fd = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_APPEND | os.O_NOFOLLOW | os.O_CLOEXEC, 0o600)
     try:
         first = os.fork()
@@ -148,13 +149,27 @@ def spawn(directory: Path, preloads: Sequence[str], idle_timeout: float = DEFAUL
                     # may outlive it by an hour
                     os.closerange(3, os.sysconf("SC_OPEN_MAX"))
                     os.chdir("/")
-                    os.execv(sys.executable, argv)
+                    os.execve(sys.executable, argv, env)
             finally:
                 os._exit(0)
         os.waitpid(first, 0)
     finally:
         os.close(log_fd)
     return log
+
+
+def warm_environment(environ: Mapping[str, str], cwd: str) -> dict[str, str]:
+    """The environment a warm process spawned from ``cwd`` starts with: ``environ``, with every relative entry of
+    ``PYTHONPATH`` (an empty one too) made absolute against ``cwd``. The launcher read them against its working
+    directory; the warm process runs in ``/``, where ``PYTHONPATH=.`` would name another directory, its sys.path
+    (part of its key) would never match the launcher's, and every command would start directly. The commands it
+    forks get the launcher's environment as it is."""
+    env = dict(environ)
+    value = env.get("PYTHONPATH")
+    if value:  # Python ignores an empty PYTHONPATH
+        entries = value.split(os.pathsep)
+        env["PYTHONPATH"] = os.pathsep.join(os.path.normpath(os.path.join(cwd, entry)) for entry in entries)
+    return env
 
 
 #: Seconds after which a slot whose lock nobody holds means the warm process started for it has exited.
