@@ -89,21 +89,36 @@ print("MARKS " + json.dumps({"marks": marks, "token": out[0].outputs[0].token_id
 #: What the warm process of ``--scenario restart`` imports: vLLM's engine, its GPU worker and the Llama model.
 PRELOADS = "torch,vllm:LLM,vllm.v1.engine.core,vllm.v1.worker.gpu_worker,vllm.model_executor.models.llama"
 
-#: (phase, regular expression over vLLM's and weightcache's log lines; group 1 in seconds, or ms where named).
+#: (phase, regular expression over vLLM's and weightcache's log lines, matched line by line; group 1 in seconds,
+#: or ms where named). The MARKS line is never matched: it repeats every line the main process logged.
 PHASES: tuple[tuple[str, str], ...] = (
     ("weights (vLLM's loader)", r"Loading weights took ([\d.]+) seconds"),
     ("model loading", r"Model loading took [\d.]+ GiB memory and ([\d.]+) seconds"),
     ("weightcache", r"weightcache: .* in ([\d.]+) ms"),
     ("dynamo", r"Dynamo bytecode transform time: ([\d.]+) s"),
-    ("inductor: compile", r"Compiling a graph for .* takes ([\d.]+) s"),
-    ("inductor: cache load", r"Directly load the compiled graph.* took ([\d.]+) s"),
-    ("torch.compile total", r"torch\.compile takes ([\d.]+) s in total"),
+    ("inductor: compile", r"Compiling a graph for .*? takes ([\d.]+) s"),
+    ("inductor: cache load", r"Directly load the compiled graph.*? took ([\d.]+) s"),
+    ("torch.compile total", r"torch\.compile (?:takes|took) ([\d.]+) s in total"),
     ("graph capture", r"Graph capturing finished in ([\d.]+) secs"),
     (
         "init engine (profile, KV cache, warm-up)",
         r"init engine \(profile, create kv cache, warmup model\) took ([\d.]+)",
     ),
 )
+
+#: vLLM's compile counters on a restart, in its own words (the mega AOT artifact rebuilds its subgraphs).
+COMPILE_LINES = r"AOT compil|load failure|reconstructed serializable fn|collected artifacts|MEGA_AOT"
+
+
+def phases_of(text: str) -> dict[str, float]:
+    """Each phase's seconds summed over the log lines of ``text`` (every process of the start), MARKS excluded."""
+    lines = [line for line in text.splitlines() if not line.startswith("MARKS ")]
+    phases: dict[str, float] = {}
+    for name, pattern in PHASES:
+        values = [float(m.group(1)) for line in lines if (m := re.search(pattern, line))]
+        if values:
+            phases[name] = round(sum(values) / (1000 if name == "weightcache" else 1), 3)
+    return phases
 
 
 def run_engine(
@@ -125,14 +140,13 @@ def run_engine(
     if out.returncode != 0 or not found:
         raise SystemExit(f"{mode} engine failed ({out.returncode}):\n{text[-6000:]}")
     result: dict[str, Any] = json.loads(found[-1].removeprefix("MARKS "))
-    phases: dict[str, float] = {}
-    for name, pattern in PHASES:
-        values = [float(v) for v in re.findall(pattern, text)]
-        if values:
-            phases[name] = round(sum(values) / (1000 if name == "weightcache" else 1), 3)
-    result.update(mode=mode, phases=phases, log_tail=[line for line in text.splitlines() if "weightcache" in line][-6:])
+    result.update(
+        mode=mode, phases=phases_of(text), log_tail=[line for line in text.splitlines() if "weightcache" in line][-6:]
+    )
     # whether vLLM loaded its AOT-compiled function or compiled again, and why, in its own words
-    result["aot"] = [line[-300:] for line in text.splitlines() if re.search(r"AOT compil|load failure", line)][:4]
+    result["aot"] = [
+        line[-300:] for line in text.splitlines() if not line.startswith("MARKS ") and re.search(COMPILE_LINES, line)
+    ][:6]
     return result
 
 

@@ -70,6 +70,7 @@ from ..cache import Cache, weights_digest
 from ..errors import WeightCacheError
 from ..fingerprint import Fingerprint
 from ..torch_compile import device_fields
+from . import vllm_releases
 from .vllm_archive import (
     META,
     TRITON,
@@ -523,6 +524,9 @@ def begin(vllm_config: Any, weights: Fingerprint | str, device: torch.device, ca
         if reason is not None:
             log.debug("weightcache: vLLM's compile cache is left alone: %s", reason)
             return
+        mega = vllm_releases.prefer_mega_aot_artifact()  # before the key: the switch is a compile factor
+        if mega is not None:
+            log.info("weightcache: %s", mega)
         state = EngineCompileCache(vllm_config, weights, artifact_key(vllm_config, device), cache)
         state.restore()
     except Exception as exc:

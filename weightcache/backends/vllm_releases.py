@@ -20,6 +20,13 @@ vLLM 0.26 to 0.33. What changed around it, and what the adapter does on each sid
   size its KV cache as if the weights took no memory. :func:`count_external_weights` makes those releases ask,
   as 0.32 does (on CUDA; vLLM's CPU backend sizes its KV cache from ``VLLM_CPU_KVCACHE_SPACE``).
 
+- **0.26 on torch 2.10/2.11** loads its AOT-compiled function on a restart but, without vLLM's "mega" AOT
+  artifact (on by default only from torch 2.12), splits the graph again and runs every piecewise subgraph back
+  through the compiler: vLLM keeps one artifact per distinct subgraph, so on a Llama the 30 isometric ones are
+  each re-traced by AOTAutograd to find their key (``num_inductor_compiles`` 30 on a full hit).
+  :func:`prefer_mega_aot_artifact` turns the mega artifact on for an engine whose compile cache the keeper holds,
+  where the release has it and the user has not chosen.
+
 Features are probed, not inferred from the version: the version decides only whether the release is inside
 :data:`RELEASES` (and the log line). Imports vLLM only inside functions.
 """
@@ -246,3 +253,38 @@ __all__ = [
     "features",
     "missing_api",
 ]
+
+
+#: vLLM's switch for its mega AOT artifact (every compiled piecewise subgraph saved with its AOT function).
+MEGA_AOT_ENV = "VLLM_USE_MEGA_AOT_ARTIFACT"
+
+
+def prefer_mega_aot_artifact() -> str | None:
+    """Turn vLLM's mega AOT artifact on in this process where vLLM compiles with AOT and standalone compile but
+    left it off (vLLM 0.26 on torch 2.10/2.11: its default needs torch 2.12), so that a restart served from the
+    keeper rebuilds its piecewise backends from the loaded artifact instead of compiling each subgraph again.
+    Call before vLLM compiles and before the compile cache's key is computed (the switch is one of vLLM's
+    compile factors), in the publisher and its clients alike. A value the user set (``VLLM_USE_MEGA_AOT_ARTIFACT=0``
+    or ``1``) is left alone, as is a release without the switch. Returns what was done, for the log; None when
+    nothing changed."""
+    if MEGA_AOT_ENV in os.environ:
+        return None
+    try:
+        import vllm.envs as envs
+        from vllm.utils.torch_utils import is_torch_equal_or_newer
+    except ImportError:
+        return None
+    if MEGA_AOT_ENV not in getattr(envs, "environment_variables", {}):
+        return None
+    if not (envs.VLLM_USE_AOT_COMPILE and envs.VLLM_USE_STANDALONE_COMPILE and is_torch_equal_or_newer("2.10.0")):
+        return None
+    if envs.VLLM_USE_MEGA_AOT_ARTIFACT:
+        return None
+    os.environ[MEGA_AOT_ENV] = "1"
+    if not envs.VLLM_USE_MEGA_AOT_ARTIFACT:  # vLLM cached its environment already: too late for this process
+        del os.environ[MEGA_AOT_ENV]
+        return None
+    return (
+        f"{MEGA_AOT_ENV}=1 for this engine (vLLM's default on this torch is 0): a restart rebuilds its compiled "
+        f"subgraphs from the artifact instead of compiling each again; set {MEGA_AOT_ENV}=0 to keep vLLM's default"
+    )
