@@ -38,7 +38,7 @@ LAYERS: dict[str, int] = {
     "manifest.py": 1,
     "budget.py": 1,
     "protocol.py": 1,
-    "messages.py": 1,
+    "messages/*.py": 1,  # the package: base (ops, codes), session, weights, artifacts
     "quant/*.py": 1,
     "checkpoint.py": 1,
     "fdcheck.py": 1,
