@@ -1,8 +1,8 @@
 """What every group of the CLI's commands shares: :func:`printable` (what the CLI prints of anything it did not
 write itself) and :func:`connect` (a connection to the keeper that ``--socket-dir`` names).
 
-Layer L5 (tools). Imports the keeper client only when a command connects (it brings filelock, which ``serve`` has no
-use for), and never torch.
+Layer L5 (tools). Imports the keeper client only when a command connects (``serve`` has no use for it), and never
+torch.
 """
 
 from __future__ import annotations
