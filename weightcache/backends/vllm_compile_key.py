@@ -22,7 +22,7 @@ from typing import Any
 import torch
 
 from ..artifact_key import ArtifactKey
-from ..torch_compile import device_fields
+from ..torch_compile_key import device_fields
 
 #: The artifact kind :mod:`weightcache.backends.vllm_compile` publishes.
 KIND = "vllm.compile_cache"
