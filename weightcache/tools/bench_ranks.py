@@ -58,19 +58,18 @@ import weightcache as wc
 from weightcache.fingerprint import placement_of
 from weightcache.units import format_bytes
 
-from .bench import (
+from .bench_processes import START
+from .bench_report import report_path, stats
+from .bench_setup import (
     CPU_SEGMENT_BYTES,
     CUDA_SEGMENT_BYTES,
     DEFAULT_REPEAT,
     DEFAULT_TENSORS,
     GPU_HEADROOM,
-    START,
     layout,
     marker_checkpoint,
     memory_available,
     memory_needed,
-    report_path,
-    stats,
 )
 
 #: Ranks on the CPU without ``--ranks N`` (on CUDA: one per visible GPU).
