@@ -68,6 +68,8 @@ LAYERS: dict[str, int] = {
     "loaders.py": 3,
     "api.py": 3,
     "torch_compile.py": 3,
+    "torch_compile_key.py": 3,
+    "torch_compile_blob.py": 3,
     # L4: engine adapters
     "backends/*.py": 4,
     # L5: tools

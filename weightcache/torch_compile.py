@@ -26,47 +26,41 @@ torch compiles as it would have: nothing here raises for the cache's sake; reaso
 keeper's owner and ``trusted_publishers`` are not enough here): only artifacts this uid published itself are
 loaded, the same user whose local inductor cache torch unpickles and loads kernels from anyway. An artifact of any
 other publisher is a miss, and this process compiles (and publishes its own).
+
+The key is :mod:`weightcache.torch_compile_key`'s (:func:`compile_key`, :func:`device_fields`) and the blob's
+format, with the kernels' place under the inductor cache directory, :mod:`weightcache.torch_compile_blob`'s
+(:func:`pack`, :func:`unpack`, :func:`blob_info`); their names are re-exported here, so each keeps its old import
+path. This module holds the context manager and torch's counters. Layer L3; it never raises for the cache's sake.
 """
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
-import json
 import logging
 import os
-import platform
-import re
-import struct
-import sys
 import time
 from collections.abc import Mapping
-from pathlib import Path
 from typing import Any
 
 import attrs
 import torch
 
 from .artifact_key import ArtifactKey
-from .artifacts import Artifact, write_whole
+from .artifacts import Artifact
 from .cache import Cache, weights_digest
 from .errors import WeightCacheError
 from .fingerprint import Fingerprint
 from .handle import Handle
 from .pipeline import SWITCH_ENV, switched_off
+from .torch_compile_blob import KERNEL_PATH as KERNEL_PATH  # re-exported: the old path
+from .torch_compile_blob import MAGIC as MAGIC  # re-exported: the old path
+from .torch_compile_blob import MAX_HEADER_BYTES as MAX_HEADER_BYTES  # re-exported: the old path
+from .torch_compile_blob import BlobInfo, blob_info, loaded_kernels, pack, restore_kernels, unpack
+from .torch_compile_blob import inductor_cache_dir as inductor_cache_dir  # re-exported: the old path
+from .torch_compile_key import KIND, compile_key, device_fields
 
 log = logging.getLogger("weightcache.artifacts")
 
-#: The artifact kind this module publishes.
-KIND = "torch.compile"
-#: The first bytes of a blob this module writes: torch's bundle, then the C++ kernels inductor built.
-MAGIC = b"WCTC\x01"
-_HEADER = struct.Struct("!5sI")
-#: Largest JSON header of a blob (the list of kernels).
-MAX_HEADER_BYTES = 1 << 20
-#: What a kernel's path under the inductor cache directory looks like (``<2 chars>/<hash>[.main].so``): anything
-#: else in a blob is refused, so that a blob can only ever write kernels where torch itself looks for them.
-KERNEL_PATH = re.compile(r"[a-z0-9_]{2}/[a-z0-9_]{8,128}(\.main)?\.so")
 #: torch's counters of its caches that decide whether a compile was served from them.
 HIT_COUNTERS = (("inductor", "fxgraph_cache_hit"), ("aot_autograd", "autograd_cache_hit"))
 MISS_COUNTERS = (("inductor", "fxgraph_cache_miss"), ("aot_autograd", "autograd_cache_miss"))
@@ -137,32 +131,6 @@ def _saved_keys(info: object) -> dict[str, list[str]]:
     }
 
 
-def _package_version(name: str) -> str | None:
-    import importlib.metadata
-
-    try:
-        return importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        return None
-
-
-def device_fields(device: torch.device | str | None = None) -> dict[str, Any]:
-    """What a compiled artifact depends on about the device: CPU model and vector ISA, or GPU name and compute
-    capability with the CUDA version."""
-    dev = torch.device(device) if device is not None else torch.device("cpu")
-    if dev.type == "cuda":
-        index = dev.index if dev.index is not None else torch.cuda.current_device()
-        props = torch.cuda.get_device_properties(index)
-        return {
-            "device": "cuda",
-            "gpu": props.name,
-            "compute_capability": f"{props.major}.{props.minor}",
-            "cuda": torch.version.cuda,
-            "triton": _package_version("triton"),
-        }
-    return {"device": dev.type, "cpu": _cpu_model(), "isa": torch.backends.cpu.get_cpu_capability()}
-
-
 def _loaded_counts(info: object) -> dict[str, int]:
     """What ``torch.compiler.load_cache_artifacts`` says it loaded, per cache (its CacheInfo's ``artifacts``);
     empty where a torch release returns something else (the load itself has worked)."""
@@ -170,213 +138,6 @@ def _loaded_counts(info: object) -> dict[str, int]:
     if not isinstance(artifacts, Mapping):
         return {}
     return {str(kind): len(keys) for kind, keys in artifacts.items() if isinstance(keys, (list, tuple, set))}
-
-
-def _cpu_model() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or platform.machine()
-
-
-def compile_key(
-    fingerprint: Fingerprint | None = None,
-    *,
-    options: Mapping[str, Any] | None = None,
-    device: torch.device | str | None = None,
-    dtype: torch.dtype | str | None = None,
-    shapes: object = None,
-    extra: Mapping[str, Any] | None = None,
-) -> ArtifactKey:
-    """The :class:`ArtifactKey` of a torch.compile artifact: torch, Triton and Python versions, the device
-    (:func:`device_fields`; default: the fingerprint's), the compile ``options`` (what the caller passes to
-    ``torch.compile``: backend, mode, dynamic, fullgraph, options), ``dtype`` (default: the fingerprint's),
-    ``shapes`` (the example shapes or the dynamic spec) and any ``extra`` JSON fields (e.g. an engine's own cache
-    key). Values that are not JSON (a dtype, a backend callable) are recorded by ``str``."""
-    if device is None and fingerprint is not None and fingerprint.device_kind != "cpu":
-        device = fingerprint.device_kind
-    fields: dict[str, Any] = {
-        "torch": torch.__version__,
-        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
-        **device_fields(device),
-        "options": _jsonable(dict(options or {})),
-        "dtype": str(dtype) if dtype is not None else (fingerprint.dtype if fingerprint is not None else None),
-        "shapes": _jsonable(shapes),
-    }
-    fields.update(_jsonable(dict(extra or {})))
-    return ArtifactKey(KIND, fields)
-
-
-def _jsonable(value: object) -> Any:
-    """``value`` as JSON: containers kept, anything else not JSON by ``str``."""
-    if value is None or isinstance(value, (bool, int, float, str)):
-        return value
-    if isinstance(value, Mapping):
-        return {str(k): _jsonable(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_jsonable(v) for v in value]
-    if isinstance(value, torch.Size):
-        return list(value)
-    return str(value)
-
-
-# --- the blob --------------------------------------------------------------------------------------------------
-
-
-def inductor_cache_dir() -> Path:
-    """Where inductor keeps its local caches (``TORCHINDUCTOR_CACHE_DIR``, else its default)."""
-    from torch._inductor.runtime.cache_dir_utils import cache_dir
-
-    return Path(cache_dir())
-
-
-def loaded_kernels(cache_dir: Path | None = None, since: float | None = None) -> dict[str, Path]:
-    """The C++ kernels of the inductor cache directory that this process has loaded (from ``/proc/self/maps``),
-    and, with ``since``, every kernel written there since that time (``time.time()``): relative path -> file.
-
-    The second kind matters: inductor checks which vector ISA the host supports by building a small library per
-    ISA and loading it in a subprocess, so it never shows in this process's maps, and without those a process with
-    an empty cache directory spent ~16 s of its ~38 s start in ``g++`` on the dev VM."""
-    root = (cache_dir or inductor_cache_dir()).resolve()
-    found: dict[str, Path] = {}
-    if since is not None:
-        for file in root.glob("??/*.so"):
-            relative = f"{file.parent.name}/{file.name}"
-            with contextlib.suppress(OSError):
-                stat = file.stat()  # another user's file in a shared cache directory never joins this user's blob
-                if KERNEL_PATH.fullmatch(relative) and stat.st_mtime >= since and stat.st_uid == os.getuid():
-                    found[relative] = file
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                path = line.rstrip("\n").split(maxsplit=5)[-1]
-                if not path.endswith(".so") or not path.startswith(str(root) + "/"):
-                    continue
-                relative = path[len(str(root)) + 1 :]
-                if KERNEL_PATH.fullmatch(relative):
-                    found[relative] = Path(path)
-    except OSError:
-        pass
-    return dict(sorted(found.items()))
-
-
-def pack(
-    bundle: bytes,
-    kernels: Mapping[str, bytes],
-    *,
-    entries: Mapping[str, list[str]] | None = None,
-    generation: int = 0,
-) -> bytes:
-    """A blob: ``MAGIC``, a JSON header (the bundle's size, each kernel's path and size, the keys of torch's cache
-    entries the bundle holds per cache (``entries``), and the ``generation``: 0 for a blob a process published
-    after compiling with nothing loaded, n + 1 for one published after loading a blob of generation n), then the
-    bytes."""
-    header = json.dumps(
-        {
-            "bundle": len(bundle),
-            "kernels": [[path, len(data)] for path, data in kernels.items()],
-            "entries": {kind: sorted(keys) for kind, keys in (entries or {}).items()},
-            "generation": generation,
-        }
-    )
-    head = header.encode()
-    return b"".join([_HEADER.pack(MAGIC, len(head)), head, bundle, *kernels.values()])
-
-
-@attrs.frozen
-class BlobInfo:
-    """What a blob's header says besides its parts (:func:`blob_info`).
-
-    Attributes:
-        entries: the keys of torch's cache entries its bundle holds, per cache (``{"inductor": [...], ...}``).
-        kernels: the paths of the C++ kernels it carries.
-        generation: 0 for a blob published by a process that loaded none; n + 1 for one published by a process
-            that loaded a blob of generation n and still compiled.
-    """
-
-    entries: dict[str, frozenset[str]]
-    kernels: frozenset[str]
-    generation: int
-
-
-def blob_info(blob: bytes) -> BlobInfo:
-    """The header of a blob :func:`pack` made (:class:`BlobInfo`); ValueError for anything else (see
-    :func:`unpack`). A blob of an earlier release, without entries or generation, reads as generation 0 with none."""
-    header, _ = _header(blob)
-    entries = header.get("entries", {})
-    generation = header.get("generation", 0)
-    if not isinstance(entries, dict) or not isinstance(generation, int) or generation < 0:
-        raise ValueError("the artifact's header has malformed entries or generation")
-    return BlobInfo(
-        entries={str(kind): frozenset(map(str, keys)) for kind, keys in entries.items() if isinstance(keys, list)},
-        kernels=frozenset(str(item[0]) for item in header.get("kernels", []) if isinstance(item, list) and item),
-        generation=generation,
-    )
-
-
-def _header(blob: bytes) -> tuple[dict[str, Any], int]:
-    if len(blob) < _HEADER.size:
-        raise ValueError(f"a torch.compile artifact starts with a {_HEADER.size}-byte header; this one has {len(blob)}")
-    magic, length = _HEADER.unpack_from(blob)
-    if magic != MAGIC:
-        raise ValueError(f"a torch.compile artifact starts with {MAGIC!r}; this one with {magic!r}")
-    if length > MAX_HEADER_BYTES or _HEADER.size + length > len(blob):
-        raise ValueError(f"the artifact's header claims {length} bytes; it has {len(blob) - _HEADER.size}")
-    header = json.loads(blob[_HEADER.size : _HEADER.size + length])
-    if not isinstance(header, dict) or not isinstance(header.get("bundle"), int):
-        raise ValueError("the artifact's header lacks the bundle's size")
-    return header, _HEADER.size + length
-
-
-def _is_shared_library(data: bytes) -> bool:
-    """Whether ``data`` starts as a 64-bit ELF shared object of this byte order (what inductor's C++ kernels are):
-    garbage in a kernel's place is refused before it is written, rather than failing torch's compile later."""
-    if len(data) < 64 or data[:4] != b"\x7fELF" or data[4] != 2:  # ELFCLASS64
-        return False
-    order = "<" if data[5] == 1 else ">"
-    (e_type,) = struct.unpack_from(order + "H", data, 16)
-    return bool(e_type == 3 and order == ("<" if sys.byteorder == "little" else ">"))  # ET_DYN
-
-
-def unpack(blob: bytes) -> tuple[bytes, dict[str, bytes]]:
-    """torch's bundle and the kernels of a blob :func:`pack` made; ValueError naming what is wrong otherwise (a
-    kernel that is not a shared library among them)."""
-    header, offset = _header(blob)
-    bundle_size = header["bundle"]
-    bundle = blob[offset : offset + bundle_size]
-    offset += bundle_size
-    kernels: dict[str, bytes] = {}
-    listed = header.get("kernels", [])
-    if not isinstance(listed, list):
-        raise ValueError("the artifact's header must list its kernels")
-    for item in listed:
-        if not (isinstance(item, list) and len(item) == 2 and isinstance(item[0], str) and isinstance(item[1], int)):
-            raise ValueError(f"a kernel of the artifact's header must be [path, size]; found {item!r:.100}")
-        path, size = item
-        if not KERNEL_PATH.fullmatch(path) or size < 0:
-            raise ValueError(f"the artifact names a kernel {path!r:.100}, which is no inductor kernel path")
-        kernels[path] = blob[offset : offset + size]
-        offset += size
-    if offset != len(blob) or len(bundle) != bundle_size:
-        raise ValueError(f"the artifact's header accounts for {offset} bytes; it has {len(blob)}")
-    for path, data in kernels.items():
-        if not _is_shared_library(data):
-            raise ValueError(
-                f"the artifact's kernel {path} is no shared library of this machine ({len(data)} bytes starting "
-                f"{data[:8]!r}); it was damaged before it was published"
-            )
-    return bundle, kernels
-
-
-def restore_kernels(kernels: Mapping[str, bytes], cache_dir: Path | None = None) -> int:
-    """Write each kernel at its path under the inductor cache directory unless a file is there; how many were
-    written. Each file appears whole (written aside, then renamed)."""
-    root = cache_dir or inductor_cache_dir()
-    return sum(write_whole(root / relative, data, 0o755, within=root) for relative, data in kernels.items())
 
 
 # --- the context manager ---------------------------------------------------------------------------------------

@@ -22,6 +22,14 @@ embedding layers, which on CPU are packed into oneDNN/sgl handles and have ``wei
 tensors as loaded, before post-processing, are published, and attaching re-runs the packing from them, so
 results stay bitwise identical to a disk load.
 
+This module holds the adapter (:class:`VllmBackend`: the hooks of the load), the loader class vLLM runs, the state
+that is published and bound, and the plugin (:func:`register`). Beside it, each re-exported here under its old
+path: what identifies the weights besides the checkpoint (:mod:`weightcache.backends.vllm_identity`), the names a
+model build registers with vLLM, kept apart for models built and dropped
+(:mod:`weightcache.backends.vllm_registrations`), the parity run (:mod:`weightcache.backends.vllm_parity`), what
+differs between vLLM's releases (:mod:`weightcache.backends.vllm_releases`) and vLLM's compile cache
+(:mod:`weightcache.backends.vllm_compile`).
+
 This module imports vLLM only inside functions: ``weightcache.backends.vllm`` imports without vLLM
 (tests/test_layers.py checks).
 """
@@ -30,11 +38,9 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
-import json
 import logging
 import os
 import sys
-from collections import Counter
 from collections.abc import Iterator, Mapping
 from functools import partial
 from typing import Any, ClassVar
@@ -43,47 +49,29 @@ import attrs
 import torch
 from torch import nn
 
-from .. import parity
 from .._version import __version__
 from ..cache import Cache
 from ..fingerprint import Fingerprint
 from ..handle import Handle
 from . import vllm_compile
 from . import vllm_releases as releases
-from .engine_config import QuantSpec, config_json, plain_json, quant_spec_from_config
+from .engine_config import QuantSpec, quant_spec_from_config
 from .engine_steps import drop_parameters, own_tensors
 from .releases import ReleaseRange
 from .template import Backend, LoaderOptions
+from .vllm_identity import EXPERT_LAYOUT_FIELDS as EXPERT_LAYOUT_FIELDS  # re-exported: the old path
+from .vllm_identity import KERNEL_FIELDS as KERNEL_FIELDS  # re-exported: the old path
+from .vllm_identity import PROCESSING_ENV as PROCESSING_ENV  # re-exported: the old path
+from .vllm_identity import model_identity, parallel_layout
+from .vllm_parity import record_main, record_run
+from .vllm_registrations import COUNTED_OPS, REGISTERED, custom_op_counts, rotary_cache_kept, scratch_registrations
+from .vllm_registrations import CUSTOM_OP_COUNTERS as CUSTOM_OP_COUNTERS  # re-exported: the old path
 
 #: The load format the loader is registered under.
 LOAD_FORMAT = "weightcache"
 
 #: Quant method classes whose layers are published as loaded (see :mod:`weightcache.backends.vllm_releases`).
 RERUN_METHODS = releases.RERUN_METHODS
-
-#: Environment variables that change what vLLM's post-processing produces; their values join the fingerprint.
-PROCESSING_ENV = (
-    "VLLM_XPU_FORCE_N_CONTIG_WEIGHT",
-    "VLLM_ZENTORCH_WEIGHT_PREPACK",
-    "VLLM_CPU_SGL_KERNEL",
-    # the FP8 MoE and GEMM backend choice, which decides the layout (and scale format) post-processing leaves
-    "VLLM_USE_DEEP_GEMM",
-    "VLLM_MOE_USE_DEEP_GEMM",
-    "VLLM_USE_DEEP_GEMM_E8M0",
-    "VLLM_ROCM_USE_AITER",
-    "VLLM_ROCM_USE_AITER_MOE",
-    "VLLM_ROCM_USE_AITER_LINEAR",
-)
-#: ParallelConfig fields that change how experts are sharded, beyond the process groups' ranks and sizes (vLLM
-#: creates its EP group for every MoE model, whether experts are sharded by EP or by TP).
-EXPERT_LAYOUT_FIELDS = (
-    "enable_expert_parallel",
-    "enable_eplb",
-    "expert_placement_strategy",
-    "num_redundant_experts",
-)
-#: KernelConfig fields that pick the kernels post-processing prepares weights for.
-KERNEL_FIELDS = ("linear_backend", "moe_backend")
 
 
 class VllmBackend(Backend):
@@ -159,21 +147,21 @@ class VllmBackend(Backend):
 
     def build_model(self, context: VllmLoad) -> nn.Module:
         """vLLM's model for this config, on the meta device (the template enters it). vLLM's cache of rotary
-        embeddings is left as it was (:func:`_rotary_cache_kept`). The layer names the build registered with vLLM
+        embeddings is left as it was (:func:`rotary_cache_kept`). The layer names the build registered with vLLM
         are remembered on the model, for :meth:`release_model`."""
         from vllm.model_executor.model_loader.utils import initialize_model
         from vllm.utils.torch_utils import set_default_torch_dtype
 
         compilation = context.vllm_config.compilation_config
         before = set(compilation.static_forward_context)
-        ops_before = _custom_op_counts(compilation)
-        with set_default_torch_dtype(context.model_config.dtype), _rotary_cache_kept():
+        ops_before = custom_op_counts(compilation)
+        with set_default_torch_dtype(context.model_config.dtype), rotary_cache_kept():
             model: nn.Module = initialize_model(
                 vllm_config=context.vllm_config, model_config=context.model_config, prefix=context.prefix
             )
-        model.__dict__[_REGISTERED] = [n for n in compilation.static_forward_context if n not in before]
-        model.__dict__[_COUNTED_OPS] = {
-            name: counts - ops_before[name] for name, counts in _custom_op_counts(compilation).items()
+        model.__dict__[REGISTERED] = [n for n in compilation.static_forward_context if n not in before]
+        model.__dict__[COUNTED_OPS] = {
+            name: counts - ops_before[name] for name, counts in custom_op_counts(compilation).items()
         }
         return model
 
@@ -201,21 +189,21 @@ class VllmBackend(Backend):
     def release_model(self, model: nn.Module, context: VllmLoad) -> None:
         """Forget the layers ``model`` registered by name in vLLM's compilation config (its attention and MoE
         layers, in ``static_forward_context`` and ``static_all_moe_layers``), so that vLLM's own loader can build
-        its model under the same names, and the custom ops its build counted (:func:`_custom_op_counts`). The
+        its model under the same names, and the custom ops its build counted (:func:`custom_op_counts`). The
         names are those :meth:`build_model` saw appear, and those of layers that are modules of ``model`` (not
         every release keeps its registered layers among the model's modules: vLLM 0.27's Transformers modeling
         backend does not)."""
         compilation = context.vllm_config.compilation_config
         layers = {id(m) for m in model.modules()}
         forward_context = compilation.static_forward_context
-        names = set(model.__dict__.get(_REGISTERED, ()))
+        names = set(model.__dict__.get(REGISTERED, ()))
         names.update(name for name, layer in forward_context.items() if id(layer) in layers)
         for name in names:
             forward_context.pop(name, None)
         moe_layers = getattr(compilation, "static_all_moe_layers", None)
         if moe_layers is not None:
             moe_layers[:] = [name for name in moe_layers if name not in names]
-        for name, added in model.__dict__.get(_COUNTED_OPS, {}).items():
+        for name, added in model.__dict__.get(COUNTED_OPS, {}).items():
             counts = getattr(compilation, name)
             kept = +(counts - added)  # no zero entries: vLLM's hash sees {} and {"op": 0} as different
             counts.clear()
@@ -223,8 +211,8 @@ class VllmBackend(Backend):
 
     @contextlib.contextmanager
     def scratch_build(self, context: VllmLoad) -> Iterator[None]:
-        """:func:`_scratch_registrations` of the context's config."""
-        with _scratch_registrations(context.vllm_config):
+        """:func:`scratch_registrations` of the context's config."""
+        with scratch_registrations(context.vllm_config):
             yield
 
     def after_bind(self, model: nn.Module, handle: Handle, context: VllmLoad) -> None:
@@ -252,24 +240,6 @@ class VllmLoad:
 
 
 _LOADER_CLASS: type | None = None
-#: Where :meth:`VllmBackend.build_model` keeps the layer names a model registered with vLLM.
-_REGISTERED = "_weightcache_registered_layers"
-#: Where it keeps the custom ops the build counted (:func:`_custom_op_counts`).
-_COUNTED_OPS = "_weightcache_counted_custom_ops"
-#: The counters of custom ops in vLLM's CompilationConfig that every model build adds to.
-CUSTOM_OP_COUNTERS = ("enabled_custom_ops", "disabled_custom_ops")
-
-
-def _custom_op_counts(compilation: Any) -> dict[str, Counter[str]]:
-    """Copies of vLLM's counts of the custom ops its models' layers use (``enabled_custom_ops``,
-    ``disabled_custom_ops``: each layer built adds one). Before vLLM 0.32 they are part of the config hash that
-    keys vLLM's compile cache, so a model built and dropped must take its counts back, or the engine's key is not
-    the one a plain start computes and its compile cache misses."""
-    return {
-        name: Counter(value)
-        for name in CUSTOM_OP_COUNTERS
-        if isinstance(value := getattr(compilation, name, None), Counter)
-    }
 
 
 def register() -> None:
@@ -367,49 +337,6 @@ def _validate_early() -> None:
 _OPTIONS_ORIGIN = "--model-loader-extra-config for --load-format weightcache"
 
 
-def parallel_layout() -> dict[str, tuple[int, int]]:
-    """This rank's place in every initialised vLLM process group: tp, pp, dp, ep, pcp, dcp as (rank, size)."""
-    from vllm.distributed import parallel_state as ps
-
-    layout = {}
-    for axis, attr in (("tp", "_TP"), ("pp", "_PP"), ("dp", "_DP"), ("ep", "_EP"), ("pcp", "_PCP"), ("dcp", "_DCP")):
-        group = getattr(ps, attr, None)
-        if group is not None:
-            layout[axis] = (int(group.rank_in_group), int(group.world_size))
-    return layout
-
-
-def model_identity(vllm_config: Any, model_config: Any) -> dict[str, Any]:
-    """The parts of vLLM's config that decide the post-processed weights (the fingerprint's ``extra``)."""
-    import vllm.envs as envs
-    from vllm.platforms import current_platform
-
-    hf_config = config_json(model_config.hf_config)  # as before vLLM's model rewrote it (DeepSeek's rope_type)
-    load = vllm_config.load_config
-    kernels = getattr(vllm_config, "kernel_config", None)
-    return {
-        "hf_config": hf_config,
-        "model": str(model_config.model),
-        "revision": model_config.revision,
-        "dtype": str(model_config.dtype),
-        "quantization": model_config.quantization,
-        "hf_overrides": plain_json(getattr(model_config, "hf_overrides", None)),
-        "load_device": None if load.device is None else str(load.device),
-        "platform": str(current_platform.device_type),
-        "kernels": {f: plain_json(getattr(kernels, f, None)) for f in KERNEL_FIELDS},
-        "experts": _expert_layout(vllm_config.parallel_config),
-        "env": {name: str(getattr(envs, name, os.environ.get(name))) for name in PROCESSING_ENV},
-    }
-
-
-def _expert_layout(parallel_config: Any) -> dict[str, Any]:
-    out = {f: plain_json(getattr(parallel_config, f, None)) for f in EXPERT_LAYOUT_FIELDS}
-    eplb = getattr(parallel_config, "eplb_config", None)
-    if eplb is not None and out["num_redundant_experts"] is None:
-        out["num_redundant_experts"] = plain_json(getattr(eplb, "num_redundant_experts", None))
-    return out
-
-
 # --- the state that is published and bound -------------------------------------------------------------------
 
 
@@ -448,54 +375,6 @@ def _disk_load_config(load_config: Any) -> Any:
 
 def _target_device(vllm_config: Any, load_config: Any) -> torch.device:
     return torch.device(load_config.device if load_config.device is not None else vllm_config.device_config.device)
-
-
-@contextlib.contextmanager
-def _scratch_registrations(vllm_config: Any) -> Iterator[None]:
-    """Models built inside register their layers with vLLM (by name, in the compilation config) as if no other
-    model were registered, and are forgotten afterwards: the registrations from before (the model the engine
-    runs, when asked after the load) are set aside meanwhile and put back as they were, and so are the custom-op
-    counts (:func:`_custom_op_counts`) and vLLM's cache of rotary embeddings (:func:`_rotary_cache_kept`: the
-    engine's model then makes and counts its own, as in a plain start). So a scratch model can
-    be built before the engine's model (which then registers the same names) or while it runs."""
-    compilation = vllm_config.compilation_config
-    context = compilation.static_forward_context
-    kept = dict(context)
-    kept_ops = _custom_op_counts(compilation)
-    moe_layers = getattr(compilation, "static_all_moe_layers", None)
-    kept_moe = list(moe_layers) if moe_layers is not None else []
-    context.clear()
-    if moe_layers is not None:
-        moe_layers.clear()
-    try:
-        with _rotary_cache_kept():  # a rotary embedding cached by a scratch build would skip the engine's count
-            yield
-    finally:
-        context.clear()
-        context.update(kept)
-        if moe_layers is not None:
-            moe_layers[:] = kept_moe
-        for name, counts in kept_ops.items():
-            getattr(compilation, name).clear()
-            getattr(compilation, name).update(counts)
-
-
-@contextlib.contextmanager
-def _rotary_cache_kept() -> Iterator[None]:
-    """vLLM shares one rotary embedding module among every layer and model built with the same settings (its
-    ``_ROPE_DICT``). One made while building on meta holds its cos/sin table on meta: if it stayed cached, the
-    model vLLM's own loader builds next (a miss) would share it and publish a tensor without data. So what a
-    build inside adds to the cache is forgotten afterwards (the layers of that one model still share theirs)."""
-    from vllm.model_executor.layers import rotary_embedding
-
-    cache = getattr(rotary_embedding, "_ROPE_DICT", None)
-    kept = dict(cache) if isinstance(cache, dict) else None
-    try:
-        yield
-    finally:
-        if cache is not None and kept is not None:
-            cache.clear()
-            cache.update(kept)
 
 
 def _capturing_loader(load_config: Any) -> Any:
@@ -542,7 +421,7 @@ def _build_loader_class(backend: VllmBackend) -> type:
 
             vLLM asks a fresh loader before ``load_model``; the answer is for the fingerprint ``load_model``
             will look up, structure included, so vLLM's model is built on meta here once more and dropped
-            (its layer registrations too: :func:`_scratch_registrations`)."""
+            (its layer registrations too: :func:`scratch_registrations`)."""
             device = _target_device(vllm_config, self.load_config)
             model_config = vllm_config.model_config
             context = VllmLoad(vllm_config, model_config, "", device, self.disk_load_config)
@@ -568,52 +447,6 @@ def _build_loader_class(backend: VllmBackend) -> type:
     return WeightCacheModelLoader
 
 
-# --- parity: one engine start that records its model's tensor table (weightcache parity --engine vllm) ---------
-
-
-def record_run(
-    model: str,
-    table: str | os.PathLike[str],
-    *,
-    load_format: str,
-    extra: Mapping[str, object] | None,
-    engine_args: Mapping[str, Any],
-    prompt: list[int],
-    max_tokens: int,
-) -> list[int]:
-    """Start vLLM on ``model``, write the tensor table of the model it runs, and return greedy token ids for
-    ``prompt`` (``skip_tokenizer_init``: token ids in, token ids out)."""
-    from vllm import LLM, SamplingParams
-    from vllm.inputs import TokensPrompt
-
-    llm = LLM(
-        model=model,
-        load_format=load_format,
-        model_loader_extra_config=dict(extra or {}),
-        skip_tokenizer_init=True,
-        **dict(engine_args),
-    )
-    llm.apply_model(partial(parity.write_table, path=str(table), load_format=load_format, extra=dict(extra or {})))
-    params = SamplingParams(max_tokens=max_tokens, temperature=0.0, detokenize=False)
-    out = llm.generate([TokensPrompt(prompt_token_ids=prompt)], params, use_tqdm=False)
-    return list(out[0].outputs[0].token_ids)
-
-
-def _record_main(argv: list[str]) -> None:
-    """``python -m weightcache.backends.vllm SPEC_JSON``: one :func:`record_run`, its tokens on the last line."""
-    spec = json.loads(argv[0])
-    tokens = record_run(
-        spec["model"],
-        spec["table"],
-        load_format=spec["load_format"],
-        extra=spec.get("extra"),
-        engine_args=spec.get("engine_args", {}),
-        prompt=spec["prompt"],
-        max_tokens=spec["max_tokens"],
-    )
-    print("WEIGHTCACHE-TOKENS " + json.dumps(tokens), flush=True)
-
-
 __all__ = [
     "LOAD_FORMAT",
     "RERUN_METHODS",
@@ -628,4 +461,4 @@ __all__ = [
 ]
 
 if __name__ == "__main__":
-    _record_main(sys.argv[1:])
+    record_main(sys.argv[1:])

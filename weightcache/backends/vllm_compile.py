@@ -42,7 +42,12 @@ installed where this was measured) and DeepGEMM's JIT cache (``~/.deep_gemm``; F
 docs/guides/vllm.md.
 
 The archive itself (which files, packing, unpacking, relocation, the Triton mirror) is
-:mod:`weightcache.backends.vllm_archive`'s; its names are re-exported here.
+:mod:`weightcache.backends.vllm_archive`'s; the key, the cache's place and the switches are
+:mod:`weightcache.backends.vllm_compile_key`'s; vLLM's model-info cache is
+:mod:`weightcache.backends.vllm_modelinfos`'s. Their names are re-exported here, so each keeps its old import path.
+This module holds one engine's restore and publish (:class:`EngineCompileCache`) and the hooks that run them
+(:func:`begin` at the load, :func:`finish` after the warm-up, :func:`install_hook`). Layer L4; imports vLLM only
+inside functions, and never stops an engine.
 
 Switched off by ``WEIGHTCACHE_VLLM_COMPILE_CACHE=0``, by vLLM's ``VLLM_DISABLE_COMPILE_CACHE=1``, for an engine
 that compiles nothing (``enforce_eager``) and for an explicit ``compilation_config.cache_dir`` (a directory the
@@ -55,7 +60,6 @@ import hashlib
 import io
 import logging
 import os
-import sys
 import tarfile
 import time
 from collections.abc import Callable, Mapping
@@ -69,7 +73,6 @@ from ..artifacts import Artifact
 from ..cache import Cache, weights_digest
 from ..errors import WeightCacheError
 from ..fingerprint import Fingerprint
-from ..torch_compile import device_fields
 from . import vllm_releases
 from .vllm_archive import (
     META,
@@ -88,112 +91,28 @@ from .vllm_archive import (
     unpack_into,
     wanted,
 )
-
-log = logging.getLogger("weightcache.artifacts")
-
-#: The artifact kind this module publishes.
-KIND = "vllm.compile_cache"
-#: ``0``/``off``/``false``: the adapter neither restores nor publishes vLLM's compile cache.
-SWITCH_ENV = "WEIGHTCACHE_VLLM_COMPILE_CACHE"
-#: Where vLLM keeps its compile cache under ``VLLM_CACHE_ROOT``.
-SUBDIR = "torch_compile_cache"
-#: vLLM's counters (``vllm.compilation.counter.compilation_counter``) that say whether it compiled or loaded.
-COUNTERS = (
-    "num_inductor_compiles",
-    "num_compiled_artifacts_loaded",
-    "num_compiled_artifacts_saved",
-    "num_aot_compiles",
-    "num_aot_artifacts_loaded",
-    "num_aot_artifacts_saved",
+from .vllm_compile_key import COUNTERS as COUNTERS  # not used here: importable from the old path
+from .vllm_compile_key import (
+    KIND,
+    SWITCH_ENV,
+    artifact_key,
+    cache_root,
+    not_compiled,
+    rank_of,
+    switched_off,
+    vllm_counters,
+)
+from .vllm_compile_key import SUBDIR as SUBDIR  # not used here: importable from the old path
+from .vllm_modelinfos import (
+    MODELINFO_KIND,
+    MODELINFO_WEIGHTS,
+    modelinfo_dir,
+    modelinfo_key,
+    publish_modelinfos,
+    restore_modelinfos,
 )
 
-
-def vllm_counters() -> dict[str, int]:
-    """vLLM's own compile counters in this process (:data:`COUNTERS`; those a release lacks are left out)."""
-    try:
-        from vllm.compilation.counter import compilation_counter
-    except Exception:
-        return {}
-    return {name: int(getattr(compilation_counter, name)) for name in COUNTERS if hasattr(compilation_counter, name)}
-
-
-def switched_off() -> str | None:
-    """Why the adapter leaves vLLM's compile cache alone in this process, or None."""
-    if os.environ.get(SWITCH_ENV, "1").strip().lower() in ("0", "off", "false", "no"):
-        return f"{SWITCH_ENV}={os.environ[SWITCH_ENV]}"
-    try:
-        import vllm.envs as envs
-
-        if envs.VLLM_DISABLE_COMPILE_CACHE:
-            return "VLLM_DISABLE_COMPILE_CACHE is set"
-    except Exception:  # an attribute a release lacks: vLLM's own default (enabled) applies
-        pass
-    return None
-
-
-def cache_root() -> Path:
-    """vLLM's compile cache directory: ``$VLLM_CACHE_ROOT/torch_compile_cache``."""
-    import vllm.envs as envs
-
-    return Path(envs.VLLM_CACHE_ROOT) / SUBDIR
-
-
-def not_compiled(vllm_config: Any) -> str | None:
-    """Why this engine compiles nothing that vLLM caches (or caches where weightcache does not look), or None."""
-    compilation = vllm_config.compilation_config
-    mode = getattr(compilation, "mode", None)
-    if mode is None:
-        mode = getattr(compilation, "level", None)
-    if mode is None or int(mode) == 0:
-        return "the engine compiles nothing (compilation mode NONE, e.g. enforce_eager)"
-    if getattr(compilation, "cache_dir", ""):
-        return f"compilation_config.cache_dir is set ({compilation.cache_dir}): a directory the user keeps"
-    return None
-
-
-def _env_hash() -> str | None:
-    """vLLM's hash of the environment variables that decide what it compiles (``envs.compile_factors`` since
-    0.26-ish; ``envs.compute_hash`` before)."""
-    import vllm.envs as envs
-
-    factors = getattr(envs, "compile_factors", None)
-    if callable(factors):
-        items = sorted((str(k), str(v)) for k, v in factors().items())
-        return hashlib.sha256(repr(items).encode()).hexdigest()
-    compute = getattr(envs, "compute_hash", None)
-    return str(compute()) if callable(compute) else None
-
-
-def _rank(vllm_config: Any) -> tuple[int, int]:
-    parallel = vllm_config.parallel_config
-    dp = getattr(parallel, "data_parallel_index", None)
-    if dp is None:
-        dp = getattr(parallel, "data_parallel_rank", 0)
-    return int(parallel.rank), int(dp or 0)
-
-
-def artifact_key(vllm_config: Any, device: torch.device) -> ArtifactKey:
-    """What a vLLM compile cache is valid for, besides the weights: vLLM, torch, Triton and Python versions, the
-    device (:func:`~weightcache.torch_compile.device_fields`), vLLM's config hash (``vllm_config.compute_hash()``:
-    model, cache, parallel, scheduler, compilation configs), its compile-environment hash, the AOT switch and this
-    rank. Not the cache root: the absolute paths vLLM records under it are relocated on restore (:data:`META`)."""
-    import vllm
-    import vllm.envs as envs
-
-    rank, dp_rank = _rank(vllm_config)
-    fields: dict[str, Any] = {
-        "vllm": vllm.__version__,
-        "torch": torch.__version__,
-        "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
-        **device_fields(device),
-        "config": vllm_config.compute_hash(),
-        "env": _env_hash(),
-        "aot": bool(getattr(envs, "VLLM_USE_AOT_COMPILE", False)),
-        "rank": rank,
-        "dp_rank": dp_rank,
-    }
-    return ArtifactKey(KIND, fields)
-
+log = logging.getLogger("weightcache.artifacts")
 
 # --- one engine's compile cache -------------------------------------------------------------------------------
 
@@ -225,7 +144,7 @@ class EngineCompileCache:
         #: Triton's own cache directory, where vLLM's Triton kernels go when no compile set it under :attr:`root`
         #: (vLLM's warm-up JIT-compiles them: ~15 s of a Llama-3-8B start on an H200); None when it is inside.
         self.triton: Path | None = None if triton == self.root or self.root in triton.parents else triton
-        rank, dp_rank = _rank(vllm_config)
+        rank, dp_rank = rank_of(vllm_config)
         self.own_rank = f"rank_{rank}_{dp_rank}"
         self.restored: dict[str, int] = {}
         #: The files of the Triton cache entries inside the restored compile cache that :meth:`restore` also
@@ -428,81 +347,6 @@ class EngineCompileCache:
             "" if artifact.created else "; the keeper already held one for this key",
         )
         return artifact
-
-
-# --- vLLM's model-info cache -------------------------------------------------------------------------------------
-
-#: The artifact kind of vLLM's model-info cache (``$VLLM_CACHE_ROOT/modelinfos``).
-MODELINFO_KIND = "vllm.modelinfos"
-#: What vLLM learns of a model class does not depend on weights: its artifact is filed under this constant
-#: instead of a weights digest (the SHA-256 of ``b"vllm.modelinfos"``).
-MODELINFO_WEIGHTS = hashlib.sha256(b"vllm.modelinfos").hexdigest()
-
-
-def modelinfo_dir() -> Path:
-    """vLLM's model-info cache: ``$VLLM_CACHE_ROOT/modelinfos`` (one JSON file per model class, with the hash of
-    the class's source file that vLLM checks before using it)."""
-    import vllm.envs as envs
-
-    return Path(envs.VLLM_CACHE_ROOT) / "modelinfos"
-
-
-def modelinfo_key() -> ArtifactKey:
-    """The key of the model-info artifact: vLLM's and Python's versions (vLLM checks each file's source hash)."""
-    import vllm
-
-    return ArtifactKey(
-        MODELINFO_KIND, {"vllm": vllm.__version__, "python": f"{sys.version_info[0]}.{sys.version_info[1]}"}
-    )
-
-
-def restore_modelinfos(cache: Cache) -> int:
-    """Before vLLM inspects the model class (it does so in a subprocess that imports the model's module, ~12-14 s
-    on the H200 when ``modelinfos`` is empty): write the keeper's model-info files where none are; how many were
-    written. Never raises."""
-    try:
-        if switched_off() is not None:
-            return 0
-        found = cache.open_artifact(MODELINFO_WEIGHTS, modelinfo_key())
-        if found is None:
-            return 0
-        try:
-            if found.info.publisher != os.getuid():
-                return 0
-            blob = found.read()
-        finally:
-            found.close()
-        written = unpack_into(blob or b"", modelinfo_dir()) if blob else {}
-    except Exception as exc:
-        log.warning("weightcache: vLLM's model-info cache was not restored (%s: %s)", type(exc).__name__, exc)
-        return 0
-    if written:
-        log.info("weightcache: restored %d of vLLM's model-info files from the keeper", len(written))
-    return len(written)
-
-
-def publish_modelinfos(cache: Cache) -> bool:
-    """After the engine started: publish vLLM's model-info files if the keeper's artifact lacks any of them (or
-    holds other bytes); whether one was published. Never raises."""
-    try:
-        directory = modelinfo_dir()
-        if switched_off() is not None or not directory.is_dir():
-            return False
-        blob, held = pack(directory, [directory], "")
-        if not held:
-            return False
-        key = modelinfo_key()
-        current = cache.get_artifact(MODELINFO_WEIGHTS, key)
-        if current == blob:
-            return False
-        replace = hashlib.sha256(current).hexdigest() if current is not None else None
-        artifact = cache.put_artifact(MODELINFO_WEIGHTS, key, blob, replace=replace)
-        artifact.close()
-    except Exception as exc:
-        log.warning("weightcache: vLLM's model-info cache was not published (%s: %s)", type(exc).__name__, exc)
-        return False
-    log.info("weightcache: published vLLM's model-info cache (%d files)", len(held))
-    return True
 
 
 #: The compile caches of the engines of this process, by ``id(vllm_config)``, from the load to the warm-up.
