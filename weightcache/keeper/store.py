@@ -27,6 +27,9 @@ publishers). The store checks the memfd's kind, size and seals, and never reads 
 entries: leases per connection, the publisher's uid and trust, and the ``cpu`` budget (a memfd is host memory),
 where both kinds are evicted together, least recently used first.
 
+The values it holds (entries, artifacts, leases, what a get hands back) are :mod:`weightcache.keeper.held`'s;
+the choice of what a budget evicts for a publish is :mod:`weightcache.keeper.room`'s (both re-exported here).
+
 What this module must never do: open sockets, start threads, or touch process state (signals, files, the
 socket directory). It takes plain values, returns plain values or raises
 :class:`~weightcache.messages.RequestError` with a code, and is thread-safe through its own lock.
@@ -34,17 +37,13 @@ socket directory). It takes plain values, returns plain values or raises
 
 from __future__ import annotations
 
-import contextlib
 import json
 import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Sequence
-from pathlib import Path
 from typing import Any
-
-import attrs
 
 from .. import fdcheck, messages
 from ..artifact_key import ArtifactKey, artifact_entry_key, artifact_matches
@@ -52,7 +51,6 @@ from ..budget import Budget
 from ..manifest import Manifest, SegmentInfo
 from ..messages import (
     ArtifactInfo,
-    EntryInfo,
     InspectReply,
     PublishReply,
     PutArtifactReply,
@@ -61,172 +59,33 @@ from ..messages import (
 )
 from ..protocol import MAX_FDS as MAX_FRAME_FDS
 from ..protocol import Shares, close_fds
-from ..units import format_bytes
+from . import room
+from .held import (
+    ARTIFACT_PLACEMENT as ARTIFACT_PLACEMENT,
+)
+from .held import (
+    Artifact as Artifact,
+)
+from .held import (
+    ArtifactCheckout as ArtifactCheckout,
+)
+from .held import (
+    Checkout as Checkout,
+)
+from .held import (
+    Entry as Entry,
+)
+from .held import (
+    Held as Held,
+)
+from .held import (
+    Lease as Lease,
+)
+from .held import (
+    Snapshot as Snapshot,
+)
 
 log = logging.getLogger("weightcache.keeper")
-
-
-@attrs.define
-class Lease:
-    pid: int
-    since: float
-
-
-@attrs.define
-class Entry:
-    """What the store holds for one (digest, placement)."""
-
-    digest: str
-    #: The uid that published it; ``key`` carries it unless it is the keeper's owner.
-    publisher: int
-    key: str
-    manifest: Manifest
-    manifest_json: dict[str, Any]
-    #: The manifest encoded once, at publish: every get sends these bytes instead of encoding it again.
-    manifest_text: str
-    fds: list[int]
-    created: float
-    last_used: float
-    #: connection id -> lease
-    leases: dict[int, Lease] = attrs.field(factory=dict)
-    #: What it costs the budget: the memory its segments really hold (:func:`~weightcache.fdcheck.committed_bytes`);
-    #: None: its declared size.
-    committed: int | None = None
-
-    @property
-    def placement(self) -> str:
-        return self.manifest.fingerprint.placement
-
-    @property
-    def charge(self) -> int:
-        return self.size if self.committed is None else self.committed
-
-    @property
-    def size(self) -> int:
-        return self.manifest.total_bytes
-
-    def info(self, now: float) -> EntryInfo:
-        fp = self.manifest.fingerprint
-        return EntryInfo(
-            digest=self.digest,
-            placement=fp.placement,
-            device=fp.device_kind if fp.placement == "cpu" else f"{fp.device_kind}:{fp.placement}",
-            model=fp.architecture or Path(fp.model_path).name,
-            bytes=self.size,
-            tensors=len(self.manifest),
-            segments=len(self.manifest.segments),
-            leases=len(self.leases),
-            holders=tuple((lease.pid, lease.since) for lease in self.leases.values()),
-            created=self.created,
-            last_used=self.last_used,
-            age_s=round(now - self.created, 3),
-            fingerprint=fp,
-            tensor_bytes=self.manifest.tensor_bytes,
-            publisher=self.publisher,
-            key=self.key,
-        )
-
-    def close(self) -> None:
-        for fd in self.fds:
-            with contextlib.suppress(OSError):
-                os.close(fd)
-        self.fds = []
-
-
-#: Where an artifact's memory lives, for the budget: a memfd is host memory, whatever device it was compiled for.
-ARTIFACT_PLACEMENT = "cpu"
-
-
-@attrs.define
-class Artifact:
-    """What the store holds for one artifact: its key, publisher, the blob's size and SHA-256 (as the publisher
-    recorded them; the store never reads the blob) and its one memfd."""
-
-    weights: str
-    artifact_key: ArtifactKey
-    publisher: int
-    key: str
-    size: int
-    sha256: str
-    fd: int
-    created: float
-    last_used: float
-    leases: dict[int, Lease] = attrs.field(factory=dict)
-    #: What it costs the budget: the bytes of its memfd really written (None: its declared size).
-    committed: int | None = None
-
-    #: For the budget and eviction, which treat artifacts and entries alike.
-    placement = ARTIFACT_PLACEMENT
-
-    @property
-    def charge(self) -> int:
-        return self.size if self.committed is None else self.committed
-
-    @property
-    def fds(self) -> list[int]:
-        return [self.fd] if self.fd >= 0 else []
-
-    def info(self, now: float) -> ArtifactInfo:
-        return ArtifactInfo(
-            key=self.key,
-            weights=self.weights,
-            artifact_key=self.artifact_key,
-            bytes=self.size,
-            sha256=self.sha256,
-            publisher=self.publisher,
-            leases=len(self.leases),
-            holders=tuple((lease.pid, lease.since) for lease in self.leases.values()),
-            created=self.created,
-            last_used=self.last_used,
-            age_s=round(now - self.created, 3),
-        )
-
-    def close(self) -> None:
-        if self.fd >= 0:
-            with contextlib.suppress(OSError):
-                os.close(self.fd)
-            self.fd = -1
-
-
-#: Either kind of thing the store holds (what the budget, ``evict`` and leases treat alike).
-Held = Entry | Artifact
-
-
-@attrs.frozen
-class ArtifactCheckout:
-    """A found artifact for a ``get_artifact``: what ``list_artifacts`` says of it, and a dup of its memfd (the
-    caller's to close)."""
-
-    info: ArtifactInfo
-    fd: int
-    #: Whether this get took the lease (the connection did not hold it already): see :meth:`Store.unlease`.
-    fresh: bool = False
-
-
-@attrs.frozen
-class Checkout:
-    """A found entry for a ``get``: its key, publisher, encoded manifest, and dups of its fds (the caller's to
-    close)."""
-
-    key: str
-    publisher: int
-    manifest_text: str
-    fds: list[int]
-    #: Whether this get took the lease (the connection did not hold it already): see :meth:`Store.unlease`.
-    fresh: bool = False
-
-
-@attrs.frozen
-class Snapshot:
-    """One page of what the store holds at one instant, for ``list``."""
-
-    #: Entries in key order, after the page's start; at most the page's limit.
-    entries: tuple[EntryInfo, ...]
-    #: Whether more entries follow the last of :attr:`entries`.
-    more: bool
-    #: connection id -> (keys of at most ``keys_per_conn`` of the entries it leases, how many it leases)
-    leases: dict[int, tuple[tuple[str, ...], int]]
-    bytes_by_placement: dict[str, int]
 
 
 #: Default cap on the segment fds all entries together may hold.
@@ -352,107 +211,18 @@ class Store:
         return PublishReply(digest=digest, key=key, created=True, evicted=tuple(e.key for e in evicted))
 
     def _make_room(self, key: str, placement: str, needed: int, uid: int) -> list[Held]:
-        """Evict ``uid``'s own unleased entries on ``placement``, least recently used first, until ``needed`` more
-        bytes fit its budget (what each holds counts as its memory really committed: :attr:`Entry.charge`); return
-        them (their fds closed). Evicts nothing and raises ``over_budget`` if even evicting all of them would not be
-        enough: entries of other uids are never evicted here (a member's publish may first take those of members
-        over their part: :meth:`_within_share`). Called with the lock held."""
+        """Make ``needed`` more bytes fit ``placement``'s budget for a publish of ``uid`` (:func:`room.make_room`
+        chooses what goes), evict what it chose and return it; ``over_budget`` (nothing evicted) if nothing can.
+        Called with the lock held."""
         limit = self.budget.limit(placement)
         if limit is None:
             return []
-        out = self._within_share(key, placement, needed, uid, limit) if uid != self.owner else []
-        here = [e for e in self._held() if e.placement == placement]
-        held = sum(e.charge for e in here)
-        if held + needed <= limit:
-            return out
-        evictable = [e for e in here if not e.leases and e.publisher == uid]
-        spare = sum(e.charge for e in evictable)
-        if held - spare + needed > limit:
-            leased = sum(e.charge for e in here if e.leases)
-            others = sum(e.charge for e in here if not e.leases and e.publisher != uid)
-            need, have, pinned, theirs, own = (format_bytes(n) for n in (needed, limit, leased, others, spare))
-            raise RequestError(
-                messages.OVER_BUDGET,
-                f"entry {key[:16]}... of uid {uid} needs {need} on {placement}, but the keeper's budget there is "
-                f"{have}: leased entries hold {pinned}, unleased entries of other uids {theirs} (never evicted for "
-                f"another uid's publish), and uid {uid}'s own unleased entries {own} (evictable, not enough). Release "
-                "or evict entries (`weightcache ls`, `weightcache evict --force`), publish a smaller model, or "
-                "restart the keeper with a larger `weightcache serve --max-bytes`.",
-            )
-        for e in sorted(evictable, key=lambda e: e.last_used):
-            if held + needed <= limit:
-                break
+        gone = room.make_room(
+            self._held(), key, placement, needed, uid, limit, owner=self.owner, member_share=self.member_share
+        )
+        for e in gone:
             self._drop(e)
-            held -= e.charge
-            out.append(e)
-        return out
-
-    def _within_share(self, key: str, placement: str, needed: int, uid: int, limit: int) -> list[Held]:
-        """For a uid other than the owner (a member): make ``needed`` more bytes fit what members may hold on
-        ``placement``, or raise ``over_budget``. Members together hold at most ``1 - member_share`` of ``limit``
-        (the owner keeps the rest), and while ``k`` members hold entries there each may hold at most its part of
-        that pool: ``member_share`` of ``limit``, and never more than the pool over ``k``. A member over its part
-        first evicts its own unleased entries, least recently used first; a member whose publish fits its part
-        but not the pool evicts the least recently used unleased entries of members over their parts (never the
-        owner's, never a leased one), so that no member can starve another. Called with the lock held."""
-        share = int(limit * self.member_share)
-        pool = max(share, int(limit * (1 - self.member_share)))  # at least one member's share
-        here = [e for e in self._held() if e.placement == placement and e.publisher != self.owner]
-        holding: dict[int, int] = {uid: 0}
-        for e in here:
-            holding[e.publisher] = holding.get(e.publisher, 0) + e.charge
-        part = min(share, pool // len(holding))
-        mine = sorted((e for e in here if e.publisher == uid and not e.leases), key=lambda e: e.last_used)
-        own = holding[uid]
-        if own - sum(e.charge for e in mine) + needed > part:
-            sharing = (
-                f"; {len(holding)} members hold entries there, so each may hold {format_bytes(part)} of the "
-                f"members' {format_bytes(pool)}"
-                if part < share
-                else ""
-            )
-            raise RequestError(
-                messages.OVER_BUDGET,
-                f"{key[:16]}... of uid {uid} needs {format_bytes(needed)} on {placement}, but uid {uid}'s share of "
-                f"the keeper's budget there is {format_bytes(share)} ({self.member_share:.0%} of "
-                f"{format_bytes(limit)}, `weightcache serve --member-share`){sharing}, and it holds "
-                f"{format_bytes(own)} already. Release or evict its entries and artifacts, or ask the keeper's owner "
-                "for a larger share.",
-            )
-        victims: list[Held] = []
-        for e in mine:
-            if own + needed <= part:
-                break
-            victims.append(e)
-            own -= e.charge
-            holding[uid] = own
-        members_held = sum(holding.values())
-        if members_held + needed > pool:
-            # Members over their part give way, least recently used first, each only down to its part.
-            others = sorted(
-                (e for e in here if e.publisher != uid and not e.leases and holding[e.publisher] > part),
-                key=lambda e: e.last_used,
-            )
-            for e in others:
-                if members_held + needed <= pool:
-                    break
-                if holding[e.publisher] > part:
-                    victims.append(e)
-                    holding[e.publisher] -= e.charge
-                    members_held -= e.charge
-            if members_held + needed > pool:
-                raise RequestError(
-                    messages.OVER_BUDGET,
-                    f"{key[:16]}... of uid {uid} needs {format_bytes(needed)} on {placement}, but the members of "
-                    f"the keeper's group hold {format_bytes(members_held)} of the {format_bytes(pool)} they may hold "
-                    f"together there ({1 - self.member_share:.0%} of {format_bytes(limit)}; the owner keeps the "
-                    f"rest), and what members over their part ({format_bytes(part)} each) hold unleased is not "
-                    "enough to make room: the rest is leased or within its part. Release entries and artifacts, or "
-                    "ask the keeper's owner for a larger `weightcache serve --max-bytes`.",
-                )
-        for e in victims:
-            self._drop(e)
-        return victims
+        return gone
 
     def _drop(self, entry: Held) -> None:
         """Forget ``entry`` (or artifact) and close its fds. Called with the lock held."""
