@@ -13,6 +13,7 @@ in bytes: memfd segments fail). Prints one RESULT line.
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import socket
@@ -27,16 +28,23 @@ from engine_models import evict_from_page_cache, resident_fraction  # noqa: E402
 
 
 def init_sglang(model: str) -> object:
+    from sglang.srt import runtime_context
     from sglang.srt.configs.model_config import ModelConfig
     from sglang.srt.distributed.parallel_state import init_distributed_environment, initialize_model_parallel
-    from sglang.srt.layers.dp_attention import init_dp_gathered_buffer, initialize_dp_attention
+    from sglang.srt.layers import dp_attention
     from sglang.srt.layers.moe import initialize_moe_config
-    from sglang.srt.runtime_context import SpawnRanks, publish
     from sglang.srt.server_args import ServerArgs
 
     server_args = ServerArgs(model_path=model, device="cpu", dtype="float32", skip_tokenizer_init=True)
-    publish(server_args, role="weight_cache_daemon", ranks=SpawnRanks(world_rank=0, gpu_id=0))
-    initialize_moe_config()
+    if hasattr(runtime_context, "SpawnRanks"):  # 0.5.20 on: rank reads need the launcher's placement
+        ranks = runtime_context.SpawnRanks(world_rank=0, gpu_id=0)
+        runtime_context.publish(server_args, role="weight_cache_daemon", ranks=ranks)
+    else:  # 0.5.17: publish takes no ranks
+        runtime_context.publish(server_args, role="weight_cache_daemon")
+    if inspect.signature(initialize_moe_config).parameters:  # 0.5.17 takes the server args
+        initialize_moe_config(server_args)
+    else:  # 0.5.20 on read them from the runtime context
+        initialize_moe_config()
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
@@ -45,8 +53,11 @@ def init_sglang(model: str) -> object:
     )
     initialize_model_parallel()
     model_config = ModelConfig(model_path=model, dtype="float32")
-    initialize_dp_attention(server_args)
-    init_dp_gathered_buffer(model_config)
+    if hasattr(dp_attention, "init_dp_gathered_buffer"):  # 0.5.20 on: the buffer is sized separately
+        dp_attention.initialize_dp_attention(server_args)
+        dp_attention.init_dp_gathered_buffer(model_config)
+    else:  # 0.5.17, as its own weight-cache daemon does
+        dp_attention.initialize_dp_attention(server_args, model_config)
     return model_config
 
 
@@ -110,7 +121,7 @@ def main() -> None:
     result = {
         "loader": type(loader).__name__,
         "source": getattr(loader, "source", "disk"),
-        "preloaded_weights_bytes": loader.preloaded_weights_bytes,
+        "preloaded_weights_bytes": getattr(loader, "preloaded_weights_bytes", 0),  # SGLang 0.5.19 on declares it
         "resident_after_load": resident_fraction(spec["model"]),
         "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "weightcache" in str(w.message)],
     }
