@@ -15,7 +15,9 @@ key is an error) or are fixed on a subclass made by :meth:`WeightCacheLoader.con
   keeper does not hold the weights: a FallbackWarning and SGLang's own disk load (``strict``: an error).
 
 The loader reports the attached bytes as ``preloaded_weights_bytes``, which SGLang's memory accounting adds to
-its pre-load baseline, so the KV cache is sized as after a disk load.
+its pre-load baseline (from 0.5.19), so the KV cache is sized as after a disk load. SGLang 0.5.17 does not count
+them: attaching weights that were resident before its baseline was sampled still works, and a warning says how
+much less headroom its KV cache leaves (see :func:`uncounted_preload_warning`).
 
 This module imports SGLang only inside functions: ``weightcache.backends.sglang`` imports without SGLang
 (tests/test_layers.py checks).
@@ -28,6 +30,7 @@ import dataclasses
 import json
 import logging
 import os
+import warnings
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar
 
@@ -144,7 +147,7 @@ class SglangBackend(Backend):
         from sglang.srt.model_loader.loader import _initialize_model
 
         quant_config = self.quant_config(context.model_config, context.load_config)
-        with _engine_dtype(context.model_config.dtype):
+        with _engine_dtype(context.model_config.dtype), _meta_rope_entries_dropped():
             model: nn.Module = _initialize_model(context.model_config, context.load_config, quant_config)
         return model
 
@@ -207,7 +210,7 @@ def parallel_layout() -> dict[str, tuple[int, int]]:
 
 def model_identity(model_config: Any, load_config: Any) -> dict[str, Any]:
     """The parts of SGLang's config that decide the post-processed weights (the fingerprint's ``extra``)."""
-    hf_config = config_json(model_config.hf_config)  # as before SGLang's model rewrote it (DeepSeek's rope_type)
+    hf_config = _hf_config_json(model_config.hf_config)  # as before SGLang's model rewrote it (DeepSeek's rope_type)
     return {
         "hf_config": hf_config,
         "model_path": str(model_config.model_path),
@@ -220,6 +223,27 @@ def model_identity(model_config: Any, load_config: Any) -> dict[str, Any]:
         "server": _server_settings(),
         "env": {name: os.environ.get(name) for name in PROCESSING_ENV},
     }
+
+
+#: What SGLang before 0.5.20 writes into a checkpoint's own ``quantization_config`` dict while it builds the quant
+#: config (``weight_utils.get_quant_config``): the HF config itself, which JSON cannot hold, and a mapping from the
+#: model class. Neither is the checkpoint's; ``hf_config`` marks that SGLang wrote them.
+SGLANG_QUANT_ADDITIONS = ("hf_config", "packed_modules_mapping")
+
+
+def _hf_config_json(hf_config: Any) -> Any:
+    """:func:`~weightcache.backends.engine_config.config_json` of ``hf_config`` without what SGLang wrote into its
+    ``quantization_config`` (:data:`SGLANG_QUANT_ADDITIONS`), so that a quantized checkpoint is described the same
+    before and after SGLang built its quant config (on SGLang 0.5.17 the dict held the config itself after that,
+    and describing the model failed: the engine loaded from disk). A dict without them is described as it is."""
+    quant = getattr(hf_config, "quantization_config", None)
+    if not isinstance(quant, dict) or "hf_config" not in quant:
+        return config_json(hf_config)
+    hf_config.quantization_config = {k: v for k, v in quant.items() if k not in SGLANG_QUANT_ADDITIONS}
+    try:
+        return config_json(hf_config)
+    finally:
+        hf_config.quantization_config = quant
 
 
 def _server_settings() -> dict[str, Any]:
@@ -261,6 +285,27 @@ def shareable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 
 @contextlib.contextmanager
+def _meta_rope_entries_dropped() -> Iterator[None]:
+    """Where SGLang's rotary-embedding cache does not tell a meta entry from a live one (0.5.17), forget the
+    entries a build inside cached on meta (the model built keeps its own): else the model SGLang's own loader
+    builds next (mode daemon's miss) would share a cos/sin table without data, and publishing it would fail.
+    Elsewhere, nothing (SGLang checks its entries itself)."""
+    if sglang_releases.rope_cache_checks_meta():
+        yield
+        return
+    from sglang.srt.layers.rotary_embedding.factory import _ROPE_DICT
+
+    before = set(_ROPE_DICT)
+    try:
+        yield
+    finally:
+        for key in [k for k in _ROPE_DICT if k not in before]:
+            tensors = [*_ROPE_DICT[key].parameters(), *_ROPE_DICT[key].buffers()]
+            if any(t.device.type == "meta" for t in tensors):
+                del _ROPE_DICT[key]
+
+
+@contextlib.contextmanager
 def _engine_dtype(dtype: torch.dtype) -> Iterator[None]:
     from sglang.srt.model_loader.utils import set_default_torch_dtype
 
@@ -284,10 +329,10 @@ def register() -> None:
     working.
     """
     try:
-        from sglang.srt.arg_groups.choices import LOAD_FORMAT_CHOICES, add_load_format_choices
         from sglang.srt.plugins.hook_registry import HookRegistry, HookType
 
-        if LOAD_FORMAT not in LOAD_FORMAT_CHOICES:
+        choices, add_load_format_choices = sglang_releases.load_format_choices()
+        if LOAD_FORMAT not in choices:
             add_load_format_choices([LOAD_FORMAT])
         HookRegistry.register(
             "sglang.srt.configs.load_config.LoadConfig._verify_load_format", _verify_load_format, HookType.AROUND
@@ -367,7 +412,22 @@ class WeightCacheLoader:
         # counts; segments this call created were allocated after the sample and are already in its measure.
         self.preloaded_weights_bytes = loaded.preloaded_bytes
         self.handle, self.source = loaded.handle, loaded.source
+        if loaded.preloaded_bytes and not sglang_releases.counts_preloaded_bytes():
+            warnings.warn(uncounted_preload_warning(loaded.preloaded_bytes), stacklevel=2)
         return loaded.model
+
+
+def uncounted_preload_warning(preloaded_bytes: int) -> str:
+    """What to tell an operator whose SGLang (before 0.5.19) does not add ``preloaded_weights_bytes`` to its
+    pre-load memory baseline: the weights were attached, and the KV cache leaves less headroom than usual."""
+    gib = preloaded_bytes / (1 << 30)
+    return (
+        f"weightcache: attached {gib:.2f} GiB of weights that were resident before SGLang sampled its pre-load "
+        "memory baseline, and this SGLang does not count a loader's preloaded_weights_bytes (SGLang 0.5.19 and "
+        f"later do): its KV cache keeps about {gib:.2f} GiB x (1 - mem_fraction_static) less headroom than after a "
+        "disk load. If the engine runs out of memory, lower --mem-fraction-static by "
+        f"{gib:.2f} GiB / the GPU's memory, or use SGLang 0.5.19 or later."
+    )
 
 
 __all__ = [
@@ -380,4 +440,5 @@ __all__ = [
     "parallel_layout",
     "register",
     "shareable_state",
+    "uncounted_preload_warning",
 ]

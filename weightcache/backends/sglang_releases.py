@@ -1,19 +1,35 @@
 """What differs between the SGLang releases the adapter supports, in one place.
 
-SGLang 0.5.20 to 0.5.23 offer the adapter the same loader layer: ``model_loader.loader``'s
+SGLang 0.5.17 to 0.5.23 offer the adapter the same loader layer: ``model_loader.loader``'s
 ``_get_quantization_config``, ``_initialize_model`` and ``DefaultModelLoader`` (whose ``_prepare_weights`` gained
-an optional fourth argument in 0.5.20, which the adapter does not pass), a loader class accepted as ``load_format``
-with ``preloaded_weights_bytes`` counted in SGLang's memory baseline (from 0.5.19), ``weight_cache.ipc_loader``'s
-``IpcModelLoader._rebuild_stale_views`` (from 0.5.17), ``runtime_context``'s ``get_parallel`` and
-``get_server_args``, and the plugin registries (``arg_groups.choices.add_load_format_choices``, from 0.5.20;
-``plugins.hook_registry``). What changed inside that range does not reach the adapter: 0.5.21 added a ``dp``
+an optional fourth argument in 0.5.20, which the adapter does not pass), a loader class accepted as ``load_format``,
+``weight_cache.ipc_loader``'s ``IpcModelLoader._rebuild_stale_views`` (from 0.5.17: 0.5.16 has no
+``weight_cache`` package), ``runtime_context``'s ``get_parallel`` and ``get_server_args``, and
+``plugins.hook_registry``. What changed inside that range does not reach the adapter: 0.5.21 added a ``dp``
 rank to ``get_parallel()`` (the adapter records it where present), 0.5.22 a ``load_group`` field to
 ``LoadConfig`` (``dataclasses.replace`` keeps it).
 
-Features are probed (:data:`REQUIRED_API`), not inferred from the version. Imports SGLang only inside functions.
+Three features differ, and are probed here, never inferred from the version:
+
+- where ``--load-format`` choices are added (:func:`load_format_choices`): ``arg_groups.choices`` from 0.5.20,
+  ``server_args`` before (0.5.17 to 0.5.19 define ``LOAD_FORMAT_CHOICES`` and ``add_load_format_choices`` there);
+- whether SGLang counts a loader's ``preloaded_weights_bytes`` in its pre-load memory baseline
+  (:func:`counts_preloaded_bytes`; from 0.5.19, where ``BaseModelLoader`` declares it). 0.5.17 does not: an engine
+  that attaches weights already resident sizes its KV cache with less headroom than after a disk load, which the
+  adapter says in a warning (see :mod:`weightcache.backends.sglang`);
+- whether SGLang's process-wide cache of rotary embeddings (``rotary_embedding.factory._ROPE_DICT``) tells an
+  entry built on meta from a live one (:func:`rope_cache_checks_meta`; from 0.5.20). 0.5.17 hands the model its
+  own loader builds next the one a meta build cached, whose cos/sin table has no data: the adapter drops what its
+  meta builds cached there, as 0.5.17's own loaders do after theirs.
+
+This module's layer: below the adapter, above SGLang. Imports SGLang only inside functions.
 """
 
 from __future__ import annotations
+
+import importlib
+from collections.abc import Callable
+from types import ModuleType
 
 from . import releases
 from .releases import ReleaseRange
@@ -21,10 +37,10 @@ from .releases import ReleaseRange
 #: The releases the adapter supports, and where each is tested.
 RELEASES = ReleaseRange(
     "SGLang",
-    "0.5.20",
+    "0.5.17",
     "0.5.23",
-    tested="0.5.23 in CI (make test-engines: its model-loader layer on CPUs); 0.5.20 by hand on a CPU (see "
-    "docs/backends.md)",
+    tested="0.5.23 and 0.5.17 in CI (make test-engines: their model-loader layer on CPUs, both on PyTorch 2.14.1; "
+    "0.5.17 pins 2.11.0); 0.5.20 by hand on a CPU (see docs/backends.md); none on a GPU",
 )
 
 #: What the adapter imports from every supported release: (module, name).
@@ -39,9 +55,65 @@ REQUIRED_API = (
 )
 
 
+#: Where a ``--load-format`` choice is added, newest first: (module, list of choices, function that adds).
+LOAD_FORMAT_CHOICES_API = (
+    ("sglang.srt.arg_groups.choices", "LOAD_FORMAT_CHOICES", "add_load_format_choices"),  # 0.5.20 on
+    ("sglang.srt.server_args", "LOAD_FORMAT_CHOICES", "add_load_format_choices"),  # 0.5.17 to 0.5.19
+)
+
+
 def missing_api() -> str | None:
     """The first name of :data:`REQUIRED_API` the installed SGLang lacks, as a reason; None when all are there."""
     return releases.missing_api("SGLang", REQUIRED_API)
 
 
-__all__ = ["RELEASES", "REQUIRED_API", "missing_api"]
+def load_format_choices() -> tuple[list[str], Callable[[list[str]], None]]:
+    """SGLang's list of ``--load-format`` choices and its function that adds to it, from the first module of
+    :data:`LOAD_FORMAT_CHOICES_API` that has both.
+
+    Raises ImportError naming every place looked in when none has them."""
+    found = []
+    for module_name, choices, add in LOAD_FORMAT_CHOICES_API:
+        module = _module(module_name)
+        if module is not None and hasattr(module, choices) and hasattr(module, add):
+            return getattr(module, choices), getattr(module, add)
+        found.append(f"{module_name}.{add}")
+    raise ImportError(
+        f"the installed SGLang has none of {', '.join(found)} to add a --load-format choice with (SGLang "
+        f"0.5.17 to 0.5.23 have one); pass LoadConfig(load_format=WeightCacheLoader) instead"
+    )
+
+
+def counts_preloaded_bytes() -> bool:
+    """Whether the installed SGLang adds a loader's ``preloaded_weights_bytes`` to its pre-load memory baseline
+    (``BaseModelLoader`` declares the attribute where it does: 0.5.19 on)."""
+    from sglang.srt.model_loader.loader import BaseModelLoader
+
+    return hasattr(BaseModelLoader, "preloaded_weights_bytes")
+
+
+def rope_cache_checks_meta() -> bool:
+    """Whether the installed SGLang's rotary-embedding cache drops a dead or meta entry before a real build
+    reuses it (``factory._get_live_rope_cache_entry``: 0.5.20 on)."""
+    from sglang.srt.layers.rotary_embedding import factory
+
+    return hasattr(factory, "_get_live_rope_cache_entry")
+
+
+def _module(name: str) -> ModuleType | None:
+    """The module ``name``, or None where the installed SGLang has no such module."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        return None
+
+
+__all__ = [
+    "LOAD_FORMAT_CHOICES_API",
+    "RELEASES",
+    "REQUIRED_API",
+    "counts_preloaded_bytes",
+    "load_format_choices",
+    "missing_api",
+    "rope_cache_checks_meta",
+]
