@@ -39,8 +39,10 @@ def init_sglang(model: str) -> object:
     if hasattr(runtime_context, "SpawnRanks"):  # 0.5.20 on: rank reads need the launcher's placement
         ranks = runtime_context.SpawnRanks(world_rank=0, gpu_id=0)
         runtime_context.publish(server_args, role="weight_cache_daemon", ranks=ranks)
-    else:  # 0.5.17: publish takes no ranks
+    elif hasattr(runtime_context, "publish"):  # 0.5.17: publish takes no ranks
         runtime_context.publish(server_args, role="weight_cache_daemon")
+    else:  # 0.5.16: no publish yet
+        runtime_context.get_context().set_server_args(server_args)
     if inspect.signature(initialize_moe_config).parameters:  # 0.5.17 takes the server args
         initialize_moe_config(server_args)
     else:  # 0.5.20 on read them from the runtime context

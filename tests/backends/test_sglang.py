@@ -294,7 +294,7 @@ def test_fp8_with_fp4_experts_is_refused_before_anything_is_loaded(tiny_llama: P
     model_config = ModelConfig(model_path=str(mixed), dtype="bfloat16")
     if not model_config.is_fp4_experts:
         pytest.skip(
-            "this SGLang does not read routed_experts_quant_method (0.5.17 marks FP4 experts only for "
+            "this SGLang does not read routed_experts_quant_method (0.5.16 and 0.5.17 mark FP4 experts only for "
             "DeepSeek-V4's layout; 0.5.20 on read the key), so it runs these experts as FP8: nothing to refuse"
         )
     socket_dir = tmp_path / "never"
@@ -346,3 +346,27 @@ def test_load_format_choices_name_every_place_looked_in(monkeypatch: pytest.Monk
     )
     with pytest.raises(ImportError, match=r"none of sglang\.srt\.no_such_module\.add_choices .*LoadConfig"):
         sglang_releases.load_format_choices()
+
+
+def test_a_model_with_views_to_rebuild_loads_from_disk_where_sglang_has_no_helper(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where SGLang has no ``IpcModelLoader._rebuild_stale_views`` (0.5.16), a model whose
+    ``RadixLinearAttention`` layers keep views of their weights is not served cached weights (its views would
+    point at meta storage): ``cannot_serve`` names the layers, and the load is SGLang's own, with a
+    FallbackWarning. Where SGLang has the helper, it is served."""
+    import torch.nn as nn
+    from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
+
+    attn = RadixLinearAttention.__new__(RadixLinearAttention)
+    nn.Module.__init__(attn)
+    model = nn.Module()
+    model.add_module("layer", nn.Module())
+    model.layer.add_module("attn", attn)
+    backend = SglangBackend()
+    has_helper = sglang_releases.stale_views_rebuilder() is not None
+    assert (backend.cannot_serve(model, None) is None) == has_helper
+    monkeypatch.setattr(sglang_releases, "stale_views_rebuilder", lambda: None)
+    reason = backend.cannot_serve(model, None)
+    assert reason is not None and "1 RadixLinearAttention layers (e.g. layer.attn)" in reason
+    assert backend.cannot_serve(nn.Linear(2, 2), None) is None

@@ -15,8 +15,8 @@ key is an error) or are fixed on a subclass made by :meth:`WeightCacheLoader.con
   keeper does not hold the weights: a FallbackWarning and SGLang's own disk load (``strict``: an error).
 
 The loader reports the attached bytes as ``preloaded_weights_bytes``, which SGLang's memory accounting adds to
-its pre-load baseline (from 0.5.19), so the KV cache is sized as after a disk load. SGLang 0.5.17 does not count
-them: attaching weights that were resident before its baseline was sampled still works, and a warning says how
+its pre-load baseline (from 0.5.19), so the KV cache is sized as after a disk load. SGLang 0.5.16 and 0.5.17 do
+not count them: attaching weights that were resident before its baseline was sampled still works, and a warning says how
 much less headroom its KV cache leaves (see :func:`uncounted_preload_warning`).
 
 This module imports SGLang only inside functions: ``weightcache.backends.sglang`` imports without SGLang
@@ -164,12 +164,34 @@ class SglangBackend(Backend):
         """:func:`shareable_state`."""
         return shareable_state(model)
 
+    def cannot_serve(self, model: nn.Module, context: SglangLoad) -> str | None:
+        """Where the installed SGLang has no helper to rebuild the views some modules keep of their weights
+        (0.5.16: no ``weight_cache`` package), a model with such views (``RadixLinearAttention``'s
+        ``conv_weights``, rebuilt by 0.5.17's helper) cannot be served cached weights: they would still point at
+        meta storage."""
+        if sglang_releases.stale_views_rebuilder() is not None:
+            return None
+        try:
+            from sglang.srt.layers.radix_linear_attention import RadixLinearAttention
+        except ImportError:
+            return None
+        stale = [name for name, module in model.named_modules() if isinstance(module, RadixLinearAttention)]
+        if not stale:
+            return None
+        return (
+            f"this SGLang has no sglang.srt.weight_cache.ipc_loader.IpcModelLoader._rebuild_stale_views (SGLang "
+            f"0.5.17 and later have it), which rebuilds the conv_weights views of this model's {len(stale)} "
+            f"RadixLinearAttention layers (e.g. {stale[0]}) after attaching; without it they would point at meta "
+            "storage. Use SGLang 0.5.17 or later to attach this model"
+        )
+
     def after_bind(self, model: nn.Module, handle: Handle, context: SglangLoad) -> None:
         """Views some modules keep of their weights as plain attributes still point at meta storage; SGLang's own
-        weight-cache loader knows which, and rebuilds them."""
-        from sglang.srt.weight_cache.ipc_loader import IpcModelLoader
-
-        IpcModelLoader._rebuild_stale_views(model)
+        weight-cache loader knows which, and rebuilds them (where it has none, :meth:`cannot_serve` refused the
+        models that have such views)."""
+        rebuild = sglang_releases.stale_views_rebuilder()
+        if rebuild is not None:
+            rebuild(model)
         model.eval()
 
 
@@ -226,8 +248,8 @@ def model_identity(model_config: Any, load_config: Any) -> dict[str, Any]:
 
 
 #: What SGLang before 0.5.20 writes into a checkpoint's own ``quantization_config`` dict while it builds the quant
-#: config (``weight_utils.get_quant_config``): the HF config itself, which JSON cannot hold, and a mapping from the
-#: model class. Neither is the checkpoint's; ``hf_config`` marks that SGLang wrote them.
+#: config (``weight_utils.get_quant_config``): a mapping from the model class (0.5.16 on) and the HF config itself
+#: (0.5.17), which JSON cannot hold. Neither is the checkpoint's.
 SGLANG_QUANT_ADDITIONS = ("hf_config", "packed_modules_mapping")
 
 
@@ -235,9 +257,10 @@ def _hf_config_json(hf_config: Any) -> Any:
     """:func:`~weightcache.backends.engine_config.config_json` of ``hf_config`` without what SGLang wrote into its
     ``quantization_config`` (:data:`SGLANG_QUANT_ADDITIONS`), so that a quantized checkpoint is described the same
     before and after SGLang built its quant config (on SGLang 0.5.17 the dict held the config itself after that,
-    and describing the model failed: the engine loaded from disk). A dict without them is described as it is."""
+    and describing the model failed: the engine loaded from disk; on 0.5.16 the description differed). A dict
+    without them is described as it is."""
     quant = getattr(hf_config, "quantization_config", None)
-    if not isinstance(quant, dict) or "hf_config" not in quant:
+    if not isinstance(quant, dict) or not any(key in quant for key in SGLANG_QUANT_ADDITIONS):
         return config_json(hf_config)
     hf_config.quantization_config = {k: v for k, v in quant.items() if k not in SGLANG_QUANT_ADDITIONS}
     try:
@@ -286,7 +309,7 @@ def shareable_state(model: nn.Module) -> dict[str, torch.Tensor]:
 
 @contextlib.contextmanager
 def _meta_rope_entries_dropped() -> Iterator[None]:
-    """Where SGLang's rotary-embedding cache does not tell a meta entry from a live one (0.5.17), forget the
+    """Where SGLang's rotary-embedding cache does not tell a meta entry from a live one (before 0.5.20), forget the
     entries a build inside cached on meta (the model built keeps its own): else the model SGLang's own loader
     builds next (mode daemon's miss) would share a cos/sin table without data, and publishing it would fail.
     Elsewhere, nothing (SGLang checks its entries itself)."""
