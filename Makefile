@@ -22,10 +22,10 @@ endif
 VLLM_RELEASES ?= 0.27.0 0.32.0
 VLLM_NEWEST := $(lastword $(VLLM_RELEASES))
 VLLM_OLDER_SKIP := not parity_command_drives_vllm and not openai_server
-# SGLang at both ends of the supported range: 0.5.23 (what .venv-sglang holds) runs every test; 0.5.17, the oldest
+# SGLang at both ends of the supported range: 0.5.23 (what .venv-sglang holds) runs every test; 0.5.16, the oldest
 # (its loader layer on PyTorch 2.14.1 here; it pins 2.11.0), all but those whose SGLang side is its DefaultModelLoader
 # alone (a miss, a publish failure, no keeper, parity of two disk loads): what differs per release is in the rest.
-SGLANG_RELEASES ?= 0.5.17 0.5.23
+SGLANG_RELEASES ?= 0.5.16 0.5.23
 SGLANG_NEWEST := $(lastword $(SGLANG_RELEASES))
 SGLANG_OLDER_SKIP := not layout_setting_outside and not parity_reports and not publish_failure and not without_keeper
 SGLANG_VENV ?= .venv-sglang
