@@ -130,6 +130,25 @@ def test_store_holds_artifacts_beside_entries_with_leases_trust_and_replacement(
     store.close()
 
 
+def test_a_refused_replacement_leaves_the_artifact_it_would_have_replaced() -> None:
+    """A replacing publish that does not fit the budget used to drop the artifact it replaced first, so the
+    refusal lost both; now the one held stays, leased as it was, and its fd's share is still counted."""
+    store = Store(Budget(None, {"cpu": 16 << 10}), owner=1000)
+    fd, sha = blob_fd(b"x" * (8 << 10))
+    store.put_artifact(1, 11, WEIGHTS, KEY, 8 << 10, sha, fd, uid=1000)
+    fd2, sha2 = blob_fd(b"y" * (20 << 10))  # more than the whole budget
+    with pytest.raises(RequestError) as info:
+        store.put_artifact(1, 11, WEIGHTS, KEY, 20 << 10, sha2, fd2, uid=1000, replace=sha)
+    assert info.value.code == messages.OVER_BUDGET
+    got = store.get_artifact(2, 12, WEIGHTS, KEY, trust=(1000,))
+    assert got is not None and got.info.sha256 == sha and store.fds_held(1000) == 1
+    os.close(got.fd)
+    fd3, sha3 = blob_fd(b"z" * (4 << 10))  # one that fits takes its place, and its fd's share
+    assert store.put_artifact(1, 11, WEIGHTS, KEY, 4 << 10, sha3, fd3, uid=1000, replace=sha).replaced
+    assert store.fds_held(1000) == 1
+    store.close()
+
+
 def test_store_checks_the_memfd_and_owns_it_whatever_happens() -> None:
     store = Store(owner=1000)
     unsealed = sealed_memfd(512, seal=False)

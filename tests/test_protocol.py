@@ -123,5 +123,8 @@ def test_members_share_the_others_pool_fairly() -> None:
     assert shares.try_take(4, 1)
     assert shares.try_take(0, 16)  # the owner's quarter stays free whatever the members do
     shares.give(4, 1)
-    now[0] += protocol.WAITING_S  # the fourth holds nothing and asked long ago: three members share again
+    assert not shares.try_take(5, 2)  # a fifth is refused (47 of 48 held): it counts among the sharing
+    now[0] += protocol.WAITING_S - 1
+    assert not shares.try_take(1, 1)  # still within the minute: 15 is over a part of 12
+    now[0] += 1  # the fifth asked a minute ago, the fourth holds nothing: three members share again
     assert shares.try_take(1, 1) and shares.used(1) == 16

@@ -357,3 +357,44 @@ def test_members_are_bounded_against_each_other(make: Any) -> None:
         store.publish(7, 1, manifest, [fd], uid=1005)
     assert len(store) == 4 and not is_open(fd)
     store.close()
+
+
+def test_a_refused_publish_evicts_nothing(make: Any) -> None:
+    """A member's publish whose own older entry fit its share, but whose placement's budget was full of the
+    owner's leased entries: the member's entry, chosen to make room within its share, used to be evicted before
+    the placement's check refused the publish. Now nothing is evicted unless the publish goes through."""
+    kib = 1024
+    store = Store(Budget(None, {"cpu": 256 * kib}), owner=0, clock=Clock())  # a member's share 64 KiB
+    manifest, fd = make("owners", 208 * kib)
+    store.publish(1, 1, manifest, [fd], uid=0)  # leased by connection 1
+    manifest, fd = make("old", 32 * kib)
+    old = store.publish(2, 1, manifest, [fd], uid=1001).key
+    store.release(2)
+    manifest, fd = make("held", 16 * kib)
+    store.publish(3, 1, manifest, [fd], uid=1001)  # leased
+    manifest, fd = make("new", 40 * kib)
+    with pytest.raises(RequestError, match="needs 40.0 KiB") as info:
+        store.publish(4, 1, manifest, [fd], uid=1001)
+    assert info.value.code == messages.OVER_BUDGET and store.keys().count(old) == 1 and len(store) == 3
+    store.close()
+
+
+def test_members_over_their_part_give_way_the_furthest_over_first(make: Any) -> None:
+    """Room in the members' pool is taken from the member furthest over its part (its least recently used entry
+    first), not merely from the least recently used entry of any member over it: one just over its part keeps its
+    entry."""
+    kib = 1024
+    store = Store(Budget(None, {"cpu": 80 * kib}), owner=0, member_share=0.5, clock=Clock())  # pool 40 KiB
+    far = []
+    for i in range(3):
+        manifest, fd = make(f"far-over-{i}", 8 * kib)
+        far.append(store.publish(2, 1, manifest, [fd], uid=1003).key)
+    manifest, fd = make("a-little-over", 16 * kib)
+    little = store.publish(1, 1, manifest, [fd], uid=1002).key
+    store.release(1)  # 1002's entry is now the least recently used
+    store.release(2)
+    # a third member: each may hold 13.3 KiB of the 40; 1002 holds 16 (2.7 over), 1003 holds 24 (10.7 over)
+    manifest, fd = make("newcomer", 4 * kib)
+    reply = store.publish(3, 1, manifest, [fd], uid=1001)
+    assert reply.evicted == (far[0],) and store.keys().count(little) == 1
+    store.close()

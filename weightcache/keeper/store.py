@@ -14,7 +14,7 @@ publisher's unleased entries there, least recently used first, and is refused (`
 cannot make room; the owner's entries and leased ones are never evicted for another uid's publish. Members (uids
 other than the owner) together hold at most ``1 - member_share`` of a budget, each at most its part of that
 (``member_share``, and never more than the pool over the number of members holding there): a member under its part
-evicts the least recently used unleased entries of members over theirs, so no members can starve another.
+evicts unleased entries of the members furthest over theirs, so no members can starve another.
 The segment fds held are capped too
 (``max_fds``), so that publishers cannot take the keeper to its open-file limit, and shared out per uid
 (:class:`~weightcache.protocol.Shares`): another uid than the owner may hold at most ``member_share`` of them,
@@ -210,27 +210,30 @@ class Store:
         )
         return PublishReply(digest=digest, key=key, created=True, evicted=tuple(e.key for e in evicted))
 
-    def _make_room(self, key: str, placement: str, needed: int, uid: int) -> list[Held]:
+    def _make_room(self, key: str, placement: str, needed: int, uid: int, leaving: Held | None = None) -> list[Held]:
         """Make ``needed`` more bytes fit ``placement``'s budget for a publish of ``uid`` (:func:`room.make_room`
-        chooses what goes), evict what it chose and return it; ``over_budget`` (nothing evicted) if nothing can.
-        Called with the lock held."""
+        chooses what goes; ``leaving``, what the publish replaces, counts as gone), evict what it chose and return
+        it; ``over_budget`` (nothing evicted) if nothing can. Called with the lock held."""
         limit = self.budget.limit(placement)
         if limit is None:
             return []
+        held = [h for h in self._held() if h is not leaving]
         gone = room.make_room(
-            self._held(), key, placement, needed, uid, limit, owner=self.owner, member_share=self.member_share
+            held, key, placement, needed, uid, limit, owner=self.owner, member_share=self.member_share
         )
         for e in gone:
             self._drop(e)
         return gone
 
-    def _drop(self, entry: Held) -> None:
-        """Forget ``entry`` (or artifact) and close its fds. Called with the lock held."""
+    def _drop(self, entry: Held, *, keep_fd_share: bool = False) -> None:
+        """Forget ``entry`` (or artifact) and close its fds; its share of the segment fds goes back unless
+        ``keep_fd_share`` (what replaces it takes that share over). Called with the lock held."""
         if isinstance(entry, Artifact):
             del self._artifacts[entry.key]
         else:
             del self._entries[entry.key]
-        self._fds.give(entry.publisher, len(entry.fds))
+        if not keep_fd_share:
+            self._fds.give(entry.publisher, len(entry.fds))
         entry.close()
 
     def _held(self) -> list[Held]:
@@ -347,15 +350,14 @@ class Store:
         with self._lock:
             existing = self._artifacts.get(name)
             if existing is not None and replace is not None and existing.sha256 == replace:
-                replaced, existing = existing, None
-                self._drop(replaced)
+                replaced, existing = existing, None  # dropped once its replacement is sure to fit
             if existing is not None:
                 # Idempotent, as for entries: the same artifact published again (a race, or a re-publication after
                 # a keeper restart) makes the publisher a lease holder of the one already here.
                 existing.last_used = now
                 existing.leases.setdefault(conn, Lease(pid, now))
             else:
-                if not self._fds.try_take(uid, 1):
+                if replaced is None and not self._fds.try_take(uid, 1):
                     raise RequestError(
                         messages.OVER_BUDGET,
                         f"artifact {name[:16]}... needs one fd, but of the keeper's segment fds "
@@ -365,10 +367,13 @@ class Store:
                 info = SegmentInfo(kind="memfd", size=size, placement=ARTIFACT_PLACEMENT)
                 committed = fdcheck.committed_bytes(fd, info)
                 try:
-                    evicted = self._make_room(name, ARTIFACT_PLACEMENT, committed, uid)
+                    evicted = self._make_room(name, ARTIFACT_PLACEMENT, committed, uid, leaving=replaced)
                 except BaseException:
-                    self._fds.give(uid, 1)
-                    raise
+                    if replaced is None:
+                        self._fds.give(uid, 1)
+                    raise  # a refused replacement leaves the artifact it would have replaced as it was
+                if replaced is not None:
+                    self._drop(replaced, keep_fd_share=True)  # its fd's share goes to the new one
                 lease = {conn: Lease(pid, now)}
                 artifact = Artifact(weights, key, uid, name, size, sha256, fd, now, now, lease, committed)
                 self._artifacts[name] = artifact
