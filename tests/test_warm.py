@@ -345,6 +345,28 @@ def test_a_stale_warm_process_is_replaced(tmp_path: Path, env: dict[str, str]) -
     assert second != first and run().stdout == f"2 {second}\n"
 
 
+def warm_start_and_run(cwd: Path, env: dict[str, str], preload: str, code: str) -> subprocess.CompletedProcess[str]:
+    """``weightcache warm start --preload preload`` in ``cwd`` (asserted to succeed), then ``python -c code`` through
+    ``weightcache run`` there: what a launcher started from that directory gets."""
+    start = subprocess.run(
+        [*cli("warm", "start", "--preload", preload, "--timeout", "30"), "--", sys.executable, "-c", "pass"],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=90,
+    )
+    assert start.returncode == 0, start.stdout + start.stderr
+    return subprocess.run(
+        [*cli("run", "--preload", preload, "--"), sys.executable, "-c", code],
+        cwd=cwd,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_a_launcher_whose_weightcache_comes_from_its_working_directory_gets_its_warm_process(
     tmp_path: Path, env: dict[str, str]
 ) -> None:
@@ -357,23 +379,7 @@ def test_a_launcher_whose_weightcache_comes_from_its_working_directory_gets_its_
     own = {**env, "WEIGHTCACHE_DIR": str(tmp_path / "s")}
     os.mkdir(tmp_path / "s", 0o700)
     try:
-        start = subprocess.run(
-            [*cli("warm", "start", "--preload", "json", "--timeout", "30"), "--", sys.executable, "-c", "pass"],
-            cwd=checkout,
-            env=own,
-            capture_output=True,
-            text=True,
-            timeout=90,
-        )
-        assert start.returncode == 0, start.stdout + start.stderr
-        ran = subprocess.run(
-            [*cli("run", "--preload", "json", "--"), sys.executable, "-c", "import os, sys; print(os.getppid())"],
-            cwd=checkout,
-            env=own,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        ran = warm_start_and_run(checkout, own, "json", "import os, sys; print(os.getppid())")
         assert ran.returncode == 0 and ran.stderr == "", ran.stderr
         assert int(ran.stdout) == hello(own, ("json",))["pid"]  # forked by the warm process
     finally:
@@ -397,30 +403,8 @@ def test_a_relative_pythonpath_reaches_the_warm_process_as_the_launcher_reads_it
     }
     os.mkdir(tmp_path / "s", 0o700)
     try:
-        start = subprocess.run(
-            [
-                *cli("warm", "start", "--preload", "wc_relative_mod", "--timeout", "30"),
-                "--",
-                sys.executable,
-                "-c",
-                "pass",
-            ],
-            cwd=tmp_path,
-            env=own,
-            capture_output=True,
-            text=True,
-            timeout=90,
-        )
-        assert start.returncode == 0, start.stdout + start.stderr
         code = "import os, sys, wc_relative_mod; print(os.getppid(), os.environ['PYTHONPATH'].split(os.pathsep)[0])"
-        ran = subprocess.run(
-            [*cli("run", "--preload", "wc_relative_mod", "--"), sys.executable, "-c", code],
-            cwd=tmp_path,
-            env=own,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        ran = warm_start_and_run(tmp_path, own, "wc_relative_mod", code)
         assert ran.returncode == 0 and ran.stderr == "", ran.stderr
         ppid, first = ran.stdout.split()
         assert int(ppid) == hello(own, ("wc_relative_mod",))["pid"]  # forked by the warm process
