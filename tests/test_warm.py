@@ -17,7 +17,7 @@ import sys
 import tempfile
 import textwrap
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
@@ -229,15 +229,138 @@ def test_signals_reach_the_command_and_its_death_is_the_launchers(
             stderr=subprocess.PIPE,
             text=True,
         )
-        assert proc.stdout is not None
-        assert proc.stdout.readline() == "ready\n"
-        if signum is not None:
-            proc.send_signal(signum)
-        out, err = proc.communicate(timeout=30)
+        try:
+            assert proc.stdout is not None
+            assert proc.stdout.readline() == "ready\n"
+            if signum is not None:
+                proc.send_signal(signum)
+            out, err = proc.communicate(timeout=30)
+        finally:
+            proc.kill()  # a launcher that hung takes its command with it, not into the next test
         outcomes[mode] = (proc.returncode, out, err)
     assert outcomes["term"][:2] == (7, "got SIGTERM\n"), outcomes["term"]
     assert outcomes["int"][0] == -signal.SIGINT and "KeyboardInterrupt" in outcomes["int"][2], outcomes["int"]
     assert outcomes["kill"][0] == -signal.SIGKILL, outcomes["kill"]
+
+
+#: A launcher with a second thread that takes the launcher's SIGTERM itself (pthread_kill), once the command it
+#: waits for has written its ready file: the signal's C handler runs on that thread, not on the main thread blocked
+#: in its wait, as when a signal arrives just before the main thread enters that wait.
+THREADED_LAUNCHER = textwrap.dedent(
+    """
+    import os, signal, sys, threading, time
+    from weightcache.warm import launcher
+    script, ready = sys.argv[1:]
+
+    def poke():
+        while not os.path.exists(ready):
+            time.sleep(0.01)
+        time.sleep(0.3)  # the launcher is in its wait for the command's exit by now
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+
+    threading.Thread(target=poke, daemon=True).start()
+    sys.exit(launcher.run([sys.executable, script, ready], preloads=["torch"]))
+    """
+)
+
+#: Writes its ready file once its SIGTERM handler is in place, then sleeps 20 s unless a SIGTERM ends it first.
+TERM_WAITER = textwrap.dedent(
+    """
+    import signal, sys, time
+    signal.signal(signal.SIGTERM, lambda *a: (print("got SIGTERM", flush=True), sys.exit(7)))
+    open(sys.argv[1], "w").close()
+    time.sleep(20)
+    print("slept", flush=True)
+    """
+)
+
+
+def test_a_signal_taken_by_another_thread_of_the_launcher_still_reaches_the_command(
+    tmp_path: Path, env: dict[str, str], warm_pid: int
+) -> None:
+    """A signal's C-level handler may run on any thread of the launcher, or just before its main thread blocks in
+    its wait: the launcher still forwards it at once (it waits on its socket and a signal wakeup fd together), not
+    when the command happens to exit. On CI the plain signal test hung this way (the launcher blocked in recvmsg, its
+    SIGTERM handled only after the command's exit)."""
+    (tmp_path / "launch.py").write_text(THREADED_LAUNCHER)
+    (tmp_path / "waiter.py").write_text(TERM_WAITER)
+    ready = tmp_path / "ready"
+    start = time.monotonic()
+    out = subprocess.run(
+        [sys.executable, str(tmp_path / "launch.py"), str(tmp_path / "waiter.py"), str(ready)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert (out.returncode, out.stdout) == (7, "got SIGTERM\n"), (out.returncode, out.stdout, out.stderr)
+    assert time.monotonic() - start < 15, time.monotonic() - start
+
+
+#: What a command inherited of its signal state: the dispositions of a few signals and the blocked mask.
+SIGNAL_STATE = (
+    "import json, signal; d = lambda s: {signal.SIG_IGN: 'ign', signal.SIG_DFL: 'dfl'}.get(signal.getsignal(s), 'py');"
+    "print(json.dumps([d(s) for s in (signal.SIGHUP, signal.SIGINT, signal.SIGQUIT, signal.SIGTERM, signal.SIGPIPE)]"
+    " + [sorted(signal.pthread_sigmask(signal.SIG_BLOCK, []))]))"
+)
+
+
+def test_the_command_inherits_the_launchers_ignored_and_blocked_signals_not_the_warm_processes(
+    env: dict[str, str], warm_pid: int
+) -> None:
+    """``nohup`` (SIGHUP ignored), a shell's background job (SIGINT and SIGQUIT ignored) and a blocked signal reach
+    the command as a direct start gives them; and a launcher that ignores nothing gets a command that ignores
+    nothing, whatever the warm process itself inherited (here: started from a launcher that ignored SIGTERM)."""
+
+    def ignoring(*signums: int) -> Callable[[], None]:
+        def preexec() -> None:
+            for signum in signums:
+                signal.signal(signum, signal.SIG_IGN)
+            signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGUSR2])
+
+        return preexec
+
+    def state(launcher: list[str], preexec: Callable[[], None] | None, run_env: dict[str, str]) -> tuple[list, str]:
+        out = subprocess.run(
+            [*launcher, sys.executable, "-c", SIGNAL_STATE],
+            env=run_env,
+            preexec_fn=preexec,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert out.returncode == 0, out.stderr
+        return json.loads(out.stdout), out.stderr
+
+    warm = cli("run", "--preload", "torch", "--")
+    nohup = ignoring(signal.SIGHUP, signal.SIGINT, signal.SIGQUIT)
+    direct, _ = state([], nohup, env)
+    forked, stderr = state(warm, nohup, env)
+    assert direct == ["ign", "ign", "ign", "dfl", "ign", [signal.SIGUSR2]], direct
+    assert forked == direct and stderr == "", stderr
+
+    plain_direct, _ = state([], None, env)
+    assert plain_direct == ["dfl", "py", "dfl", "dfl", "ign", []], plain_direct
+    assert state(warm, None, env) == (plain_direct, "")
+
+    # A warm process of its own, spawned by a launcher that ignored SIGTERM and blocked SIGUSR2: its children take
+    # the launcher's state, not the one it inherited.
+    with tempfile.TemporaryDirectory() as directory:
+        os.chmod(directory, 0o700)
+        own = {**env, "WEIGHTCACHE_DIR": directory}
+        try:
+            start = subprocess.run(
+                cli("warm", "start", "--preload", "json"),
+                env=own,
+                preexec_fn=ignoring(signal.SIGTERM),
+                capture_output=True,
+                text=True,
+                timeout=60,
+            )
+            assert start.returncode == 0, start.stderr
+            assert state(cli("run", "--preload", "json", "--"), None, own) == (plain_direct, "")
+        finally:
+            subprocess.run(cli("warm", "stop", "--all"), env=own, capture_output=True, timeout=30)
 
 
 def test_the_command_dies_with_its_launcher(env: dict[str, str], warm_pid: int) -> None:

@@ -2,8 +2,9 @@
 
 Called once, right after ``fork()``, and never returns. In order:
 
-1. close the warm process's sockets, make the child a process group of its own, put back the default signal
-   dispositions Python starts with;
+1. close the warm process's sockets, make the child a process group of its own, give it the signal state a direct
+   start would have: the launcher's ignored signals and blocked mask, every other disposition the default (SIGINT
+   raising KeyboardInterrupt, SIGPIPE and SIGXFSZ ignored, as the interpreter starts);
 2. take the launcher's inheritable fds at their numbers (standard input, output and error, and any other fd a
    direct start would inherit: a socket-activation listener, multiprocessing's pipes), working directory, umask,
    resource limits and environment (``os.environ`` is replaced, so the C environment too); point multiprocessing's
@@ -57,6 +58,52 @@ LIMITS = ("RLIMIT_NOFILE", "RLIMIT_CORE", "RLIMIT_MEMLOCK", "RLIMIT_STACK", "RLI
 def current_limits() -> dict[str, list[int]]:
     """This process's limits of :data:`LIMITS`, as a launcher sends them."""
     return {name: list(resource.getrlimit(getattr(resource, name))) for name in LIMITS if hasattr(resource, name)}
+
+
+#: Signals whose disposition a process can set (every valid one but SIGKILL and SIGSTOP, and those the C library
+#: keeps for itself, which ``signal.signal`` refuses).
+def _settable_signals() -> list[int]:
+    return sorted(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))
+
+
+def current_signals() -> dict[str, list[int]]:
+    """What of this process's signal state a command started by ``exec`` would inherit, as a launcher sends it:
+    the signals it ignores (``nohup`` ignores SIGHUP; a shell ignores SIGINT and SIGQUIT in a background job) and
+    the signals its main thread blocks. A handler is not inherited (``exec`` resets it), so it is not sent."""
+    ignored = [int(s) for s in _settable_signals() if _disposition(s) is signal.SIG_IGN]
+    return {"ignored": ignored, "blocked": sorted(int(s) for s in signal.pthread_sigmask(signal.SIG_BLOCK, []))}
+
+
+def _disposition(signum: int) -> object:
+    try:
+        return signal.getsignal(signum)
+    except (OSError, ValueError):
+        return None
+
+
+#: What the interpreter itself ignores at start, whatever it inherited.
+_IGNORED_AT_START = (signal.SIGPIPE, signal.SIGXFSZ)
+
+
+def _apply_signals(signals: Mapping[str, Sequence[int]]) -> None:
+    """Give this process the signal state a direct start of the command would have: every disposition the default
+    (the warm process's own handlers, and what it inherited ignored, are not the launcher's), except what the
+    launcher ignores, which stays ignored, and what the interpreter sets at start (SIGPIPE and SIGXFSZ ignored;
+    SIGINT raises KeyboardInterrupt unless it was ignored); then the launcher's mask of blocked signals."""
+    ignored = set(signals.get("ignored", ())) | set(_IGNORED_AT_START)
+    for signum in _settable_signals():
+        if signum in ignored:
+            handler: object = signal.SIG_IGN
+        elif signum == signal.SIGINT:
+            handler = signal.default_int_handler
+        else:
+            handler = signal.SIG_DFL
+        try:
+            signal.signal(signum, handler)  # type: ignore[arg-type]
+        except (OSError, ValueError, RuntimeError):
+            pass  # one the C library keeps (the first real-time signals)
+    valid = signal.valid_signals()
+    signal.pthread_sigmask(signal.SIG_SETMASK, [s for s in signals.get("blocked", ()) if s in valid])
 
 
 def _apply_limits(limits: Mapping[str, Sequence[int]]) -> None:
@@ -178,10 +225,12 @@ def run_child(
     limits: Mapping[str, Sequence[int]],
     base_path: Sequence[str],
     close: Sequence[int],
+    signals: Mapping[str, Sequence[int]] | None = None,
     spawn_executable: str | None = None,
 ) -> NoReturn:
     """Turn this freshly forked process into ``target`` started by the launcher (see the module docstring):
-    ``fds`` are the launcher's inheritable fds, ``(number, received fd)``, standard streams first;
+    ``fds`` are the launcher's inheritable fds, ``(number, received fd)``, standard streams first; ``signals``
+    what the launcher ignores and blocks (:func:`current_signals`);
     ``spawn_executable``, if given, is what multiprocessing's ``spawn`` and ``forkserver`` start instead of the
     interpreter, so that the processes the command spawns come from the warm process too."""
     status = 1
@@ -192,10 +241,7 @@ def run_child(
             except OSError:
                 pass
         os.setpgid(0, 0)
-        for signum in (signal.SIGTERM, signal.SIGHUP, signal.SIGCHLD, signal.SIGUSR1, signal.SIGUSR2):
-            signal.signal(signum, signal.SIG_DFL)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        signal.signal(signal.SIGPIPE, signal.SIG_IGN)  # as the interpreter sets it at start
+        _apply_signals(signals or {})
         place_fds(fds)
         if spawn_executable is not None:
             multiprocessing.set_executable(spawn_executable)
@@ -234,4 +280,4 @@ def run_child(
     _finish(status)
 
 
-__all__ = ["LIMITS", "current_limits", "run_child"]
+__all__ = ["LIMITS", "current_limits", "current_signals", "run_child"]

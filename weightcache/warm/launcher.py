@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import fcntl
 import os
+import selectors
 import signal
 import socket
 import sys
@@ -33,7 +34,7 @@ from typing import Any
 from .. import protocol
 from ..errors import ProtocolError, SocketDirError
 from . import identity
-from .child import current_limits
+from .child import current_limits, current_signals
 from .server import DEFAULT_IDLE_TIMEOUT_S
 from .target import NotWarmable, Target, default_preloads, resolve
 
@@ -271,26 +272,59 @@ def _request(target: Target, env: Mapping[str, str], cwd: str, numbers: Sequence
         "cwd": cwd,
         "umask": _umask(),
         "limits": current_limits(),
+        "signals": current_signals(),
     }
 
 
 class _Forwarder:
     """Forwards the launcher's signals to the command. Installed before the request is sent, so that a signal that
     arrives between the fork and the reply is held, then delivered once the command's pid is known, instead of
-    killing the launcher (and with it the command)."""
+    killing the launcher (and with it the command).
+
+    A signal's C-level handler can run on another thread than the main one, or just before the main thread blocks
+    in a system call: either way a main thread blocked in ``recvmsg`` would run the Python handler (and forward)
+    only once the command had exited on its own. So the launcher waits for the command on its socket and on a
+    signal wakeup fd together (:meth:`wait_readable`): every signal wakes it, and its handler runs at once. A signal
+    the launcher inherited as ignored (``nohup``) is left ignored, as it is for the command."""
 
     def __init__(self) -> None:
         self.pid = 0
         self.pending: list[int] = []
+        self.taken: list[int] = []
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._previous_wakeup = -1
 
     def __enter__(self) -> _Forwarder:
+        for end in (self._wake_r, self._wake_w):
+            end.setblocking(False)
+        self._previous_wakeup = signal.set_wakeup_fd(self._wake_w.fileno(), warn_on_full_buffer=False)
         for signum in FORWARDED:
+            if signal.getsignal(signum) is signal.SIG_IGN:
+                continue
             signal.signal(signum, self._forward)
+            self.taken.append(signum)
         return self
 
     def __exit__(self, *exc: object) -> None:
-        for signum in FORWARDED:
+        for signum in self.taken:
             signal.signal(signum, signal.SIG_DFL if signum != signal.SIGINT else signal.default_int_handler)
+        signal.set_wakeup_fd(self._previous_wakeup)
+        self._wake_r.close()
+        self._wake_w.close()
+
+    def wait_readable(self, sock: socket.socket) -> None:
+        """Return once ``sock`` has something to read; signals that arrive meanwhile are forwarded as they come."""
+        with selectors.DefaultSelector() as selector:
+            selector.register(sock, selectors.EVENT_READ)
+            selector.register(self._wake_r, selectors.EVENT_READ)
+            while True:
+                for key, _ in selector.select():
+                    if key.fileobj is sock:
+                        return
+                    try:
+                        self._wake_r.recv(4096)  # the signal numbers; their handlers run (and forward) on return
+                    except BlockingIOError:
+                        pass
 
     def started(self, pid: int) -> None:
         self.pid = pid
@@ -314,10 +348,12 @@ class _Forwarder:
             pass
 
 
-def _wait(sock: socket.socket, pid: int) -> int:
+def _wait(sock: socket.socket, forwarder: _Forwarder) -> int:
     """Wait (forwarding signals) until the warm process says the command exited; its status (or this process dies
     of its signal)."""
+    pid = forwarder.pid
     try:
+        forwarder.wait_readable(sock)
         reply, extra = protocol.recv_frame(sock, idle_timeout=None, max_fds=0)
         protocol.close_fds(extra)
     except (ProtocolError, OSError) as exc:
@@ -392,7 +428,7 @@ def start(path: Path, target: Target, env: Mapping[str, str], cwd: str, fallback
                 protocol.close_fds([fd for number, fd in fds if fd != number])
             if refused is None:
                 forwarder.started(int(started["pid"]))
-                return _wait(sock, forwarder.pid)
+                return _wait(sock, forwarder)
         for signum in forwarder.pending:  # what a direct start would have received before it ran: now, to us
             os.kill(os.getpid(), signum)
         note(f"{refused}; starting the command directly")

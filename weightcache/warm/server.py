@@ -8,7 +8,8 @@ Unix socket, 0600 in a 0700 directory, to its own uid only (SO_PEERCRED; any oth
 connection is closed).
 
 Requests are JSON frames (:mod:`weightcache.protocol`): ``hello`` (the key, pid, preloads and what was found at
-import), ``run`` (a :class:`~weightcache.warm.target.Target`, environment, working directory, umask, limits, with
+import), ``run`` (a :class:`~weightcache.warm.target.Target`, environment, working directory, umask, limits, the signals
+the launcher ignores and blocks, with
 the launcher's inheritable fds attached, stdin, stdout and stderr first, and ``fd_numbers`` saying the number each
 had) and ``stop``. Beside its socket it writes ``<slot>.spawn``, the launcher that multiprocessing's ``spawn``
 runs in its children (:mod:`weightcache.warm.spawn`). For ``run`` it forks; the child becomes the
@@ -333,6 +334,14 @@ class WarmServer:
                 isinstance(v, list) and len(v) == 2 and all(isinstance(n, int) for n in v) for v in limits.values()
             ):
                 raise ProtocolError("limits must map names to [soft, hard]")
+            signals = message.get("signals", {})
+            if not isinstance(signals, dict) or not all(
+                key in ("ignored", "blocked")
+                and isinstance(v, list)
+                and all(isinstance(n, int) and 0 < n < 128 for n in v)
+                for key, v in signals.items()
+            ):
+                raise ProtocolError("signals must map 'ignored' and 'blocked' to lists of signal numbers")
             if self.stopping:
                 raise ProtocolError("this warm process is stopping; start the command directly")
             if cuda_initialized():
@@ -359,6 +368,7 @@ class WarmServer:
                 limits=limits,
                 base_path=self.base_path,
                 close=close,
+                signals=signals,
             )
         protocol.close_fds(fds)
         conn.pid = pid
