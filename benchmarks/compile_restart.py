@@ -22,11 +22,18 @@ synchronised before the marks that follow GPU work:
 and reports torch's cache counters (FX graph and AOTAutograd cache hits and misses), its graph and graph-break
 counts, and the seconds torch's ``dynamo_timed`` sections took (``weightcache.torch_compile.compile_metrics``:
 e.g. ``_compile.compile_inner`` is dynamo with everything under it, ``OutputGraph.call_user_compiler`` the
-backend, i.e. AOTAutograd and inductor; the names are torch's and vary by release). Three ways:
+backend, i.e. AOTAutograd and inductor; the names are torch's and vary by release). Four ways:
 
-    cold     an empty inductor cache directory, no artifact loaded (what every container start pays today)
-    local    the cache directory a cold compile filled, no artifact loaded (torch's own warm local disk cache)
-    keeper   an empty inductor cache directory, and ``wc.compile_cache`` loads the keeper's artifact first
+    cold        an empty inductor cache directory, no artifact loaded (what every container start pays today)
+    local       the cache directory a cold compile filled, no artifact loaded (torch's own warm local disk cache)
+    keeper      an empty inductor cache directory, and ``wc.compile_cache`` loads the keeper's artifact first
+    precompile  an empty inductor cache directory, and ``wc.precompile`` loads the forward compiled ahead of time
+                from the keeper (no dynamo trace, no compile; "artifact load" is that load, "compile + first
+                forward" the first call)
+
+Every way calls the model with ``use_cache=False`` (the first forward's logits do not depend on it; the AOT path
+compiles the forward for exactly the inputs it is given). Before the cold compile, one worker compiles ahead of
+time with ``wc.precompile`` and publishes that artifact.
 
 ``TORCHINDUCTOR_CACHE_DIR`` and ``TRITON_CACHE_DIR`` (its ``triton/``) are set per way. Before the measured runs:
 one worker attaches in mode daemon without compiling, which loads the checkpoint and publishes the weights into
@@ -79,7 +86,7 @@ from typing import Any
 
 _STARTED = time.time()  # the worker's "start" mark: the interpreter is up and this file's imports are done
 
-WAYS = ("cold", "local", "keeper")
+WAYS = ("cold", "local", "keeper", "precompile")
 SHAPES = ("tiny", "llama3-8b")
 #: (step, from mark, to mark); "launch" is the parent's clock just before it starts the process.
 STEPS = (
@@ -101,7 +108,8 @@ BACKEND = "OutputGraph.call_user_compiler"
 
 def worker(args: argparse.Namespace) -> dict[str, Any]:
     """One engine start: attach, compile, first output. ``args.keeper``: load/publish through wc.compile_cache;
-    ``args.attach_only``: attach (mode daemon: load and publish on a miss) and stop there."""
+    ``args.precompile``: the forward from wc.precompile (loaded from the keeper, or compiled ahead of time and
+    published); ``args.attach_only``: attach (mode daemon: load and publish on a miss) and stop there."""
     marks = {"start": _STARTED}
     import hashlib
 
@@ -143,7 +151,20 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     compile_args = {"backend": "inductor", **({"options": options} if options else {})}
     ids = torch.arange(8, device=device).reshape(1, 8)
     cc = None
+    precompiled = None
     with torch.no_grad(), contextlib.ExitStack() as stack:
+        if args.precompile:
+            precompiled = wc.precompile(
+                handle,
+                model,
+                (ids,),
+                {"use_cache": False},
+                options=compile_args,
+                device=args.device,
+                socket_dir=args.socket_dir,
+            )
+            marks["artifact"] = time.time()
+            logits = precompiled(ids, use_cache=False).logits
         if args.keeper:
             cc = stack.enter_context(
                 wc.compile_cache(
@@ -154,9 +175,10 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
                     socket_dir=args.socket_dir,
                 )
             )
-        marks["artifact"] = time.time()
-        compiled = torch.compile(model, **compile_args)
-        logits = compiled(ids).logits
+        if precompiled is None:
+            marks["artifact"] = time.time()
+            compiled = torch.compile(model, **compile_args)
+            logits = compiled(ids, use_cache=False).logits
         token = int(logits[0, -1].argmax())  # on the host: the first token
         synchronize()
         marks["first_output"] = time.time()
@@ -164,6 +186,9 @@ def worker(args: argparse.Namespace) -> dict[str, Any]:
     stats = None if cc is None else _stats(cc.stats)
     if cc is not None:
         cc.close()
+    if precompiled is not None:
+        stats = _stats(precompiled.stats)
+        precompiled.close()
     from weightcache.torch_compile import compile_metrics, torch_cache_counters
 
     handle.close()
@@ -243,6 +268,7 @@ def run_worker(
     cache_dir: Path,
     *,
     keeper: bool,
+    precompile: bool = False,
     options: dict[str, Any] | None = None,
     dtype: str | None = None,
     device: str = "cpu",
@@ -261,6 +287,7 @@ def run_worker(
     cmd = [sys.executable, __file__, "worker", "--checkpoint", str(checkpoint), "--socket-dir", str(socket_dir)]
     cmd += ["--options", json.dumps(options or {}), "--device", device] + (["--keeper"] if keeper else [])
     cmd += (["--dtype", dtype] if dtype else []) + (["--attach-only"] if attach_only else [])
+    cmd += ["--precompile"] if precompile else []
     launch = time.time()
     started = time.perf_counter()
     out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=timeout)
@@ -342,12 +369,16 @@ def bench(
         local = workdir / "local-cache"
         shutil.rmtree(local, ignore_errors=True)
         publisher = run(local, keeper=True)  # a cold compile fills `local` and publishes the keeper's artifact
+        aot = workdir / "precompile-publish"
+        shutil.rmtree(aot, ignore_errors=True)
+        setup["precompile_publisher"] = run(aot, keeper=False, precompile=True)  # compiles ahead of time, publishes
+        shutil.rmtree(aot, ignore_errors=True)
         print(f"published: wall s {publisher['wall_s']}", file=sys.stderr, flush=True)
         # before a way's first run, its expected time is the publishing cold compile's (half of it for a warm way)
         guess = {way: publisher["wall_s"] * (1.0 if way == "cold" else 0.5) for way in WAYS}
         for i in range(runs):
             done: dict[str, float] = {}
-            for way in WAYS if i < cold_runs else ("local", "keeper"):
+            for way in WAYS if i < cold_runs else ("local", "keeper", "precompile"):
                 expected = max([r["wall_s"] for r in results[way]] or [guess[way]])  # its slowest run so far
                 if deadline_s is not None and time.perf_counter() - began + expected > deadline_s:
                     skipped.append(f"{way} {i + 1}")
@@ -357,7 +388,7 @@ def bench(
                 else:
                     fresh = workdir / f"{way}-cache"
                     shutil.rmtree(fresh, ignore_errors=True)
-                    results[way].append(run(fresh, keeper=way == "keeper"))
+                    results[way].append(run(fresh, keeper=way == "keeper", precompile=way == "precompile"))
                     shutil.rmtree(fresh, ignore_errors=True)
                 done[way] = results[way][-1]["wall_s"]
             print(f"round {i + 1}/{runs}: wall s {done}; skipped {skipped}", file=sys.stderr, flush=True)
@@ -393,7 +424,7 @@ def _report(
         "date": time.strftime("%Y-%m-%d %H:%M:%S %Z"),
         "command": " ".join([os.path.basename(sys.argv[0]), *sys.argv[1:]]),
         "complete": complete,
-        **{k: v for k, v in setup.items() if k != "timings"},
+        **{k: v for k, v in setup.items() if k not in ("timings", "precompile_publisher")},
         "device_name": publisher["device_name"],
         "torch": publisher["torch"],
         "transformers": publisher["transformers"],
@@ -411,6 +442,8 @@ def _report(
             "cold/keeper wall": _ratio(medians["cold"], medians["keeper"]),
             "keeper/local compile + first forward": _ratio(compiling["keeper"], compiling["local"]),
             "cold/keeper compile + first forward": _ratio(compiling["cold"], compiling["keeper"]),
+            "precompile/keeper wall": _ratio(medians["precompile"], medians["keeper"]),
+            "precompile/local wall": _ratio(medians["precompile"], medians["local"]),
         },
         "median_compile_times_s": {
             way: {name: _median(rs, "compile_times_s", name) for name in (DYNAMO_TOTAL, BACKEND)}
@@ -420,6 +453,11 @@ def _report(
             {k: r["stats"][k] for k in ("source", "loaded_bytes", "hits", "misses", "kernels_restored")}
             for r in results["keeper"]
         ],
+        "precompile_counters": [
+            {k: r["stats"][k] for k in ("source", "loaded_bytes", "kernels_restored", "load_s", "reason")}
+            for r in results["precompile"]
+        ],
+        "precompile_publisher": setup.get("precompile_publisher"),
         "graph_breaks": sorted({r["graph_breaks"] for r in every}),
         "max_memory_allocated": max((r["max_memory_allocated"] or 0) for r in every) or None,
         "timings": {**setup["timings"], "total_s": round(time.perf_counter() - began, 1)},
@@ -440,6 +478,7 @@ def main() -> int:
     w.add_argument("--device", default="cpu")
     w.add_argument("--keeper", action="store_true")
     w.add_argument("--attach-only", action="store_true")
+    w.add_argument("--precompile", action="store_true")
     c = sub.add_parser("checkpoint", help="write the llama3-8b-shaped checkpoint (what bench runs in a child)")
     c.add_argument("--path", type=Path, required=True)
     c.add_argument("--layers", type=int, default=32)

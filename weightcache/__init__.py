@@ -49,6 +49,7 @@ if typing.TYPE_CHECKING:
     from .handle import Handle
     from .standby import Leadership
     from .torch_compile import CompileCache, compile_cache
+    from .torch_precompile import Precompiled, precompile
 
 # Names imported on first use (PEP 562): those that need torch, so that the keeper and the CLI's keeper commands
 # import this package without importing torch, and those a restarted engine's attach does not need, so that it
@@ -61,6 +62,8 @@ _LAZY = {
     "Artifact": "artifacts",
     "CompileCache": "torch_compile",
     "compile_cache": "torch_compile",
+    "Precompiled": "torch_precompile",
+    "precompile": "torch_precompile",
     "Handle": "handle",
     "Leadership": "standby",
 }
@@ -107,6 +110,7 @@ __all__ = [
     "Manifest",
     "ManifestError",
     "PeerRejected",
+    "Precompiled",
     "ProtocolError",
     "ProtocolVersionError",
     "SegmentError",
@@ -117,6 +121,7 @@ __all__ = [
     "attach",
     "bind",
     "compile_cache",
+    "precompile",
     "preload",
     "quant",
 ]
