@@ -70,6 +70,7 @@ LAYERS: dict[str, int] = {
     "torch_compile.py": 3,
     "torch_compile_key.py": 3,
     "torch_compile_blob.py": 3,
+    "torch_precompile.py": 3,
     # L4: engine adapters
     "backends/*.py": 4,
     # L5: tools
