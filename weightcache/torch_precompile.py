@@ -20,7 +20,8 @@ What the AOT path cannot do, and what happens then (``stats.source == "torch.com
 why, logged once as a warning):
 
 - a forward with a graph break (``fullgraph=True`` fails: data-dependent control flow, an unsupported call),
-  a torch release without the AOT path (``torch.compiler.load_compiled_function``, torch 2.10 and newer here), or
+  a torch release without the AOT path (no ``torch.compiler.load_compiled_function``; checked at run time,
+  tested with torch 2.13), or
   an AOT compile that fails for any other reason: the module is compiled with plain ``torch.compile(module,
   **options)`` (compile_cache's path, without its artifact);
 - a call whose inputs the compiled function's guards refuse (another shape, dtype or device, grad mode switched):
@@ -267,7 +268,7 @@ def precompile_key(
 def aot_available() -> str | None:
     """None where this torch has the AOT path; otherwise why not."""
     if not hasattr(torch.compiler, "load_compiled_function"):
-        return f"torch {torch.__version__} has no torch.compiler.load_compiled_function (torch 2.10 and newer have)"
+        return f"torch {torch.__version__} has no torch.compiler.load_compiled_function, the AOT path's loader"
     return None
 
 
