@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import importlib.util
 import json
 import os
 import shutil
@@ -11,6 +12,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import types
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,6 +26,18 @@ from models import make_checkpoint  # noqa: E402
 import weightcache as wc  # noqa: E402
 from weightcache.client import KeeperConnection  # noqa: E402
 from weightcache.rundir import INSTANCE_LOCK_NAME  # noqa: E402
+
+
+def benchmark(name: str) -> types.ModuleType:
+    """``benchmarks/<name>.py`` loaded as a module (the benchmarks are scripts, not a package), for the tests that
+    run its workers or its parsers."""
+    spec = importlib.util.spec_from_file_location(
+        name, Path(__file__).resolve().parent.parent / "benchmarks" / f"{name}.py"
+    )
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def cuda_available() -> bool:

@@ -6,15 +6,11 @@ pattern run on into another phase's number on that record, so its phase columns 
 
 from __future__ import annotations
 
-import importlib.util
 import json
-from pathlib import Path
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("restart_vllm", ROOT / "benchmarks" / "restart_vllm.py")
-assert _spec is not None and _spec.loader is not None
-restart_vllm = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(restart_vllm)
+from conftest import benchmark
+
+restart_vllm = benchmark("restart_vllm")
 
 
 def test_phases_are_read_line_by_line_and_never_from_the_marks_record() -> None:

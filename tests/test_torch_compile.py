@@ -7,7 +7,6 @@ The workers are benchmarks/compile_restart.py's (the benchmark of docs/benchmark
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import shutil
 import struct
 import subprocess
@@ -15,15 +14,12 @@ import sys
 from pathlib import Path
 
 import pytest
+from conftest import benchmark
 
 import weightcache as wc
 from weightcache.torch_compile import KIND, blob_info, compile_key, pack, unpack
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("compile_restart", ROOT / "benchmarks" / "compile_restart.py")
-assert _spec is not None and _spec.loader is not None
-compile_restart = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compile_restart)
+compile_restart = benchmark("compile_restart")
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on the CPU needs a C++ compiler")
 

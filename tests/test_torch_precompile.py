@@ -7,12 +7,12 @@ refuse, go through plain torch.compile. The workers are benchmarks/compile_resta
 from __future__ import annotations
 
 import hashlib
-import importlib.util
 import shutil
 from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
+from conftest import benchmark
 
 import weightcache as wc
 from weightcache.torch_compile_blob import unpack
@@ -25,11 +25,7 @@ from weightcache.torch_precompile import (
     split_saved,
 )
 
-ROOT = Path(__file__).resolve().parent.parent
-_spec = importlib.util.spec_from_file_location("compile_restart", ROOT / "benchmarks" / "compile_restart.py")
-assert _spec is not None and _spec.loader is not None
-compile_restart = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(compile_restart)
+compile_restart = benchmark("compile_restart")
 
 needs_compiler = pytest.mark.skipif(shutil.which("g++") is None, reason="inductor on the CPU needs a C++ compiler")
 

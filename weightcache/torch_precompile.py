@@ -328,7 +328,7 @@ class Precompiled:
             extra = {"guard_filter_fn": guard_filter(closure)}
             options = {**self.options, "options": {**dict(self.options.get("options") or {}), **extra}}
             compiled: Any = torch.compile(type(self.module).forward, fullgraph=True, **options)
-            self._function = compiled.aot_compile(((self.module, *args), dict(kwargs)))
+            self._take(compiled.aot_compile(((self.module, *args), dict(kwargs))))
         except Exception as exc:  # a graph break, an unsupported construct: torch.compile as usual
             self._settle_for_torch_compile(
                 f"the AOT compile of {type(self.module).__qualname__}.forward failed "
@@ -339,6 +339,12 @@ class Precompiled:
         compile_s = time.perf_counter() - started
         self.stats = attrs.evolve(self.stats, source="compiled", compile_s=round(compile_s, 3), reason=reason)
         self._publish(started_wall=time.time() - compile_s - 1.0, modules=_installed_modules(before))
+
+    def _take(self, function: Any) -> None:
+        """Call ``function`` from now on. :meth:`__call__` checks its guards once, before each call (a refusal goes to
+        torch.compile), so the function's own second check of the same guards is turned off."""
+        function.disable_guard_check()
+        self._function = function
 
     def _settle_for_torch_compile(self, reason: str) -> None:
         log.warning("weightcache: %s; using torch.compile instead (compiled in this process)", reason)
@@ -380,7 +386,7 @@ class Precompiled:
             )
             self._replace = hashlib.sha256(blob).hexdigest()
             return f"the artifact could not be loaded: {exc}"
-        self._function = function
+        self._take(function)
         if self.hold:
             self.artifact = found
         else:

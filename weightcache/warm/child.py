@@ -60,9 +60,9 @@ def current_limits() -> dict[str, list[int]]:
     return {name: list(resource.getrlimit(getattr(resource, name))) for name in LIMITS if hasattr(resource, name)}
 
 
-#: Signals whose disposition a process can set (every valid one but SIGKILL and SIGSTOP, and those the C library
-#: keeps for itself, which ``signal.signal`` refuses).
 def _settable_signals() -> list[int]:
+    """Every valid signal but SIGKILL and SIGSTOP, whose dispositions no process can set (``signal.signal`` may
+    still refuse the first real-time signals, which the C library keeps for itself)."""
     return sorted(s for s in signal.valid_signals() if s not in (signal.SIGKILL, signal.SIGSTOP))
 
 
