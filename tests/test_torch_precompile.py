@@ -168,3 +168,37 @@ def test_a_fresh_process_loads_the_forward_and_traces_nothing(tmp_path: Path, so
     again = cache.get_artifact(artifact.weights, artifact.artifact_key)
     assert again is not None and again != b"garbage"
     assert mended["logits_sha256"] == first["logits_sha256"]
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_fresh_process_loads_the_forward_or_says_why_it_compiles(tmp_path: Path, socket_dir: Path) -> None:
+    """The same on cuda:0 (bf16): process B, with empty inductor and Triton cache directories, runs the forward
+    from the keeper with no dynamo trace and no inductor compile, and gives the same logits. torch 2.11 (the
+    H200's) refuses the AOT compile of transformers' forward ("Missing required external references: ['type']",
+    its check of the globals the graph reads, which does not count builtins): there both processes say so and use
+    plain torch.compile, with the same logits."""
+    checkpoint = compile_restart.make_checkpoint(tmp_path / "ckpt", layers=1, hidden=64)
+    wc.Cache(socket_dir, spawn=True)
+
+    def run(cache_dir: str) -> dict:
+        return compile_restart.run_worker(
+            checkpoint, socket_dir, tmp_path / cache_dir, keeper=False, precompile=True, device="cuda:0",
+            dtype="bfloat16", timeout=900,
+        )  # fmt: skip
+
+    import torch
+
+    first = run("a")
+    second = run("b")
+    assert second["logits_sha256"] == first["logits_sha256"]
+    if tuple(int(p) for p in torch.__version__.split(".")[:2]) < (2, 13):
+        for report in (first, second):
+            stats = report["stats"]
+            assert stats["source"] == "torch.compile" and "external references" in stats["reason"], str(stats)
+            assert stats["published_bytes"] == 0
+        return
+    assert first["stats"]["source"] == "compiled" and first["stats"]["published_bytes"] > 0, str(first["stats"])
+    stats = second["stats"]
+    assert stats["source"] == "keeper" and stats["reason"] is None and stats["fallback_calls"] == 0, str(stats)
+    assert second["graphs"] == {} and second["compile_times_s"].get("_compile.compile_inner") is None, second
+    assert second["counters"].get("inductor", {}).get("fxgraph_cache_miss", 0) == 0

@@ -269,7 +269,18 @@ def aot_available() -> str | None:
     """None where this torch has the AOT path; otherwise why not."""
     if not hasattr(torch.compiler, "load_compiled_function"):
         return f"torch {torch.__version__} has no torch.compiler.load_compiled_function, the AOT path's loader"
+    if not hasattr(torch._dynamo.config, "enable_aot_compile"):
+        return f"torch {torch.__version__} has no torch._dynamo.config.enable_aot_compile, the AOT path's switch"
     return None
+
+
+def _aot_compile(compile_options: Mapping[str, Any], forward: Any, example: tuple[Any, ...]) -> Any:
+    """``torch.compile(forward).aot_compile(example)``. A compiled function has ``aot_compile`` only while
+    ``torch._dynamo.config.enable_aot_compile`` is on at the compile: torch 2.13 turns it on by default, torch 2.11
+    (what the H200 has) off, so it is switched on for this one call."""
+    with torch._dynamo.config.patch(enable_aot_compile=True):
+        compiled: Any = torch.compile(forward, fullgraph=True, **compile_options)
+    return compiled.aot_compile(example)
 
 
 class Precompiled:
@@ -327,8 +338,7 @@ class Precompiled:
             closure = type(self.module).forward.__code__.co_freevars
             extra = {"guard_filter_fn": guard_filter(closure)}
             options = {**self.options, "options": {**dict(self.options.get("options") or {}), **extra}}
-            compiled: Any = torch.compile(type(self.module).forward, fullgraph=True, **options)
-            self._take(compiled.aot_compile(((self.module, *args), dict(kwargs))))
+            self._take(_aot_compile(options, type(self.module).forward, ((self.module, *args), dict(kwargs))))
         except Exception as exc:  # a graph break, an unsupported construct: torch.compile as usual
             self._settle_for_torch_compile(
                 f"the AOT compile of {type(self.module).__qualname__}.forward failed "
