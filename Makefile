@@ -80,13 +80,13 @@ $(SGLANG_VENV)/.installed: .ci/engine-env pyproject.toml
 # WEIGHTCACHE_ENGINE_TESTS turns "engine not installed" from a skip into a failure.
 ENGINE_VENVS := $(if $(filter vllm,$(ENGINES)),$(foreach r,$(VLLM_RELEASES),.venv-vllm-$(r))) \
 	$(if $(filter sglang,$(ENGINES)),$(foreach r,$(SGLANG_RELEASES),$(call sglang_venv,$(r))))
-# Every engine and release runs even when an earlier one fails; the target fails at the end, naming each that did.
 engine-envs: $(foreach v,$(ENGINE_VENVS),$(v)/.installed)
 
+# Every engine and release runs even when an earlier one fails; the target fails at the end, naming each that did.
 # The vLLM releases run one after the other, and so do the SGLang releases, the two groups side by side (SGLang's
 # loader-layer tests need little CPU); each group's output goes to its log, printed when the group ends.
-test-engines: $(foreach v,$(ENGINE_VENVS),$(v)/.installed)
-	@failed=; rm -f .engine-vllm.failed .engine-sglang.failed; \
+test-engines: engine-envs
+	@rm -f .engine-vllm.failed .engine-sglang.failed; \
 	( $(foreach r,$(if $(filter vllm,$(ENGINES)),$(VLLM_RELEASES)),echo "== vLLM $(r)"; \
 		WEIGHTCACHE_ENGINE_TESTS=vllm .venv-vllm-$(r)/bin/python -m pytest -p no:cacheprovider \
 		tests/backends/test_vllm.py $(if $(filter $(VLLM_NEWEST),$(r)),,-k "$(VLLM_OLDER_SKIP)") \
