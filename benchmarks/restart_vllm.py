@@ -50,7 +50,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from restart_llama import build_checkpoint
 
 ENGINE = r"""
-import sys, time, json, logging
+import sys, time, json, logging, os
 t0 = float(sys.argv[4])
 marks = {"python": time.time() - t0}
 lines = []
@@ -73,11 +73,54 @@ marks["engine ready"] = time.time() - t0
 out = llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 17)))],
                    SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
 marks["first token"] = time.time() - t0
+
+
+# Triton kernels this start compiled although the restore wrote files: each written kernel's metadata beside that
+# of a restored kernel of the same name, and the fields where they differ (why its key missed).
+def triton_misses(c, limit=4):
+    import pathlib
+
+    def path_of(member):
+        if member.startswith("@triton/"):
+            return c.triton / member.removeprefix("@triton/")
+        return c.root / member
+
+    def kernel(member):
+        name = pathlib.PurePosixPath(member).name
+        return name if name.endswith(".json") and not name.startswith("__grp__") else None
+
+    restored = {}
+    for member in c.restored:
+        if kernel(member):
+            restored.setdefault(kernel(member), []).append(member)
+    found = []
+    for member in c.written:
+        if not kernel(member):
+            continue
+        entry = {"written": member, "restored of that name": restored.get(kernel(member), [])[:3]}
+        try:
+            new = json.loads(path_of(member).read_text())
+            if entry["restored of that name"]:
+                old = json.loads(path_of(entry["restored of that name"][0]).read_text())
+                entry["differs"] = {k: [str(old.get(k))[:160], str(new.get(k))[:160]]
+                                    for k in sorted(set(old) | set(new)) if old.get(k) != new.get(k)}
+            else:
+                entry["metadata"] = {k: str(v)[:160] for k, v in new.items()}
+        except Exception as exc:
+            entry["error"] = repr(exc)
+        found.append(entry)
+        if len(found) >= limit:
+            break
+    return found
+
+
 try:
     from weightcache.backends import vllm_compile
     artifacts = [{"restored_files": len(c.restored), "loaded_bytes": c.loaded_bytes,
                   "published_bytes": c.published_bytes, "written": len(c.written), "counts": c.counts,
-                  "rewritten": c.rewritten()[:8]}
+                  "rewritten": c.rewritten()[:8], "triton_misses": triton_misses(c) if c.written else [],
+                  "triton_dir": str(c.triton), "env": {k: v for k, v in os.environ.items() if "TRITON" in k
+                                                      or "INDUCTOR" in k}}
                  for c in vllm_compile.engine_caches()]
 except Exception as exc:
     artifacts = repr(exc)
@@ -85,6 +128,48 @@ print("MARKS " + json.dumps({"marks": marks, "token": out[0].outputs[0].token_id
       "kv_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks, "vllm": vllm.__version__,
       "artifacts": artifacts, "lines": lines}), flush=True)
 """
+
+#: A vLLM general plugin (vLLM loads its plugins in every process of an engine, once vLLM is imported) that says in
+#: each process how long after that process began it ran: the import phase of every process of a start, the engine
+#: core's of a multiprocessing engine included (a process forked by the warm process begins at the fork). The
+#: process's start is the kernel's (``/proc/self/stat`` field 22, in clock ticks since boot).
+MARKS_PLUGIN = r"""
+import json, os, sys, time
+
+
+def register():
+    with open("/proc/self/stat") as stat:
+        began = int(stat.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
+    with open("/proc/self/cmdline", "rb") as cmdline:
+        argv = cmdline.read().split(b"\0")
+    age = time.clock_gettime(time.CLOCK_BOOTTIME) - began
+    print("IMPORTMARK " + json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "s since process start": round(age, 3),
+          "argv": [a.decode(errors="replace")[:60] for a in argv[:3]]}), file=sys.stderr, flush=True)
+"""
+
+
+def marks_plugin(directory: Path) -> Path:
+    """``directory``, made a path entry holding :data:`MARKS_PLUGIN` as a distribution (vLLM finds its plugins by
+    their entry points)."""
+    (directory / "wc_bench_marks-0.dist-info").mkdir(parents=True, exist_ok=True)
+    (directory / "wc_bench_marks.py").write_text(MARKS_PLUGIN)
+    info = directory / "wc_bench_marks-0.dist-info"
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: wc-bench-marks\nVersion: 0\n")
+    (info / "entry_points.txt").write_text("[vllm.general_plugins]\nwc_bench_marks = wc_bench_marks:register\n")
+    return directory
+
+
+def import_marks(text: str) -> list[dict[str, Any]]:
+    """Every process's :data:`MARKS_PLUGIN` line in ``text``, in order."""
+    marks = []
+    for line in text.splitlines():
+        if "IMPORTMARK " in line:
+            try:
+                marks.append(json.loads(line.split("IMPORTMARK ", 1)[1]))
+            except ValueError:
+                continue
+    return marks
+
 
 #: What the warm process of ``--scenario restart`` imports: vLLM's engine, its GPU worker and the Llama model.
 PRELOADS = "torch,vllm:LLM,vllm.v1.engine.core,vllm.v1.worker.gpu_worker,vllm.model_executor.models.llama"
@@ -141,7 +226,10 @@ def run_engine(
         raise SystemExit(f"{mode} engine failed ({out.returncode}):\n{text[-6000:]}")
     result: dict[str, Any] = json.loads(found[-1].removeprefix("MARKS "))
     result.update(
-        mode=mode, phases=phases_of(text), log_tail=[line for line in text.splitlines() if "weightcache" in line][-6:]
+        mode=mode,
+        phases=phases_of(text),
+        imports=import_marks(text),
+        log_tail=[line for line in text.splitlines() if "weightcache" in line][-6:],
     )
     # whether vLLM loaded its AOT-compiled function or compiled again, and why, in its own words
     result["aot"] = [
@@ -162,6 +250,12 @@ def main() -> int:
         type=float,
         default=None,
         help="empty-disk: leave out a round of clients that would end past this many seconds from the first start",
+    )
+    parser.add_argument(
+        "--multiprocessing",
+        action="store_true",
+        help="restart: each round also runs the plain and the warm client with vLLM's engine in its own process "
+        "(VLLM_ENABLE_V1_MULTIPROCESSING=1); every start reports each process's import phase (IMPORTMARK)",
     )
     parser.add_argument(
         "--scenario",
@@ -188,6 +282,8 @@ def main() -> int:
         print(f"checkpoint written in {time.perf_counter() - t:.1f} s", flush=True)
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-")) / "s"
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    marks = marks_plugin(Path(tempfile.mkdtemp(prefix="wc-marks-")))
+    env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(marks), env.get("PYTHONPATH")]))
     runs: list[dict[str, Any]] = []
 
     began = time.perf_counter()
@@ -217,7 +313,9 @@ def main() -> int:
         if args.json:
             Path(args.json).write_text(json.dumps({"complete": False, "runs": runs}, indent=1))
         print(
-            json.dumps({k: result.get(k) for k in ("mode", "marks", "phases", "token", "kv_blocks", "artifacts")}),
+            json.dumps(
+                {k: result.get(k) for k in ("mode", "marks", "phases", "imports", "token", "kv_blocks", "artifacts")}
+            ),
             flush=True,
         )
 
@@ -276,6 +374,12 @@ def main() -> int:
             ("client, empty disk, another cache root", (other, triton), {"VLLM_CACHE_ROOT": str(other)}, None),
             ("client, empty disk, forked by the warm process", empty, {}, warm),
         ]
+        if args.multiprocessing:
+            separate = {"VLLM_ENABLE_V1_MULTIPROCESSING": "1"}
+            rounds += [
+                ("client, empty disk, engine in its own process", empty, separate, None),
+                ("client, empty disk, engine in its own process, forked by the warm process", empty, separate, warm),
+            ]
         for i in range(args.repeat):
             if args.deadline_s and i and time.perf_counter() - began + 1.2 * round_s[-1] > args.deadline_s:
                 print(f"round {i + 1} left out: past --deadline-s", flush=True)
