@@ -137,14 +137,20 @@ MARKS_PLUGIN = r"""
 import json, os, sys, time
 
 
-def register():
+def mark(**extra):
     with open("/proc/self/stat") as stat:
         began = int(stat.read().rsplit(")", 1)[1].split()[19]) / os.sysconf("SC_CLK_TCK")
     with open("/proc/self/cmdline", "rb") as cmdline:
         argv = cmdline.read().split(b"\0")
     age = time.clock_gettime(time.CLOCK_BOOTTIME) - began
     print("IMPORTMARK " + json.dumps({"pid": os.getpid(), "ppid": os.getppid(), "s since process start": round(age, 3),
-          "argv": [a.decode(errors="replace")[:60] for a in argv[:3]]}), file=sys.stderr, flush=True)
+          "argv": [a.decode(errors="replace")[:60] for a in argv[:3]], **extra}), file=sys.stderr, flush=True)
+
+
+def register():
+    mark()
+    # a process vLLM forks from this one (its engine core) inherits its imports and does not load plugins again
+    os.register_at_fork(after_in_child=lambda: mark(forked=True))
 """
 
 

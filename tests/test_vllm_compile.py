@@ -5,13 +5,17 @@ _cache_directory)."""
 from __future__ import annotations
 
 import io
+import json
 import os
+import subprocess
+import sys
 import tarfile
 from pathlib import Path
 
 import pytest
 
 from weightcache.backends.vllm_compile import (
+    ADDITIVE_GENERATIONS,
     META,
     ArchiveMeta,
     archive_meta,
@@ -19,6 +23,7 @@ from weightcache.backends.vllm_compile import (
     mirror_triton,
     pack,
     relocated,
+    republish_refused,
     unit_of,
     units,
     unpack_into,
@@ -289,3 +294,59 @@ def test_files_of_another_user_are_never_packed(cache: Path) -> None:
     _, held = pack(cache, list(units(cache)), "rank_0_0")
     assert "0a1b2c3d4e/rank_0_0/backbone/dropped_by_someone_else" not in held
     assert "0a1b2c3d4e/rank_0_0/backbone/vllm_compile_cache.py" in held
+
+
+def test_a_start_that_only_added_kernels_publishes_the_union_a_bounded_number_of_times() -> None:
+    """The first re-publish after a restore is always allowed; later ones only for a start that added files and
+    rewrote none the artifact held (vLLM JIT-compiled Triton kernels under other keys: on an H200 half the
+    restarts did, with the artifact kept at generation 1 and ~8 s lost on each), up to ADDITIVE_GENERATIONS; a start
+    that rewrote a held file (vLLM compiled the same thing again: issue 32's growth on every start) keeps it."""
+    assert not republish_refused(0, []) and not republish_refused(0, ["rank_0_0/model"])
+    assert not republish_refused(1, []) and not republish_refused(ADDITIVE_GENERATIONS - 1, [])
+    assert republish_refused(1, ["torch_aot_compile/f/rank_0_0/model"])
+    assert republish_refused(ADDITIVE_GENERATIONS, [])
+
+
+PIN = """
+import json, os, sys
+os.environ.pop("TRITON_PTXAS_PATH", None)
+from weightcache.backends.vllm_compile import pin_triton_ptxas
+first = pin_triton_ptxas()
+pinned = os.environ.get("TRITON_PTXAS_PATH")
+again = pin_triton_ptxas()
+after = None
+if sys.argv[1] == "compile":  # inductor compiles and loads a Triton kernel in this process
+    import torch
+    torch.compile(lambda x: (x * 2).sin())(torch.ones(64, device="cuda")).sum().item()
+    after = os.environ.get("TRITON_PTXAS_PATH")
+print(json.dumps([first, pinned, again, after]))
+"""
+
+
+def test_tritons_ptxas_is_pinned_only_where_torch_ships_one_and_only_once() -> None:
+    """pin_triton_ptxas sets what inductor would set on its first in-process Triton compile, or nothing: on a
+    CPU build of torch (no torch/bin/ptxas) it leaves TRITON_PTXAS_PATH unset; a second call never changes it."""
+    import torch
+
+    ptxas = Path(torch.__file__).parent / "bin" / "ptxas"
+    out = subprocess.run([sys.executable, "-c", PIN, "none"], capture_output=True, text=True, check=True)
+    first, pinned, again, _ = json.loads(out.stdout)
+    if ptxas.is_file():
+        assert first == pinned == str(ptxas), out.stdout
+    else:
+        assert first is None and pinned is None, out.stdout
+    assert again is None
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_the_pinned_ptxas_is_the_one_inductor_then_keeps() -> None:
+    """On a GPU: the pinned path is torch's ptxas, and compiling a Triton kernel in the process leaves it so (the
+    keys of vLLM's Triton kernels no longer depend on whether inductor compiled in-process or in its workers)."""
+    import torch
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a GPU")
+    out = subprocess.run([sys.executable, "-c", PIN, "compile"], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    first, pinned, _, after = json.loads(out.stdout.splitlines()[-1])
+    assert first == pinned == after == str(Path(torch.__file__).parent / "bin" / "ptxas"), out.stdout

@@ -19,8 +19,10 @@ whose absolute paths in vLLM's indexes a restore rewrites, :func:`relocated`):
 - **publish**, when the worker has compiled and warmed up (``compile_or_warm_up_model`` returned): the hash
   directories this engine used, with only this rank's ``rank_<r>_<d>`` subdirectories, packed as a tar archive
   with a :data:`META` member (the publisher's root, the generation), if nothing was restored or vLLM wrote a file
-  the artifact did not hold (it replaces the one it restored, or one that could not be restored). Once per
-  artifact restored: a start that compiles past an artifact of generation 1 keeps it, with a warning.
+  the artifact did not hold (it replaces the one it restored, or one that could not be restored). A start that
+  compiles past an artifact that was itself re-published keeps it, with a warning, if it rewrote a file the
+  artifact held (restoring does not serve it) or the artifact reached :data:`ADDITIVE_GENERATIONS`; one that
+  only added files (Triton kernels under other keys) publishes the union (:func:`republish_refused`).
 
 vLLM decides on every start whether what it finds is valid (its hash directory names, and its AOT artifact's
 check of the traced sources): a restored directory that does not match is a miss for vLLM, which compiles as it
@@ -31,8 +33,9 @@ published are restored: they hold pickles and kernels that vLLM and torch load.
 The artifact also holds the entries of Triton's own cache directory (``TRITON_CACHE_DIR``, default
 ``~/.triton/cache``) that the start wrote: the kernels of vLLM's own Triton ops, which its warm-up JIT-compiles
 (~15 s of a Llama-3-8B start on an H200) and which land there, outside vLLM's compile cache, whenever the
-compiled model came from the cache. Triton keys each kernel by its source, Triton's version, the target GPU and
-the options, not by paths. A start that compiles puts them into its compile cache instead (inductor, or vLLM's
+compiled model came from the cache. Triton keys each kernel by its source, Triton's version, the target GPU, the
+options and the ptxas version, not by paths (the adapter pins which ptxas, :func:`pin_triton_ptxas`, so that every
+start computes the same keys). A start that compiles puts them into its compile cache instead (inductor, or vLLM's
 older inductor adaptor, points ``TRITON_CACHE_DIR`` there while it compiles; they travel with the hash directory);
 the restore also copies those into Triton's own directory (:func:`mirror_triton`), where a start that loads the
 compiled model looks for them.
@@ -62,7 +65,7 @@ import logging
 import os
 import tarfile
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -275,12 +278,22 @@ class EngineCompileCache:
         return sorted(name for name in self.written if name in self.held)
 
     def _unstable(self) -> bool:
-        """After a restore that vLLM still compiled past: whether a publish would be the second re-publish in a
-        row (the artifact restored was itself published after a restore), which means restoring does not serve
-        this engine and re-publishing would only grow the artifact on every start (a warning says so)."""
-        if self.meta is None or self.meta.generation < 1:
-            return False
+        """After a restore that vLLM still compiled past: whether a publish is refused (:func:`republish_refused`:
+        restoring does not serve this engine, and re-publishing would only grow the artifact on every start; a
+        warning says so)."""
+        generation = 0 if self.meta is None else self.meta.generation
         rewritten = self.rewritten()
+        if not republish_refused(generation, rewritten):
+            if generation >= 1:
+                log.info(
+                    "weightcache: vLLM added %d file(s) to the keeper's %s artifact for %s and rewrote none it "
+                    "held (generation %d): published with them, so a later start finds either set",
+                    len(self.written),
+                    KIND,
+                    self.digest[:12],
+                    generation + 1,
+                )
+            return False
         log.warning(
             "weightcache: vLLM compiled again for %s although the keeper's %s artifact held its compile cache (it "
             "wrote %d file(s)%s) and that artifact was itself published after a restore that vLLM compiled past: "
@@ -298,8 +311,9 @@ class EngineCompileCache:
         already held every file of them, in place of the artifact restored (or of one that could not be).
         Returns the artifact published (held while the engine runs), or None.
 
-        After a restore, a publish happens once (generation 1): if vLLM compiles again past an artifact that was
-        itself published after a restore, the artifact is kept and a warning says so (:meth:`_unstable`)."""
+        After a restore, a publish happens once (generation 1) whatever vLLM wrote; past an artifact that was
+        itself published after a restore, only while :func:`republish_refused` allows it (the start added files
+        and rewrote none); otherwise the artifact is kept and a warning says so (:meth:`_unstable`)."""
         now = vllm_counters()
         self.counts = {name: value - self._counters_before.get(name, 0) for name, value in now.items()}
         log.info("weightcache: vLLM's compile counters for %s since the load: %s", self.digest[:12], self.counts)
@@ -349,6 +363,44 @@ class EngineCompileCache:
         return artifact
 
 
+#: How many generations an artifact may reach by starts that only add files to it (new Triton cache entries,
+#: nothing it held rewritten). A start may JIT-compile vLLM's own Triton kernels under other keys than an earlier
+#: one (see :func:`pin_triton_ptxas`); publishing the union lets every later start find its set. Past this, or after
+#: a start that rewrote a file the artifact held, a start that compiles past the artifact keeps it as it is.
+ADDITIVE_GENERATIONS = 4
+
+
+def republish_refused(generation: int, rewritten: Sequence[str]) -> bool:
+    """Whether a start that wrote files past a restored artifact of ``generation`` (0: published by a start that
+    restored nothing) keeps that artifact rather than publish its own: never for generation 0 (the first
+    re-publish); for later ones, when the start rewrote files the artifact held (``rewritten``: vLLM compiled the
+    same things again, so restoring does not serve it) or the artifact reached :data:`ADDITIVE_GENERATIONS`."""
+    if generation < 1:
+        return False
+    return bool(rewritten) or generation >= ADDITIVE_GENERATIONS
+
+
+def pin_triton_ptxas() -> str | None:
+    """Point Triton at the ptxas that torch ships, as torch's inductor does itself, before anything compiles.
+
+    Inductor sets ``TRITON_PTXAS_PATH`` (to ``torch/bin/ptxas``, unless it is set) the first time it compiles or
+    loads a Triton kernel in this process, but not when its compile workers do that in their own processes; and
+    Triton keys every kernel by the version of the ptxas it uses. So vLLM's own Triton kernels (its sampler's, its
+    KV-cache writes), which its warm-up JIT-compiles after the compiled model loaded, get one key or the other
+    depending on whether inductor's worker pool was ready by then: on an H200 (vLLM 0.26, torch 2.11) about half of
+    the restarts compiled ~35 kernels again (~8 s) that the keeper's artifact held under the other keys, with the
+    same metadata but another hash. Setting it first gives every start the same keys. Returns the path set, or None
+    (already set, or torch ships no ptxas, as on CPUs)."""
+    if os.environ.get("TRITON_PTXAS_PATH") is not None:
+        return None
+    try:
+        from torch._inductor.runtime.compile_tasks import _set_triton_ptxas_path
+    except ImportError:
+        return None
+    _set_triton_ptxas_path()
+    return os.environ.get("TRITON_PTXAS_PATH")
+
+
 #: The compile caches of the engines of this process, by ``id(vllm_config)``, from the load to the warm-up.
 _PENDING: dict[int, EngineCompileCache] = {}
 #: Those published or restored: their artifacts stay leased while the process runs.
@@ -371,6 +423,9 @@ def begin(vllm_config: Any, weights: Fingerprint | str, device: torch.device, ca
         mega = vllm_releases.prefer_mega_aot_artifact()  # before the key: the switch is a compile factor
         if mega is not None:
             log.info("weightcache: %s", mega)
+        ptxas = pin_triton_ptxas()
+        if ptxas is not None:
+            log.debug("weightcache: TRITON_PTXAS_PATH=%s (as inductor sets it), before vLLM compiles", ptxas)
         state = EngineCompileCache(vllm_config, weights, artifact_key(vllm_config, device), cache)
         state.restore()
     except Exception as exc:
@@ -431,6 +486,7 @@ __all__ = [
     "SWITCH_ENV",
     "TRITON",
     "META",
+    "ADDITIVE_GENERATIONS",
     "ArchiveMeta",
     "EngineCompileCache",
     "archive_meta",
@@ -449,6 +505,8 @@ __all__ = [
     "triton_cache_dir",
     "not_compiled",
     "pack",
+    "pin_triton_ptxas",
+    "republish_refused",
     "switched_off",
     "unit_of",
     "unpack_into",
