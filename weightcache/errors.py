@@ -123,6 +123,19 @@ class BindError(WeightCacheError):
     was left on the meta device."""
 
 
+# --- CUDA graphs ------------------------------------------------------------------------------------------
+
+
+class GraphDescriptionError(WeightCacheError, ValueError):
+    """A CUDA graph's description (:mod:`weightcache.graphs`) is malformed: a field of the wrong type or out of
+    range, argument bytes that are not hex, an edge naming a node the description lacks. Nothing is rebuilt."""
+
+
+class GraphRestoreError(WeightCacheError):
+    """A CUDA graph cannot be rebuilt from its description in this process: a kernel it names has no function
+    handle here, a node type it cannot rebuild, or a driver call failed. The caller captures the graph as usual."""
+
+
 # --- engine adapters ----------------------------------------------------------------------------------------
 
 
@@ -155,6 +168,8 @@ __all__ = [
     "EntryNotFound",
     "FallbackWarning",
     "FingerprintMismatch",
+    "GraphDescriptionError",
+    "GraphRestoreError",
     "InvalidArgument",
     "KEEPER_ERRORS",
     "KeeperAlreadyRunning",

@@ -1,0 +1,330 @@
+"""CUDA graphs described, checked and rebuilt (weightcache.graphs, issue 31), against a driver of this test's own
+on the CPU (FakeDriver: graphs, nodes, edges, allocations and modules as the CUDA driver keeps them), and against
+the real one on a GPU (the cuda test: a torch model's captured graph, rebuilt from its JSON description, replays
+bitwise equal)."""
+
+from __future__ import annotations
+
+import itertools
+import json
+from collections.abc import Sequence
+from typing import Any
+
+import pytest
+
+from weightcache.errors import GraphDescriptionError, GraphRestoreError
+from weightcache.graphs import (
+    AddressRange,
+    EmptyNode,
+    GraphDescription,
+    KernelNode,
+    MemsetNode,
+    describe,
+    pointers,
+    rebuild,
+    resolve,
+    restore_problems,
+)
+
+POOL = AddressRange("pool", 0x7F00_0000_0000, 1 << 30)
+WEIGHTS = AddressRange("weights/0", 0x7E00_0000_0000, 1 << 28)
+ELSEWHERE = 0x7A00_1234_0000  # torch's caching allocator, in this fake process
+
+
+class FakeDriver:
+    """The CUDA driver's graph bookkeeping in Python: what GraphDriver's calls read and write."""
+
+    def __init__(self) -> None:
+        self._ids = itertools.count(0x1000, 0x10)
+        self.graphs: dict[int, list[int]] = {}
+        self.edges: dict[int, list[tuple[int, int, bytes]]] = {}
+        self.nodes: dict[int, tuple[str, Any]] = {}
+        self.allocations = [(POOL.base, 64 << 20), (WEIGHTS.base, 1 << 28), (ELSEWHERE, 2 << 20)]
+        self.modules: dict[int, dict[str, int]] = {}  # function handle -> its module's functions
+        self.destroyed: list[int] = []
+        self.fail_on: str | None = None
+
+    def function(self, *names: str) -> list[int]:
+        """Handles of ``names``, all in one new module."""
+        handles = [next(self._ids) for _ in names]
+        module = dict(zip(names, handles, strict=True))
+        for h in handles:
+            self.modules[h] = module
+        return handles
+
+    def new_graph(self, nodes: Sequence[tuple[str, Any]], edges: Sequence[tuple[int, int, bytes]]) -> int:
+        graph = self.create_graph()
+        for node in nodes:
+            handle = next(self._ids)
+            self.nodes[handle] = node
+            self.graphs[graph].append(handle)
+        made = self.graphs[graph]
+        self.edges[graph] = [(made[a], made[b], d) for a, b, d in edges]
+        return graph
+
+    # GraphDriver
+    def graph_nodes(self, graph: int) -> list[int]:
+        return list(self.graphs[graph])
+
+    def node_kind(self, node: int) -> str:
+        return self.nodes[node][0]
+
+    def kernel_node(self, node: int) -> tuple[int, KernelNode]:
+        _, (function, described) = self.nodes[node]
+        return function, described
+
+    def memset_node(self, node: int) -> MemsetNode:
+        return self.nodes[node][1]  # type: ignore[no-any-return]
+
+    def graph_edges(self, graph: int) -> list[tuple[int, int, bytes]]:
+        return list(self.edges[graph])
+
+    def pointer_range(self, address: int) -> tuple[int, int] | None:
+        return next(((b, s) for b, s in self.allocations if b <= address < b + s), None)
+
+    def module_functions(self, function: int) -> dict[str, int]:
+        return dict(self.modules[function])
+
+    def create_graph(self) -> int:
+        graph = next(self._ids)
+        self.graphs[graph], self.edges[graph] = [], []
+        return graph
+
+    def _add(self, graph: int, node: tuple[str, Any]) -> int:
+        if self.fail_on == node[0]:
+            raise GraphRestoreError(f"cuGraphAdd{node[0]}Node failed: CUDA_ERROR_OUT_OF_MEMORY")
+        handle = next(self._ids)
+        self.nodes[handle] = node
+        self.graphs[graph].append(handle)
+        return handle
+
+    def add_kernel_node(self, graph: int, function: int, node: KernelNode) -> int:
+        return self._add(graph, ("kernel", (function, node)))
+
+    def add_memset_node(self, graph: int, node: MemsetNode) -> int:
+        return self._add(graph, ("memset", node))
+
+    def add_empty_node(self, graph: int) -> int:
+        return self._add(graph, ("empty", None))
+
+    def add_edges(self, graph: int, edges: Sequence[tuple[int, int, bytes]]) -> None:
+        self.edges[graph].extend(edges)
+
+    def destroy_graph(self, graph: int) -> None:
+        self.destroyed.append(graph)
+
+
+def u64(*values: int) -> bytes:
+    return b"".join(v.to_bytes(8, "little") for v in values)
+
+
+def mlp_graph(driver: FakeDriver) -> tuple[int, dict[str, int]]:
+    """A captured MLP as torch and cuBLAS leave it: a GEMM launched with an argument buffer and a cluster
+    attribute, an elementwise kernel with laid-out parameters (two pointers and a 4-byte scalar), a memset of the
+    output, an empty join, and an edge carrying programmatic-dependent-launch data."""
+    gemm, gelu = driver.function("nvjet_sm90_tst_128x64", "vectorized_elementwise_kernel_gelu")
+    cluster = (4).to_bytes(4, "little") + (1).to_bytes(4, "little") * 2 + bytes(52)
+    gemm_node = KernelNode(
+        "nvjet_sm90_tst_128x64", (16, 1, 1), (384, 1, 1), 200_704,
+        u64(WEIGHTS.base + 0x100, POOL.base, POOL.base + 0x40000, 4096, 0), (), "buffer", ((4, cluster),),
+    )  # fmt: skip
+    gelu_node = KernelNode(
+        "vectorized_elementwise_kernel_gelu", (64, 1, 1), (128, 1, 1), 0,
+        (32768).to_bytes(4, "little") + bytes(4) + u64(POOL.base + 0x40000, POOL.base + 0x80000),
+        ((0, 4), (8, 8), (16, 8)),
+    )  # fmt: skip
+    memset = MemsetNode(POOL.base + 0x80000, 0, 0, 4, 4096, 1)
+    pdl = bytes([1, 0, 0, 0, 1, 0, 0, 0])
+    graph = driver.new_graph(
+        [("memset", memset), ("kernel", (gemm, gemm_node)), ("kernel", (gelu, gelu_node)), ("empty", None)],
+        [(0, 1, bytes(8)), (1, 2, pdl), (2, 3, bytes(8))],
+    )
+    return graph, {"nvjet_sm90_tst_128x64": gemm, "vectorized_elementwise_kernel_gelu": gelu}
+
+
+def test_a_graph_described_and_rebuilt_from_its_json_is_the_same_graph() -> None:
+    driver = FakeDriver()
+    graph, handles = mlp_graph(driver)
+    description, functions = describe(driver, graph)
+    assert functions == handles
+    assert [type(n) for n in description.nodes] == [MemsetNode, KernelNode, KernelNode, EmptyNode]
+    assert description.kernels() == set(handles)
+    again = GraphDescription.from_json(json.loads(json.dumps(description.to_json())))
+    assert again == description
+
+    rebuilt = rebuild(driver, again, functions)
+    assert rebuilt != graph and driver.destroyed == []
+    original, copy = driver.graph_nodes(graph), driver.graph_nodes(rebuilt)
+    assert [driver.nodes[n] for n in copy] == [driver.nodes[n] for n in original]
+    position = {n: i for i, n in enumerate(copy)}
+    old_position = {n: i for i, n in enumerate(original)}
+    assert [(position[a], position[b], d) for a, b, d in driver.graph_edges(rebuilt)] == [
+        (old_position[a], old_position[b], d) for a, b, d in driver.graph_edges(graph)
+    ]
+
+
+def test_a_node_a_description_cannot_hold_keeps_the_graph_captured() -> None:
+    driver = FakeDriver()
+    graph = driver.new_graph([("empty", None), ("host", None)], [(0, 1, bytes(8))])
+    with pytest.raises(GraphRestoreError, match="node 1 of the graph is a host node"):
+        describe(driver, graph)
+
+
+def test_two_functions_of_one_name_cannot_be_described() -> None:
+    driver = FakeDriver()
+    (a,), (b,) = driver.function("k"), driver.function("k")
+    node = KernelNode("k", (1, 1, 1), (1, 1, 1), 0, b"")
+    graph = driver.new_graph([("kernel", (a, node)), ("kernel", (b, node))], [])
+    with pytest.raises(GraphRestoreError, match="two functions are named k"):
+        describe(driver, graph)
+
+
+def test_every_address_is_found_and_one_outside_the_ranges_stops_the_restore() -> None:
+    driver = FakeDriver()
+    graph, _ = mlp_graph(driver)
+    description, _ = describe(driver, graph)
+    found, problems = pointers(description, [POOL, WEIGHTS], driver.pointer_range)
+    assert problems == []
+    # the memset's destination, the GEMM's three pointers (4096 and 0 are scalars), the GELU's two
+    assert [(p.node, p.offset, p.range) for p in found] == [
+        (0, -1, "pool"), (1, 0, "weights/0"), (1, 8, "pool"), (1, 16, "pool"), (2, 8, "pool"), (2, 16, "pool"),
+    ]  # fmt: skip
+    assert restore_problems([POOL, WEIGHTS], [POOL, WEIGHTS], found, driver.pointer_range) == []
+
+    # one argument now points into memory no range reproduces (e.g. cuBLAS's workspace from torch's allocator)
+    gemm = description.nodes[1]
+    assert isinstance(gemm, KernelNode)
+    stray = KernelNode(gemm.function, gemm.grid, gemm.block, gemm.shared_bytes,
+                       gemm.args[:32] + u64(ELSEWHERE + 0x200), (), "buffer", gemm.attributes)  # fmt: skip
+    leaking = GraphDescription((*description.nodes[:1], stray, *description.nodes[2:]), description.edges)
+    found, problems = pointers(leaking, [POOL, WEIGHTS], driver.pointer_range)
+    assert len(problems) == 1 and "node 1 (nvjet_sm90_tst_128x64), argument byte 32" in problems[0]
+    assert f"{ELSEWHERE + 0x200:#x}" in problems[0] and f"allocation {ELSEWHERE:#x}" in problems[0]
+
+    # a memset whose destination lies in no range is a problem even where the driver knows no allocation there
+    lost = GraphDescription((MemsetNode(0x1234_0000, 0, 0, 1, 16, 1),))
+    assert "node 0 (memset), its destination" in pointers(lost, [POOL], lambda a: None)[1][0]
+
+
+def test_a_range_elsewhere_smaller_or_unmapped_here_stops_the_restore() -> None:
+    driver = FakeDriver()
+    graph, _ = mlp_graph(driver)
+    description, _ = describe(driver, graph)
+    found, _ = pointers(description, [POOL, WEIGHTS], driver.pointer_range)
+
+    moved = AddressRange("pool", POOL.base + (2 << 20), POOL.size)
+    (problem,) = restore_problems([POOL, WEIGHTS], [moved, WEIGHTS], found)
+    assert f"range 'pool' was at {POOL.base:#x}" in problem and f"is at {moved.base:#x}" in problem
+    smaller = AddressRange("weights/0", WEIGHTS.base, WEIGHTS.size // 2)
+    assert len(restore_problems([POOL, WEIGHTS], [POOL, smaller], found)) == 1
+    assert "is not in this process" in restore_problems([POOL, WEIGHTS], [POOL], found)[0]
+    assert "not among the recorded ranges" in restore_problems([POOL], [POOL, WEIGHTS], found)[0]
+
+    # the ranges are where they were, but the pool's memory from 256 KiB on is not mapped here: the memset's
+    # destination, the GEMM's output and both of the GELU's pointers lie there
+    driver.allocations[0] = (POOL.base, 256 << 10)
+    problems = restore_problems([POOL, WEIGHTS], [POOL, WEIGHTS], found, driver.pointer_range)
+    assert len(problems) == 4 and all("not device memory mapped inside range 'pool'" in p for p in problems)
+    assert problems[0].startswith("node 0, its destination points at")
+
+
+def test_kernels_are_resolved_through_their_modules_and_a_missing_one_builds_nothing() -> None:
+    driver = FakeDriver()
+    graph, handles = mlp_graph(driver)
+    description, _ = describe(driver, graph)
+    torch_module = driver.function("a", "vectorized_elementwise_kernel_gelu", "b")
+    found = resolve(driver, description.kernels(), [torch_module[0], torch_module[2]])
+    assert found == {"vectorized_elementwise_kernel_gelu": torch_module[1]}  # the GEMM is alone in its module
+    created = len(driver.graphs)
+    with pytest.raises(GraphRestoreError, match=r"1 kernel\(s\) of the graph have no function handle.*nvjet"):
+        rebuild(driver, description, found)
+    assert len(driver.graphs) == created  # nothing built
+
+    driver.fail_on = "kernel"
+    with pytest.raises(GraphRestoreError, match="OUT_OF_MEMORY"):
+        rebuild(driver, description, handles)
+    assert len(driver.destroyed) == 1  # the half-built graph
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda d: d.update(format=2), "format"),
+        (lambda d: d["nodes"][1].update(args="zz"), "node 1 args"),
+        (lambda d: d["nodes"][2].update(grid=[1, 2]), "node 2 grid"),
+        (lambda d: d["nodes"][2].update(grid=[1, 2, -1]), r"node 2 grid\[2\]"),
+        (lambda d: d["nodes"][2].update(layout=[[16, 64]]), r"node 2 layout\[0\]"),
+        (lambda d: d["nodes"][1].update(layout=[[0, 8]]), "node 1 layout"),
+        (lambda d: d["nodes"][1].update(launched_with="cooperative"), "node 1 launched_with"),
+        (lambda d: d["nodes"][1].update(attributes=[[4, "00"]]), "node 1"),
+        (lambda d: d["nodes"][0].update(element_size=3), "node 0 element_size"),
+        (lambda d: d["nodes"][3].update(kind="host"), "node 3 kind"),
+        (lambda d: d["nodes"][2].pop("function"), "node 2"),
+        (lambda d: d["edges"].append([0, 9, "00" * 8]), "edge 3"),
+        (lambda d: d["edges"][0].__setitem__(2, "00"), "edge 0 data"),
+        (lambda d: d.update(nodes={}), "nodes and edges"),
+        (lambda d: d["nodes"][2].update(shared_bytes=True), "node 2 shared_bytes"),
+    ],
+)
+def test_a_malformed_description_is_an_error_naming_the_field(change: Any, field: str) -> None:
+    driver = FakeDriver()
+    graph, _ = mlp_graph(driver)
+    raw = describe(driver, graph)[0].to_json()
+    change(raw)
+    with pytest.raises(GraphDescriptionError, match=f"graph description: {field}"):
+        GraphDescription.from_json(raw)
+
+
+def test_a_description_that_is_no_object_is_an_error() -> None:
+    with pytest.raises(GraphDescriptionError, match="the description must be an object"):
+        GraphDescription.from_json([1, 2])
+
+
+GPU_REBUILD = r"""
+import ctypes, json, sys, time
+import torch
+from weightcache.graphs import CudaGraphDriver, GraphDescription, describe, rebuild
+
+torch.manual_seed(0)
+model = torch.nn.Sequential(torch.nn.Linear(1024, 4096), torch.nn.GELU(), torch.nn.Linear(4096, 1024),
+                            torch.nn.LayerNorm(1024)).to("cuda", torch.bfloat16)
+x = torch.randn(8, 1024, device="cuda", dtype=torch.bfloat16)
+with torch.no_grad():
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            model(x)
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph(keep_graph=True)
+    with torch.cuda.graph(g):
+        out = model(x)
+    g.instantiate()
+    g.replay()
+    torch.cuda.synchronize()
+    captured = out.clone()
+driver = CudaGraphDriver()
+description, functions = describe(driver, g.raw_cuda_graph())
+description = GraphDescription.from_json(json.loads(json.dumps(description.to_json())))
+start = time.perf_counter()
+graph = rebuild(driver, description, functions)
+lib = ctypes.CDLL("libcuda.so.1")
+exec_ = ctypes.c_void_p()
+assert lib.cuGraphInstantiateWithFlags(ctypes.byref(exec_), ctypes.c_void_p(graph), ctypes.c_uint64(0)) == 0
+out.zero_()
+assert lib.cuGraphLaunch(exec_, ctypes.c_void_p(torch.cuda.current_stream().cuda_stream)) == 0
+torch.cuda.synchronize()
+print(json.dumps({"equal": bool(torch.equal(out, captured)), "kernels": len(description.kernels()),
+                  "nodes": len(description.nodes), "rebuild_s": time.perf_counter() - start}))
+"""
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_graph_rebuilt_from_its_json_description_replays_bitwise_equal() -> None:
+    import subprocess
+    import sys
+
+    out = subprocess.run([sys.executable, "-c", GPU_REBUILD], capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    assert result["equal"] and result["kernels"] >= 3, result

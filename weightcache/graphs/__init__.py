@@ -1,0 +1,47 @@
+"""CUDA graphs described, checked and rebuilt from their description (issue 31: graphs restored at recorded
+addresses instead of captured).
+
+CUDA has no call that saves a graph. What a process can do is walk a captured graph through the driver's graph
+API into a description (each kernel's function, launch geometry and argument bytes; memsets; the edges and their
+data) and, in a later process, build a graph node by node from that description. The argument bytes hold device
+pointers, so a rebuilt graph is only valid where every memory it points at sits at the recorded address again:
+that is what :mod:`~weightcache.graphs.check` establishes, before anything is rebuilt.
+
+- :mod:`~weightcache.graphs.description`: the description as values (attrs), to and from JSON (no pickle); any
+  malformed description is a :class:`~weightcache.errors.GraphDescriptionError`.
+- :mod:`~weightcache.graphs.driver`: what the description needs of the CUDA driver (:class:`GraphDriver`, a
+  protocol), and :class:`~weightcache.graphs.driver.CudaGraphDriver`, its ``libcuda`` implementation.
+- :mod:`~weightcache.graphs.record`: :func:`describe` a captured graph, :func:`rebuild` one from a description,
+  :func:`resolve` kernel names to this process's function handles.
+- :mod:`~weightcache.graphs.check`: the address checks: every pointer a description holds lies in a range the
+  restore reproduces, and every such range is at its recorded place in this process.
+
+Not built yet (issue 31): the reserved ranges at fixed addresses that graph memory comes from in both processes
+(a pluggable allocator for torch's graph pool), the weights mapped at their recorded addresses, and the artifact
+kind that publishes descriptions. Layer L3; imports no torch.
+"""
+
+from __future__ import annotations
+
+from .check import AddressRange, Pointer, pointers, restore_problems
+from .description import Edge, EmptyNode, GraphDescription, KernelNode, MemsetNode, Node
+from .driver import CudaGraphDriver, GraphDriver
+from .record import describe, rebuild, resolve
+
+__all__ = [
+    "AddressRange",
+    "CudaGraphDriver",
+    "Edge",
+    "EmptyNode",
+    "GraphDescription",
+    "GraphDriver",
+    "KernelNode",
+    "MemsetNode",
+    "Node",
+    "Pointer",
+    "describe",
+    "pointers",
+    "rebuild",
+    "resolve",
+    "restore_problems",
+]

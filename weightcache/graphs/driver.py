@@ -1,0 +1,344 @@
+"""What describing and rebuilding a CUDA graph needs of the CUDA driver: :class:`GraphDriver`, and its ``libcuda``
+implementation :class:`CudaGraphDriver`.
+
+The protocol is small and in plain values (handles as integers, a node as its :mod:`description` value), so
+that :mod:`~weightcache.graphs.record` and :mod:`~weightcache.graphs.check` run the same against the real driver
+on a GPU and against a driver of the tests' own on a CPU. :class:`CudaGraphDriver` declares each call's C signature
+on the ``libcuda.so.1`` the process has loaded (``ctypes``, as :mod:`weightcache.segments.cuda_import` does): the
+kernel-node parameters are read through raw pointers (``kernelParams`` is an array of pointers to each argument,
+``extra`` a list of key/value pointers), which is what ``ctypes`` structures express directly. The calls were first
+run on an H200 (driver 580.159.04, CUDA 13.0) by ``benchmarks/graph_probe.py``: a graph rebuilt from its
+description replayed bitwise equal. Every method needs the graph's context current on the calling thread.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+from ..errors import GraphRestoreError
+from .description import ATTRIBUTE_BYTES, EDGE_BYTES, KernelNode, MemsetNode
+
+#: ``CUgraphNodeType`` values by name (the ones a graph of an engine can hold).
+NODE_KINDS = {
+    0: "kernel",
+    1: "memcpy",
+    2: "memset",
+    3: "host",
+    4: "child graph",
+    5: "empty",
+    6: "event wait",
+    7: "event record",
+    8: "external semaphore signal",
+    9: "external semaphore wait",
+    10: "memory allocation",
+    11: "memory free",
+    12: "batch memory operation",
+    13: "conditional",
+}
+#: The launch attributes a kernel node can carry that a rebuild sets again (``CUlaunchAttributeID``): cooperative
+#: (2), cluster dimension (4), cluster scheduling policy (5), priority (8).
+LAUNCH_ATTRIBUTES = (2, 4, 5, 8)
+#: ``CU_LAUNCH_PARAM_END``, ``CU_LAUNCH_PARAM_BUFFER_POINTER``, ``CU_LAUNCH_PARAM_BUFFER_SIZE`` (``extra``'s keys).
+_PARAM_END, _PARAM_BUFFER, _PARAM_SIZE = 0, 1, 2
+#: ``CU_POINTER_ATTRIBUTE_RANGE_START_ADDR`` and ``CU_POINTER_ATTRIBUTE_RANGE_SIZE``.
+_RANGE_START, _RANGE_SIZE = 11, 12
+
+
+class GraphDriver(Protocol):
+    """The driver calls of :mod:`~weightcache.graphs.record` and :mod:`~weightcache.graphs.check`. Handles are
+    integers; a failing call raises :class:`~weightcache.errors.GraphRestoreError`."""
+
+    def graph_nodes(self, graph: int) -> list[int]:
+        """The graph's nodes, in the driver's order."""
+        ...
+
+    def node_kind(self, node: int) -> str:
+        """The node's type, as :data:`NODE_KINDS` names it."""
+        ...
+
+    def kernel_node(self, node: int) -> tuple[int, KernelNode]:
+        """A kernel node's function handle, and the node as a description holds it."""
+        ...
+
+    def memset_node(self, node: int) -> MemsetNode:
+        """A memset node's parameters."""
+        ...
+
+    def graph_edges(self, graph: int) -> list[tuple[int, int, bytes]]:
+        """Every edge: (from node, to node, its 8 bytes of edge data)."""
+        ...
+
+    def pointer_range(self, address: int) -> tuple[int, int] | None:
+        """The start and size of the device allocation holding ``address``; None where it is no device address."""
+        ...
+
+    def module_functions(self, function: int) -> dict[str, int]:
+        """Every function of the module that holds ``function``, by name."""
+        ...
+
+    def create_graph(self) -> int:
+        """A new, empty graph."""
+        ...
+
+    def add_kernel_node(self, graph: int, function: int, node: KernelNode) -> int:
+        """A kernel node launching ``function`` as ``node`` says (geometry, argument bytes, attributes)."""
+        ...
+
+    def add_memset_node(self, graph: int, node: MemsetNode) -> int:
+        """A memset node."""
+        ...
+
+    def add_empty_node(self, graph: int) -> int:
+        """An empty node."""
+        ...
+
+    def add_edges(self, graph: int, edges: Sequence[tuple[int, int, bytes]]) -> None:
+        """Dependencies between nodes of ``graph``, with their edge data."""
+        ...
+
+    def destroy_graph(self, graph: int) -> None:
+        """Free a graph this driver created (errors ignored)."""
+        ...
+
+
+class _KernelParams(ctypes.Structure):
+    """``CUDA_KERNEL_NODE_PARAMS_v2``."""
+
+    _fields_ = [
+        ("func", ctypes.c_void_p),
+        ("gridDimX", ctypes.c_uint),
+        ("gridDimY", ctypes.c_uint),
+        ("gridDimZ", ctypes.c_uint),
+        ("blockDimX", ctypes.c_uint),
+        ("blockDimY", ctypes.c_uint),
+        ("blockDimZ", ctypes.c_uint),
+        ("sharedMemBytes", ctypes.c_uint),
+        ("kernelParams", ctypes.POINTER(ctypes.c_void_p)),
+        ("extra", ctypes.POINTER(ctypes.c_void_p)),
+        ("kern", ctypes.c_void_p),
+        ("ctx", ctypes.c_void_p),
+    ]
+
+
+class _MemsetParams(ctypes.Structure):
+    """``CUDA_MEMSET_NODE_PARAMS``."""
+
+    _fields_ = [
+        ("dst", ctypes.c_uint64),
+        ("pitch", ctypes.c_size_t),
+        ("value", ctypes.c_uint),
+        ("elementSize", ctypes.c_uint),
+        ("width", ctypes.c_size_t),
+        ("height", ctypes.c_size_t),
+    ]
+
+
+_p = ctypes.c_void_p
+_pp = ctypes.POINTER(ctypes.c_void_p)
+_ps = ctypes.POINTER(ctypes.c_size_t)
+_SIGNATURES: dict[str, list[Any]] = {
+    "cuGraphGetNodes": [_p, ctypes.POINTER(_p), _ps],
+    "cuGraphNodeGetType": [_p, ctypes.POINTER(ctypes.c_int)],
+    "cuGraphKernelNodeGetParams_v2": [_p, ctypes.POINTER(_KernelParams)],
+    "cuGraphKernelNodeGetAttribute": [_p, ctypes.c_int, ctypes.c_char_p],
+    "cuGraphKernelNodeSetAttribute": [_p, ctypes.c_int, ctypes.c_char_p],
+    "cuGraphMemsetNodeGetParams": [_p, ctypes.POINTER(_MemsetParams)],
+    "cuGraphGetEdges_v2": [_p, ctypes.POINTER(_p), ctypes.POINTER(_p), ctypes.c_char_p, _ps],
+    "cuFuncGetName": [ctypes.POINTER(ctypes.c_char_p), _p],
+    "cuFuncGetParamInfo": [_p, ctypes.c_size_t, _ps, _ps],
+    "cuFuncGetModule": [ctypes.POINTER(_p), _p],
+    "cuModuleGetFunctionCount": [ctypes.POINTER(ctypes.c_uint), _p],
+    "cuModuleEnumerateFunctions": [ctypes.POINTER(_p), ctypes.c_uint, _p],
+    "cuPointerGetAttribute": [_p, ctypes.c_int, ctypes.c_uint64],
+    "cuGraphCreate": [ctypes.POINTER(_p), ctypes.c_uint],
+    "cuGraphDestroy": [_p],
+    "cuGraphAddKernelNode_v2": [_pp, _p, _pp, ctypes.c_size_t, ctypes.POINTER(_KernelParams)],
+    "cuGraphAddMemsetNode": [_pp, _p, _pp, ctypes.c_size_t, ctypes.POINTER(_MemsetParams), _p],
+    "cuGraphAddEmptyNode": [ctypes.POINTER(_p), _p, ctypes.POINTER(_p), ctypes.c_size_t],
+    "cuGraphAddDependencies_v2": [_p, ctypes.POINTER(_p), ctypes.POINTER(_p), ctypes.c_char_p, ctypes.c_size_t],
+    "cuCtxGetCurrent": [ctypes.POINTER(_p)],
+    "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+}  # fmt: skip
+
+
+class CudaGraphDriver:
+    """:class:`GraphDriver` on ``libcuda`` (CUDA 12.4 or later: module enumeration and edge data). Raises
+    :class:`~weightcache.errors.GraphRestoreError` when the library or a call is missing, or a call fails."""
+
+    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+        try:
+            lib = lib if lib is not None else ctypes.CDLL("libcuda.so.1")
+            for name, argtypes in _SIGNATURES.items():
+                fn = getattr(lib, name)
+                fn.argtypes = argtypes
+                fn.restype = ctypes.c_int
+        except (OSError, AttributeError) as exc:
+            raise GraphRestoreError(
+                f"the CUDA driver cannot describe or rebuild graphs here ({exc}); it needs libcuda.so.1 of CUDA "
+                "12.4 or later (module enumeration, edge data). Graphs are captured as usual"
+            ) from None
+        self._lib = lib
+
+    def _call(self, name: str, *args: Any) -> None:
+        code = getattr(self._lib, name)(*args)
+        if code != 0:
+            text = ctypes.c_char_p()
+            known = self._lib.cuGetErrorName(code, ctypes.byref(text)) == 0 and text.value
+            raise GraphRestoreError(f"{name} failed: {text.value.decode() if known and text.value else code}")
+
+    def graph_nodes(self, graph: int) -> list[int]:
+        count = ctypes.c_size_t(0)
+        self._call("cuGraphGetNodes", _p(graph), None, ctypes.byref(count))
+        nodes = (_p * max(count.value, 1))()
+        self._call("cuGraphGetNodes", _p(graph), nodes, ctypes.byref(count))
+        return [int(nodes[i] or 0) for i in range(count.value)]
+
+    def node_kind(self, node: int) -> str:
+        kind = ctypes.c_int()
+        self._call("cuGraphNodeGetType", _p(node), ctypes.byref(kind))
+        return NODE_KINDS.get(kind.value, f"type {kind.value}")
+
+    def function_name(self, function: int) -> str:
+        name = ctypes.c_char_p()
+        self._call("cuFuncGetName", ctypes.byref(name), _p(function))
+        return (name.value or b"").decode()
+
+    def _layout(self, function: int) -> list[tuple[int, int]]:
+        layout = []
+        for index in range(4096):  # cuFuncGetParamInfo fails past the last parameter
+            offset, size = ctypes.c_size_t(), ctypes.c_size_t()
+            if self._lib.cuFuncGetParamInfo(_p(function), index, ctypes.byref(offset), ctypes.byref(size)) != 0:
+                break
+            layout.append((offset.value, size.value))
+        return layout
+
+    def kernel_node(self, node: int) -> tuple[int, KernelNode]:
+        p = _KernelParams()
+        self._call("cuGraphKernelNodeGetParams_v2", _p(node), ctypes.byref(p))
+        function = int(p.func or 0)
+        name = self.function_name(function)
+        layout: list[tuple[int, int]] = []
+        if p.kernelParams:
+            layout = self._layout(function)
+            args = bytearray(max((o + s for o, s in layout), default=0))
+            for i, (offset, size) in enumerate(layout):
+                args[offset : offset + size] = ctypes.string_at(p.kernelParams[i], size)
+            launched_with = "params"
+        else:  # ``extra``: key/value pointers up to CU_LAUNCH_PARAM_END (cuBLAS launches its GEMMs so)
+            buffer, length, i = None, 0, 0
+            while p.extra and p.extra[i]:
+                key, value = p.extra[i], p.extra[i + 1]
+                if key == _PARAM_BUFFER:
+                    buffer = value
+                elif key == _PARAM_SIZE and value:
+                    length = ctypes.c_size_t.from_address(value).value
+                i += 2
+            if buffer is None:
+                raise GraphRestoreError(f"the kernel node of {name} has neither kernelParams nor an argument buffer")
+            args = bytearray(ctypes.string_at(buffer, length))
+            launched_with = "buffer"
+        attributes = []
+        for attribute in LAUNCH_ATTRIBUTES:
+            value = ctypes.create_string_buffer(ATTRIBUTE_BYTES)
+            if self._lib.cuGraphKernelNodeGetAttribute(_p(node), attribute, value) == 0 and any(value.raw):
+                attributes.append((attribute, value.raw))
+        described = KernelNode(
+            function=name,
+            grid=(p.gridDimX, p.gridDimY, p.gridDimZ),
+            block=(p.blockDimX, p.blockDimY, p.blockDimZ),
+            shared_bytes=p.sharedMemBytes,
+            args=bytes(args),
+            layout=tuple(layout),
+            launched_with=launched_with,  # type: ignore[arg-type]
+            attributes=tuple(attributes),
+        )
+        return function, described
+
+    def memset_node(self, node: int) -> MemsetNode:
+        m = _MemsetParams()
+        self._call("cuGraphMemsetNodeGetParams", _p(node), ctypes.byref(m))
+        return MemsetNode(m.dst, m.pitch, m.value, m.elementSize, m.width, m.height)
+
+    def graph_edges(self, graph: int) -> list[tuple[int, int, bytes]]:
+        # without an edge-data array the query fails with CUDA_ERROR_LOSSY_QUERY when any edge carries data
+        count = ctypes.c_size_t(0)
+        self._call("cuGraphGetEdges_v2", _p(graph), None, None, None, ctypes.byref(count))
+        n = max(count.value, 1)
+        src, dst, data = (_p * n)(), (_p * n)(), ctypes.create_string_buffer(EDGE_BYTES * n)
+        self._call("cuGraphGetEdges_v2", _p(graph), src, dst, data, ctypes.byref(count))
+        raw = data.raw
+        return [
+            (int(src[i] or 0), int(dst[i] or 0), raw[EDGE_BYTES * i : EDGE_BYTES * (i + 1)]) for i in range(count.value)
+        ]
+
+    def pointer_range(self, address: int) -> tuple[int, int] | None:
+        start, size = ctypes.c_uint64(), ctypes.c_size_t()
+        if self._lib.cuPointerGetAttribute(ctypes.byref(start), _RANGE_START, address) != 0:
+            return None
+        if self._lib.cuPointerGetAttribute(ctypes.byref(size), _RANGE_SIZE, address) != 0:
+            return None
+        return int(start.value), int(size.value)
+
+    def module_functions(self, function: int) -> dict[str, int]:
+        module, count = _p(), ctypes.c_uint()
+        self._call("cuFuncGetModule", ctypes.byref(module), _p(function))
+        self._call("cuModuleGetFunctionCount", ctypes.byref(count), module)
+        functions = (_p * max(count.value, 1))()
+        self._call("cuModuleEnumerateFunctions", functions, count, module)
+        handles = [int(functions[i] or 0) for i in range(count.value)]
+        return {self.function_name(h): h for h in handles}
+
+    def create_graph(self) -> int:
+        graph = _p()
+        self._call("cuGraphCreate", ctypes.byref(graph), 0)
+        return int(graph.value or 0)
+
+    def destroy_graph(self, graph: int) -> None:
+        self._lib.cuGraphDestroy(_p(graph))
+
+    def add_kernel_node(self, graph: int, function: int, node: KernelNode) -> int:
+        # every node's arguments as one buffer (CU_LAUNCH_PARAM_BUFFER_POINTER), whichever way they were given:
+        # the bytes are what the kernel reads; the driver copies them into the node
+        blob = ctypes.create_string_buffer(node.args, max(len(node.args), 1))
+        size = ctypes.c_size_t(len(node.args))
+        extra = (_p * 5)(
+            _p(_PARAM_BUFFER), ctypes.cast(blob, _p), _p(_PARAM_SIZE), ctypes.cast(ctypes.pointer(size), _p),
+            _p(_PARAM_END),
+        )  # fmt: skip
+        p = _KernelParams()
+        p.func = function
+        p.gridDimX, p.gridDimY, p.gridDimZ = node.grid
+        p.blockDimX, p.blockDimY, p.blockDimZ = node.block
+        p.sharedMemBytes = node.shared_bytes
+        p.extra = ctypes.cast(extra, ctypes.POINTER(_p))
+        out = _p()
+        self._call("cuGraphAddKernelNode_v2", ctypes.byref(out), _p(graph), None, 0, ctypes.byref(p))
+        for attribute, value in node.attributes:
+            self._call("cuGraphKernelNodeSetAttribute", out, attribute, value)
+        return int(out.value or 0)
+
+    def add_memset_node(self, graph: int, node: MemsetNode) -> int:
+        m = _MemsetParams(node.dst, node.pitch, node.value, node.element_size, node.width, node.height)
+        ctx, out = _p(), _p()
+        self._call("cuCtxGetCurrent", ctypes.byref(ctx))
+        self._call("cuGraphAddMemsetNode", ctypes.byref(out), _p(graph), None, 0, ctypes.byref(m), ctx)
+        return int(out.value or 0)
+
+    def add_empty_node(self, graph: int) -> int:
+        out = _p()
+        self._call("cuGraphAddEmptyNode", ctypes.byref(out), _p(graph), None, 0)
+        return int(out.value or 0)
+
+    def add_edges(self, graph: int, edges: Sequence[tuple[int, int, bytes]]) -> None:
+        if not edges:
+            return
+        n = len(edges)
+        src = (_p * n)(*[_p(a) for a, _, _ in edges])
+        dst = (_p * n)(*[_p(b) for _, b, _ in edges])
+        data = ctypes.create_string_buffer(b"".join(d for _, _, d in edges), EDGE_BYTES * n)
+        self._call("cuGraphAddDependencies_v2", _p(graph), src, dst, data, n)
+
+
+__all__ = ["LAUNCH_ATTRIBUTES", "NODE_KINDS", "CudaGraphDriver", "GraphDriver"]

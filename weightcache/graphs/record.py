@@ -1,0 +1,111 @@
+"""A captured CUDA graph walked into its description, and a graph built from a description node by node.
+
+:func:`describe` reads a graph through a :class:`~weightcache.graphs.driver.GraphDriver` (its nodes, each kernel
+node's function, geometry, argument bytes and launch attributes, each memset, the edges with their data) and
+returns the :class:`~weightcache.graphs.description.GraphDescription` and the function handle of each kernel name
+in this process. A node of a type the description cannot hold (a memcpy, a host callback, an event, a child
+graph, a conditional) makes the graph not describable: :class:`~weightcache.errors.GraphRestoreError` names it,
+and the caller keeps capturing that graph.
+
+:func:`rebuild` makes a new graph from a description and a function handle for each kernel name; the caller
+instantiates and launches it. :func:`resolve` finds those handles in a fresh process, from the handles it already
+has: each known function's module is enumerated (``cuModuleEnumerateFunctions``), since the kernels of one
+compilation unit share a module. On an H200 torch's kernels sat in modules of 112-184 functions, while each of
+cuBLAS's GEMM kernels was alone in its module (docs/architecture.md), so a restore must still run each such kernel
+once (e.g. a forward per GEMM shape) to learn its handle.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping
+
+from ..errors import GraphRestoreError
+from .description import Edge, EmptyNode, GraphDescription, KernelNode, MemsetNode, Node
+from .driver import GraphDriver
+
+
+def describe(driver: GraphDriver, graph: int) -> tuple[GraphDescription, dict[str, int]]:
+    """``graph``'s description, and the function handle of each kernel it names (in this process).
+
+    Raises :class:`~weightcache.errors.GraphRestoreError` for a node the description cannot hold, or two kernels of
+    one name with different handles (a name must identify one function for :func:`rebuild`)."""
+    handles = driver.graph_nodes(graph)
+    index = {handle: i for i, handle in enumerate(handles)}
+    nodes: list[Node] = []
+    functions: dict[str, int] = {}
+    for i, handle in enumerate(handles):
+        kind = driver.node_kind(handle)
+        if kind == "kernel":
+            function, node = driver.kernel_node(handle)
+            known = functions.setdefault(node.function, function)
+            if known != function:
+                raise GraphRestoreError(
+                    f"node {i}: two functions are named {node.function[:120]} in this process; a description "
+                    "names a kernel by its name, so this graph cannot be described (capture it as usual)"
+                )
+            nodes.append(node)
+        elif kind == "memset":
+            nodes.append(driver.memset_node(handle))
+        elif kind == "empty":
+            nodes.append(EmptyNode())
+        else:
+            raise GraphRestoreError(
+                f"node {i} of the graph is a {kind} node, which a description does not hold (kernels, memsets and "
+                "empty nodes only); this graph is captured as usual"
+            )
+    edges = []
+    for src, dst, data in driver.graph_edges(graph):
+        if src not in index or dst not in index:
+            raise GraphRestoreError("the driver reported an edge between nodes the graph does not list")
+        edges.append(Edge(index[src], index[dst], data))
+    return GraphDescription(tuple(nodes), tuple(edges)), functions
+
+
+def rebuild(driver: GraphDriver, description: GraphDescription, functions: Mapping[str, int]) -> int:
+    """A new graph built from ``description``, each kernel launching ``functions[name]``; the caller owns it
+    (instantiates, launches, destroys). Raises :class:`~weightcache.errors.GraphRestoreError` if a kernel has no
+    handle in ``functions`` (checked before anything is built) or a driver call fails (the half-built graph is
+    destroyed)."""
+    missing = sorted(description.kernels() - set(functions))
+    if missing:
+        raise GraphRestoreError(
+            f"{len(missing)} kernel(s) of the graph have no function handle in this process (e.g. "
+            f"{missing[0][:120]}): run the model once so that their modules load, or capture as usual"
+        )
+    graph = driver.create_graph()
+    try:
+        made: list[int] = []
+        for node in description.nodes:
+            if isinstance(node, KernelNode):
+                made.append(driver.add_kernel_node(graph, functions[node.function], node))
+            elif isinstance(node, MemsetNode):
+                made.append(driver.add_memset_node(graph, node))
+            else:
+                made.append(driver.add_empty_node(graph))
+        driver.add_edges(graph, [(made[e.src], made[e.dst], e.data) for e in description.edges])
+    except BaseException:
+        driver.destroy_graph(graph)
+        raise
+    return graph
+
+
+def resolve(driver: GraphDriver, wanted: Iterable[str], known: Iterable[int]) -> dict[str, int]:
+    """The function handles of the ``wanted`` kernel names that the modules of the ``known`` function handles hold
+    (every function of each module, by name); names found nowhere are left out (the caller decides: run the model
+    once more, or capture as usual). Each module is enumerated once."""
+    wanted = set(wanted)
+    found: dict[str, int] = {}
+    seen: set[frozenset[int]] = set()
+    for function in known:
+        if wanted <= set(found):
+            break
+        module = driver.module_functions(function)
+        key = frozenset(module.values())
+        if key in seen:
+            continue
+        seen.add(key)
+        found.update({name: handle for name, handle in module.items() if name in wanted and name not in found})
+    return found
+
+
+__all__ = ["describe", "rebuild", "resolve"]
