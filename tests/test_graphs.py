@@ -328,3 +328,118 @@ def test_on_a_gpu_a_graph_rebuilt_from_its_json_description_replays_bitwise_equa
     assert out.returncode == 0, out.stderr[-4000:]
     result = json.loads(out.stdout.splitlines()[-1])
     assert result["equal"] and result["kernels"] >= 3, result
+
+
+class FakeVmm:
+    """cuMemAddressReserve and friends as bookkeeping: a hint is honoured unless the range is ``taken``."""
+
+    def __init__(self, granularity: int = 2 << 20, taken: Sequence[tuple[int, int]] = ()) -> None:
+        self.chunk = granularity
+        self.taken = list(taken)
+        self.reserved: dict[int, int] = {}
+        self.maps: dict[int, tuple[int, int]] = {}
+        self.handles: dict[int, int] = {}
+        self._next = itertools.count(1)
+        self.fail_map = False
+
+    def granularity(self, device: int) -> int:
+        return self.chunk
+
+    def reserve(self, size: int, base: int) -> int:
+        if any(b < base + size and base < b + s for b, s in self.taken + list(self.reserved.items())):
+            base = 0x5000_0000_0000 + len(self.reserved) * (1 << 40)  # elsewhere, as the driver does
+        self.reserved[base] = size
+        return base
+
+    def create(self, size: int, device: int) -> int:
+        handle = next(self._next)
+        self.handles[handle] = size
+        return handle
+
+    def map(self, address: int, size: int, handle: int, device: int) -> None:
+        if self.fail_map:
+            raise GraphRestoreError("cuMemMap failed: CUDA_ERROR_OUT_OF_MEMORY")
+        self.maps[address] = (size, handle)
+
+    def unmap(self, address: int, size: int) -> None:
+        del self.maps[address]
+
+    def release(self, handle: int) -> None:
+        del self.handles[handle]
+
+    def free_address(self, address: int, size: int) -> None:
+        del self.reserved[address]
+
+
+def test_an_arena_gives_the_same_addresses_for_the_same_requests_in_every_process() -> None:
+    from weightcache.graphs.arena import ALIGNMENT, Arena
+
+    requests = [4096, 1 << 20, 100, 3 << 20, 512]
+
+    def addresses() -> tuple[list[int], FakeVmm]:
+        vmm = FakeVmm()
+        arena = Arena(vmm, "pool", 64 << 20, base=POOL.base)
+        got = [arena.allocate(n) for n in requests]
+        arena.free(got[1], requests[1])
+        got.append(arena.allocate(64))  # freed memory is not reused: the next address follows the last
+        assert arena.range() == AddressRange("pool", POOL.base, 64 << 20)
+        assert sum(size for size, _ in vmm.maps.values()) == arena.mapped >= arena.used
+        assert all(a % ALIGNMENT == 0 for a in got) and all(b >= a + n for a, b, n in zip(got, got[1:], requests))
+        arena.close()
+        assert not vmm.maps and not vmm.handles and not vmm.reserved
+        return got, vmm
+
+    assert addresses()[0] == addresses()[0]
+
+
+def test_an_arena_elsewhere_full_or_unmappable_is_refused_and_gives_back_what_it_took() -> None:
+    from weightcache.graphs.arena import Arena
+
+    vmm = FakeVmm(taken=[(POOL.base + (4 << 20), 2 << 20)])
+    with pytest.raises(GraphRestoreError, match=f"asked the driver for .* at {POOL.base:#x} and got 0x5"):
+        Arena(vmm, "pool", 64 << 20, base=POOL.base)
+    assert not vmm.reserved
+    with pytest.raises(GraphRestoreError, match="multiples of the granularity"):
+        Arena(vmm, "pool", 3 << 19, base=0x6000_0000_0000)
+
+    arena = Arena(vmm, "pool", 8 << 20, base=0x6000_0000_0000)
+    arena.allocate(3 << 20)  # maps the first 4 MiB
+    with pytest.raises(GraphRestoreError, match="is full: 6291456 bytes asked, 5242880 of 8388608 left"):
+        arena.allocate(6 << 20)
+    vmm.fail_map = True
+    with pytest.raises(GraphRestoreError, match="OUT_OF_MEMORY"):
+        arena.allocate(2 << 20)  # needs the next chunk
+    assert len(vmm.handles) == 1 and arena.used == 3 << 20  # the failed chunk released, nothing handed out
+    with pytest.raises(GraphRestoreError, match="was not allocated from it"):
+        arena.free(0x1234, 16)
+    arena.close()
+    arena.close()
+    assert not vmm.reserved and not vmm.handles
+
+
+GPU_ARENA = r"""
+import json
+import torch
+torch.zeros(1, device="cuda")  # torch's context, current on this thread
+from weightcache.graphs.arena import Arena, CudaArenaDriver
+try:
+    arena = Arena(CudaArenaDriver(), "pool", 64 << 20)
+    first, second = arena.allocate(1 << 20), arena.allocate(3 << 20)
+    print(json.dumps({"base": arena.base, "addresses": [first, second], "mapped": arena.mapped}))
+    arena.close()
+except Exception as exc:
+    print(json.dumps({"error": f"{type(exc).__name__}: {exc}"}))
+"""
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_an_arena_gets_its_base_and_the_same_addresses_in_two_fresh_processes() -> None:
+    import subprocess
+    import sys
+
+    runs = []
+    for _ in range(2):
+        out = subprocess.run([sys.executable, "-c", GPU_ARENA], capture_output=True, text=True, timeout=120)
+        assert out.returncode == 0, out.stderr[-3000:]
+        runs.append(json.loads(out.stdout.splitlines()[-1]))
+    assert "error" not in runs[0] and runs[0] == runs[1], runs

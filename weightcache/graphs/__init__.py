@@ -15,14 +15,17 @@ that is what :mod:`~weightcache.graphs.check` establishes, before anything is re
   :func:`resolve` kernel names to this process's function handles.
 - :mod:`~weightcache.graphs.check`: the address checks: every pointer a description holds lies in a range the
   restore reproduces, and every such range is at its recorded place in this process.
+- :mod:`~weightcache.graphs.arena`: a range of GPU addresses at a fixed base with a bump allocator, where graph
+  memory gets the same addresses in every process (not yet wired to torch's graph pool, not yet run on a GPU).
 
-Not built yet (issue 31): the reserved ranges at fixed addresses that graph memory comes from in both processes
-(a pluggable allocator for torch's graph pool), the weights mapped at their recorded addresses, and the artifact
-kind that publishes descriptions. Layer L3; imports no torch.
+Not built yet (issue 31): torch's graph pool served from an arena (a pluggable allocator), the weights mapped at
+their recorded addresses, the restore, and the artifact kind that publishes descriptions. Layer L3; imports no
+torch.
 """
 
 from __future__ import annotations
 
+from .arena import Arena, ArenaDriver, CudaArenaDriver
 from .check import AddressRange, Pointer, pointers, restore_problems
 from .description import Edge, EmptyNode, GraphDescription, KernelNode, MemsetNode, Node
 from .driver import CudaGraphDriver, GraphDriver
@@ -30,6 +33,9 @@ from .record import describe, rebuild, resolve
 
 __all__ = [
     "AddressRange",
+    "Arena",
+    "ArenaDriver",
+    "CudaArenaDriver",
     "CudaGraphDriver",
     "Edge",
     "EmptyNode",
