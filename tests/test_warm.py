@@ -468,6 +468,41 @@ def test_a_stale_warm_process_is_replaced(tmp_path: Path, env: dict[str, str]) -
     assert second != first and run().stdout == f"2 {second}\n"
 
 
+def test_a_variable_read_at_import_reaches_the_command_as_a_direct_start_gives_it(
+    tmp_path: Path, env: dict[str, str]
+) -> None:
+    """vLLM before 0.32 configures its logging from VLLM_LOGGING_LEVEL when it is imported: a command whose
+    environment sets another value than the warm process was started with must not get a fork that kept the old
+    one (seen failing: it printed the warm process's value). The launcher starts it directly and a warm process of
+    that value replaces the old one; a command with the old value again gets one of its own likewise."""
+    package = tmp_path / "wcimport_pkg"
+    package.mkdir()
+    (package / "__init__.py").write_text("import os\nLEVEL = os.environ.get('VLLM_LOGGING_LEVEL')\n")
+    base = {k: v for k, v in env.items() if k != "VLLM_LOGGING_LEVEL"} | {"PYTHONPATH": with_path(tmp_path)}
+    code = "import os, wcimport_pkg; print(wcimport_pkg.LEVEL, os.environ.get('VLLM_LOGGING_LEVEL'))"
+
+    def run(level: str | None) -> subprocess.CompletedProcess[str]:
+        run_env = base if level is None else {**base, "VLLM_LOGGING_LEVEL": level}
+        return subprocess.run(
+            [*cli("run", "--preload", "wcimport_pkg", "--"), sys.executable, "-c", code],
+            env=run_env,
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+
+    start = subprocess.run(
+        cli("warm", "start", "--preload", "wcimport_pkg"), env=base, capture_output=True, text=True, timeout=60
+    )
+    assert start.returncode == 0, start.stderr
+    assert run(None).stdout == "None None\n"
+    debug = run("DEBUG")
+    assert debug.returncode == 0 and debug.stdout == "DEBUG DEBUG\n", debug.stdout + debug.stderr
+    assert "read at import" in debug.stderr and "starting the command directly" in debug.stderr
+    assert wait_until(lambda: run("DEBUG").stderr == "", timeout=60)  # forked again, from a DEBUG warm process
+    assert run("DEBUG").stdout == "DEBUG DEBUG\n"
+
+
 def warm_start_and_run(cwd: Path, env: dict[str, str], preload: str, code: str) -> subprocess.CompletedProcess[str]:
     """``weightcache warm start --preload preload`` in ``cwd`` (asserted to succeed), then ``python -c code`` through
     ``weightcache run`` there: what a launcher started from that directory gets."""

@@ -5,7 +5,8 @@ preloads. Its socket, lock and log live in the private directory ``<socket dir>/
 directory is shared with), named by the slot's digest.
 
 Its *key* says what it imported and how it runs: the slot, the Python version, ``sys.path`` (so ``PYTHONPATH``
-too), ``PYTHONHASHSEED``, the interpreter's settings (``-B``, ``-O``, ``-X``, ``-W``, from options or variables),
+too), ``PYTHONHASHSEED``, the variables preloaded packages read at import (:data:`IMPORT_TIME_VARIABLES`), the
+interpreter's settings (``-B``, ``-O``, ``-X``, ``-W``, from options or variables),
 and the size and modification time of each preloaded package's ``__init__`` and of weightcache's own warm
 modules. An upgrade or a reinstall of any of them changes the key, so a launcher that finds a warm process of its
 slot with another key stops it and starts a new one: a child never runs code older than what a direct start would
@@ -29,6 +30,23 @@ from .target import interpreter_flags
 
 #: The subdirectory of the socket directory that holds the warm processes' sockets, locks and logs.
 WARM_DIR_NAME = "warm"
+#: Environment variables that a preloaded package reads while it is imported, not when it is used, so that a fork
+#: would keep the warm process's value whatever the command's environment says: vLLM before 0.32 configures its
+#: logging when ``vllm`` is imported (from these variables; 0.32 configures it on demand), and torch reads its
+#: logging variables when imported. A warm process's key holds their values, so a command whose environment sets
+#: other values gets a warm process of its own, started with them.
+IMPORT_TIME_VARIABLES = (
+    "TORCH_LOGS",
+    "TORCH_LOGS_OUT",
+    "TORCH_LOGS_FORMAT",
+    "NO_COLOR",
+    "VLLM_CONFIGURE_LOGGING",
+    "VLLM_LOGGING_CONFIG_PATH",
+    "VLLM_LOGGING_LEVEL",
+    "VLLM_LOGGING_PREFIX",
+    "VLLM_LOGGING_STREAM",
+    "VLLM_LOGGING_COLOR",
+)
 
 
 def warm_dir(socket_dir: str | os.PathLike[str] | None = None) -> Path:
@@ -74,6 +92,7 @@ def key(executable: str, preloads: Sequence[str], path: Sequence[str]) -> str:
             "python": sys.version,
             "path": list(path),
             "hashseed": os.environ.get("PYTHONHASHSEED"),
+            "import_time": {name: os.environ.get(name) for name in IMPORT_TIME_VARIABLES},
             "flags": interpreter_flags(),  # -B, -O, -X, -W: what an interpreter started here would run with
             "packages": {p: _stamp(_origin(p)) for p in packages},
             "warm": [_stamp(str(here / name)) for name in ("server.py", "child.py", "target.py", "identity.py")],
@@ -88,4 +107,4 @@ def base_path() -> list[str]:
     return list(sys.path[1:])
 
 
-__all__ = ["WARM_DIR_NAME", "base_path", "key", "slot", "warm_dir"]
+__all__ = ["IMPORT_TIME_VARIABLES", "WARM_DIR_NAME", "base_path", "key", "slot", "warm_dir"]

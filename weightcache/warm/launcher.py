@@ -397,8 +397,9 @@ def run(
             stop(path)
             log = spawn(directory, wanted, idle_timeout)
             raise WarmUnavailable(
-                f"the warm process (pid {found.get('pid')}) imported other versions of its packages or another "
-                f"sys.path; stopped it, a new one is starting (log: {log})"
+                f"the warm process (pid {found.get('pid')}) imported other versions of its packages, another "
+                "sys.path, or other values of the variables its packages read at import; stopped it, a new one is "
+                f"starting (log: {log})"
             )
     except (NotWarmable, WarmUnavailable, SocketDirError, OSError) as exc:
         note(f"{exc}; starting the command directly")
