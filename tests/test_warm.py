@@ -431,6 +431,25 @@ def test_another_uid_is_refused(env: dict[str, str]) -> None:
         shutil.rmtree(directory, ignore_errors=True)
 
 
+def start_warm(preload: str, env: dict[str, str]) -> None:
+    """``weightcache warm start --preload preload`` with ``env``, asserted to succeed."""
+    start = subprocess.run(
+        cli("warm", "start", "--preload", preload), env=env, capture_output=True, text=True, timeout=60
+    )
+    assert start.returncode == 0, start.stderr
+
+
+def run_preloaded(preload: str, code: str, env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    """``python -c code`` through ``weightcache run --preload preload`` with ``env``."""
+    return subprocess.run(
+        [*cli("run", "--preload", preload, "--"), sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+
+
 def test_a_stale_warm_process_is_replaced(tmp_path: Path, env: dict[str, str]) -> None:
     """A warm process whose preloaded package changed on disk (an upgrade) is stopped by the next launcher, which
     starts that command directly with a line saying so; the next warm process imports the new code."""
@@ -441,18 +460,9 @@ def test_a_stale_warm_process_is_replaced(tmp_path: Path, env: dict[str, str]) -
     code = "import os, wcstale_pkg; print(wcstale_pkg.VERSION, os.getppid())"
 
     def run() -> subprocess.CompletedProcess[str]:
-        return subprocess.run(
-            [*cli("run", "--preload", "wcstale_pkg", "--"), sys.executable, "-c", code],
-            env=stale_env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return run_preloaded("wcstale_pkg", code, stale_env)
 
-    start = subprocess.run(
-        cli("warm", "start", "--preload", "wcstale_pkg"), env=stale_env, capture_output=True, text=True, timeout=60
-    )
-    assert start.returncode == 0, start.stderr
+    start_warm("wcstale_pkg", stale_env)
     first = hello(stale_env, ("wcstale_pkg",))["pid"]
     assert run().stdout == f"1 {first}\n"
     (package / "__init__.py").write_text("VERSION = 2  # upgraded\n")
@@ -473,8 +483,8 @@ def test_a_variable_read_at_import_reaches_the_command_as_a_direct_start_gives_i
 ) -> None:
     """vLLM before 0.32 configures its logging from VLLM_LOGGING_LEVEL when it is imported: a command whose
     environment sets another value than the warm process was started with must not get a fork that kept the old
-    one (seen failing: it printed the warm process's value). The launcher starts it directly and a warm process of
-    that value replaces the old one; a command with the old value again gets one of its own likewise."""
+    one (seen failing: it printed the warm process's value). The launcher starts it directly, and a warm process
+    of that value replaces the old one."""
     package = tmp_path / "wcimport_pkg"
     package.mkdir()
     (package / "__init__.py").write_text("import os\nLEVEL = os.environ.get('VLLM_LOGGING_LEVEL')\n")
@@ -482,19 +492,9 @@ def test_a_variable_read_at_import_reaches_the_command_as_a_direct_start_gives_i
     code = "import os, wcimport_pkg; print(wcimport_pkg.LEVEL, os.environ.get('VLLM_LOGGING_LEVEL'))"
 
     def run(level: str | None) -> subprocess.CompletedProcess[str]:
-        run_env = base if level is None else {**base, "VLLM_LOGGING_LEVEL": level}
-        return subprocess.run(
-            [*cli("run", "--preload", "wcimport_pkg", "--"), sys.executable, "-c", code],
-            env=run_env,
-            capture_output=True,
-            text=True,
-            timeout=60,
-        )
+        return run_preloaded("wcimport_pkg", code, base if level is None else {**base, "VLLM_LOGGING_LEVEL": level})
 
-    start = subprocess.run(
-        cli("warm", "start", "--preload", "wcimport_pkg"), env=base, capture_output=True, text=True, timeout=60
-    )
-    assert start.returncode == 0, start.stderr
+    start_warm("wcimport_pkg", base)
     assert run(None).stdout == "None None\n"
     debug = run("DEBUG")
     assert debug.returncode == 0 and debug.stdout == "DEBUG DEBUG\n", debug.stdout + debug.stderr

@@ -176,7 +176,7 @@ def test_the_warm_process_starts_vllm_and_its_engine_process(tiny_llama: Path, s
     goes through the warm process's spawn launcher (so the engine core is forked from the warm process too), and
     the greedy tokens are a direct start's, in mode client too."""
     env = {"WEIGHTCACHE_DIR": str(socket_dir)}
-    preloads = "torch,vllm:LLM,vllm.v1.engine.core,weightcache.backends.vllm"
+    preloads = PRELOADS
     warm_cli = [sys.executable, "-m", "weightcache"]
     started = subprocess.run(
         [*warm_cli, "warm", "start", "--preload", preloads], env={**os.environ, **env}, capture_output=True, text=True
