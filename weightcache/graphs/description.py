@@ -98,7 +98,6 @@ class KernelNode:
     layout: tuple[tuple[int, int], ...] = ()
     launched_with: Literal["params", "buffer"] = "params"
     attributes: tuple[tuple[int, bytes], ...] = ()
-    kind: Literal["kernel"] = "kernel"
 
     def words(self) -> list[tuple[int, int]]:
         """``(offset, value)`` of every argument that could be a device pointer: each 8-byte, 8-aligned parameter
@@ -121,14 +120,11 @@ class MemsetNode:
     element_size: int
     width: int
     height: int
-    kind: Literal["memset"] = "memset"
 
 
 @attrs.frozen
 class EmptyNode:
     """An empty node (a join point of the graph's dependencies)."""
-
-    kind: Literal["empty"] = "empty"
 
 
 Node = KernelNode | MemsetNode | EmptyNode
