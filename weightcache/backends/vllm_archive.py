@@ -266,6 +266,13 @@ def chosen_units(
     ]
 
 
+def triton_member(name: str) -> bool:
+    """Whether archive member ``name`` lies in a Triton cache directory (``@triton/...``, inductor's
+    ``.../triton/<device>/...``, vLLM's older ``.../triton_cache/...``): a JIT-compiled kernel or launcher."""
+    parts = name.split("/")
+    return parts[0] == TRITON or "triton" in parts[:-1] or "triton_cache" in parts[:-1]
+
+
 def mirror_triton(root: Path, members: Iterable[str], triton: Path) -> dict[str, int]:
     """Copy the Triton cache entries among the files ``members`` of ``root`` into Triton's own cache directory
     ``triton``, each file only where none is; what was written (``@triton/<entry>/<file>`` -> size).
@@ -277,7 +284,7 @@ def mirror_triton(root: Path, members: Iterable[str], triton: Path) -> dict[str,
     vLLM's older inductor adaptor to the hash directory's ``triton_cache``. A start that loads the compiled model
     from that cache sets neither and looks in Triton's own directory, where they are not, and compiles them again
     (~15 s of a Llama-3-8B start on an H200). Triton names an entry by a hash of the kernel's source, Triton's
-    version, the target and the options, so the same entry is valid in either place."""
+    version, the target, the options and the ptxas version, so the same entry is valid in either place."""
     by_entry: dict[tuple[str, ...], list[str]] = {}
     for name in members:
         parts = tuple(name.split("/"))
@@ -325,6 +332,7 @@ __all__ = [
     "pack",
     "relocated",
     "triton_cache_dir",
+    "triton_member",
     "unit_of",
     "units",
     "unpack_into",

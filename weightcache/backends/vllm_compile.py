@@ -90,6 +90,7 @@ from .vllm_archive import (
     pack,
     relocated,
     triton_cache_dir,
+    triton_member,
     unit_of,
     units,
     unpack_into,
@@ -370,13 +371,6 @@ class EngineCompileCache:
 #: find its set. Past this, or after a start that wrote anything else, a start that compiles past the artifact keeps
 #: it as it is.
 ADDITIVE_GENERATIONS = 4
-
-
-def triton_member(name: str) -> bool:
-    """Whether archive member ``name`` lies in a Triton cache directory (``@triton/...``, inductor's
-    ``.../triton/<device>/...``, vLLM's older ``.../triton_cache/...``): a JIT-compiled kernel or launcher."""
-    parts = name.split("/")
-    return parts[0] == TRITON or "triton" in parts[:-1] or "triton_cache" in parts[:-1]
 
 
 def republish_refused(generation: int, written: Sequence[str], rewritten: Sequence[str]) -> bool:
