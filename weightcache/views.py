@@ -27,7 +27,7 @@ def map_entry(manifest: Manifest, fds: list[int]) -> dict[str, torch.Tensor]:
         raise ManifestError(f"manifest lists {len(manifest.segments)} segments but {len(fds)} fds arrived")
     kinds = {info.kind for info in manifest.segments}
     if len(kinds) == 1:  # every entry so far: one placement, one transport, which may map its segments together
-        bases = segments.transport(kinds.pop()).map_all(fds, manifest.segments)
+        bases = segments.transport(kinds.pop()).map_all(fds, manifest.segments, manifest.fingerprint.digest)
     else:
         bases = [segments.transport(info.kind).map(fd, info) for fd, info in zip(fds, manifest.segments)]
     try:

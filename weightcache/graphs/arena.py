@@ -109,6 +109,23 @@ class Arena:
                 f"arena {self.name!r} is full: {size} bytes asked, {self.size - start} of {self.size} left; give "
                 "it a larger size"
             )
+        self._map_to(end)
+        self.used = end
+        return self.base + start
+
+    def skip_to(self, used: int) -> None:
+        """Move the bump pointer to ``used`` bytes from the base, mapping everything before it: what a restore does
+        in place of a capture whose allocations ended there in the recording process. Raises
+        :class:`~weightcache.errors.GraphRestoreError` if ``used`` lies behind the pointer or past the range."""
+        if not self.used <= used <= self.size:
+            raise GraphRestoreError(
+                f"arena {self.name!r}: cannot move its pointer from {self.used} to {used} (size {self.size}); the "
+                "recorded layout does not fit this arena"
+            )
+        self._map_to(used)
+        self.used = used
+
+    def _map_to(self, end: int) -> None:
         while self.mapped < end:
             length = min(max(self.chunk, -(-(end - self.mapped) // self.chunk) * self.chunk), self.size - self.mapped)
             handle = self._driver.create(length, self.device)
@@ -119,8 +136,6 @@ class Arena:
                 raise
             self._chunks.append((self.base + self.mapped, length, handle))
             self.mapped += length
-        self.used = end
-        return self.base + start
 
     def free(self, address: int, size: int) -> None:
         """Note that ``size`` bytes at ``address`` are no longer used; the memory stays mapped and is not reused

@@ -103,6 +103,31 @@ class GraphDriver(Protocol):
         ...
 
 
+class RestoreDriver(GraphDriver, Protocol):
+    """What a restore needs beyond :class:`GraphDriver`: executable graphs, and modules loaded from kept images
+    (:mod:`~weightcache.graphs.cubins`)."""
+
+    def instantiate(self, graph: int) -> int:
+        """An executable graph of ``graph`` (``cuGraphInstantiateWithFlags``)."""
+        ...
+
+    def launch(self, executable: int, stream: int) -> None:
+        """Launch an executable graph on ``stream``."""
+        ...
+
+    def destroy_executable(self, executable: int) -> None:
+        """Free an executable graph (errors ignored)."""
+        ...
+
+    def load_module(self, image: bytes) -> int:
+        """A module of this process loaded from a cubin ``image`` (``cuModuleLoadData``)."""
+        ...
+
+    def module_function(self, module: int, name: str) -> int | None:
+        """The function ``name`` of ``module``; None where the module has none of that name."""
+        ...
+
+
 class _KernelParams(ctypes.Structure):
     """``CUDA_KERNEL_NODE_PARAMS_v2``."""
 
@@ -160,6 +185,11 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuGraphAddDependencies_v2": [_p, ctypes.POINTER(_p), ctypes.POINTER(_p), ctypes.c_char_p, ctypes.c_size_t],
     "cuCtxGetCurrent": [ctypes.POINTER(_p)],
     "cuGetErrorName": [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)],
+    "cuGraphInstantiateWithFlags": [ctypes.POINTER(_p), _p, ctypes.c_ulonglong],
+    "cuGraphLaunch": [_p, _p],
+    "cuGraphExecDestroy": [_p],
+    "cuModuleLoadData": [ctypes.POINTER(_p), ctypes.c_char_p],
+    "cuModuleGetFunction": [ctypes.POINTER(_p), _p, ctypes.c_char_p],
 }  # fmt: skip
 
 
@@ -331,6 +361,28 @@ class CudaGraphDriver:
         self._call("cuGraphAddEmptyNode", ctypes.byref(out), _p(graph), None, 0)
         return int(out.value or 0)
 
+    def instantiate(self, graph: int) -> int:
+        executable = _p()
+        self._call("cuGraphInstantiateWithFlags", ctypes.byref(executable), _p(graph), 0)
+        return int(executable.value or 0)
+
+    def launch(self, executable: int, stream: int) -> None:
+        self._call("cuGraphLaunch", _p(executable), _p(stream))
+
+    def destroy_executable(self, executable: int) -> None:
+        self._lib.cuGraphExecDestroy(_p(executable))
+
+    def load_module(self, image: bytes) -> int:
+        module = _p()
+        self._call("cuModuleLoadData", ctypes.byref(module), image)
+        return int(module.value or 0)
+
+    def module_function(self, module: int, name: str) -> int | None:
+        function = _p()
+        if self._lib.cuModuleGetFunction(ctypes.byref(function), _p(module), name.encode()) != 0:
+            return None
+        return int(function.value or 0)
+
     def add_edges(self, graph: int, edges: Sequence[tuple[int, int, bytes]]) -> None:
         if not edges:
             return
@@ -341,4 +393,4 @@ class CudaGraphDriver:
         self._call("cuGraphAddDependencies_v2", _p(graph), src, dst, data, n)
 
 
-__all__ = ["LAUNCH_ATTRIBUTES", "NODE_KINDS", "CudaGraphDriver", "GraphDriver"]
+__all__ = ["LAUNCH_ATTRIBUTES", "NODE_KINDS", "CudaGraphDriver", "GraphDriver", "RestoreDriver"]

@@ -89,9 +89,11 @@ class Transport(ABC):
         is not consumed: the caller still owns and closes it.
         """
 
-    def map_all(self, fds: Sequence[int], infos: Sequence[SegmentInfo]) -> list[torch.Tensor]:
+    def map_all(self, fds: Sequence[int], infos: Sequence[SegmentInfo], entry: str = "") -> list[torch.Tensor]:
         """:meth:`map` each of one entry's segments (``fds[i]`` is ``infos[i]``'s); one by one unless a
-        transport knows better. A failure leaves nothing mapped (the tensors mapped so far are dropped)."""
+        transport knows better. ``entry`` is the entry's digest, which a transport may use to place the mappings
+        (CUDA: at the entry's home addresses). A failure leaves nothing mapped (the tensors mapped so far are
+        dropped)."""
         return [self.map(fd, info) for fd, info in zip(fds, infos)]
 
     @staticmethod

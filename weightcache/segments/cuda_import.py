@@ -99,9 +99,15 @@ class Driver:
         self._check(code, "cuMemImportFromShareableHandle")
         return int(handle.value)
 
-    def reserve(self, size: int) -> int:
+    def reserve(self, size: int, address: int = 0) -> int:
+        """Reserve ``size`` bytes of address space, asking for ``address`` (0: anywhere). The address is a hint:
+        the driver may place the range elsewhere, and a driver that refuses the hint outright is asked again
+        without it; the caller compares what it got."""
         ptr = _u64()
-        self._check(self._lib.cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0), "cuMemAddressReserve")
+        code = self._lib.cuMemAddressReserve(ctypes.byref(ptr), size, 0, address, 0)
+        if code != CUDA_SUCCESS and address:
+            code = self._lib.cuMemAddressReserve(ctypes.byref(ptr), size, 0, 0, 0)
+        self._check(code, "cuMemAddressReserve")
         return int(ptr.value)
 
     def map(self, ptr: int, size: int, handle: int) -> None:
@@ -126,15 +132,16 @@ class Driver:
         self._lib.cuMemAddressFree(ptr, size)
 
 
-def map_fd(drv: Driver, fd: int, size: int, device: int, read_only: bool) -> tuple[int, bool]:
-    """Import the VMM allocation behind ``fd``, reserve ``size`` bytes of address space, map it there and
+def map_fd(drv: Driver, fd: int, size: int, device: int, read_only: bool, address: int = 0) -> tuple[int, bool]:
+    """Import the VMM allocation behind ``fd``, reserve ``size`` bytes of address space (at ``address`` if the
+    driver gives it, see :meth:`Driver.reserve`), map it there and
     give ``device`` access: read-only when ``read_only`` and the driver allows it, else read-write. Returns
     (pointer, mapped read-only); the caller unmaps with :meth:`Driver.unmap_and_free`. Releases the imported
     handle either way (the mapping holds the memory) and frees what it took on failure. Raises
     :class:`DriverError`."""
     handle = drv.import_fd(fd)
     try:
-        ptr = drv.reserve(size)
+        ptr = drv.reserve(size, address)
         try:
             drv.map(ptr, size, handle)
         except DriverError:

@@ -40,7 +40,18 @@ from . import cuda_import
 from .base import Segment, Transport
 from .dense import dense_bytes
 
+#: Where a client maps an entry's segments when the driver gives it that range: every entry has a home of
+#: :data:`HOME_SLOT` bytes in a window of :data:`HOME_SLOTS` slots from :data:`HOME_BASE`, picked by its digest, and
+#: its segments lie there one after the other. So every process that attaches an entry gets the weights at the same
+#: addresses (what a CUDA graph recorded in one process needs in the next: :mod:`weightcache.graphs`). The address
+#: is a hint the driver may not honour, and two entries of one process may share a slot: such a segment is mapped
+#: where the driver puts it, as before, and :func:`home_ranges` leaves it out.
+HOME_BASE = 0x5000_0000_0000
+HOME_SLOT = 256 << 30
+HOME_SLOTS = 64
+
 _lock = threading.Lock()
+_homes: dict[int, tuple[str, int]] = {}  # address of a segment mapped at its home -> (range name, size)
 _placements: dict[str, int] = {}
 _rdma: dict[int, bool] = {}  # device index -> GPUDirect RDMA with VMM supported, queried once per device
 
@@ -65,6 +76,29 @@ def _check(result: tuple[Any, ...], what: str) -> Any:
     if len(result) == 1:
         return None
     return result[1] if len(result) == 2 else result[1:]
+
+
+def home_addresses(entry: str, sizes: Sequence[int]) -> list[int]:
+    """The home address of each segment of the entry whose digest is ``entry`` (0 for none: an entry larger
+    than :data:`HOME_SLOT`, or a digest that is no hex)."""
+    try:
+        slot = int(entry[:16], 16) % HOME_SLOTS
+    except ValueError:
+        return [0] * len(sizes)
+    if sum(sizes) > HOME_SLOT:
+        return [0] * len(sizes)
+    at, homes = HOME_BASE + slot * HOME_SLOT, []
+    for size in sizes:
+        homes.append(at)
+        at += size
+    return homes
+
+
+def home_ranges() -> list[tuple[str, int, int]]:
+    """``(name, address, size)`` of every segment this process has mapped at its home address now: the weights
+    a recorded CUDA graph may point at. Names are ``weights/<digest[:16]>/<segment index>``."""
+    with _lock:
+        return sorted((name, address, size) for address, (name, size) in _homes.items())
 
 
 def placement_of(index: int) -> str:
@@ -183,11 +217,17 @@ class _Mapping:
     when the last one goes, this object is collected and unmaps and frees the address range.
     """
 
-    def __init__(self, ptr: int, size: int, index: int, driver: cuda_import.Driver | None = None) -> None:
+    def __init__(
+        self, ptr: int, size: int, index: int, driver: cuda_import.Driver | None = None, home: str = ""
+    ) -> None:
         self.ptr = ptr
         self.size = size
         self.index = index
         self._ctypes = driver  # the ctypes driver that mapped it, or None: cuda-bindings did
+        self._home = home
+        if home:
+            with _lock:
+                _homes[ptr] = (home, size)
         self.__cuda_array_interface__ = {
             "shape": (size,),
             "typestr": "|u1",
@@ -199,6 +239,9 @@ class _Mapping:
     def release(self) -> None:
         if self.ptr:
             ptr, self.ptr = self.ptr, 0
+            if self._home:
+                with _lock:
+                    _homes.pop(ptr, None)
             if self._ctypes is not None:
                 self._ctypes.unmap_and_free(ptr, self.size)
                 return
@@ -213,10 +256,14 @@ class _Mapping:
             pass
 
 
-def _map(handle: Any, size: int, index: int, read_only: bool) -> tuple[int, bool]:
-    """Reserve address space, map ``handle`` and set access. Returns (pointer, mapped read-only)."""
+def _map(handle: Any, size: int, index: int, read_only: bool, address: int = 0) -> tuple[int, bool]:
+    """Reserve address space (asking for ``address``, a hint), map ``handle`` and set access. Returns (pointer,
+    mapped read-only)."""
     cu = _driver()
-    ptr = int(_check(cu.cuMemAddressReserve(size, 0, 0, 0), "cuMemAddressReserve"))
+    result = cu.cuMemAddressReserve(size, 0, address, 0)
+    if result[0] != cu.CUresult.CUDA_SUCCESS and address:
+        result = cu.cuMemAddressReserve(size, 0, 0, 0)
+    ptr = int(_check(result, "cuMemAddressReserve"))
     try:
         _check(cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
     except SegmentError:
@@ -338,26 +385,37 @@ class CudaVmmTransport(Transport):
     def map(self, fd: int, info: SegmentInfo) -> torch.Tensor:
         return self.map_checked(fd, info)[0]
 
-    def map_all(self, fds: Sequence[int], infos: Sequence[SegmentInfo]) -> list[torch.Tensor]:
+    def map_all(self, fds: Sequence[int], infos: Sequence[SegmentInfo], entry: str = "") -> list[torch.Tensor]:
+        """Each segment at its home address (:func:`home_addresses`) where the driver gives it, else anywhere."""
+        homes = home_addresses(entry, [info.size for info in infos]) if entry else [0] * len(infos)
+        names = [f"weights/{entry[:16]}/{i}" for i in range(len(infos))]
+
+        def one(args: tuple[int, SegmentInfo, int, str]) -> torch.Tensor:
+            return self.map_checked(args[0], args[1], args[2], args[3])[0]
+
+        jobs = list(zip(fds, infos, homes, names))
         threads = min(len(fds), map_threads())
         if threads <= 1:
-            return super().map_all(fds, infos)
+            return [one(job) for job in jobs]
         with ThreadPoolExecutor(max_workers=threads, thread_name_prefix="weightcache-map") as pool:
-            return list(pool.map(self.map, fds, infos))
+            return list(pool.map(one, jobs))
 
-    def map_checked(self, fd: int, info: SegmentInfo) -> tuple[torch.Tensor, bool]:
+    def map_checked(self, fd: int, info: SegmentInfo, address: int = 0, name: str = "") -> tuple[torch.Tensor, bool]:
         """:meth:`map`, also saying whether the mapping is read-only (False when ``WEIGHTCACHE_CUDA_WRITABLE``
         asked for writable mappings, or the driver refused read-only access and the segment was mapped
-        read-write instead)."""
+        read-write instead). With ``address``, the mapping is asked for there; if it lands there, it counts among
+        :func:`home_ranges` as ``name``."""
         index = device_index(info.placement)
         drv = cuda_import.driver()  # ctypes: importing cuda-bindings would cost a restarted engine 10-15 ms
         with _on_device(index):
             if drv is not None:
                 try:
-                    ptr, read_only = cuda_import.map_fd(drv, fd, info.size, index, read_only_mappings())
+                    ptr, read_only = cuda_import.map_fd(drv, fd, info.size, index, read_only_mappings(), address)
                 except cuda_import.DriverError as exc:
                     raise SegmentError(f"cannot map a segment of {info.placement}: {exc}") from exc
-                return torch.as_tensor(_Mapping(ptr, info.size, index, drv), device=f"cuda:{index}"), read_only
+                home = name if address and ptr == address and name else ""
+                mapping = _Mapping(ptr, info.size, index, drv, home)
+                return torch.as_tensor(mapping, device=f"cuda:{index}"), read_only
             cu = _driver()
             handle = _check(
                 cu.cuMemImportFromShareableHandle(
@@ -366,10 +424,11 @@ class CudaVmmTransport(Transport):
                 "cuMemImportFromShareableHandle",
             )
             try:
-                ptr, read_only = _map(handle, info.size, index, read_only=read_only_mappings())
+                ptr, read_only = _map(handle, info.size, index, read_only_mappings(), address)
             finally:
                 cu.cuMemRelease(handle)  # the mapping holds the memory from here on
-            return torch.as_tensor(_Mapping(ptr, info.size, index), device=f"cuda:{index}"), read_only
+            home = name if address and ptr == address and name else ""
+            return torch.as_tensor(_Mapping(ptr, info.size, index, home=home), device=f"cuda:{index}"), read_only
 
 
 def map_threads() -> int:

@@ -1,0 +1,267 @@
+"""CUDA graphs restored instead of captured (issue 31), plain PyTorch, in fresh processes.
+
+A stack of Llama-shaped MLP blocks (RMSNorm, gate/up/down projections, SiLU; bf16) is saved as a safetensors
+checkpoint; a keeper holds its weights. Then, each a fresh process that attaches the weights from the keeper:
+
+- ``record``: keeps kernel images, captures one graph per batch size through a GraphCache and publishes them;
+- ``plain``: captures the same graphs the usual way (a warm-up call on a side stream, then ``torch.cuda.graph``),
+  into torch's own pool: the baseline;
+- ``restore``: the same calls through a GraphCache, which rebuilds each graph from the keeper's artifact.
+
+Each replays every graph on the same inputs and reports the SHA-256 of each output, the time of its graph phase
+(from the first graph asked for to the last one ready, synchronized) and of the whole process. The parent runs
+``record`` once, then ``plain`` and ``restore`` alternately ``--repeat`` times, and prints medians::
+
+    python benchmarks/graph_restore.py bench --layers 16 --sizes 1 2 4 8 16 32 64 128 --repeat 3 --json out.json
+
+``--variant shift`` (restore only) asks for one more static input before the graphs, so that the graphs' memory
+would start at another arena offset; ``--variant home-taken`` reserves the weights' home address range before
+attaching, so that the weights land elsewhere. Both must capture instead of restoring.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+STARTED = time.perf_counter()
+
+import torch  # noqa: E402
+from torch import nn  # noqa: E402
+
+
+class Block(nn.Module):
+    def __init__(self, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.norm = nn.Parameter(torch.ones(hidden))
+        self.gate = nn.Linear(hidden, inter, bias=False)
+        self.up = nn.Linear(hidden, inter, bias=False)
+        self.down = nn.Linear(inter, hidden, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        h = (h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + 1e-6)).to(x.dtype) * self.norm
+        return x + self.down(nn.functional.silu(self.gate(h)) * self.up(h))
+
+
+class Model(nn.Module):
+    def __init__(self, layers: int, hidden: int, inter: int) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(Block(hidden, inter) for _ in range(layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        for block in self.blocks:
+            x = block(x)
+        return x
+
+
+def write_checkpoint(path: Path, layers: int, hidden: int, inter: int) -> None:
+    from safetensors.torch import save_file
+
+    torch.manual_seed(0)
+    model = Model(layers, hidden, inter).to(torch.bfloat16)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.02) if p.dim() > 1 else p.fill_(1.0)
+    path.mkdir(parents=True, exist_ok=True)
+    save_file(model.state_dict(), str(path / "model.safetensors"))
+    (path / "config.json").write_text(json.dumps({"layers": layers, "hidden": hidden, "inter": inter}))
+
+
+def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
+    import weightcache as wc
+    from weightcache.segments import cuda_import, cuda_vmm
+    from weightcache.torch_graphs import GraphCache, keep_kernel_images
+
+    imported = time.perf_counter() - STARTED
+    if role != "plain":
+        keep_kernel_images()  # before the first kernel: the load below runs some
+    torch.cuda.init()
+    ckpt, socket_dir = spec["checkpoint"], spec["socket_dir"]
+    config = json.loads((Path(ckpt) / "config.json").read_text())
+    taken = 0
+    if spec.get("variant") == "home-taken":
+        [entry] = wc.Cache(socket_dir=socket_dir).entries()
+        home = cuda_vmm.home_addresses(entry.digest, [2 << 20])[0]
+        torch.cuda.current_stream()
+        drv = cuda_import.driver()
+        assert drv is not None
+        taken = drv.reserve(2 << 20, home)
+    with torch.device("meta"):
+        model = Model(config["layers"], config["hidden"], config["inter"]).to(torch.bfloat16)
+    t = time.perf_counter()
+    mode = "daemon" if role == "record" else "client"
+    handle = wc.attach(model, ckpt, mode=mode, device="cuda:0", socket_dir=socket_dir)
+    attach_s = time.perf_counter() - t
+    sizes = spec["sizes"]
+    hidden = config["hidden"]
+    torch.cuda.synchronize()
+    graph_start = time.perf_counter()
+    graphs: list[Any] = []
+    inputs: list[torch.Tensor] = []
+    cache = None
+    with torch.no_grad():
+        if role == "plain":
+            pool = torch.cuda.graph_pool_handle()
+            for b in sizes:
+                x = torch.empty((b, hidden), dtype=torch.bfloat16, device="cuda")
+                side = torch.cuda.Stream()
+                side.wait_stream(torch.cuda.current_stream())
+                with torch.cuda.stream(side):
+                    model(x)
+                torch.cuda.current_stream().wait_stream(side)
+                g = torch.cuda.CUDAGraph()
+                with torch.cuda.graph(g, pool=pool):
+                    out = model(x)
+                graphs.append((g, (out,)))
+                inputs.append(x)
+        else:
+            cache = GraphCache(
+                handle, {"benchmark": "graph_restore", **config, "sizes": sizes}, device="cuda:0", socket_dir=socket_dir
+            )
+            if spec.get("variant") == "shift":
+                cache.empty((1024,), torch.bfloat16)
+            for b in sizes:
+                x = cache.empty((b, hidden), torch.bfloat16)
+                g = cache.graph(f"b{b}", lambda x=x: model(x))
+                graphs.append((g, g.outputs))
+                inputs.append(x)
+        torch.cuda.synchronize()
+        graph_s = time.perf_counter() - graph_start
+        published = cache.publish() if cache is not None and role == "record" else False
+        digests = []
+        for b, x, (g, outputs) in zip(sizes, inputs, graphs):
+            gen = torch.Generator().manual_seed(b)
+            x.copy_(torch.randn(x.shape, generator=gen).to(torch.bfloat16))
+            g.replay()
+            torch.cuda.synchronize()
+            digests.append(
+                hashlib.sha256(outputs[0].contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()
+            )
+    result = {
+        "role": role,
+        "variant": spec.get("variant"),
+        "imported_s": imported,
+        "attach_s": attach_s,
+        "weights": handle.source,
+        "graph_s": graph_s,
+        "total_s": time.perf_counter() - STARTED,
+        "digests": digests,
+        "restored": [getattr(g, "restored", False) for g, _ in graphs],
+        "reasons": [getattr(g, "reason", None) for g, _ in graphs],
+        "recorded": [getattr(g, "recorded", False) for g, _ in graphs],
+        "record_problems": [getattr(g, "record_problem", None) for g, _ in graphs],
+        "graph_ms": [getattr(g, "seconds", 0.0) * 1e3 for g, _ in graphs],
+        "cache_reason": cache.reason if cache is not None else None,
+        "published": published,
+        "home_ranges": len(cuda_vmm.home_ranges()),
+        "home_taken": taken,
+        "kept_images": keep_kernel_images().counts() if role != "plain" else None,
+    }
+    handle.close()
+    return result
+
+
+def run_child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
+    env = dict(os.environ)
+    out = subprocess.run(
+        [sys.executable, __file__, "child", role, json.dumps(spec)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=600,
+    )
+    if out.returncode != 0:
+        raise RuntimeError(f"{role} failed ({out.returncode}):\n{out.stderr[-6000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def bench(args: argparse.Namespace) -> dict[str, Any]:
+    work = Path(tempfile.mkdtemp(prefix="wc-graphs-"))
+    ckpt, socket_dir = work / "ckpt", work / "sock"
+    write_checkpoint(ckpt, args.layers, args.hidden, args.inter)
+    subprocess.run(
+        [sys.executable, "-m", "weightcache", "serve", "--detach", "--socket-dir", str(socket_dir)],
+        check=True,
+        capture_output=True,
+        timeout=60,
+    )
+    spec = {"checkpoint": str(ckpt), "socket_dir": str(socket_dir), "sizes": args.sizes}
+    runs: list[dict[str, Any]] = []
+    try:
+        runs.append(run_child("record", spec))
+        for _ in range(args.repeat):
+            runs.append(run_child("plain", spec))
+            runs.append(run_child("restore", spec))
+        for variant in args.variants:
+            runs.append(run_child("restore", {**spec, "variant": variant}))
+    finally:
+        subprocess.run(
+            [sys.executable, "-m", "weightcache", "stop", "--socket-dir", str(socket_dir)],
+            capture_output=True,
+            timeout=60,
+        )
+    plain = [r for r in runs if r["role"] == "plain"]
+    restore = [r for r in runs if r["role"] == "restore" and not r["variant"]]
+    reference = runs[0]["digests"]
+    summary = {
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+        "device": torch.cuda.get_device_name(0),
+        "torch": torch.__version__,
+        "layers": args.layers,
+        "hidden": args.hidden,
+        "inter": args.inter,
+        "sizes": args.sizes,
+        "record_graph_s": runs[0]["graph_s"],
+        "plain_graph_s_median": statistics.median(r["graph_s"] for r in plain) if plain else None,
+        "restore_graph_s_median": statistics.median(r["graph_s"] for r in restore) if restore else None,
+        "plain_total_s_median": statistics.median(r["total_s"] for r in plain) if plain else None,
+        "restore_total_s_median": statistics.median(r["total_s"] for r in restore) if restore else None,
+        "all_restored": all(all(r["restored"]) for r in restore),
+        "outputs_equal": all(r["digests"] == reference for r in runs),
+        "runs": runs,
+    }
+    if summary["plain_graph_s_median"] and summary["restore_graph_s_median"]:
+        summary["ratio"] = summary["restore_graph_s_median"] / summary["plain_graph_s_median"]
+    return summary
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", required=True)
+    b = sub.add_parser("bench")
+    b.add_argument("--layers", type=int, default=16)
+    b.add_argument("--hidden", type=int, default=2048)
+    b.add_argument("--inter", type=int, default=5632)
+    b.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
+    b.add_argument("--repeat", type=int, default=3)
+    b.add_argument("--variants", nargs="*", default=[], choices=["shift", "home-taken"])
+    b.add_argument("--json", type=Path)
+    c = sub.add_parser("child")
+    c.add_argument("role", choices=["record", "plain", "restore"])
+    c.add_argument("spec")
+    args = parser.parse_args()
+    if args.command == "child":
+        print(json.dumps(child(args.role, json.loads(args.spec))), flush=True)
+        return 0
+    summary = bench(args)
+    if args.json:
+        args.json.write_text(json.dumps(summary, indent=1))
+    short = {k: v for k, v in summary.items() if k != "runs"}
+    for r in summary["runs"]:
+        print(json.dumps({k: r[k] for k in ("role", "variant", "graph_s", "total_s", "restored", "cache_reason")}))
+    print(json.dumps(short, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

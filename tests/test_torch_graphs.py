@@ -1,0 +1,164 @@
+"""CUDA graphs restored instead of captured (weightcache/torch_graphs.py, graphs/bundle.py, graphs/cubins.py).
+
+On the CPU: the artifact's format (every malformed blob refused with the field named), the kernel names a cubin
+defines (an ELF file made here), the weights' home addresses. On a GPU (``cuda``): fresh processes that record
+a model's graphs and restore them, bitwise equal to a plain capture, and two that must capture instead because one
+address would differ.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import struct
+from typing import Any
+
+import pytest
+from conftest import benchmark
+
+from weightcache.errors import GraphDescriptionError
+from weightcache.graphs.bundle import MAGIC, GraphBundle, GraphRecord, Output
+from weightcache.graphs.check import AddressRange
+from weightcache.graphs.cubins import kernel_names
+from weightcache.graphs.description import Edge, EmptyNode, GraphDescription, KernelNode, MemsetNode
+from weightcache.segments.cuda_vmm import HOME_BASE, HOME_SLOT, HOME_SLOTS, home_addresses
+
+
+def elf(symbols: list[tuple[str, int, int]]) -> bytes:
+    """A 64-bit little-endian ELF file whose symbol table holds ``(name, type, binding)`` symbols, each defined in
+    section 3 (``.text``); what the CUDA driver loads is such a file (a cubin)."""
+    strtab = b"\0" + b"".join(name.encode() + b"\0" for name, _, _ in symbols)
+    syms = bytes(24)  # the null symbol
+    at = 1
+    for name, kind, binding in symbols:
+        syms += struct.pack("<IBBHQQ", at, (binding << 4) | kind, 0, 3, 0, 0)
+        at += len(name) + 1
+    text = b"\0" * 16
+    header_size, section_size = 64, 64
+    body = syms + strtab + text
+    shoff = header_size + len(body)
+    ident = b"\x7fELF" + bytes([2, 1, 1]) + bytes(9)
+    header = ident + struct.pack("<HHIQQQIHHHHHH", 2, 190, 1, 0, 0, shoff, 0, 64, 0, 0, section_size, 4, 0)
+    offsets = (header_size, header_size + len(syms), header_size + len(syms) + len(strtab))
+    sections = bytes(64)
+    sections += struct.pack("<IIQQQQIIQQ", 0, 2, 0, 0, offsets[0], len(syms), 2, 1, 8, 24)  # .symtab -> .strtab
+    sections += struct.pack("<IIQQQQIIQQ", 0, 3, 0, 0, offsets[1], len(strtab), 0, 0, 1, 0)  # .strtab
+    sections += struct.pack("<IIQQQQIIQQ", 0, 1, 6, 0, offsets[2], len(text), 0, 0, 16, 0)  # .text
+    return header + body + sections
+
+
+def test_the_kernels_a_cubin_defines_are_its_global_functions() -> None:
+    image = elf([("_Z6kernelPf", 2, 1), ("_Z6helperPf", 2, 0), ("weak_kernel", 2, 2), ("a_global", 1, 1)])
+    assert kernel_names(image) == {"_Z6kernelPf", "weak_kernel"}
+
+
+@pytest.mark.parametrize(
+    "image",
+    [b"", b"\x7fELF", b"not an elf file at all" * 4, elf([("k", 2, 1)])[:80], elf([("k", 2, 1)])[:-70]],
+    ids=["empty", "magic-only", "no-elf", "cut-header", "cut-sections"],
+)
+def test_anything_but_a_whole_elf_file_defines_no_kernel(image: bytes) -> None:
+    assert kernel_names(image) == set()
+
+
+def bundle() -> GraphBundle:
+    image = elf([("gemm", 2, 1), ("gelu", 2, 1)])
+    digest = hashlib.sha256(image).hexdigest()
+    kernel = KernelNode("gemm", (4, 1, 1), (128, 1, 1), 0, struct.pack("<QQ", 0x6000_0000_0200, 7), ((0, 8), (8, 8)))
+    gelu = KernelNode("gelu", (1, 1, 1), (64, 1, 1), 16, bytes(1720), launched_with="buffer")
+    memset = MemsetNode(0x6000_0000_0000, 0, 0, 4, 16, 1)
+    description = GraphDescription((kernel, gelu, memset, EmptyNode()), (Edge(0, 1), Edge(1, 3, bytes([1] + [0] * 7))))
+    record = GraphRecord(
+        "b8",
+        0,
+        2 << 20,
+        description,
+        (Output(0x6000_0000_0200, "bfloat16", (8, 16), (16, 1)),),
+        {"gemm": digest, "gelu": digest},
+    )
+    ranges = (AddressRange("graphs", 0x6000_0000_0000, 64 << 30), AddressRange("weights/abc/0", 0x5000_0000_0000, 4096))
+    return GraphBundle(ranges, (record,), {digest: image})
+
+
+def test_a_bundle_comes_back_from_its_bytes_as_it_went_in() -> None:
+    original = bundle()
+    assert GraphBundle.from_bytes(original.to_bytes()) == original
+
+
+def header_and_images(blob: bytes) -> tuple[dict[str, Any], bytes]:
+    (length,) = struct.unpack_from("<Q", blob, len(MAGIC))
+    start = len(MAGIC) + 8
+    return json.loads(blob[start : start + length]), blob[start + length :]
+
+
+def rebuilt(header: dict[str, Any], images: bytes) -> bytes:
+    text = json.dumps(header).encode()
+    return MAGIC + struct.pack("<Q", len(text)) + text + images
+
+
+def edit(change: Any) -> bytes:
+    header, images = header_and_images(bundle().to_bytes())
+    result = change(header, images)
+    return result if isinstance(result, bytes) else rebuilt(header, images)
+
+
+@pytest.mark.parametrize(
+    ("change", "field"),
+    [
+        (lambda h, i: b"NOTGRAPH" + bytes(16), "the blob"),
+        (lambda h, i: MAGIC + struct.pack("<Q", 1 << 40) + b"{}", "the header length"),
+        (lambda h, i: MAGIC + struct.pack("<Q", 3) + b"{x}", "the header"),
+        (lambda h, i: h.update(format=99), "format"),
+        (lambda h, i: h["images"][0].update(sha256="0" * 64), "image 0 sha256"),
+        (lambda h, i: h["images"][0].update(size=1 << 30), "image 0"),
+        (lambda h, i: h["graphs"][0]["kernels"].pop("gelu"), "graph 0 kernels"),
+        (lambda h, i: h["graphs"][0]["kernels"].update(gemm="f" * 64), "graph 'b8' kernels"),
+        (lambda h, i: h["graphs"][0].update(end=0, start=5), "graph 0 end"),
+        (lambda h, i: h["graphs"][0]["outputs"][0].update(dtype="complex512"), "graph 0 output 0 dtype"),
+        (lambda h, i: h["graphs"][0]["outputs"][0].update(stride=[1]), "graph 0 output 0 shape and stride"),
+        (lambda h, i: h["graphs"][0]["description"]["nodes"][0].update(grid=[1, 2]), "node 0 grid"),
+        (lambda h, i: h["ranges"][0].update(base=-1), "base"),
+        (lambda h, i: h["graphs"][0].update(name=""), "graph 0 name"),
+    ],
+    ids=lambda v: v if isinstance(v, str) else "",
+)
+def test_a_malformed_artifact_is_refused_naming_the_field(change: Any, field: str) -> None:
+    with pytest.raises(GraphDescriptionError, match="must be") as info:
+        GraphBundle.from_bytes(edit(change))
+    assert field in str(info.value)
+
+
+def test_every_entry_has_one_home_and_its_segments_lie_back_to_back() -> None:
+    digest = hashlib.sha256(b"weights").hexdigest()
+    homes = home_addresses(digest, [2 << 20, 4 << 20, 2 << 20])
+    assert homes == home_addresses(digest, [2 << 20, 4 << 20, 2 << 20])
+    slot = int(digest[:16], 16) % HOME_SLOTS
+    assert homes == [HOME_BASE + slot * HOME_SLOT + o for o in (0, 2 << 20, 6 << 20)]
+    assert home_addresses(digest, [HOME_SLOT, 2 << 20]) == [0, 0]  # larger than a slot: no home
+    assert home_addresses("not-hex", [2 << 20]) == [0]
+
+
+# -- on a GPU: fresh processes ---------------------------------------------------------------------------------
+
+
+def bench_runs(*variants: str) -> dict[str, Any]:
+    graph_restore = benchmark("graph_restore")
+    args = type("Args", (), {"layers": 2, "hidden": 1024, "inter": 2816, "sizes": [1, 8, 32], "repeat": 1,
+                             "variants": list(variants)})  # fmt: skip
+    result: dict[str, Any] = graph_restore.bench(args)
+    return result
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_fresh_process_restores_every_graph_and_replays_bitwise_equal_to_a_capture() -> None:
+    result = bench_runs("shift", "home-taken")
+    record, plain, restore, shift, taken = result["runs"]
+    assert record["published"] and record["weights"] == "cache" and record["home_ranges"] >= 1, record
+    assert not any(record["restored"]) and record["recorded"] == [True] * 3, record
+    assert restore["restored"] == [True] * 3, restore
+    assert restore["digests"] == plain["digests"] == record["digests"], [r["digests"] for r in result["runs"]]
+    assert result["outputs_equal"], [r["digests"] for r in result["runs"]]
+    # one address that would differ: the graphs' memory at another arena offset, the weights away from their home
+    assert shift["restored"] == [False] * 3 and "arena offset" in (shift["reasons"][0] or ""), shift
+    assert taken["home_taken"] and taken["restored"] == [False] * 3, taken
+    assert "weights/" in (taken["reasons"][0] or ""), taken

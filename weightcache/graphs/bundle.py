@@ -1,0 +1,212 @@
+"""The ``cuda.graphs`` artifact: the recorded graphs of one model and the machine code of their kernels, as bytes.
+
+A :class:`GraphBundle` holds, in recording order, each graph's :class:`GraphRecord` (its name, its description,
+where in the graph arena its memory lies, its outputs) and the address ranges the recording process reproduced
+(the arena, the weights at their home addresses), plus one cubin image per module that defines a kernel of them
+(:mod:`~weightcache.graphs.cubins`), by SHA-256.
+
+:meth:`GraphBundle.to_bytes` writes ``MAGIC``, the length of a JSON header, the header, and the images one after
+the other; :meth:`GraphBundle.from_bytes` reads that back with every field and every length checked, and each
+image's SHA-256 recomputed, so a blob from the keeper is never more than data (no pickle). Anything malformed is
+a :class:`~weightcache.errors.GraphDescriptionError`.
+
+Layer L3; imports no torch.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+import struct
+from collections.abc import Mapping
+from typing import Any
+
+import attrs
+
+from ..dtypes import DTYPES
+from ..errors import GraphDescriptionError
+from .check import AddressRange
+from .description import GraphDescription
+
+MAGIC = b"WCGRAPH1"
+#: The format of the JSON header.
+FORMAT = 1
+_SHA = re.compile(r"[0-9a-f]{64}")
+_U64 = 2**64
+
+
+def _fail(where: str, expected: str, found: object) -> GraphDescriptionError:
+    return GraphDescriptionError(
+        f"graph artifact: {where} must be {expected}, found {found!r:.80}; the artifact is not used (the graphs are "
+        "captured as usual and a new artifact is published)"
+    )
+
+
+def _int(value: object, where: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _U64:
+        raise _fail(where, "an integer in [0, 2**64)", value)
+    return value
+
+
+def _str(value: object, where: str) -> str:
+    if not isinstance(value, str) or not value or len(value) > 4096:
+        raise _fail(where, "a non-empty string", value)
+    return value
+
+
+def _object(value: object, where: str, names: tuple[str, ...]) -> Mapping[str, Any]:
+    if not isinstance(value, Mapping):
+        raise _fail(where, "an object", value)
+    missing = [n for n in names if n not in value]
+    if missing:
+        raise _fail(where, f"an object with {', '.join(names)}", f"no {', '.join(missing)}")
+    return value
+
+
+def _list(value: object, where: str) -> list[Any]:
+    if not isinstance(value, list):
+        raise _fail(where, "a list", value)
+    return value
+
+
+@attrs.frozen
+class Output:
+    """One tensor a graph returns: where it lies (an address in the arena) and what it is."""
+
+    address: int
+    dtype: str
+    shape: tuple[int, ...]
+    stride: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        return {"address": self.address, "dtype": self.dtype, "shape": list(self.shape), "stride": list(self.stride)}
+
+    @classmethod
+    def from_json(cls, raw: object, where: str) -> Output:
+        f = _object(raw, where, ("address", "dtype", "shape", "stride"))
+        if f["dtype"] not in DTYPES:
+            raise _fail(f"{where} dtype", "a dtype weightcache knows", f["dtype"])
+        shape = tuple(_int(v, f"{where} shape") for v in _list(f["shape"], f"{where} shape"))
+        stride = tuple(_int(v, f"{where} stride") for v in _list(f["stride"], f"{where} stride"))
+        if len(shape) != len(stride) or len(shape) > 64:
+            raise _fail(f"{where} shape and stride", "of one length (at most 64)", (shape, stride))
+        return cls(_int(f["address"], f"{where} address"), f["dtype"], shape, stride)
+
+
+@attrs.frozen
+class GraphRecord:
+    """One recorded graph.
+
+    Attributes:
+        name: what the caller named it (e.g. ``"batch-8"``).
+        start, end: the graph arena's bump pointer before and after its capture (its memory lies in between, and
+            a restore reproduces exactly that).
+        description: its nodes and edges.
+        outputs: the tensors it returns, in order.
+        kernels: kernel name -> SHA-256 of the image that defines it.
+    """
+
+    name: str
+    start: int
+    end: int
+    description: GraphDescription
+    outputs: tuple[Output, ...]
+    kernels: Mapping[str, str]
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "start": self.start,
+            "end": self.end,
+            "description": self.description.to_json(),
+            "outputs": [o.to_json() for o in self.outputs],
+            "kernels": dict(sorted(self.kernels.items())),
+        }
+
+    @classmethod
+    def from_json(cls, raw: object, where: str) -> GraphRecord:
+        f = _object(raw, where, ("name", "start", "end", "description", "outputs", "kernels"))
+        start, end = _int(f["start"], f"{where} start"), _int(f["end"], f"{where} end")
+        if end < start:
+            raise _fail(f"{where} end", f"at least its start ({start})", end)
+        description = GraphDescription.from_json(f["description"])
+        kernels = f["kernels"]
+        if not isinstance(kernels, Mapping) or not all(
+            isinstance(k, str) and isinstance(v, str) and _SHA.fullmatch(v) for k, v in kernels.items()
+        ):
+            raise _fail(f"{where} kernels", "an object of kernel name -> SHA-256", kernels)
+        missing = sorted(description.kernels() - set(kernels))
+        if missing:
+            raise _fail(f"{where} kernels", "an image for every kernel of the graph", f"none for {missing[0][:80]}")
+        outputs = tuple(Output.from_json(o, f"{where} output {i}") for i, o in enumerate(_list(f["outputs"], where)))
+        return cls(_str(f["name"], f"{where} name"), start, end, description, outputs, dict(kernels))
+
+
+@attrs.frozen
+class GraphBundle:
+    """The recorded graphs of one model (see the module's text)."""
+
+    ranges: tuple[AddressRange, ...]
+    graphs: tuple[GraphRecord, ...]
+    images: Mapping[str, bytes] = attrs.field(factory=dict)
+
+    def to_bytes(self) -> bytes:
+        order = sorted(self.images)
+        offsets, at = [], 0
+        for digest in order:
+            offsets.append({"sha256": digest, "offset": at, "size": len(self.images[digest])})
+            at += len(self.images[digest])
+        header = json.dumps(
+            {
+                "format": FORMAT,
+                "ranges": [{"name": r.name, "base": r.base, "size": r.size} for r in self.ranges],
+                "graphs": [g.to_json() for g in self.graphs],
+                "images": offsets,
+            },
+            separators=(",", ":"),
+        ).encode()
+        return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *(self.images[d] for d in order)])
+
+    @classmethod
+    def from_bytes(cls, blob: bytes) -> GraphBundle:
+        """What :meth:`to_bytes` wrote, every field checked; :class:`GraphDescriptionError` otherwise."""
+        if len(blob) < len(MAGIC) + 8 or blob[: len(MAGIC)] != MAGIC:
+            raise _fail("the blob", f"a graph artifact starting with {MAGIC!r}", blob[:16])
+        (length,) = struct.unpack_from("<Q", blob, len(MAGIC))
+        body = len(MAGIC) + 8
+        if length > len(blob) - body:
+            raise _fail("the header length", f"at most {len(blob) - body}", length)
+        try:
+            top = json.loads(blob[body : body + length])
+        except (UnicodeDecodeError, ValueError) as exc:
+            raise _fail("the header", "JSON", str(exc)) from None
+        top = _object(top, "the header", ("format", "ranges", "graphs", "images"))
+        if top["format"] != FORMAT:
+            raise _fail("format", str(FORMAT), top["format"])
+        ranges = []
+        for i, raw in enumerate(_list(top["ranges"], "ranges")):
+            r = _object(raw, f"range {i}", ("name", "base", "size"))
+            ranges.append(
+                AddressRange(_str(r["name"], f"range {i} name"), _int(r["base"], "base"), _int(r["size"], "size"))
+            )
+        data = memoryview(blob)[body + length :]
+        images: dict[str, bytes] = {}
+        for i, raw in enumerate(_list(top["images"], "images")):
+            m = _object(raw, f"image {i}", ("sha256", "offset", "size"))
+            offset, size = _int(m["offset"], f"image {i} offset"), _int(m["size"], f"image {i} size")
+            if offset + size > len(data):
+                raise _fail(f"image {i}", f"within the {len(data)} bytes after the header", (offset, size))
+            image = bytes(data[offset : offset + size])
+            if hashlib.sha256(image).hexdigest() != m["sha256"]:
+                raise _fail(f"image {i} sha256", "the SHA-256 of its bytes", m["sha256"])
+            images[m["sha256"]] = image
+        graphs = tuple(GraphRecord.from_json(g, f"graph {i}") for i, g in enumerate(_list(top["graphs"], "graphs")))
+        for g in graphs:
+            absent = sorted(set(g.kernels.values()) - set(images))
+            if absent:
+                raise _fail(f"graph {g.name!r} kernels", "images the artifact holds", absent[0])
+        return cls(tuple(ranges), graphs, images)
+
+
+__all__ = ["FORMAT", "MAGIC", "GraphBundle", "GraphRecord", "Output"]

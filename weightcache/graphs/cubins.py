@@ -1,0 +1,211 @@
+"""The machine code of a graph's kernels, kept so that a fresh process gets their function handles without running
+the model (issue 31).
+
+A rebuilt graph node needs a function handle of the restoring process. Kernels have no public names to look up:
+torch's are not in its libraries' symbol tables under their device names, and each of cuBLAS's GEMMs sits alone in
+its module (docs/architecture.md, measured on an H200). What a process can do instead is keep the image of every
+module the CUDA driver loads while a graph is recorded (CUPTI's module-loaded callback hands it over: the cubin, an
+ELF file), and a later process loads those images itself (``cuModuleLoadData``) and asks each for its kernels by
+name (``cuModuleGetFunction``). The function is the same machine code; the module is the restoring process's own
+copy. A kernel that reads a module variable its library writes at run time would read the variable's initial
+value there: :class:`~weightcache.torch_graphs.GraphCache` therefore replays a graph rebuilt from these copies
+beside the captured graph before it records it, and records it only if the two give the same bytes.
+
+- :func:`kernel_names`: the kernels an image defines (its ELF symbol table; no GPU needed).
+- :class:`CubinRecorder`: CUPTI's module-loaded callback, through ``ctypes`` on ``libcupti``; every image loaded
+  while it is subscribed, by SHA-256, and which image defines each kernel name.
+
+Layer L3; imports no torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import glob
+import hashlib
+import logging
+import os
+import struct
+import sys
+import threading
+
+from ..errors import GraphRestoreError
+
+log = logging.getLogger("weightcache.graphs")
+
+_ELF_MAGIC = b"\x7fELF"
+_SHT_SYMTAB = 2
+_STT_FUNC = 2
+_STB_GLOBAL, _STB_WEAK = 1, 2
+
+
+def kernel_names(image: bytes) -> set[str]:
+    """The global functions an ELF cubin defines (each kernel is one, in its own ``.text.<name>`` section).
+    Empty for anything that is not a 64-bit little-endian ELF file or whose tables do not fit in it."""
+    if len(image) < 64 or image[:4] != _ELF_MAGIC or image[4] != 2 or image[5] != 1:
+        return set()
+    try:
+        (shoff,) = struct.unpack_from("<Q", image, 0x28)
+        shentsize, shnum = struct.unpack_from("<HH", image, 0x3A)
+        if shentsize < 64 or shoff + shnum * shentsize > len(image):
+            return set()
+        sections = [struct.unpack_from("<IIQQQQIIQQ", image, shoff + i * shentsize) for i in range(shnum)]
+        names: set[str] = set()
+        for _name, kind, _flags, _addr, offset, size, link, _info, _align, entsize in sections:
+            if kind != _SHT_SYMTAB or entsize < 24 or link >= shnum or offset + size > len(image):
+                continue
+            str_offset, str_size = sections[link][4], sections[link][5]
+            if str_offset + str_size > len(image):
+                continue
+            strings = image[str_offset : str_offset + str_size]
+            for at in range(offset, offset + size - entsize + 1, entsize):
+                st_name, st_info, _other, st_shndx = struct.unpack_from("<IBBH", image, at)
+                if st_info & 0xF != _STT_FUNC or st_info >> 4 not in (_STB_GLOBAL, _STB_WEAK) or st_shndx == 0:
+                    continue
+                end = strings.find(b"\0", st_name)
+                if 0 <= st_name < end:
+                    names.add(strings[st_name:end].decode("utf-8", "replace"))
+        return names
+    except struct.error:
+        return set()
+
+
+class _ResourceData(ctypes.Structure):
+    """``CUpti_ResourceData``: the context, a union holding a stream, and the resource's descriptor."""
+
+    _fields_ = [("context", ctypes.c_void_p), ("stream", ctypes.c_void_p), ("descriptor", ctypes.c_void_p)]
+
+
+class _ModuleData(ctypes.Structure):
+    """The first fields of ``CUpti_ModuleResourceData`` (later CUPTI releases append more)."""
+
+    _fields_ = [("module_id", ctypes.c_uint32), ("cubin_size", ctypes.c_size_t), ("cubin", ctypes.c_void_p)]
+
+
+#: ``CUPTI_CB_DOMAIN_RESOURCE`` and ``CUPTI_CBID_RESOURCE_MODULE_LOADED``.
+_DOMAIN_RESOURCE, _MODULE_LOADED = 3, 6
+_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p)
+
+
+def _cupti_paths() -> list[str]:
+    """Where ``libcupti`` may be: the loader's own search, then NVIDIA's wheels (``nvidia/*/lib``) on sys.path."""
+    found = ["libcupti.so", "libcupti.so.13", "libcupti.so.12"]
+    for entry in sys.path:
+        for pattern in ("nvidia/*/lib/libcupti.so*", "nvidia/*/*/lib/libcupti.so*"):
+            found.extend(sorted(glob.glob(os.path.join(entry, pattern)), reverse=True))
+    return found
+
+
+def load_cupti() -> ctypes.CDLL:
+    """``libcupti``, wherever it is; GraphRestoreError naming where it was looked for."""
+    tried = _cupti_paths()
+    for path in tried:
+        try:
+            return ctypes.CDLL(path)
+        except OSError:
+            continue
+    raise GraphRestoreError(
+        "CUPTI (libcupti) was not found, so the machine code of a graph's kernels cannot be kept and its graphs are "
+        f"captured as usual; install NVIDIA's CUPTI (pip install nvidia-cuda-cupti). Looked for: {', '.join(tried[:6])}"
+    )
+
+
+class CubinRecorder:
+    """Keeps the image of every CUDA module loaded while it is subscribed (see the module's text).
+
+    Only one CUPTI subscriber can exist in a process (a profiler that uses CUPTI is another): then, or where CUPTI
+    is missing, construction raises :class:`~weightcache.errors.GraphRestoreError`. Call :meth:`close` to
+    unsubscribe. Modules loaded before it subscribed are not seen: make it before the model's first kernel runs.
+    """
+
+    def __init__(self, lib: ctypes.CDLL | None = None) -> None:
+        self._lib = lib if lib is not None else load_cupti()
+        self._images: dict[str, bytes] = {}
+        self._kernels: dict[str, str] = {}
+        self._lock = threading.Lock()
+        self._callback = _CALLBACK(self._loaded)  # kept alive: CUPTI holds the raw pointer
+        self._subscriber = ctypes.c_void_p()
+        subscribe, enable = self._lib.cuptiSubscribe, self._lib.cuptiEnableCallback
+        subscribe.argtypes = [ctypes.POINTER(ctypes.c_void_p), _CALLBACK, ctypes.c_void_p]
+        enable.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
+        self._lib.cuptiUnsubscribe.argtypes = [ctypes.c_void_p]
+        code = subscribe(ctypes.byref(self._subscriber), self._callback, None)
+        if code != 0:
+            raise GraphRestoreError(
+                f"cuptiSubscribe failed with CUptiResult {code} (another CUPTI subscriber, e.g. a profiler, may be "
+                "active): the machine code of this process's kernels is not kept, so its graphs are not recorded"
+            )
+        code = enable(1, self._subscriber, _DOMAIN_RESOURCE, _MODULE_LOADED)
+        if code != 0:
+            self.close()
+            raise GraphRestoreError(f"cuptiEnableCallback(module loaded) failed with CUptiResult {code}")
+
+    def _loaded(self, _userdata: int | None, domain: int, cbid: int, data: int | None) -> None:
+        try:
+            if domain != _DOMAIN_RESOURCE or cbid != _MODULE_LOADED or not data:
+                return
+            resource = _ResourceData.from_address(data)
+            if not resource.descriptor:
+                return
+            module = _ModuleData.from_address(resource.descriptor)
+            if not module.cubin or not module.cubin_size:
+                return
+            self.add(ctypes.string_at(module.cubin, module.cubin_size))
+        except Exception:  # never raise into the driver's module load
+            log.debug("weightcache: a module-loaded callback failed", exc_info=True)
+
+    def add(self, image: bytes) -> str:
+        """Keep ``image`` (also for images obtained otherwise); its SHA-256."""
+        digest = hashlib.sha256(image).hexdigest()
+        names = kernel_names(image)
+        with self._lock:
+            self._images.setdefault(digest, image)
+            for name in names:
+                self._kernels.setdefault(name, digest)
+        return digest
+
+    def counts(self) -> tuple[int, int]:
+        """How many images were kept, and how many kernel names they define."""
+        with self._lock:
+            return len(self._images), len(self._kernels)
+
+    def image_of(self, kernel: str) -> str | None:
+        """The SHA-256 of the kept image that defines ``kernel``, or None."""
+        with self._lock:
+            return self._kernels.get(kernel)
+
+    def image(self, digest: str) -> bytes:
+        with self._lock:
+            return self._images[digest]
+
+    def close(self) -> None:
+        """Unsubscribe (idempotent); the images kept so far stay."""
+        if self._subscriber.value:
+            self._lib.cuptiUnsubscribe(self._subscriber)
+            self._subscriber = ctypes.c_void_p()
+
+
+_lock = threading.Lock()
+_recorder: CubinRecorder | None = None
+_failed: GraphRestoreError | None = None
+
+
+def keep_kernel_images() -> CubinRecorder:
+    """This process's :class:`CubinRecorder`, subscribed on the first call and kept for the life of the process
+    (CUPTI allows one subscriber). Call it before the model's first kernel runs (before ``attach`` too: a load
+    runs kernels), so that every module the graphs need is seen loading. Raises the same
+    :class:`~weightcache.errors.GraphRestoreError` on every call where CUPTI cannot be used."""
+    global _recorder, _failed
+    with _lock:
+        if _recorder is None:
+            if _failed is not None:
+                raise _failed
+            try:
+                _recorder = CubinRecorder()
+            except GraphRestoreError as exc:
+                _failed = exc
+                raise
+        return _recorder
+
+
+__all__ = ["CubinRecorder", "keep_kernel_images", "kernel_names", "load_cupti"]

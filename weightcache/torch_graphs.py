@@ -1,0 +1,622 @@
+"""CUDA graphs restored from the keeper instead of captured (issue 31): :class:`GraphCache`.
+
+A captured CUDA graph is a list of kernel launches whose arguments hold device addresses. It can be rebuilt in a
+new process, node by node, when everything it points at is at the same addresses there and the kernels' machine
+code can be had. A :class:`GraphCache` arranges both, for the graphs of one model::
+
+    graphs = wc.GraphCache(handle, {"model": "llama-8b", "sizes": [1, 8]}, device="cuda:0")
+    x = graphs.empty((8, 4096), dtype=torch.bfloat16)     # a static input, at a reproducible address
+    g = graphs.graph("batch-8", lambda: model(x))         # restored from the keeper, or captured
+    x.copy_(batch); g.replay(); g.outputs[0]              # the output, at a reproducible address too
+    graphs.publish()                                      # after the last graph: what was captured, for next time
+
+- **Addresses.** Static inputs (:meth:`GraphCache.empty`) and the graphs' memory pool come from an
+  :class:`~weightcache.graphs.arena.Arena` at a fixed base (torch's caching allocator serves the pool through
+  a pluggable allocator that bump-allocates in the arena), so the same calls in the same order get the same
+  addresses in every process. Weights are reproducible where the keeper's segments are mapped at their home
+  addresses (:func:`weightcache.segments.cuda_vmm.home_ranges`) or where :meth:`GraphCache.adopt` copied a
+  module's parameters into the arena.
+- **Kernels.** From the first :func:`keep_kernel_images` (a GraphCache calls it too), CUPTI hands this process
+  the image of every CUDA module loaded (:class:`~weightcache.graphs.cubins.CubinRecorder`); the artifact keeps
+  the images that define the graphs' kernels, and a restore loads them itself. Call :func:`keep_kernel_images`
+  before the model's first kernel runs (before ``attach``): a module loaded earlier is not seen, and a graph
+  using one of its kernels is not recorded.
+- **Checks.** Recording refuses a graph with any device address outside the reproduced ranges, a kernel whose
+  image was not seen, or a graph rebuilt from the kept images that does not replay bitwise equal to the captured
+  one (``verify``). A restore refuses, and captures instead, on another name or order of graphs, an arena pointer
+  elsewhere than recorded, a range that is missing, elsewhere or smaller, or a pointer that is not mapped device
+  memory in its range (:func:`~weightcache.graphs.check.restore_problems`). From the first refusal on, every
+  later graph of that GraphCache is captured (the arena's layout is this process's own from there) and
+  :meth:`GraphCache.publish` replaces the artifact.
+
+The artifact (kind ``cuda.graphs``) is keyed by the weights and the caller's key plus torch, CUDA, the driver, the
+GPU and the arena; it is code, so only this uid's own artifacts are loaded. ``WEIGHTCACHE_MODE=off``: every graph
+is captured and nothing is published. Layer L3.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import time
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .artifact_key import ArtifactKey
+from .cache import Cache, weights_digest
+from .dtypes import DTYPES
+from .errors import GraphDescriptionError, GraphRestoreError, WeightCacheError
+from .fingerprint import Fingerprint
+from .graphs.arena import DEFAULT_BASE, Arena, CudaArenaDriver
+from .graphs.bundle import FORMAT, GraphBundle, GraphRecord, Output
+from .graphs.check import AddressRange, pointers, restore_problems
+from .graphs.cubins import CubinRecorder, keep_kernel_images
+from .graphs.description import GraphDescription
+from .graphs.driver import CudaGraphDriver
+from .graphs.record import describe, rebuild
+from .handle import Handle
+from .pipeline import SWITCH_ENV, switched_off
+from .segments import cuda_vmm
+from .torch_dtypes import TORCH_DTYPES
+
+log = logging.getLogger("weightcache.graphs")
+
+#: The artifact kind.
+KIND = "cuda.graphs"
+#: Address space an arena reserves by default (memory is mapped only as it is used).
+DEFAULT_ARENA_BYTES = 64 << 30
+
+_ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+_FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
+_NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
+
+
+class _Memory:
+    """Device memory at a raw address, for ``torch.as_tensor``; keeps what owns the memory alive."""
+
+    def __init__(self, address: int, nbytes: int, owner: object) -> None:
+        self.owner = owner
+        self.__cuda_array_interface__ = {
+            "shape": (nbytes,),
+            "typestr": "|u1",
+            "data": (address, False),
+            "version": 3,
+            "stream": None,
+        }
+
+
+class CudaGraph:
+    """A graph of a :class:`GraphCache`: :meth:`replay` launches it on the current stream.
+
+    Attributes:
+        name: the name it was asked for by.
+        restored: True when it was rebuilt from the keeper's artifact, False when it was captured here.
+        reason: why a captured graph was not restored (no artifact, a check that failed, ...); None when restored.
+        recorded: whether it is among what :meth:`GraphCache.publish` publishes (a restored graph always is).
+        record_problem: why a captured graph was not recorded (an address outside the reproduced ranges, a
+            kernel image not seen, a rebuilt replay that differs); None otherwise.
+        outputs: the tensors the graph writes its results to, as the captured function returned them (flattened).
+        seconds: how long restoring or capturing it took (warm-up included).
+    """
+
+    def __init__(
+        self,
+        name: str,
+        outputs: tuple[torch.Tensor, ...],
+        *,
+        restored: bool,
+        reason: str | None,
+        seconds: float,
+        recorded: bool = True,
+        record_problem: str | None = None,
+        torch_graph: torch.cuda.CUDAGraph | None = None,
+        executable: int = 0,
+        driver: CudaGraphDriver | None = None,
+    ) -> None:
+        self.name = name
+        self.outputs = outputs
+        self.restored = restored
+        self.reason = reason
+        self.recorded = recorded
+        self.record_problem = record_problem
+        self.seconds = seconds
+        self._graph = torch_graph
+        self._executable = executable
+        self._driver = driver
+
+    def replay(self) -> None:
+        """Launch the graph on torch's current stream."""
+        if self._graph is not None:
+            self._graph.replay()
+        elif self._driver is not None and self._executable:
+            self._driver.launch(self._executable, torch.cuda.current_stream().cuda_stream)
+        else:
+            raise GraphRestoreError(f"graph {self.name!r} was closed")
+
+    def close(self) -> None:
+        """Free the executable graph (the outputs stay valid while the GraphCache is open)."""
+        if self._driver is not None and self._executable:
+            self._driver.destroy_executable(self._executable)
+            self._executable = 0
+        self._graph = None
+
+    def __repr__(self) -> str:
+        how = "restored" if self.restored else "captured"
+        return f"<CudaGraph {self.name!r} {how} in {self.seconds * 1e3:.1f} ms, {len(self.outputs)} outputs>"
+
+
+def _device_index(device: int | str | torch.device | None) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    d = torch.device(device) if not isinstance(device, int) else torch.device("cuda", device)
+    if d.type != "cuda":
+        raise WeightCacheError(f"CUDA graphs need a CUDA device; found {d}")
+    return d.index if d.index is not None else torch.cuda.current_device()
+
+
+def _flatten(value: object) -> tuple[torch.Tensor, ...]:
+    if isinstance(value, torch.Tensor):
+        return (value,)
+    if isinstance(value, list | tuple):
+        out: list[torch.Tensor] = []
+        for item in value:
+            out.extend(_flatten(item))
+        return tuple(out)
+    raise GraphRestoreError(
+        f"a graph's function must return a tensor or a (nested) tuple or list of tensors, found {type(value).__name__}"
+    )
+
+
+def _driver_version() -> int:
+    version = ctypes.c_int(0)
+    try:
+        ctypes.CDLL("libcuda.so.1").cuDriverGetVersion(ctypes.byref(version))
+    except (OSError, AttributeError):
+        pass
+    return int(version.value)
+
+
+def graphs_key(key: Mapping[str, Any], device: int, arena: tuple[int, int]) -> ArtifactKey:
+    """The ``cuda.graphs`` artifact key: the caller's ``key`` plus what decides whether recorded graphs can be
+    rebuilt here (torch, CUDA, the driver, the GPU and its compute capability, the arena's base and size, the
+    artifact's format)."""
+    props = torch.cuda.get_device_properties(device)
+    return ArtifactKey(
+        KIND,
+        {
+            "key": dict(key),
+            "torch": torch.__version__,
+            "cuda": torch.version.cuda,
+            "driver": _driver_version(),
+            "gpu": props.name,
+            "capability": f"{props.major}.{props.minor}",
+            "arena": list(arena),
+            "format": FORMAT,
+        },
+    )
+
+
+class GraphCache:
+    """The CUDA graphs of one model, restored from the keeper when an earlier process recorded them (see the
+    module's text).
+
+    Args:
+        weights: the weights the graphs run on (a :class:`~weightcache.Handle`, a
+            :class:`~weightcache.Fingerprint` or a weights digest): the artifact is kept beside them.
+        key: JSON values that decide which graphs these are (model, shapes, options); torch, CUDA, driver, GPU
+            and arena are added.
+        device: the CUDA device (default: the current one).
+        cache: the keeper to use (default: ``Cache(socket_dir)``).
+        arena_bytes, base: the address range of static inputs and graph memory (one GraphCache per base in a
+            process; the same in the recording and the restoring process).
+        verify: replay each graph rebuilt from the kept kernel images beside the captured one before recording
+            it, and record it only if both give the same bytes (the graphs' functions must not depend on what
+            a replay leaves behind).
+
+    Never raises for the cache's sake: where something cannot work (no cuda-bindings, the arena's base taken,
+    CUPTI missing, no keeper), graphs are captured as usual and :attr:`reason` says why.
+    """
+
+    def __init__(
+        self,
+        weights: Handle | Fingerprint | str,
+        key: Mapping[str, Any] | None = None,
+        *,
+        device: int | str | torch.device | None = None,
+        cache: Cache | None = None,
+        socket_dir: str | os.PathLike[str] | None = None,
+        arena_bytes: int = DEFAULT_ARENA_BYTES,
+        base: int = DEFAULT_BASE,
+        verify: bool = True,
+    ) -> None:
+        fingerprint = weights.fingerprint if isinstance(weights, Handle) else weights
+        self.weights = weights_digest(fingerprint)
+        self.device = _device_index(device)
+        self.verify = verify
+        self.key: ArtifactKey | None = None
+        #: Why graphs are captured rather than restored (None while restoring works); the last such reason.
+        self.reason: str | None = None
+        self._cache = cache if cache is not None else Cache(socket_dir)
+        self._arena: Arena | None = None
+        self._pool: Any = None
+        self._recorder: CubinRecorder | None = None
+        self._bundle: GraphBundle | None = None
+        self._replace: str | None = None
+        self._next = 0  # index into the loaded bundle's graphs
+        self._diverged = False  # the arena's layout is this process's own from here on: no more restores
+        self._recordable = True  # every graph so far recorded: later ones can be too
+        self._records: list[GraphRecord] = []
+        self._images: dict[str, bytes] = {}
+        self._modules: dict[str, int] = {}
+        self._captured = 0
+        self.graphs: list[CudaGraph] = []
+        with torch.cuda.device(self.device):
+            torch.cuda.init()  # type: ignore[no-untyped-call]
+            torch.cuda.current_stream(self.device)  # the primary context is current on this thread from here on
+            try:
+                self._driver: CudaGraphDriver | None = CudaGraphDriver()
+                self._arena = Arena(CudaArenaDriver(), "graphs", arena_bytes, self.device, base)
+                self._alloc = _ALLOC(self._allocate)  # kept alive: torch holds the raw pointers
+                self._free = _FREE(self._release)
+                address = ctypes.cast(self._alloc, ctypes.c_void_p).value or 0
+                release = ctypes.cast(self._free, ctypes.c_void_p).value or 0
+                allocator = torch._C._cuda_customAllocator(address, release)
+                self._pool = torch.cuda.MemPool(allocator)
+            except (GraphRestoreError, AttributeError, RuntimeError, TypeError) as exc:
+                self._driver = None
+                self._off(f"graph memory cannot be had at fixed addresses here ({exc}); graphs are captured")
+                return
+            self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+            try:
+                self._recorder = keep_kernel_images()
+            except (GraphRestoreError, AttributeError) as exc:
+                self.reason = f"kernel images cannot be kept ({exc}); graphs are restored but not recorded"
+                log.warning("weightcache: %s", self.reason)
+            self.key = graphs_key(key or {}, self.device, (self._arena.base, self._arena.size))
+            self._load()
+
+    def _off(self, reason: str) -> None:
+        self.reason = reason
+        self._diverged = True
+        self._recordable = False
+        log.warning("weightcache: %s", reason)
+
+    # -- the pool's allocator: called by torch's caching allocator, must not raise -------------------------------
+
+    def _allocate(self, size: int, _device: int, _stream: int | None) -> int:
+        try:
+            assert self._arena is not None
+            return self._arena.allocate(size)
+        except Exception as exc:
+            log.error("weightcache: the graph arena could not serve %d bytes: %s", size, exc)
+            return 0
+
+    def _release(self, address: int | None, size: int, _device: int, _stream: int | None) -> None:
+        try:
+            if self._arena is not None and address:
+                self._arena.free(address, size)
+        except Exception:
+            log.debug("weightcache: arena free failed", exc_info=True)
+
+    # -- the artifact ------------------------------------------------------------------------------------------
+
+    def _load(self) -> None:
+        if switched_off():
+            self._off(f"{SWITCH_ENV}=off: graphs are captured and nothing is published")
+            return
+        assert self.key is not None
+        try:
+            found = self._cache.open_artifact(self.weights, self.key)
+        except WeightCacheError as exc:
+            self.reason = f"no {KIND} artifact: {exc}"
+            return
+        if found is None:
+            self.reason = self._cache.miss_reason(self.weights, self.key) or f"no {KIND} artifact for this key"
+            return
+        try:
+            if found.info.publisher != os.getuid():
+                self.reason = f"the keeper's {KIND} artifact was published by uid {found.info.publisher}, not this uid"
+                return
+            blob = found.read()
+        finally:
+            found.close()
+        if blob is None:
+            self.reason = f"the {KIND} artifact could not be read"
+            return
+        self._replace = hashlib.sha256(blob).hexdigest()
+        try:
+            self._bundle = GraphBundle.from_bytes(blob)
+        except GraphDescriptionError as exc:
+            self.reason = str(exc)
+            log.warning("weightcache: %s", exc)
+
+    def ranges(self) -> list[AddressRange]:
+        """The address ranges this process reproduces: the arena, and the weights mapped at their homes."""
+        homes = [AddressRange(name, base, size) for name, base, size in cuda_vmm.home_ranges()]
+        return ([self._arena.range()] if self._arena is not None else []) + homes
+
+    # -- static memory -----------------------------------------------------------------------------------------
+
+    def empty(self, shape: Sequence[int], dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """A contiguous tensor in the arena: at the same address in every process that makes the same calls of
+        this GraphCache in the same order. Use it for a graph's static inputs. Without an arena (see
+        :attr:`reason`), an ordinary tensor."""
+        if self._arena is None:
+            return torch.empty(tuple(shape), dtype=dtype, device=f"cuda:{self.device}")
+        count = 1
+        for n in shape:
+            count *= n
+        nbytes = max(count * torch.empty((), dtype=dtype).element_size(), 1)
+        address = self._arena.allocate(nbytes)
+        return self._at(address, dtype, tuple(shape), _contiguous(tuple(shape)))
+
+    def adopt(self, module: torch.nn.Module) -> torch.nn.Module:
+        """Copy ``module``'s parameters and buffers into the arena (in ``named_parameters``, then
+        ``named_buffers`` order), so that a graph of it can be restored: for weights that do not come from the
+        keeper. Returns ``module``."""
+        with torch.no_grad():
+            for _, tensor in [*module.named_parameters(), *module.named_buffers()]:
+                copy = self.empty(tensor.shape, tensor.dtype)
+                copy.copy_(tensor)
+                tensor.data = copy
+        return module
+
+    def _at(self, address: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
+        raw = torch.as_tensor(_Memory(address, max(extent * itemsize, 1), self._arena), device=f"cuda:{self.device}")
+        return raw[: extent * itemsize].view(dtype).as_strided(shape, stride)
+
+    # -- graphs ------------------------------------------------------------------------------------------------
+
+    def graph(self, name: str, fn: Callable[[], object], *, warmup: int = 1) -> CudaGraph:
+        """The graph of ``fn()``: restored from the artifact when this is the next graph it recorded and every
+        check passes, else captured (after ``warmup`` eager calls on a side stream, as torch recommends) and
+        recorded for :meth:`publish`. ``fn`` must read only static memory (:meth:`empty`, the weights) and
+        return its result tensor(s)."""
+        started = time.perf_counter()
+        with torch.cuda.device(self.device):
+            restored = self._restore(name, started)
+            if isinstance(restored, str):
+                restored = self._capture(name, fn, warmup, started, restored)
+        self.graphs.append(restored)
+        return restored
+
+    def _refuse(self, name: str, why: str) -> str:
+        self.reason = f"graph {name!r} is captured: {why}"
+        self._diverged = True
+        log.warning("weightcache: %s", self.reason)
+        return why
+
+    def _restore(self, name: str, started: float) -> CudaGraph | str:
+        """The graph rebuilt from the artifact, or why it is not."""
+        bundle, arena, driver = self._bundle, self._arena, self._driver
+        if bundle is None or arena is None or driver is None:
+            return self.reason or "no artifact"
+        if self._diverged:
+            return f"restoring stopped at an earlier graph ({self.reason})"
+        if self._next >= len(bundle.graphs):
+            return f"the artifact holds {len(bundle.graphs)} graph(s), this is graph {self._next + 1}"
+        record = bundle.graphs[self._next]
+        if record.name != name:
+            return self._refuse(name, f"the artifact's next graph is {record.name!r} (graphs come in recorded order)")
+        if arena.used != record.start:
+            return self._refuse(
+                name, f"its memory started at arena offset {record.start} when recorded, {arena.used} here"
+            )
+        try:
+            arena.skip_to(record.end)
+            found, _ = pointers(record.description, bundle.ranges, lambda _address: None)
+            problems = restore_problems(bundle.ranges, self.ranges(), found, driver.pointer_range)
+            problems += self._output_problems(record.outputs)
+            if problems:
+                return self._refuse(name, f"{len(problems)} address check(s) failed, e.g. {problems[0]}")
+            functions = self._functions(record.kernels, bundle.images)
+            graph = rebuild(driver, record.description, functions)
+            try:
+                executable = driver.instantiate(graph)
+            finally:
+                driver.destroy_graph(graph)
+        except (GraphRestoreError, GraphDescriptionError) as exc:
+            return self._refuse(name, str(exc))
+        outputs = tuple(self._output(o) for o in record.outputs)
+        self._next += 1
+        self._records.append(record)
+        self._images.update({d: bundle.images[d] for d in record.kernels.values()})
+        seconds = time.perf_counter() - started
+        return CudaGraph(
+            name, outputs, restored=True, reason=None, seconds=seconds, executable=executable, driver=driver
+        )
+
+    def _output_problems(self, outputs: Iterable[Output]) -> list[str]:
+        arena = self._arena
+        assert arena is not None
+        problems = []
+        for i, o in enumerate(outputs):
+            itemsize = DTYPES[o.dtype].itemsize
+            extent = (1 + sum((n - 1) * s for n, s in zip(o.shape, o.stride))) * itemsize if all(o.shape) else 0
+            if not (arena.base <= o.address and o.address + extent <= arena.base + arena.used):
+                problems.append(f"output {i} at {o.address:#x} lies outside the arena's memory")
+        return problems
+
+    def _output(self, o: Output) -> torch.Tensor:
+        return self._at(o.address, TORCH_DTYPES[o.dtype], o.shape, o.stride)
+
+    def _functions(self, kernels: Mapping[str, str], images: Mapping[str, bytes]) -> dict[str, int]:
+        """Each kernel's function handle from this process's own load of its image."""
+        assert self._driver is not None
+        functions = {}
+        for name, digest in kernels.items():
+            module = self._modules.get(digest)
+            if module is None:
+                module = self._modules[digest] = self._driver.load_module(images[digest])
+            function = self._driver.module_function(module, name)
+            if function is None:
+                raise GraphRestoreError(f"the kept image {digest[:12]} has no kernel named {name[:120]}")
+            functions[name] = function
+        return functions
+
+    def _capture(self, name: str, fn: Callable[[], object], warmup: int, started: float, why: str) -> CudaGraph:
+        current = torch.cuda.current_stream()
+        side = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
+        side.wait_stream(current)
+        with torch.cuda.stream(side):
+            for _ in range(warmup):
+                fn()
+        current.wait_stream(side)
+        recording = self._recordable and self._arena is not None and self._driver is not None
+        graph = torch.cuda.CUDAGraph(keep_graph=True) if recording else torch.cuda.CUDAGraph()
+        start = self._arena.used if self._arena is not None else 0
+        pool = self._pool.id if self._pool is not None else None
+        stream = getattr(self, "_stream", None)
+        with torch.cuda.graph(graph, pool=pool, stream=stream):
+            outputs = _flatten(fn())
+        if recording:
+            graph.instantiate()
+        self._captured += 1
+        problem = self._record(name, graph, outputs, start) if recording else "an earlier graph was not recorded"
+        if problem is not None and recording:
+            self._recordable = False
+            log.warning("weightcache: graph %r is captured but not recorded: %s", name, problem)
+        return CudaGraph(
+            name,
+            outputs,
+            restored=False,
+            reason=why,
+            seconds=time.perf_counter() - started,
+            recorded=problem is None,
+            record_problem=problem,
+            torch_graph=graph,
+        )
+
+    def _record(
+        self, name: str, graph: torch.cuda.CUDAGraph, outputs: tuple[torch.Tensor, ...], start: int
+    ) -> str | None:
+        """Record a captured graph for :meth:`publish`; None, or why it cannot be recorded."""
+        arena, driver, recorder = self._arena, self._driver, self._recorder
+        assert arena is not None and driver is not None
+        if recorder is None:
+            return self.reason or "kernel images cannot be kept here"
+        try:
+            description, _ = describe(driver, graph.raw_cuda_graph())
+        except GraphRestoreError as exc:
+            return str(exc)
+        ranges = self.ranges()
+        _, problems = pointers(description, ranges, driver.pointer_range)
+        if problems:
+            return f"{len(problems)} address(es) outside the reproduced ranges, e.g. {problems[0]}"
+        kernels: dict[str, str] = {}
+        for kernel in sorted(description.kernels()):
+            digest = recorder.image_of(kernel)
+            if digest is None:
+                return (
+                    f"the module of kernel {kernel[:120]} was loaded before this GraphCache kept modules (make the "
+                    "GraphCache before the model's first kernel runs)"
+                )
+            kernels[kernel] = digest
+        recorded = tuple(Output(o.data_ptr(), _NAMES[o.dtype], tuple(o.shape), tuple(o.stride())) for o in outputs)
+        record = GraphRecord(name, start, arena.used, description, recorded, kernels)
+        problems = self._output_problems(recorded)
+        if problems:
+            return problems[0]
+        images = {d: recorder.image(d) for d in kernels.values()}
+        if self.verify:
+            why = self._verify(graph, description, kernels, images, outputs)
+            if why is not None:
+                return why
+        self._records.append(record)
+        self._images.update(images)
+        return None
+
+    def _verify(
+        self,
+        graph: torch.cuda.CUDAGraph,
+        description: GraphDescription,
+        kernels: Mapping[str, str],
+        images: Mapping[str, bytes],
+        outputs: tuple[torch.Tensor, ...],
+    ) -> str | None:
+        """Replay the captured graph and one rebuilt from the kept images; None when their outputs are the same
+        bytes."""
+        driver = self._driver
+        assert driver is not None
+        try:
+            rebuilt = rebuild(driver, description, self._functions(kernels, images))
+            try:
+                executable = driver.instantiate(rebuilt)
+            finally:
+                driver.destroy_graph(rebuilt)
+        except GraphRestoreError as exc:
+            return f"the graph cannot be rebuilt from the kept kernel images: {exc}"
+        try:
+            graph.replay()
+            expected = [o.detach().clone() for o in outputs]
+            driver.launch(executable, torch.cuda.current_stream().cuda_stream)
+            torch.cuda.current_stream().synchronize()
+            for i, (want, got) in enumerate(zip(expected, outputs)):
+                if not torch.equal(_bytes(want), _bytes(got)):
+                    return f"output {i} of the graph rebuilt from the kept kernel images differs from the captured one"
+        finally:
+            driver.destroy_executable(executable)
+        return None
+
+    def publish(self) -> bool:
+        """Publish the recorded graphs (those restored and those captured and recorded, in order) if this process
+        captured any, replacing the artifact loaded; whether it did. Call it after the last graph. Logs and returns
+        False where the keeper refuses it."""
+        if switched_off() or not self._captured or not self._records or self._arena is None or self.key is None:
+            return False
+        images = {d: self._images[d] for r in self._records for d in r.kernels.values()}
+        bundle = GraphBundle(tuple(self.ranges()), tuple(self._records), images)
+        blob = bundle.to_bytes()
+        try:
+            self._cache.put_artifact(self.weights, self.key, blob, replace=self._replace)
+        except WeightCacheError as exc:
+            log.warning("weightcache: could not publish the %s artifact for %s: %s", KIND, self.weights[:12], exc)
+            return False
+        self._replace = hashlib.sha256(blob).hexdigest()
+        log.info(
+            "weightcache: published %s artifact for %s: %d graphs, %d kernel images, %d bytes",
+            KIND,
+            self.weights[:12],
+            len(self._records),
+            len(images),
+            len(blob),
+        )
+        return True
+
+    def close(self) -> None:
+        """Free the graphs, the modules this GraphCache loaded and the arena. Tensors of the arena (static inputs,
+        outputs, adopted parameters) must not be used after this."""
+        for g in self.graphs:
+            g.close()
+        self._recorder = None  # the process's recorder stays subscribed (CUPTI allows one subscriber)
+        if self._arena is not None:
+            torch.cuda.synchronize(self.device)
+            self._arena.close()
+            self._arena = None
+
+    def __enter__(self) -> GraphCache:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
+    stride, at = [], 1
+    for n in reversed(shape):
+        stride.append(at)
+        at *= max(n, 1)
+    return tuple(reversed(stride))
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    return t.contiguous().view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
+
+
+__all__ = ["DEFAULT_ARENA_BYTES", "KIND", "CudaGraph", "GraphCache", "graphs_key", "keep_kernel_images"]
