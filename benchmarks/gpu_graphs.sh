@@ -17,6 +17,7 @@ env)
     { nvidia-smi --query-gpu=name,driver_version --format=csv,noheader
       python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
       python3 -c 'import weightcache.graphs.cubins as c; print("cupti", c.load_cupti())'
+      echo "address hint honoured, by reservation size:"; python3 benchmarks/graph_restore.py probe-va
     } 2>&1 | tee "$out/env.txt" ;;
 test)
     timeout 500 python3 -m pytest -p no:cacheprovider -m cuda -q -rA "$@" tests/test_graphs.py tests/test_torch_graphs.py \

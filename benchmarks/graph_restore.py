@@ -92,10 +92,10 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("variant") == "home-taken":
         [entry] = wc.Cache(socket_dir=socket_dir).entries()
         home = cuda_vmm.home_addresses(entry.digest, [2 << 20])[0]
-        torch.cuda.current_stream()
+        torch.zeros(1, device="cuda")  # torch's context, current on this thread
         drv = cuda_import.driver()
         assert drv is not None
-        taken = drv.reserve(2 << 20, home)
+        taken = drv.reserve(cuda_vmm.HOME_RESERVE, home)
     with torch.device("meta"):
         model = Model(config["layers"], config["hidden"], config["inter"]).to(torch.bfloat16)
     t = time.perf_counter()
@@ -169,6 +169,22 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
     }
     handle.close()
     return result
+
+
+def probe_va() -> dict[str, Any]:
+    """Which reservation sizes the driver places at the address asked for (a fresh process, torch's context)."""
+    from weightcache.segments import cuda_import
+
+    torch.zeros(1, device="cuda")
+    drv = cuda_import.driver()
+    assert drv is not None
+    got = {}
+    for i, size in enumerate([2 << 20, 64 << 20, 512 << 20, 1 << 30, 2 << 30, 4 << 30, 16 << 30, 64 << 30]):
+        want = 0x6800_0000_0000 + i * (1 << 40)
+        ptr = drv.reserve(size, want)
+        got[str(size)] = ptr == want
+        drv.free_address(ptr, size)
+    return got
 
 
 def run_child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
@@ -249,7 +265,11 @@ def main() -> int:
     c = sub.add_parser("child")
     c.add_argument("role", choices=["record", "plain", "restore"])
     c.add_argument("spec")
+    sub.add_parser("probe-va")
     args = parser.parse_args()
+    if args.command == "probe-va":
+        print(json.dumps(probe_va()), flush=True)
+        return 0
     if args.command == "child":
         print(json.dumps(child(args.role, json.loads(args.spec))), flush=True)
         return 0

@@ -423,7 +423,7 @@ import torch
 torch.zeros(1, device="cuda")  # torch's context, current on this thread
 from weightcache.graphs.arena import Arena, CudaArenaDriver
 try:
-    arena = Arena(CudaArenaDriver(), "pool", 64 << 20)
+    arena = Arena(CudaArenaDriver(), "pool", 64 << 30)  # the driver ignored the base of a 64 MiB range on an H200
     first, second = arena.allocate(1 << 20), arena.allocate(3 << 20)
     print(json.dumps({"base": arena.base, "addresses": [first, second], "mapped": arena.mapped}))
     arena.close()

@@ -21,7 +21,7 @@ from weightcache.graphs.bundle import MAGIC, GraphBundle, GraphRecord, Output
 from weightcache.graphs.check import AddressRange
 from weightcache.graphs.cubins import kernel_names
 from weightcache.graphs.description import Edge, EmptyNode, GraphDescription, KernelNode, MemsetNode
-from weightcache.segments.cuda_vmm import HOME_BASE, HOME_SLOT, HOME_SLOTS, home_addresses
+from weightcache.segments.cuda_vmm import HOME_BASE, HOME_RESERVE, HOME_SLOT, HOME_SLOTS, home_addresses
 
 
 def elf(symbols: list[tuple[str, int, int]]) -> bytes:
@@ -130,10 +130,12 @@ def test_a_malformed_artifact_is_refused_naming_the_field(change: Any, field: st
 
 def test_every_entry_has_one_home_and_its_segments_lie_back_to_back() -> None:
     digest = hashlib.sha256(b"weights").hexdigest()
-    homes = home_addresses(digest, [2 << 20, 4 << 20, 2 << 20])
-    assert homes == home_addresses(digest, [2 << 20, 4 << 20, 2 << 20])
+    sizes = [2 << 20, 2 * HOME_RESERVE, 2 << 20]
+    homes = home_addresses(digest, sizes)
+    assert homes == home_addresses(digest, sizes)
     slot = int(digest[:16], 16) % HOME_SLOTS
-    assert homes == [HOME_BASE + slot * HOME_SLOT + o for o in (0, 2 << 20, 6 << 20)]
+    # each segment takes at least HOME_RESERVE bytes (the driver ignores the address of small reservations)
+    assert homes == [HOME_BASE + slot * HOME_SLOT + o for o in (0, HOME_RESERVE, 3 * HOME_RESERVE)]
     assert home_addresses(digest, [HOME_SLOT, 2 << 20]) == [0, 0]  # larger than a slot: no home
     assert home_addresses("not-hex", [2 << 20]) == [0]
 

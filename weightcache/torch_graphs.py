@@ -57,7 +57,7 @@ from .graphs.check import AddressRange, pointers, restore_problems
 from .graphs.cubins import CubinRecorder, keep_kernel_images
 from .graphs.description import GraphDescription
 from .graphs.driver import CudaGraphDriver
-from .graphs.record import describe, rebuild
+from .graphs.record import describe, prepare, rebuild
 from .handle import Handle
 from .pipeline import SWITCH_ENV, switched_off
 from .segments import cuda_vmm
@@ -416,6 +416,7 @@ class GraphCache:
             if problems:
                 return self._refuse(name, f"{len(problems)} address check(s) failed, e.g. {problems[0]}")
             functions = self._functions(record.kernels, bundle.images)
+            prepare(driver, record.description, functions)
             graph = rebuild(driver, record.description, functions)
             try:
                 executable = driver.instantiate(graph)
@@ -545,7 +546,9 @@ class GraphCache:
         driver = self._driver
         assert driver is not None
         try:
-            rebuilt = rebuild(driver, description, self._functions(kernels, images))
+            functions = self._functions(kernels, images)
+            prepare(driver, description, functions)
+            rebuilt = rebuild(driver, description, functions)
             try:
                 executable = driver.instantiate(rebuilt)
             finally:

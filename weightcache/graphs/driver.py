@@ -40,6 +40,12 @@ NODE_KINDS = {
 #: The launch attributes a kernel node can carry that a rebuild sets again (``CUlaunchAttributeID``): cooperative
 #: (2), cluster dimension (4), cluster scheduling policy (5), priority (8).
 LAUNCH_ATTRIBUTES = (2, 4, 5, 8)
+#: ``CU_FUNC_ATTRIBUTE_MAX_DYNAMIC_SHARED_SIZE_BYTES`` and ``CU_FUNC_ATTRIBUTE_NON_PORTABLE_CLUSTER_SIZE_ALLOWED``:
+#: what a library sets on its own function before launching it with much shared memory or a large cluster, and a
+#: function loaded from a kept image lacks.
+MAX_DYNAMIC_SHARED, NON_PORTABLE_CLUSTER = 8, 14
+#: Dynamic shared memory a function may use without :data:`MAX_DYNAMIC_SHARED` (48 KiB).
+DEFAULT_DYNAMIC_SHARED = 48 << 10
 #: ``CU_LAUNCH_PARAM_END``, ``CU_LAUNCH_PARAM_BUFFER_POINTER``, ``CU_LAUNCH_PARAM_BUFFER_SIZE`` (``extra``'s keys).
 _PARAM_END, _PARAM_BUFFER, _PARAM_SIZE = 0, 1, 2
 #: ``CU_POINTER_ATTRIBUTE_RANGE_START_ADDR`` and ``CU_POINTER_ATTRIBUTE_RANGE_SIZE``.
@@ -127,6 +133,11 @@ class RestoreDriver(GraphDriver, Protocol):
         """The function ``name`` of ``module``; None where the module has none of that name."""
         ...
 
+    def set_function_attribute(self, function: int, attribute: int, value: int) -> None:
+        """``cuFuncSetAttribute`` (e.g. :data:`MAX_DYNAMIC_SHARED` before a node asks for more shared memory than
+        a function gets by default)."""
+        ...
+
 
 class _KernelParams(ctypes.Structure):
     """``CUDA_KERNEL_NODE_PARAMS_v2``."""
@@ -190,6 +201,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuGraphExecDestroy": [_p],
     "cuModuleLoadData": [ctypes.POINTER(_p), ctypes.c_char_p],
     "cuModuleGetFunction": [ctypes.POINTER(_p), _p, ctypes.c_char_p],
+    "cuFuncSetAttribute": [_p, ctypes.c_int, ctypes.c_int],
 }  # fmt: skip
 
 
@@ -383,6 +395,9 @@ class CudaGraphDriver:
             return None
         return int(function.value or 0)
 
+    def set_function_attribute(self, function: int, attribute: int, value: int) -> None:
+        self._call("cuFuncSetAttribute", _p(function), attribute, value)
+
     def add_edges(self, graph: int, edges: Sequence[tuple[int, int, bytes]]) -> None:
         if not edges:
             return
@@ -393,4 +408,13 @@ class CudaGraphDriver:
         self._call("cuGraphAddDependencies_v2", _p(graph), src, dst, data, n)
 
 
-__all__ = ["LAUNCH_ATTRIBUTES", "NODE_KINDS", "CudaGraphDriver", "GraphDriver", "RestoreDriver"]
+__all__ = [
+    "DEFAULT_DYNAMIC_SHARED",
+    "LAUNCH_ATTRIBUTES",
+    "MAX_DYNAMIC_SHARED",
+    "NODE_KINDS",
+    "NON_PORTABLE_CLUSTER",
+    "CudaGraphDriver",
+    "GraphDriver",
+    "RestoreDriver",
+]

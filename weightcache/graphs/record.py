@@ -21,7 +21,7 @@ from collections.abc import Iterable, Mapping
 
 from ..errors import GraphRestoreError
 from .description import Edge, EmptyNode, GraphDescription, KernelNode, MemsetNode, Node
-from .driver import GraphDriver
+from .driver import DEFAULT_DYNAMIC_SHARED, MAX_DYNAMIC_SHARED, NON_PORTABLE_CLUSTER, GraphDriver, RestoreDriver
 
 
 def describe(driver: GraphDriver, graph: int) -> tuple[GraphDescription, dict[str, int]]:
@@ -108,4 +108,30 @@ def resolve(driver: GraphDriver, wanted: Iterable[str], known: Iterable[int]) ->
     return found
 
 
-__all__ = ["describe", "rebuild", "resolve"]
+#: ``CU_LAUNCH_ATTRIBUTE_CLUSTER_DIMENSION``; a cluster of more than 8 blocks is non-portable.
+_CLUSTER_DIMENSION, _PORTABLE_CLUSTER = 4, 8
+
+
+def prepare(driver: RestoreDriver, description: GraphDescription, functions: Mapping[str, int]) -> None:
+    """Set on each function what its nodes need of it that a library sets on its own copy before launching: more
+    dynamic shared memory than the default (cuBLAS's Hopper GEMMs ask for ~200 KiB), non-portable cluster sizes.
+    A function loaded from a kept image (:mod:`~weightcache.graphs.cubins`) has neither, and a node asking for
+    them is refused (``CUDA_ERROR_INVALID_VALUE``, seen on an H200)."""
+    shared: dict[str, int] = {}
+    clusters: set[str] = set()
+    for node in description.nodes:
+        if not isinstance(node, KernelNode):
+            continue
+        shared[node.function] = max(shared.get(node.function, 0), node.shared_bytes)
+        for attribute, value in node.attributes:
+            x, y, z = (int.from_bytes(value[i : i + 4], "little") for i in (0, 4, 8))
+            if attribute == _CLUSTER_DIMENSION and x * y * z > _PORTABLE_CLUSTER:
+                clusters.add(node.function)
+    for name, size in shared.items():
+        if size > DEFAULT_DYNAMIC_SHARED:
+            driver.set_function_attribute(functions[name], MAX_DYNAMIC_SHARED, size)
+    for name in clusters:
+        driver.set_function_attribute(functions[name], NON_PORTABLE_CLUSTER, 1)
+
+
+__all__ = ["describe", "prepare", "rebuild", "resolve"]

@@ -126,33 +126,37 @@ class Driver:
         """``cuMemAddressFree`` of a reserved range that nothing is mapped into; errors are ignored."""
         self._lib.cuMemAddressFree(ptr, size)
 
-    def unmap_and_free(self, ptr: int, size: int) -> None:
-        """Unmap and free an address range; errors are ignored (this runs when a mapping is collected)."""
+    def unmap_and_free(self, ptr: int, size: int, reserved: int = 0) -> None:
+        """Unmap ``size`` bytes and free the address range (``reserved`` bytes, if more were reserved than
+        mapped); errors are ignored (this runs when a mapping is collected)."""
         self._lib.cuMemUnmap(ptr, size)
-        self._lib.cuMemAddressFree(ptr, size)
+        self._lib.cuMemAddressFree(ptr, max(size, reserved))
 
 
-def map_fd(drv: Driver, fd: int, size: int, device: int, read_only: bool, address: int = 0) -> tuple[int, bool]:
-    """Import the VMM allocation behind ``fd``, reserve ``size`` bytes of address space (at ``address`` if the
-    driver gives it, see :meth:`Driver.reserve`), map it there and
+def map_fd(
+    drv: Driver, fd: int, size: int, device: int, read_only: bool, address: int = 0, reserve: int = 0
+) -> tuple[int, bool]:
+    """Import the VMM allocation behind ``fd``, reserve ``max(size, reserve)`` bytes of address space (at
+    ``address`` if the driver gives it, see :meth:`Driver.reserve`), map it at its start and
     give ``device`` access: read-only when ``read_only`` and the driver allows it, else read-write. Returns
     (pointer, mapped read-only); the caller unmaps with :meth:`Driver.unmap_and_free`. Releases the imported
     handle either way (the mapping holds the memory) and frees what it took on failure. Raises
     :class:`DriverError`."""
     handle = drv.import_fd(fd)
     try:
-        ptr = drv.reserve(size, address)
+        reserved = max(size, reserve)
+        ptr = drv.reserve(reserved, address)
         try:
             drv.map(ptr, size, handle)
         except DriverError:
-            drv.free_address(ptr, size)
+            drv.free_address(ptr, reserved)
             raise
         code = CUDA_SUCCESS
         for flags in (PROT_READ, PROT_READWRITE) if read_only else (PROT_READWRITE,):
             code = drv.set_access(ptr, size, device, flags)
             if code == CUDA_SUCCESS:
                 return ptr, flags == PROT_READ
-        drv.unmap_and_free(ptr, size)
+        drv.unmap_and_free(ptr, size, reserved)
         raise DriverError("cuMemSetAccess", code, drv.error_name(code))
     finally:
         drv.release(handle)

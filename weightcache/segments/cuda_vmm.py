@@ -49,6 +49,9 @@ from .dense import dense_bytes
 HOME_BASE = 0x5000_0000_0000
 HOME_SLOT = 256 << 30
 HOME_SLOTS = 64
+#: Address space reserved at a home for a segment of any smaller size: the driver on an H200 (580.159.04) placed
+#: reservations of 2 and 64 MiB elsewhere whatever address they asked for, and gave 64 GiB ones the address asked.
+HOME_RESERVE = 4 << 30
 
 _lock = threading.Lock()
 _homes: dict[int, tuple[str, int]] = {}  # address of a segment mapped at its home -> (range name, size)
@@ -80,17 +83,18 @@ def _check(result: tuple[Any, ...], what: str) -> Any:
 
 def home_addresses(entry: str, sizes: Sequence[int]) -> list[int]:
     """The home address of each segment of the entry whose digest is ``entry`` (0 for none: an entry larger
-    than :data:`HOME_SLOT`, or a digest that is no hex)."""
+    than :data:`HOME_SLOT`, or a digest that is no hex). Each segment takes at least :data:`HOME_RESERVE` bytes
+    of the slot."""
     try:
         slot = int(entry[:16], 16) % HOME_SLOTS
     except ValueError:
         return [0] * len(sizes)
-    if sum(sizes) > HOME_SLOT:
+    if sum(max(size, HOME_RESERVE) for size in sizes) > HOME_SLOT:
         return [0] * len(sizes)
     at, homes = HOME_BASE + slot * HOME_SLOT, []
     for size in sizes:
         homes.append(at)
-        at += size
+        at += max(size, HOME_RESERVE)
     return homes
 
 
@@ -218,10 +222,17 @@ class _Mapping:
     """
 
     def __init__(
-        self, ptr: int, size: int, index: int, driver: cuda_import.Driver | None = None, home: str = ""
+        self,
+        ptr: int,
+        size: int,
+        index: int,
+        driver: cuda_import.Driver | None = None,
+        home: str = "",
+        reserved: int = 0,
     ) -> None:
         self.ptr = ptr
         self.size = size
+        self.reserved = max(size, reserved)  # address space reserved at ptr (more than size at a home)
         self.index = index
         self._ctypes = driver  # the ctypes driver that mapped it, or None: cuda-bindings did
         self._home = home
@@ -243,11 +254,11 @@ class _Mapping:
                 with _lock:
                     _homes.pop(ptr, None)
             if self._ctypes is not None:
-                self._ctypes.unmap_and_free(ptr, self.size)
+                self._ctypes.unmap_and_free(ptr, self.size, self.reserved)
                 return
             cu = _driver()
             cu.cuMemUnmap(ptr, self.size)
-            cu.cuMemAddressFree(ptr, self.size)
+            cu.cuMemAddressFree(ptr, self.reserved)
 
     def __del__(self) -> None:
         try:
@@ -256,18 +267,19 @@ class _Mapping:
             pass
 
 
-def _map(handle: Any, size: int, index: int, read_only: bool, address: int = 0) -> tuple[int, bool]:
-    """Reserve address space (asking for ``address``, a hint), map ``handle`` and set access. Returns (pointer,
-    mapped read-only)."""
+def _map(handle: Any, size: int, index: int, read_only: bool, address: int = 0, reserve: int = 0) -> tuple[int, bool]:
+    """Reserve ``max(size, reserve)`` bytes of address space (asking for ``address``, a hint), map ``handle`` at its
+    start and set access. Returns (pointer, mapped read-only)."""
     cu = _driver()
-    result = cu.cuMemAddressReserve(size, 0, address, 0)
+    reserved = max(size, reserve)
+    result = cu.cuMemAddressReserve(reserved, 0, address, 0)
     if result[0] != cu.CUresult.CUDA_SUCCESS and address:
-        result = cu.cuMemAddressReserve(size, 0, 0, 0)
+        result = cu.cuMemAddressReserve(reserved, 0, 0, 0)
     ptr = int(_check(result, "cuMemAddressReserve"))
     try:
         _check(cu.cuMemMap(ptr, size, 0, handle, 0), "cuMemMap")
     except SegmentError:
-        cu.cuMemAddressFree(ptr, size)
+        cu.cuMemAddressFree(ptr, reserved)
         raise
     desc = cu.CUmemAccessDesc()
     desc.location = _location(index)
@@ -278,7 +290,7 @@ def _map(handle: Any, size: int, index: int, read_only: bool, address: int = 0) 
         if err == cu.CUresult.CUDA_SUCCESS:
             return ptr, ro
     cu.cuMemUnmap(ptr, size)
-    cu.cuMemAddressFree(ptr, size)
+    cu.cuMemAddressFree(ptr, reserved)
     raise SegmentError(f"cuMemSetAccess failed: {err}")
 
 
@@ -407,14 +419,17 @@ class CudaVmmTransport(Transport):
         :func:`home_ranges` as ``name``."""
         index = device_index(info.placement)
         drv = cuda_import.driver()  # ctypes: importing cuda-bindings would cost a restarted engine 10-15 ms
+        reserve = HOME_RESERVE if address else 0
         with _on_device(index):
             if drv is not None:
                 try:
-                    ptr, read_only = cuda_import.map_fd(drv, fd, info.size, index, read_only_mappings(), address)
+                    ptr, read_only = cuda_import.map_fd(
+                        drv, fd, info.size, index, read_only_mappings(), address, reserve
+                    )
                 except cuda_import.DriverError as exc:
                     raise SegmentError(f"cannot map a segment of {info.placement}: {exc}") from exc
                 home = name if address and ptr == address and name else ""
-                mapping = _Mapping(ptr, info.size, index, drv, home)
+                mapping = _Mapping(ptr, info.size, index, drv, home, reserve)
                 return torch.as_tensor(mapping, device=f"cuda:{index}"), read_only
             cu = _driver()
             handle = _check(
@@ -424,11 +439,12 @@ class CudaVmmTransport(Transport):
                 "cuMemImportFromShareableHandle",
             )
             try:
-                ptr, read_only = _map(handle, info.size, index, read_only_mappings(), address)
+                ptr, read_only = _map(handle, info.size, index, read_only_mappings(), address, reserve)
             finally:
                 cu.cuMemRelease(handle)  # the mapping holds the memory from here on
             home = name if address and ptr == address and name else ""
-            return torch.as_tensor(_Mapping(ptr, info.size, index, home=home), device=f"cuda:{index}"), read_only
+            mapping = _Mapping(ptr, info.size, index, home=home, reserved=reserve)
+            return torch.as_tensor(mapping, device=f"cuda:{index}"), read_only
 
 
 def map_threads() -> int:
