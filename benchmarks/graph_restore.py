@@ -166,6 +166,10 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
         "home_ranges": len(cuda_vmm.home_ranges()),
         "home_taken": taken,
         "kept_images": keep_kernel_images().counts() if role != "plain" else None,
+        "phases_ms": [{k: round(v * 1e3, 2) for k, v in getattr(g, "phases", {}).items()} for g, _ in graphs],
+        "images_loaded": [cache.images_loaded, cache.image_bytes, round(cache.image_seconds * 1e3, 1)]
+        if cache
+        else None,
     }
     handle.close()
     return result

@@ -25,6 +25,7 @@ from weightcache.graphs import (
     resolve,
     restore_problems,
 )
+from weightcache.graphs.check import extent_problems, extents
 
 POOL = AddressRange("pool", 0x7F00_0000_0000, 1 << 30)
 WEIGHTS = AddressRange("weights/0", 0x7E00_0000_0000, 1 << 28)
@@ -226,6 +227,25 @@ def test_a_range_elsewhere_smaller_or_unmapped_here_stops_the_restore() -> None:
     problems = restore_problems([POOL, WEIGHTS], [POOL, WEIGHTS], found, driver.pointer_range)
     assert len(problems) == 4 and all("not device memory mapped inside range 'pool'" in p for p in problems)
     assert problems[0].startswith("node 0, its destination points at")
+
+
+def test_a_restore_checks_each_range_to_the_farthest_pointer_the_graph_has_in_it() -> None:
+    driver = FakeDriver()
+    graph, _ = mlp_graph(driver)
+    description, _ = describe(driver, graph)
+    found, _ = pointers(description, [POOL, WEIGHTS], driver.pointer_range)
+    reach = extents(found, [POOL, WEIGHTS])
+    farthest = max(p.value for p in found if p.range == "pool")
+    assert reach == {"pool": farthest - POOL.base + 1, "weights/0": max(p.value for p in found if p.range != "pool")
+                     - WEIGHTS.base + 1}  # fmt: skip
+    assert extent_problems([POOL, WEIGHTS], [POOL, WEIGHTS], reach, driver.pointer_range) == []
+    moved = AddressRange("pool", POOL.base + (2 << 20), POOL.size)
+    assert "was at" in extent_problems([POOL, WEIGHTS], [moved, WEIGHTS], reach, driver.pointer_range)[0]
+    assert "is not in this process" in extent_problems([POOL, WEIGHTS], [POOL], reach, driver.pointer_range)[0]
+    # the pool is where it was, but mapped here only up to just before its farthest pointer
+    driver.allocations[0] = (POOL.base, farthest - POOL.base)
+    (problem,) = extent_problems([POOL, WEIGHTS], [POOL, WEIGHTS], reach, driver.pointer_range)
+    assert f"range 'pool': {farthest:#x}" in problem and "not device memory mapped" in problem
 
 
 def test_kernels_are_resolved_through_their_modules_and_a_missing_one_builds_nothing() -> None:

@@ -75,6 +75,7 @@ def bundle() -> GraphBundle:
         description,
         (Output(0x6000_0000_0200, "bfloat16", (8, 16), (16, 1)),),
         {"gemm": digest, "gelu": digest},
+        {"graphs": 0x200 + 1},
     )
     ranges = (AddressRange("graphs", 0x6000_0000_0000, 64 << 30), AddressRange("weights/abc/0", 0x5000_0000_0000, 4096))
     return GraphBundle(ranges, (record,), {digest: image})
@@ -119,6 +120,9 @@ def edit(change: Any) -> bytes:
         (lambda h, i: h["graphs"][0]["description"]["nodes"][0].update(grid=[1, 2]), "node 0 grid"),
         (lambda h, i: h["ranges"][0].update(base=-1), "base"),
         (lambda h, i: h["graphs"][0].update(name=""), "graph 0 name"),
+        (lambda h, i: h["graphs"][0].update(reach={"pool": 1}), "graph 'b8' reach pool"),
+        (lambda h, i: h["graphs"][0].update(reach={"graphs": 1 << 40}), "graph 'b8' reach graphs"),
+        (lambda h, i: h["graphs"][0].update(reach={"graphs": "far"}), "graph 0 reach graphs"),
     ],
     ids=lambda v: v if isinstance(v, str) else "",
 )

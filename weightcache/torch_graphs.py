@@ -53,7 +53,7 @@ from .errors import GraphDescriptionError, GraphRestoreError, WeightCacheError
 from .fingerprint import Fingerprint
 from .graphs.arena import DEFAULT_BASE, Arena, CudaArenaDriver
 from .graphs.bundle import FORMAT, GraphBundle, GraphRecord, Output
-from .graphs.check import AddressRange, pointers, restore_problems
+from .graphs.check import AddressRange, extent_problems, extents, pointers
 from .graphs.cubins import CubinRecorder, keep_kernel_images
 from .graphs.description import GraphDescription
 from .graphs.driver import CudaGraphDriver
@@ -124,6 +124,8 @@ class CudaGraph:
         self.recorded = recorded
         self.record_problem = record_problem
         self.seconds = seconds
+        #: Seconds of each step of a restore (checks, kernels: loading the images, rebuild, instantiate).
+        self.phases: dict[str, float] = {}
         self._graph = torch_graph
         self._executable = executable
         self._driver = driver
@@ -252,6 +254,10 @@ class GraphCache:
         self._records: list[GraphRecord] = []
         self._images: dict[str, bytes] = {}
         self._modules: dict[str, int] = {}
+        #: Kernel images this GraphCache loaded (each once), their bytes, and the seconds that took.
+        self.images_loaded = 0
+        self.image_bytes = 0
+        self.image_seconds = 0.0
         self._captured = 0
         self.graphs: list[CudaGraph] = []
         with torch.cuda.device(self.device):
@@ -408,20 +414,26 @@ class GraphCache:
             return self._refuse(
                 name, f"its memory started at arena offset {record.start} when recorded, {arena.used} here"
             )
+        phases: dict[str, float] = {}
         try:
             arena.skip_to(record.end)
-            found, _ = pointers(record.description, bundle.ranges, lambda _address: None)
-            problems = restore_problems(bundle.ranges, self.ranges(), found, driver.pointer_range)
+            problems = extent_problems(bundle.ranges, self.ranges(), record.reach, driver.pointer_range)
             problems += self._output_problems(record.outputs)
+            if arena.name in record.reach and record.reach[arena.name] > record.end:
+                problems.append(f"its pointers reach arena offset {record.reach[arena.name]}, past its memory")
             if problems:
                 return self._refuse(name, f"{len(problems)} address check(s) failed, e.g. {problems[0]}")
+            phases["checks"] = time.perf_counter() - started
             functions = self._functions(record.kernels, bundle.images)
             prepare(driver, record.description, functions)
+            phases["kernels"] = time.perf_counter() - started - sum(phases.values())
             graph = rebuild(driver, record.description, functions)
+            phases["rebuild"] = time.perf_counter() - started - sum(phases.values())
             try:
                 executable = driver.instantiate(graph)
             finally:
                 driver.destroy_graph(graph)
+            phases["instantiate"] = time.perf_counter() - started - sum(phases.values())
         except (GraphRestoreError, GraphDescriptionError) as exc:
             return self._refuse(name, str(exc))
         outputs = tuple(self._output(o) for o in record.outputs)
@@ -429,9 +441,11 @@ class GraphCache:
         self._records.append(record)
         self._images.update({d: bundle.images[d] for d in record.kernels.values()})
         seconds = time.perf_counter() - started
-        return CudaGraph(
+        restored = CudaGraph(
             name, outputs, restored=True, reason=None, seconds=seconds, executable=executable, driver=driver
         )
+        restored.phases = phases
+        return restored
 
     def _output_problems(self, outputs: Iterable[Output]) -> list[str]:
         arena = self._arena
@@ -454,7 +468,11 @@ class GraphCache:
         for name, digest in kernels.items():
             module = self._modules.get(digest)
             if module is None:
+                began = time.perf_counter()
                 module = self._modules[digest] = self._driver.load_module(images[digest])
+                self.images_loaded += 1
+                self.image_bytes += len(images[digest])
+                self.image_seconds += time.perf_counter() - began
             function = self._driver.module_function(module, name)
             if function is None:
                 raise GraphRestoreError(f"the kept image {digest[:12]} has no kernel named {name[:120]}")
@@ -507,7 +525,7 @@ class GraphCache:
         except GraphRestoreError as exc:
             return str(exc)
         ranges = self.ranges()
-        _, problems = pointers(description, ranges, driver.pointer_range)
+        found, problems = pointers(description, ranges, driver.pointer_range)
         if problems:
             return f"{len(problems)} address(es) outside the reproduced ranges, e.g. {problems[0]}"
         kernels: dict[str, str] = {}
@@ -520,7 +538,7 @@ class GraphCache:
                 )
             kernels[kernel] = digest
         recorded = tuple(Output(o.data_ptr(), _NAMES[o.dtype], tuple(o.shape), tuple(o.stride())) for o in outputs)
-        record = GraphRecord(name, start, arena.used, description, recorded, kernels)
+        record = GraphRecord(name, start, arena.used, description, recorded, kernels, extents(found, ranges))
         problems = self._output_problems(recorded)
         if problems:
             return problems[0]

@@ -105,6 +105,7 @@ class GraphRecord:
         description: its nodes and edges.
         outputs: the tensors it returns, in order.
         kernels: kernel name -> SHA-256 of the image that defines it.
+        reach: range name -> how far into that range its pointers reach (:func:`~weightcache.graphs.check.extents`).
     """
 
     name: str
@@ -113,6 +114,7 @@ class GraphRecord:
     description: GraphDescription
     outputs: tuple[Output, ...]
     kernels: Mapping[str, str]
+    reach: Mapping[str, int] = attrs.field(factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return {
@@ -122,11 +124,12 @@ class GraphRecord:
             "description": self.description.to_json(),
             "outputs": [o.to_json() for o in self.outputs],
             "kernels": dict(sorted(self.kernels.items())),
+            "reach": dict(sorted(self.reach.items())),
         }
 
     @classmethod
     def from_json(cls, raw: object, where: str) -> GraphRecord:
-        f = _object(raw, where, ("name", "start", "end", "description", "outputs", "kernels"))
+        f = _object(raw, where, ("name", "start", "end", "description", "outputs", "kernels", "reach"))
         start, end = _int(f["start"], f"{where} start"), _int(f["end"], f"{where} end")
         if end < start:
             raise _fail(f"{where} end", f"at least its start ({start})", end)
@@ -140,7 +143,11 @@ class GraphRecord:
         if missing:
             raise _fail(f"{where} kernels", "an image for every kernel of the graph", f"none for {missing[0][:80]}")
         outputs = tuple(Output.from_json(o, f"{where} output {i}") for i, o in enumerate(_list(f["outputs"], where)))
-        return cls(_str(f["name"], f"{where} name"), start, end, description, outputs, dict(kernels))
+        reach = f["reach"]
+        if not isinstance(reach, Mapping) or not all(isinstance(k, str) for k in reach):
+            raise _fail(f"{where} reach", "an object of range name -> extent", reach)
+        extents = {name: _int(value, f"{where} reach {name[:40]}") for name, value in reach.items()}
+        return cls(_str(f["name"], f"{where} name"), start, end, description, outputs, dict(kernels), extents)
 
 
 @attrs.frozen
@@ -202,10 +209,14 @@ class GraphBundle:
                 raise _fail(f"image {i} sha256", "the SHA-256 of its bytes", m["sha256"])
             images[m["sha256"]] = image
         graphs = tuple(GraphRecord.from_json(g, f"graph {i}") for i, g in enumerate(_list(top["graphs"], "graphs")))
+        names = {r.name: r for r in ranges}
         for g in graphs:
             absent = sorted(set(g.kernels.values()) - set(images))
             if absent:
                 raise _fail(f"graph {g.name!r} kernels", "images the artifact holds", absent[0])
+            for name, extent in g.reach.items():
+                if name not in names or not 0 < extent <= names[name].size:
+                    raise _fail(f"graph {g.name!r} reach {name[:40]}", "within a range the artifact lists", extent)
         return cls(tuple(ranges), graphs, images)
 
 

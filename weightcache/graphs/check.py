@@ -19,9 +19,10 @@ Any problem means the graph is captured as usual; each is a sentence naming the 
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import attrs
+import numpy as np
 
 from .description import GraphDescription, KernelNode, MemsetNode
 
@@ -50,13 +51,40 @@ class Pointer:
     range: str
 
 
-def _words(description: GraphDescription) -> Iterable[tuple[int, int, int, str]]:
+#: Words below this are never looked up as device addresses: CUDA places device memory above 4 GiB on 64-bit
+#: Linux, and a graph's argument bytes are mostly scalars (sizes, strides, flags) below it.
+LOWEST_ADDRESS = 1 << 32
+
+
+def _kernel_words(description: GraphDescription) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Node index, byte offset and value of every word of every kernel node that could be a device pointer
+    (:meth:`~weightcache.graphs.description.KernelNode.words`), as three arrays: one pass over the graph, since a
+    restore checks every graph of a model and numpy's cost is per call, not per word."""
+    blobs: list[bytes] = []
+    ids: list[int] = []
+    counts: list[int] = []
+    laid_out: list[tuple[int, int, list[int]]] = []  # (first word, words, chosen words) of each laid-out node
+    at = 0
     for i, node in enumerate(description.nodes):
-        if isinstance(node, KernelNode):
-            for offset, value in node.words():
-                yield i, offset, value, node.function
-        elif isinstance(node, MemsetNode):
-            yield i, -1, node.dst, "memset"
+        if not isinstance(node, KernelNode):
+            continue
+        n = len(node.args) // 8
+        blobs.append(node.args[: n * 8])
+        ids.append(i)
+        counts.append(n)
+        if node.launched_with == "params":
+            laid_out.append((at, n, [o // 8 for o, size in node.layout if size == 8 and o % 8 == 0]))
+        at += n
+    words = np.frombuffer(b"".join(blobs), dtype="<u8")
+    sizes = np.array(counts, dtype=np.intp)
+    firsts = np.cumsum(sizes) - sizes
+    nodes = np.repeat(np.array(ids, dtype=np.intp), sizes)
+    offsets = (np.arange(at, dtype=np.intp) - np.repeat(firsts, sizes)) * 8
+    keep = np.ones(at, dtype=bool)
+    for first, n, chosen in laid_out:  # a laid-out node: only its 8-byte, 8-aligned parameters
+        keep[first : first + n] = False
+        keep[[first + c for c in chosen]] = True
+    return nodes[keep], offsets[keep], words[keep]
 
 
 def _where(node: int, offset: int, what: str | None = None) -> str:
@@ -67,29 +95,55 @@ def _where(node: int, offset: int, what: str | None = None) -> str:
 def pointers(
     description: GraphDescription,
     ranges: Sequence[AddressRange],
-    pointer_range: Callable[[int], tuple[int, int] | None],
+    pointer_range: Callable[[int], tuple[int, int] | None] | None,
 ) -> tuple[list[Pointer], list[str]]:
     """Every address of ``description`` in ``ranges``, and the problems: an address the driver knows as device
-    memory (``pointer_range``, e.g. :meth:`~weightcache.graphs.driver.GraphDriver.pointer_range`) outside every
-    range, or a memset whose destination is in none. Zero and words that are no device address are not pointers
-    (scalars; a scalar that equals an address inside a range is treated as a pointer, which can only make a
-    restore refuse)."""
+    memory (``pointer_range``, e.g. :meth:`~weightcache.graphs.driver.GraphDriver.pointer_range`; each distinct
+    word at or above :data:`LOWEST_ADDRESS` is asked once) outside every range, or a memset whose destination is
+    in none. Words that are no device address are not pointers (scalars; a scalar that equals an address inside a
+    range is treated as a pointer, which can only make a restore refuse). Without ``pointer_range`` (a restore,
+    which checks the pointers it finds with :func:`restore_problems`), words outside the ranges are not looked
+    up."""
     found: list[Pointer] = []
     problems: list[str] = []
-    for node, offset, value, what in _words(description):
-        inside = next((r for r in ranges if r.holds(value)), None)
-        if inside is not None:
-            found.append(Pointer(node, offset, value, inside.name))
-            continue
-        if value == 0 and offset >= 0:
-            continue
-        allocation = pointer_range(value)
+    known: dict[int, tuple[int, int] | None] = {}
+
+    def outside(node: int, offset: int, value: int, what: str) -> None:
+        if pointer_range is None and offset >= 0:
+            return
+        if value not in known:
+            known[value] = pointer_range(value) if pointer_range is not None else None
+        allocation = known[value]
         if allocation is not None or offset < 0:
             held = f" (allocation {allocation[0]:#x}, {allocation[1]} bytes)" if allocation else ""
             problems.append(
                 f"{_where(node, offset, what)} holds {value:#x}, device memory outside every range the restore "
                 f"reproduces{held}: a rebuilt graph would read memory no later process has at that address"
             )
+
+    for i, node in enumerate(description.nodes):
+        if isinstance(node, MemsetNode):
+            inside = next((r for r in ranges if r.holds(node.dst)), None)
+            if inside is not None:
+                found.append(Pointer(i, -1, node.dst, inside.name))
+            else:
+                outside(i, -1, node.dst, "memset")
+    nodes, offsets, values = _kernel_words(description)
+    candidate = values >= LOWEST_ADDRESS
+    nodes, offsets, values = nodes[candidate], offsets[candidate], values[candidate]
+    unmatched = np.ones(len(values), dtype=bool)
+    for r in ranges:
+        hit = (values >= r.base) & (values < r.base + r.size) & unmatched
+        for node, offset, value in zip(nodes[hit].tolist(), offsets[hit].tolist(), values[hit].tolist()):
+            found.append(Pointer(node, offset, value, r.name))
+        unmatched &= ~hit
+    if pointer_range is None:  # a restore: only the pointers inside the ranges matter
+        unmatched[:] = False
+    kernels = description.nodes
+    for node, offset, value in zip(nodes[unmatched].tolist(), offsets[unmatched].tolist(), values[unmatched].tolist()):
+        kernel = kernels[node]
+        outside(node, offset, value, kernel.function if isinstance(kernel, KernelNode) else "")
+    found.sort(key=lambda p: (p.node, p.offset))
     return found, problems
 
 
@@ -119,8 +173,11 @@ def restore_problems(
             )
     if problems or pointer_range is None:
         return problems
+    known: dict[int, tuple[int, int] | None] = {}
     for p in found:
-        allocation = pointer_range(p.value)
+        if p.value not in known:
+            known[p.value] = pointer_range(p.value)
+        allocation = known[p.value]
         inside = now[p.range]
         if allocation is None or not (
             inside.holds(allocation[0]) and allocation[0] + allocation[1] <= inside.base + inside.size
@@ -132,4 +189,43 @@ def restore_problems(
     return problems
 
 
-__all__ = ["AddressRange", "Pointer", "pointers", "restore_problems"]
+def extents(found: Sequence[Pointer], ranges: Sequence[AddressRange]) -> dict[str, int]:
+    """For each range the ``found`` pointers use, how far into it they reach: the offset of the highest pointer
+    from the range's base, plus one. What :func:`extent_problems` checks in a restoring process."""
+    bases = {r.name: r.base for r in ranges}
+    reach: dict[str, int] = {}
+    for p in found:
+        reach[p.range] = max(reach.get(p.range, 0), p.value - bases[p.range] + 1)
+    return reach
+
+
+def extent_problems(
+    recorded: Sequence[AddressRange],
+    current: Sequence[AddressRange],
+    reach: Mapping[str, int],
+    pointer_range: Callable[[int], tuple[int, int] | None],
+) -> list[str]:
+    """:func:`restore_problems` by range instead of by pointer: every range a graph's pointers use (``reach``,
+    from :func:`extents`) is here, at its recorded base, at least as large, and mapped device memory inside it from
+    its base to the farthest pointer. A range is one mapping (a weights segment; the arena, mapped from its base
+    on), so that covers every pointer recorded in it, at one driver query per end instead of one per pointer."""
+    problems = restore_problems(recorded, current, [Pointer(-1, -1, 0, name) for name in reach])
+    if problems:
+        return problems
+    now = {r.name: r for r in current}
+    for name, extent in sorted(reach.items()):
+        inside = now[name]
+        for address in (inside.base, inside.base + extent - 1):
+            allocation = pointer_range(address)
+            if allocation is None or not (
+                inside.holds(allocation[0]) and allocation[0] + allocation[1] <= inside.base + inside.size
+            ):
+                problems.append(
+                    f"range {name!r}: {address:#x}, which a pointer of the graph reaches, is not device memory "
+                    "mapped inside the range in this process"
+                )
+                break
+    return problems
+
+
+__all__ = ["AddressRange", "Pointer", "extent_problems", "extents", "pointers", "restore_problems"]

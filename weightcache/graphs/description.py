@@ -18,6 +18,7 @@ from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
+import numpy as np
 
 from ..errors import GraphDescriptionError
 
@@ -99,14 +100,15 @@ class KernelNode:
     launched_with: Literal["params", "buffer"] = "params"
     attributes: tuple[tuple[int, bytes], ...] = ()
 
-    def words(self) -> list[tuple[int, int]]:
-        """``(offset, value)`` of every argument that could be a device pointer: each 8-byte, 8-aligned parameter
-        of a laid-out node; every 8-aligned 8-byte word of an argument buffer (its layout is unknown)."""
+    def words(self) -> tuple[np.ndarray, np.ndarray]:
+        """Byte offsets and values (``uint64`` arrays) of every argument that could be a device pointer: each
+        8-byte, 8-aligned parameter of a laid-out node; every 8-aligned 8-byte word of an argument buffer (its
+        layout is unknown). Arrays, because a restore scans every word of every node of every graph."""
+        every = np.frombuffer(self.args, dtype="<u8", count=len(self.args) // 8)
         if self.launched_with == "params":
-            spans = [(o, s) for o, s in self.layout if s == 8 and o % 8 == 0]
-        else:
-            spans = [(o, 8) for o in range(0, len(self.args) - 7, 8)]
-        return [(o, int.from_bytes(self.args[o : o + 8], "little")) for o, _ in spans]
+            offsets = np.array([o for o, s in self.layout if s == 8 and o % 8 == 0], dtype=np.uint64)
+            return offsets, every[(offsets // 8).astype(np.intp)]
+        return np.arange(len(every), dtype=np.uint64) * 8, every
 
 
 @attrs.frozen

@@ -50,7 +50,8 @@ HOME_BASE = 0x5000_0000_0000
 HOME_SLOT = 256 << 30
 HOME_SLOTS = 64
 #: Address space reserved at a home for a segment of any smaller size: the driver on an H200 (580.159.04) placed
-#: reservations of 2 and 64 MiB elsewhere whatever address they asked for, and gave 64 GiB ones the address asked.
+#: reservations of 2 and 64 MiB elsewhere whatever address they asked for, and gave those of 512 MiB to 64 GiB the
+#: address asked (``benchmarks/graph_restore.py probe-va``).
 HOME_RESERVE = 4 << 30
 
 _lock = threading.Lock()
@@ -100,7 +101,9 @@ def home_addresses(entry: str, sizes: Sequence[int]) -> list[int]:
 
 def home_ranges() -> list[tuple[str, int, int]]:
     """``(name, address, size)`` of every segment this process has mapped at its home address now: the weights
-    a recorded CUDA graph may point at. Names are ``weights/<digest[:16]>/<segment index>``."""
+    a recorded CUDA graph may point at. ``size`` is the address space reserved there (at least
+    :data:`HOME_RESERVE`; ``cuPointerGetAttribute`` reports a pointer's range as its reservation). Names are
+    ``weights/<digest[:16]>/<segment index>``."""
     with _lock:
         return sorted((name, address, size) for address, (name, size) in _homes.items())
 
@@ -238,7 +241,8 @@ class _Mapping:
         self._home = home
         if home:
             with _lock:
-                _homes[ptr] = (home, size)
+                # the whole reservation: the driver reports a pointer's range as the reservation it lies in
+                _homes[ptr] = (home, self.reserved)
         self.__cuda_array_interface__ = {
             "shape": (size,),
             "typestr": "|u1",
