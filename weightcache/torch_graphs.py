@@ -42,6 +42,7 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -254,12 +255,17 @@ class GraphCache:
         self._records: list[GraphRecord] = []
         self._images: dict[str, bytes] = {}
         self._modules: dict[str, int] = {}
-        #: Kernel images this GraphCache loaded (each once), their bytes, and the seconds that took.
+        #: Kernel images this GraphCache loaded (each once), their bytes, and the seconds the graphs waited for them.
         self.images_loaded = 0
         self.image_bytes = 0
         self.image_seconds = 0.0
+        #: Seconds of the start-up steps: ``arena`` (range, pool, driver), ``artifact`` (asked of the keeper and
+        #: read), ``parse`` (checked).
+        self.phases: dict[str, float] = {}
+        self._loading: dict[str, Future[int]] = {}
         self._captured = 0
         self.graphs: list[CudaGraph] = []
+        began = time.perf_counter()
         with torch.cuda.device(self.device):
             torch.cuda.init()  # type: ignore[no-untyped-call]
             torch.cuda.current_stream(self.device)  # the primary context is current on this thread from here on
@@ -283,6 +289,7 @@ class GraphCache:
                 self.reason = f"kernel images cannot be kept ({exc}); graphs are restored but not recorded"
                 log.warning("weightcache: %s", self.reason)
             self.key = graphs_key(key or {}, self.device, (self._arena.base, self._arena.size))
+            self.phases["arena"] = time.perf_counter() - began
             self._load()
 
     def _off(self, reason: str) -> None:
@@ -315,6 +322,7 @@ class GraphCache:
             self._off(f"{SWITCH_ENV}=off: graphs are captured and nothing is published")
             return
         assert self.key is not None
+        began = time.perf_counter()
         try:
             found = self._cache.open_artifact(self.weights, self.key)
         except WeightCacheError as exc:
@@ -333,12 +341,32 @@ class GraphCache:
         if blob is None:
             self.reason = f"the {KIND} artifact could not be read"
             return
-        self._replace = hashlib.sha256(blob).hexdigest()
+        self._replace = found.info.sha256
+        self.phases["artifact"] = time.perf_counter() - began
         try:
-            self._bundle = GraphBundle.from_bytes(blob)
+            self._bundle = GraphBundle.from_bytes(blob, hashed=True)  # the keeper's reader checked the blob's SHA-256
         except GraphDescriptionError as exc:
             self.reason = str(exc)
             log.warning("weightcache: %s", exc)
+            return
+        self.phases["parse"] = time.perf_counter() - began - self.phases["artifact"]
+        self._preload(self._bundle.images)
+
+    def _preload(self, images: Mapping[str, bytes]) -> None:
+        """Load every image of the artifact on worker threads (the driver loads modules in parallel and without
+        the GIL), while the caller goes on; :meth:`_functions` waits for the ones a graph needs."""
+        driver = self._driver
+        if driver is None or not images:
+            return
+        context = driver.current_context()
+
+        def load(image: bytes) -> int:
+            driver.make_current(context)
+            return driver.load_module(image)
+
+        pool = ThreadPoolExecutor(max_workers=min(8, len(images)), thread_name_prefix="weightcache-images")
+        self._loading = {digest: pool.submit(load, image) for digest, image in images.items()}
+        pool.shutdown(wait=False)
 
     def ranges(self) -> list[AddressRange]:
         """The address ranges this process reproduces: the arena, and the weights mapped at their homes."""
@@ -469,7 +497,9 @@ class GraphCache:
             module = self._modules.get(digest)
             if module is None:
                 began = time.perf_counter()
-                module = self._modules[digest] = self._driver.load_module(images[digest])
+                loading = self._loading.pop(digest, None)
+                loaded = loading.result() if loading is not None else self._driver.load_module(images[digest])
+                module = self._modules[digest] = loaded
                 self.images_loaded += 1
                 self.image_bytes += len(images[digest])
                 self.image_seconds += time.perf_counter() - began

@@ -176,8 +176,10 @@ class GraphBundle:
         return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *(self.images[d] for d in order)])
 
     @classmethod
-    def from_bytes(cls, blob: bytes) -> GraphBundle:
-        """What :meth:`to_bytes` wrote, every field checked; :class:`GraphDescriptionError` otherwise."""
+    def from_bytes(cls, blob: bytes, *, hashed: bool = False) -> GraphBundle:
+        """What :meth:`to_bytes` wrote, every field checked; :class:`GraphDescriptionError` otherwise. Each image's
+        SHA-256 is recomputed unless ``hashed`` says the whole blob's was already checked (the keeper's artifacts
+        are: :mod:`weightcache.artifacts`), which also covers the images."""
         if len(blob) < len(MAGIC) + 8 or blob[: len(MAGIC)] != MAGIC:
             raise _fail("the blob", f"a graph artifact starting with {MAGIC!r}", blob[:16])
         (length,) = struct.unpack_from("<Q", blob, len(MAGIC))
@@ -205,7 +207,9 @@ class GraphBundle:
             if offset + size > len(data):
                 raise _fail(f"image {i}", f"within the {len(data)} bytes after the header", (offset, size))
             image = bytes(data[offset : offset + size])
-            if hashlib.sha256(image).hexdigest() != m["sha256"]:
+            if not isinstance(m["sha256"], str) or not _SHA.fullmatch(m["sha256"]):
+                raise _fail(f"image {i} sha256", "a hex SHA-256", m["sha256"])
+            if not hashed and hashlib.sha256(image).hexdigest() != m["sha256"]:
                 raise _fail(f"image {i} sha256", "the SHA-256 of its bytes", m["sha256"])
             images[m["sha256"]] = image
         graphs = tuple(GraphRecord.from_json(g, f"graph {i}") for i, g in enumerate(_list(top["graphs"], "graphs")))

@@ -202,6 +202,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuModuleLoadData": [ctypes.POINTER(_p), ctypes.c_char_p],
     "cuModuleGetFunction": [ctypes.POINTER(_p), _p, ctypes.c_char_p],
     "cuFuncSetAttribute": [_p, ctypes.c_int, ctypes.c_int],
+    "cuCtxSetCurrent": [_p],
 }  # fmt: skip
 
 
@@ -397,6 +398,16 @@ class CudaGraphDriver:
 
     def set_function_attribute(self, function: int, attribute: int, value: int) -> None:
         self._call("cuFuncSetAttribute", _p(function), attribute, value)
+
+    def current_context(self) -> int:
+        """The context current on this thread (0: none)."""
+        ctx = _p()
+        self._call("cuCtxGetCurrent", ctypes.byref(ctx))
+        return int(ctx.value or 0)
+
+    def make_current(self, context: int) -> None:
+        """Make ``context`` current on this thread (for module loads on a worker thread)."""
+        self._call("cuCtxSetCurrent", _p(context))
 
     def add_edges(self, graph: int, edges: Sequence[tuple[int, int, bytes]]) -> None:
         if not edges:
