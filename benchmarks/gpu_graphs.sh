@@ -4,13 +4,14 @@
 #   gpu_graphs.sh test        pytest -m cuda of tests/test_graphs.py and tests/test_torch_graphs.py
 #   gpu_graphs.sh bench ARGS  benchmarks/graph_restore.py bench ARGS
 #   gpu_graphs.sh env         what the machine has (driver, torch, CUPTI)
+#   gpu_graphs.sh regress     the GPU tests of attach and memory (tests/test_cuda.py, tests/test_cuda_memory.py)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-cmd=${1:?usage: gpu_graphs.sh test|bench|env}
+cmd=${1:?usage: gpu_graphs.sh test|bench|env|regress}
 shift
 case "$cmd" in
 env)
@@ -22,6 +23,9 @@ env)
 test)
     timeout 500 python3 -m pytest -p no:cacheprovider -m cuda -q -rA "$@" tests/test_graphs.py tests/test_torch_graphs.py \
         2>&1 | tee "$out/graphs-cuda-tests.log" ;;
+regress)
+    timeout 450 python3 -m pytest -p no:cacheprovider -m cuda -q "$@" tests/test_cuda.py tests/test_cuda_memory.py \
+        2>&1 | tee "$out/cuda-tests.log" ;;
 bench)
     timeout 550 python3 benchmarks/graph_restore.py bench "$@" 2>&1 | tee "$out/graphs-bench.log" ;;
 *) echo "unknown command $cmd" >&2; exit 2 ;;
