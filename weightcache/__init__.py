@@ -51,6 +51,7 @@ if typing.TYPE_CHECKING:
     from .handle import Handle
     from .standby import Leadership
     from .torch_compile import CompileCache, compile_cache
+    from .torch_graphs import CudaGraph, GraphCache, keep_kernel_images
     from .torch_precompile import Precompiled, precompile
 
 # Names imported on first use (PEP 562): those that need torch, so that the keeper and the CLI's keeper commands
@@ -68,6 +69,9 @@ _LAZY = {
     "precompile": "torch_precompile",
     "Handle": "handle",
     "Leadership": "standby",
+    "CudaGraph": "torch_graphs",
+    "GraphCache": "torch_graphs",
+    "keep_kernel_images": "torch_graphs",
 }
 
 
@@ -95,12 +99,14 @@ __all__ = [
     "Cache",
     "CheckpointError",
     "CompileCache",
+    "CudaGraph",
     "EngineNotInstalled",
     "EntryInfo",
     "EntryNotFound",
     "FallbackWarning",
     "Fingerprint",
     "FingerprintMismatch",
+    "GraphCache",
     "GraphDescriptionError",
     "GraphRestoreError",
     "Handle",
@@ -125,6 +131,7 @@ __all__ = [
     "attach",
     "bind",
     "compile_cache",
+    "keep_kernel_images",
     "precompile",
     "preload",
     "quant",

@@ -55,7 +55,7 @@ from .fingerprint import Fingerprint
 from .graphs.arena import DEFAULT_BASE, Arena, CudaArenaDriver
 from .graphs.bundle import FORMAT, GraphBundle, GraphRecord, Output
 from .graphs.check import AddressRange, extent_problems, extents, pointers
-from .graphs.cubins import CubinRecorder, keep_kernel_images
+from .graphs.cubins import CubinRecorder, keep_kernel_images, loading_kept_images
 from .graphs.description import GraphDescription
 from .graphs.driver import CudaGraphDriver
 from .graphs.record import describe, prepare, rebuild
@@ -362,7 +362,8 @@ class GraphCache:
 
         def load(image: bytes) -> int:
             driver.make_current(context)
-            return driver.load_module(image)
+            with loading_kept_images():
+                return driver.load_module(image)
 
         pool = ThreadPoolExecutor(max_workers=min(8, len(images)), thread_name_prefix="weightcache-images")
         self._loading = {digest: pool.submit(load, image) for digest, image in images.items()}
@@ -498,7 +499,11 @@ class GraphCache:
             if module is None:
                 began = time.perf_counter()
                 loading = self._loading.pop(digest, None)
-                loaded = loading.result() if loading is not None else self._driver.load_module(images[digest])
+                if loading is not None:
+                    loaded = loading.result()
+                else:
+                    with loading_kept_images():
+                        loaded = self._driver.load_module(images[digest])
                 module = self._modules[digest] = loaded
                 self.images_loaded += 1
                 self.image_bytes += len(images[digest])

@@ -20,6 +20,7 @@ Layer L3; imports no torch.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import glob
 import hashlib
@@ -28,6 +29,7 @@ import os
 import struct
 import sys
 import threading
+from collections.abc import Iterator
 
 from ..errors import GraphRestoreError
 
@@ -84,6 +86,21 @@ class _ModuleData(ctypes.Structure):
 
 #: ``CUPTI_CB_DOMAIN_RESOURCE`` and ``CUPTI_CBID_RESOURCE_MODULE_LOADED``.
 _DOMAIN_RESOURCE, _MODULE_LOADED = 3, 6
+#: Set on a thread while it loads images it got from an artifact (:func:`loading_kept_images`): those loads are
+#: not kept again (a restore loads tens of MB; the graphs a process captures use its libraries' own modules).
+_own = threading.local()
+
+
+@contextlib.contextmanager
+def loading_kept_images() -> Iterator[None]:
+    """Within it, modules this thread loads are not kept by the :class:`CubinRecorder`."""
+    _own.active = True
+    try:
+        yield
+    finally:
+        _own.active = False
+
+
 _CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p)
 
 
@@ -142,7 +159,7 @@ class CubinRecorder:
 
     def _loaded(self, _userdata: int | None, domain: int, cbid: int, data: int | None) -> None:
         try:
-            if domain != _DOMAIN_RESOURCE or cbid != _MODULE_LOADED or not data:
+            if domain != _DOMAIN_RESOURCE or cbid != _MODULE_LOADED or not data or getattr(_own, "active", False):
                 return
             resource = _ResourceData.from_address(data)
             if not resource.descriptor:
@@ -208,4 +225,4 @@ def keep_kernel_images() -> CubinRecorder:
         return _recorder
 
 
-__all__ = ["CubinRecorder", "keep_kernel_images", "kernel_names", "load_cupti"]
+__all__ = ["CubinRecorder", "keep_kernel_images", "kernel_names", "load_cupti", "loading_kept_images"]
