@@ -168,3 +168,56 @@ def test_on_a_gpu_a_fresh_process_restores_every_graph_and_replays_bitwise_equal
     assert shift["restored"] == [False] * 3 and "arena offset" in (shift["reasons"][0] or ""), shift
     assert taken["home_taken"] and taken["restored"] == [False] * 3, taken
     assert "weights/" in (taken["reasons"][0] or ""), taken
+
+
+class FakeCupti:
+    """libcupti's three calls as plain functions (ctypes sets their argtypes): the subscriber remembers the callback
+    CUPTI would call."""
+
+    def __init__(self) -> None:
+        self.callback: Any = None
+        self.enabled: list[tuple[int, int]] = []
+
+        def subscribe(handle: Any, callback: Any, userdata: Any) -> int:
+            self.callback = callback
+            handle._obj.value = 1
+            return 0
+
+        def enable(on: int, subscriber: Any, domain: int, cbid: int) -> int:
+            self.enabled.append((domain, cbid))
+            return 0
+
+        def unsubscribe(subscriber: Any) -> int:
+            return 0
+
+        self.cuptiSubscribe, self.cuptiEnableCallback, self.cuptiUnsubscribe = subscribe, enable, unsubscribe
+
+
+def load_module(cupti: FakeCupti, image: bytes) -> None:
+    """What the driver does when it loads a module: CUPTI calls the subscriber with the module's image."""
+    import ctypes
+
+    from weightcache.graphs.cubins import _ModuleData, _ResourceData
+
+    buffer = ctypes.create_string_buffer(image, len(image))
+    module = _ModuleData(7, len(image), ctypes.cast(buffer, ctypes.c_void_p))
+    resource = _ResourceData(None, None, ctypes.addressof(module))
+    cupti.callback(None, 3, 6, ctypes.addressof(resource))
+
+
+def test_the_recorder_keeps_each_module_loaded_except_those_a_restore_loads_itself() -> None:
+    from weightcache.graphs.cubins import CubinRecorder, loading_kept_images
+
+    cupti = FakeCupti()
+    recorder = CubinRecorder(lib=cupti)  # type: ignore[arg-type]
+    assert cupti.enabled == [(3, 6)]  # the resource domain's module-loaded callback
+    gemm = elf([("gemm_kernel", 2, 1)])
+    load_module(cupti, gemm)
+    assert recorder.image_of("gemm_kernel") == hashlib.sha256(gemm).hexdigest()
+    assert recorder.image(hashlib.sha256(gemm).hexdigest()) == gemm
+    with loading_kept_images():  # a restore's own load of an artifact's image
+        load_module(cupti, elf([("restored_kernel", 2, 1)]))
+    assert recorder.image_of("restored_kernel") is None and recorder.counts() == (1, 1)
+    cupti.callback(None, 3, 6, None)  # nothing to read: ignored, never an exception into the driver
+    cupti.callback(None, 1, 307, 12345)  # another domain and callback
+    assert recorder.counts() == (1, 1)
