@@ -71,6 +71,7 @@ LAYERS: dict[str, int] = {
     "torch_compile_key.py": 3,
     "torch_compile_blob.py": 3,
     "torch_precompile.py": 3,
+    "torch_graphs.py": 3,  # CUDA graphs restored from the keeper (issue 31): arena pool, kept kernel images
     "graphs/*.py": 3,  # CUDA graphs described, checked, rebuilt (issue 31): the driver through ctypes, no torch
     # L4: engine adapters
     "backends/*.py": 4,

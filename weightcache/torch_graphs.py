@@ -214,8 +214,9 @@ class GraphCache:
             and arena are added.
         device: the CUDA device (default: the current one).
         cache: the keeper to use (default: ``Cache(socket_dir)``).
-        arena_bytes, base: the address range of static inputs and graph memory (one GraphCache per base in a
-            process; the same in the recording and the restoring process).
+        arena_bytes: the address space of static inputs and graph memory (at least 512 MiB: the driver places
+            smaller reservations elsewhere than asked); the same in the recording and the restoring process.
+        base: where that range starts (one GraphCache per base in a process; the same in both processes).
         verify: replay each graph rebuilt from the kept kernel images beside the captured one before recording
             it, and record it only if both give the same bytes (the graphs' functions must not depend on what
             a replay leaves behind).

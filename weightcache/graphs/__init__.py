@@ -16,11 +16,13 @@ that is what :mod:`~weightcache.graphs.check` establishes, before anything is re
 - :mod:`~weightcache.graphs.check`: the address checks: every pointer a description holds lies in a range the
   restore reproduces, and every such range is at its recorded place in this process.
 - :mod:`~weightcache.graphs.arena`: a range of GPU addresses at a fixed base with a bump allocator, where graph
-  memory gets the same addresses in every process (not yet wired to torch's graph pool, not yet run on a GPU).
+  memory gets the same addresses in every process.
+- :mod:`~weightcache.graphs.cubins`: the machine code of the kernels, kept from CUPTI's module-loaded callback.
+- :mod:`~weightcache.graphs.bundle`: the ``cuda.graphs`` artifact's format.
 
-Not built yet (issue 31): torch's graph pool served from an arena (a pluggable allocator), the weights mapped at
-their recorded addresses, the restore, and the artifact kind that publishes descriptions. Layer L3; imports no
-torch.
+:mod:`weightcache.torch_graphs` puts them together (``wc.GraphCache``): torch's graph pool served from an arena,
+the weights at their home addresses, graphs recorded, published, and rebuilt in a fresh process. Layer L3; imports
+no torch.
 """
 
 from __future__ import annotations
