@@ -25,48 +25,25 @@ from typing import Any
 import attrs
 
 from ..dtypes import DTYPES
-from ..errors import GraphDescriptionError
 from .check import AddressRange
 from .description import GraphDescription
+from .json_fields import FieldReader
 
 MAGIC = b"WCGRAPH1"
 #: The format of the JSON header.
 FORMAT = 1
 _SHA = re.compile(r"[0-9a-f]{64}")
-_U64 = 2**64
 
 
-def _fail(where: str, expected: str, found: object) -> GraphDescriptionError:
-    return GraphDescriptionError(
-        f"graph artifact: {where} must be {expected}, found {found!r:.80}; the artifact is not used (the graphs are "
-        "captured as usual and a new artifact is published)"
-    )
-
-
-def _int(value: object, where: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < _U64:
-        raise _fail(where, "an integer in [0, 2**64)", value)
-    return value
+_read = FieldReader(
+    "graph artifact", "the artifact is not used (the graphs are captured as usual and a new artifact is published)"
+)
+_fail, _int, _object, _list = _read.fail, _read.int, _read.fields, _read.list
 
 
 def _str(value: object, where: str) -> str:
     if not isinstance(value, str) or not value or len(value) > 4096:
         raise _fail(where, "a non-empty string", value)
-    return value
-
-
-def _object(value: object, where: str, names: tuple[str, ...]) -> Mapping[str, Any]:
-    if not isinstance(value, Mapping):
-        raise _fail(where, "an object", value)
-    missing = [n for n in names if n not in value]
-    if missing:
-        raise _fail(where, f"an object with {', '.join(names)}", f"no {', '.join(missing)}")
-    return value
-
-
-def _list(value: object, where: str) -> list[Any]:
-    if not isinstance(value, list):
-        raise _fail(where, "a list", value)
     return value
 
 

@@ -14,13 +14,12 @@ data. Anything malformed is a :class:`~weightcache.errors.GraphDescriptionError`
 
 from __future__ import annotations
 
-from collections.abc import Mapping
 from typing import Any, Literal
 
 import attrs
 import numpy as np
 
-from ..errors import GraphDescriptionError
+from .json_fields import FieldReader
 
 #: The format of :meth:`GraphDescription.to_json`.
 FORMAT = 1
@@ -31,20 +30,12 @@ LAUNCH_FORMS = ("params", "buffer")
 ATTRIBUTE_BYTES = 64
 EDGE_BYTES = 8
 _U32 = 2**32
-_U64 = 2**64
 
 
-def _fail(where: str, expected: str, found: object) -> GraphDescriptionError:
-    return GraphDescriptionError(
-        f"graph description: {where} must be {expected}, found {found!r:.80}; the description is not used (capture "
-        "the graph again, or publish a new description)"
-    )
-
-
-def _int(value: object, where: str, limit: int = _U64) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or not 0 <= value < limit:
-        raise _fail(where, f"an integer in [0, {limit})", value)
-    return value
+_read = FieldReader(
+    "graph description", "the description is not used (capture the graph again, or publish a new description)"
+)
+_fail, _int, _fields = _read.fail, _read.int, _read.fields
 
 
 def _triple(value: object, where: str) -> tuple[int, int, int]:
@@ -64,15 +55,6 @@ def _hex(value: object, where: str, size: int | None = None) -> bytes:
     if size is not None and len(raw) != size:
         raise _fail(where, f"{size} bytes", f"{len(raw)} bytes")
     return raw
-
-
-def _fields(obj: object, where: str, names: tuple[str, ...]) -> Mapping[str, Any]:
-    if not isinstance(obj, Mapping):
-        raise _fail(where, "an object", obj)
-    missing = [n for n in names if n not in obj]
-    if missing:
-        raise _fail(where, f"an object with {', '.join(names)}", f"no {', '.join(missing)}")
-    return obj
 
 
 @attrs.frozen
