@@ -281,6 +281,9 @@ class GraphCache:
                 self._pool = torch.cuda.MemPool(allocator)
             except (GraphRestoreError, AttributeError, RuntimeError, TypeError) as exc:
                 self._driver = None
+                if self._arena is not None:  # the range was had, torch's pool was not: give the range back
+                    self._arena.close()
+                    self._arena = None
                 self._off(f"graph memory cannot be had at fixed addresses here ({exc}); graphs are captured")
                 return
             self._stream = torch.cuda.Stream(self.device)  # type: ignore[no-untyped-call]
