@@ -60,9 +60,11 @@ from .graphs.description import GraphDescription
 from .graphs.driver import CudaGraphDriver
 from .graphs.record import describe, prepare, rebuild
 from .handle import Handle
+from .manifest import extent_bytes
 from .pipeline import SWITCH_ENV, switched_off
 from .segments import cuda_vmm
 from .torch_dtypes import TORCH_DTYPES
+from .views import contiguous_stride
 
 log = logging.getLogger("weightcache.graphs")
 
@@ -391,7 +393,7 @@ class GraphCache:
             count *= n
         nbytes = max(count * torch.empty((), dtype=dtype).element_size(), 1)
         address = self._arena.allocate(nbytes)
-        return self._at(address, dtype, tuple(shape), _contiguous(tuple(shape)))
+        return self._at(address, dtype, tuple(shape), contiguous_stride(tuple(shape)))
 
     def adopt(self, module: torch.nn.Module) -> torch.nn.Module:
         """Copy ``module``'s parameters and buffers into the arena (in ``named_parameters``, then
@@ -406,9 +408,9 @@ class GraphCache:
 
     def _at(self, address: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
         itemsize = torch.empty((), dtype=dtype).element_size()
-        extent = 1 + sum((n - 1) * s for n, s in zip(shape, stride)) if all(shape) else 0
-        raw = torch.as_tensor(_Memory(address, max(extent * itemsize, 1), self._arena), device=f"cuda:{self.device}")
-        return raw[: extent * itemsize].view(dtype).as_strided(shape, stride)
+        nbytes = extent_bytes(shape, stride, itemsize)
+        raw = torch.as_tensor(_Memory(address, max(nbytes, 1), self._arena), device=f"cuda:{self.device}")
+        return raw[:nbytes].view(dtype).as_strided(shape, stride)
 
     # -- graphs ------------------------------------------------------------------------------------------------
 
@@ -485,8 +487,7 @@ class GraphCache:
         assert arena is not None
         problems = []
         for i, o in enumerate(outputs):
-            itemsize = DTYPES[o.dtype].itemsize
-            extent = (1 + sum((n - 1) * s for n, s in zip(o.shape, o.stride))) * itemsize if all(o.shape) else 0
+            extent = extent_bytes(o.shape, o.stride, DTYPES[o.dtype].itemsize)
             if not (arena.base <= o.address and o.address + extent <= arena.base + arena.used):
                 problems.append(f"output {i} at {o.address:#x} lies outside the arena's memory")
         return problems
@@ -665,14 +666,6 @@ class GraphCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
-
-
-def _contiguous(shape: tuple[int, ...]) -> tuple[int, ...]:
-    stride, at = [], 1
-    for n in reversed(shape):
-        stride.append(at)
-        at *= max(n, 1)
-    return tuple(reversed(stride))
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

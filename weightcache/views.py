@@ -112,7 +112,7 @@ def _run_key(shape: tuple[int, ...], stride: tuple[int, ...]) -> tuple[tuple[int
         return ((), 1) if stride == (1,) and shape[0] > 0 else None
     if len(shape) == 2:
         return ((shape[1],), shape[1]) if stride == (shape[1], 1) and shape[0] > 0 and shape[1] > 0 else None
-    if not shape or min(shape) <= 0 or stride != _contiguous_stride(shape):
+    if not shape or min(shape) <= 0 or stride != contiguous_stride(shape):
         return None
     return shape[1:], math.prod(shape[1:])
 
@@ -142,7 +142,8 @@ def _flush(
         out[names[i]] = view
 
 
-def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+def contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
+    """The strides (in elements) of a contiguous tensor of ``shape``."""
     stride = []
     step = 1
     for size in reversed(shape):
@@ -151,4 +152,4 @@ def _contiguous_stride(shape: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(reversed(stride))
 
 
-__all__ = ["map_entry"]
+__all__ = ["contiguous_stride", "map_entry"]
