@@ -1,0 +1,77 @@
+#!/usr/bin/env bash
+# SGLang 0.5.17 on a GPU machine that has PyTorch 2.11.0 but no SGLang and no network (how the H200 runs of
+# docs/benchmarks.md and tests/backends/test_sglang_cuda.py were made). SGLang's release pins that PyTorch; it and
+# what the machine lacks travel as shared/tools/carry-wheels parts (WHEELS below), one part per call:
+#   gpu_sglang.sh receive DIR     copy the parts found in DIR to /tmp/carry (once per part, any order)
+#   gpu_sglang.sh install         join and unpack them; install the wheels, and weightcache as a distribution
+#                                 (SGLang finds its plugin through the entry point), into /tmp/site; import check
+#   gpu_sglang.sh smoke           one engine with load format auto on a tiny model, one greedy generation
+#   gpu_sglang.sh test [ARGS]     the GPU tests of the SGLang adapter (tests/backends/test_sglang_cuda.py)
+#   gpu_sglang.sh bench [ARGS]    benchmarks/sglang_side_by_side.py (weightcache beside SGLang's weight cache daemon)
+# Logs go to $OUT (or /tmp/out).
+# WHEELS: found by importing SGLang's engine, scheduler, model runner, Llama/Mixtral/Qwen MoE models, attention
+# backends (FA3, FlashInfer, Triton), sampler, HTTP server and weight_cache daemon in a venv on a CPU with CUDA
+# faked, and taking every module loaded that the H200 image lacks (its package list: device KINDS.md):
+WHEELS="sglang==0.5.17 sglang-kernel==0.4.5 flashinfer-python==0.6.15.post1 apache-tvm-ffi==0.1.11
+transformers==5.12.1 tokenizers==0.22.2 compressed-tensors==0.20.1 loguru==0.7.3 dill==0.4.1 distro==1.9.0
+fastapi==0.165.0 starlette==1.10.0 opentelemetry-api==1.45.2 gguf==0.19.0 jsonschema==4.26.0
+jsonschema-specifications==2025.9.1 referencing==0.37.0 rpds-py==2026.9.1 mistral_common==1.13.1 pycountry==26.2.16
+pydantic-extra-types==2.11.1 pydantic==2.14.4 pydantic_core==2.50.5 annotated-types==0.8.0 typing-inspection==0.4.5
+msgspec==0.23.0 openai==2.6.1 jiter==0.19.0 sniffio==1.3.1 orjson==3.13.0 partial-json-parser==0.2.1.1.post7
+pybase64==1.5.1 python-multipart==0.0.34 setproctitle==1.3.8 soundfile==0.14.0 cffi==2.1.1 pycparser==3.12
+torch_memory_saver==0.0.10 uvicorn==0.55.0 watchfiles==1.3.0 xgrammar==0.2.1 pyzmq==27.3.0 zstandard==0.25.0
+ipython==9.18.1 traitlets==5.16.1 ipython_pygments_lexers==1.1.1 jedi==0.20.1 parso==0.8.7 matplotlib-inline==0.2.2
+pexpect==4.9.0 ptyprocess==0.7.0 prompt_toolkit==3.0.53 wcwidth==0.9.4 stack-data==0.6.3 asttokens==3.0.2
+executing==2.3.0 pure_eval==0.2.4 decorator"
+#   here: CARRY_PART_MB=56 shared/tools/carry-wheels .carry $WHEELS   (nine parts of 56 MiB, 498 MB of wheels;
+#   sglang-kernel alone is 383 MB). Each part, with the working tree, must stay under a call's 64 MiB.
+set -uo pipefail
+cd "$(dirname "$0")/.."
+out=${OUT:-/tmp/out}
+mkdir -p "$out" /tmp/carry
+unset PYTHONDONTWRITEBYTECODE
+export PYTHONUNBUFFERED=1
+site=/tmp/site
+export PYTHONPATH=$site:$PWD
+wc_install() {
+    python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-compile --target "$site" . 2>&1 |
+        grep -v "already exists" || true
+}
+cmd=${1:?usage: gpu_sglang.sh receive DIR|install|smoke|test|bench}
+shift
+case "$cmd" in
+receive)
+    cp "$1"/part.* /tmp/carry/ && ls -l /tmp/carry
+    ;;
+install)
+    set -e
+    mkdir -p "$site"
+    cat /tmp/carry/part.* | tar -C /tmp/carry -xf -
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" /tmp/carry/wheels/*.whl
+    rm -rf /tmp/carry/wheels
+    wc_install
+    python3 -c "
+import torch, sglang, sgl_kernel, flashinfer, transformers
+import sglang.srt.entrypoints.engine, sglang.srt.managers.scheduler, sglang.srt.model_executor.model_runner
+import sglang.srt.weight_cache.daemon, sglang.srt.layers.attention.flashattention_backend
+print('sglang', sglang.__version__, 'torch', torch.__version__, 'transformers', transformers.__version__,
+      'cuda', torch.cuda.get_device_name())
+" 2>&1 | tee "$out/install.log"
+    ;;
+smoke)
+    wc_install
+    model=/tmp/smoke-model
+    [ -e $model/config.json ] || python3 -c "import sys; sys.path.insert(0, 'tests/backends'); from engine_models import make_tiny_llama; make_tiny_llama('$model')"
+    timeout 300 python3 tests/backends/sglang_gpu_worker.py "{\"model\": \"$model\"}" </dev/null 2>&1 | tee "$out/smoke.log" | tail -40
+    ;;
+test)
+    wc_install
+    WEIGHTCACHE_ENGINE_TESTS=sglang python3 -m pytest -p no:cacheprovider -v -x -s -m cuda \
+        tests/backends/test_sglang_cuda.py "$@" 2>&1 | tee "$out/gpu-tests.log" | grep -v "^RESULT\|^{" | tail -150
+    ;;
+bench)
+    wc_install
+    python3 benchmarks/sglang_side_by_side.py --workdir /tmp/sbs --json "$out/side-by-side.json" "$@" \
+        2>&1 | tee "$out/side-by-side.log" | tail -120
+    ;;
+esac

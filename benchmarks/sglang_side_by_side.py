@@ -1,0 +1,550 @@
+"""weightcache beside SGLang's own weight cache daemon (SGLang 0.5.17, ``sglang.srt.weight_cache``), on one GPU,
+in one run, with the same checkpoint: each engine a fresh process (tests/backends/sglang_gpu_worker.py,
+``sglang.Engine`` with SGLang's defaults, CUDA graphs on).
+
+Scenarios (``--scenarios``, default all), each measured for both systems:
+  start     process start to the first token, and SGLang's phases (imports, engine set-up before the load, weights,
+            KV cache, graph capture, the rest), for: SGLang alone (load format auto, warm page cache); the
+            first start (weightcache: an engine in mode daemon, a miss that loads and publishes; SGLang: the
+            standalone daemon's load to ready, then an engine in client mode); a restart of a client with the
+            checkpoint dropped from the page cache (``--repeat`` times: medians).
+  memory    device memory of the daemon or keeper alone, and of it with two engines serving from one copy.
+  kill      the daemon or keeper SIGKILLed while an engine serves: does the engine keep serving, does a new one
+            start, what comes back when the daemon or keeper is started again.
+  mismatch  a client asking for another dtype (float16) than the copy held (bfloat16).
+  race      two engines started at once with nothing cached (weightcache: mode daemon twice; SGLang: two engines
+            in mode daemon, each with its own engine-spawned daemon).
+Every figure is from this run; the JSON (``--json``) holds every engine's result and phases.
+
+Usage: python benchmarks/sglang_side_by_side.py --workdir DIR [--shape llama8b|llama1b|mixtral]
+       [--scenarios start,memory,kill,mismatch,race] [--repeat 3] [--json FILE]
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import datetime as dt
+import glob
+import json
+import os
+import re
+import signal
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+WORKER = ROOT / "tests" / "backends" / "sglang_gpu_worker.py"
+sys.path.insert(0, str(ROOT / "tests" / "backends"))
+
+SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
+    "llama8b": (  # Llama-3-8B's shape (random weights): 16 GB in bf16
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "vocab_size": 128256,
+            "hidden_size": 4096,
+            "intermediate_size": 14336,
+            "num_hidden_layers": 32,
+            "num_attention_heads": 32,
+            "num_key_value_heads": 8,
+            "rope_theta": 500000.0,
+        },
+    ),
+    "llama1b": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {
+            "vocab_size": 32000,
+            "hidden_size": 2048,
+            "intermediate_size": 8192,
+            "num_hidden_layers": 16,
+            "num_attention_heads": 16,
+        },
+    ),
+    "mixtral": (  # a small MoE: 8 experts, 2 per token
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {
+            "vocab_size": 32000,
+            "hidden_size": 1024,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+    ),
+}
+LOG_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3})[^\]]*\] (.*)$")
+SGLANG_READY = "/tmp/sglang_weight_cache_rank0.ready"
+SGLANG_SOCKET = "/tmp/sglang_weight_cache_rank0.sock"
+
+
+def make_model(directory: Path, shape: str) -> Path:
+    if (directory / "config.json").exists():
+        return directory
+    import torch
+    import transformers
+
+    config_name, model_name, kwargs = SHAPES[shape]
+    torch.manual_seed(0)
+    config = getattr(transformers, config_name)(max_position_embeddings=4096, tie_word_embeddings=False, **kwargs)
+    with torch.device("cuda"):
+        model = getattr(transformers, model_name)(config).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(directory, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+    return directory
+
+
+def device_free() -> int:
+    """Free device memory as the driver reports it (nvidia-smi, so that this process holds no CUDA context)."""
+    out = subprocess.run(
+        ["nvidia-smi", "--query-gpu=memory.free", "--format=csv,noheader,nounits", "-i", "0"],
+        capture_output=True, text=True, check=True,
+    ).stdout  # fmt: skip
+    return int(out.split()[0]) << 20
+
+
+class Engine:
+    """One engine process (the GPU test worker), kept until closed; its log lines are kept with their times."""
+
+    def __init__(self, spec: dict[str, Any], env: dict[str, str] | None = None) -> None:
+        self.spec = spec
+        self.start = time.time()
+        self.proc = subprocess.Popen(
+            [sys.executable, str(WORKER), json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", SGLANG_LOG_MS="1", **(env or {})),
+        )  # fmt: skip
+        self.log: list[str] = []
+        self.result: dict[str, Any] = {}
+        self.error: str | None = None
+        try:
+            self.result = self.read()
+            self.result["phases"] = self.phases()
+        except RuntimeError as e:
+            self.error = str(e)
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return dict(json.loads(line.removeprefix("RESULT ")))
+            self.log.append(line)
+        code = self.proc.wait()
+        raise RuntimeError(f"engine exited ({code}): " + "".join(self.log[-25:]))
+
+    def phases(self) -> dict[str, float]:
+        """Seconds from this process's start: SGLang's log lines (SGLANG_LOG_MS=1) mark the phases."""
+        marks: dict[str, float] = {}
+        captures = 0.0
+        for line in self.log:
+            m = LOG_LINE.match(line.strip())
+            if not m:
+                continue
+            t = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp() - self.start
+            text = m.group(2)
+            for key, pattern in (
+                ("scheduler_up", "Init torch distributed begin"),
+                ("load_begin", "Load weight begin"),
+                ("load_end", "Load weight end"),
+                ("capture_begin", "CUDA graph begin"),
+                ("capture_end", "CUDA graph end"),
+            ):
+                if pattern in text and (key not in marks or key.endswith("_end")):
+                    marks[key] = t
+            if "graph end" in text and (e := re.search(r"elapsed=([\d.]+) s", text)):
+                captures += float(e.group(1))
+            if "Load weight end" in text and (e := re.search(r"elapsed=([\d.]+) s", text)):
+                marks["weights"] = float(e.group(1))
+        r = self.result
+        phases = {"imports": r.get("import_s", 0.0)}
+        if "scheduler_up" in marks:
+            phases["to_scheduler"] = marks["scheduler_up"] - phases["imports"]
+        if "load_begin" in marks and "scheduler_up" in marks:
+            phases["distributed_and_setup"] = marks["load_begin"] - marks["scheduler_up"]
+        if "weights" in marks:
+            phases["weights"] = marks["weights"]
+        if "load_end" in marks and "capture_begin" in marks:
+            phases["kv_cache_and_backend"] = marks["capture_begin"] - marks["load_end"]
+        phases["graph_capture"] = captures
+        if "capture_end" in marks:
+            phases["to_engine_ready"] = r.get("engine_s", 0.0) - marks["capture_end"]
+        phases["first_generation"] = r.get("first_token_s", 0.0) - r.get("engine_s", 0.0)
+        phases["total"] = r.get("first_token_s", 0.0)
+        return {k: round(v, 3) for k, v in phases.items()}
+
+    def generate(self) -> list[int] | str:
+        assert self.proc.stdin is not None and self.proc.stdout is not None
+        result: dict[str, Any] = {}
+
+        def ask() -> None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("generate\n")
+                self.proc.stdin.flush()
+                result.update(self.read())
+            except (RuntimeError, OSError) as e:
+                result["error"] = str(e)
+
+        thread = threading.Thread(target=ask, daemon=True)
+        thread.start()
+        thread.join(120)
+        if thread.is_alive():
+            return "no answer in 120 s"
+        return list(result["tokens"]) if "tokens" in result else str(result.get("error"))
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            try:
+                assert self.proc.stdin is not None
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
+                self.proc.wait(90)
+            except (OSError, subprocess.TimeoutExpired):
+                self.proc.kill()
+                self.proc.wait()
+
+    def summary(self) -> dict[str, Any]:
+        if self.error:
+            return {"error": self.error[-2000:]}
+        keep = ("tokens", "weight_gb", "kv_tokens", "kv_gb", "graph_gb", "first_token_s", "phases")
+        out = {k: self.result.get(k) for k in keep}
+        out["warnings"] = [ln.strip()[:400] for ln in self.log if "Warning" in ln and "weightcache" in ln]
+        return out
+
+
+class Systems:
+    """The two systems' processes: weightcache's keeper (started by an engine in mode daemon) and SGLang's
+    standalone daemon (python -m sglang.srt.weight_cache.daemon)."""
+
+    def __init__(self, workdir: Path, model: Path) -> None:
+        self.model = model
+        self.socket_dir = workdir / "wc-sockets"
+        self.daemon: subprocess.Popen[str] | None = None
+        self.daemon_log = workdir / "sglang-daemon.log"
+
+    def wc_spec(self, mode: str, **more: Any) -> dict[str, Any]:
+        extra = {"socket_dir": str(self.socket_dir), "mode": mode, **more.pop("extra", {})}
+        return {"model": str(self.model), "load_format": "weightcache", "extra": extra, **more}
+
+    def sg_spec(self, mode: str, **more: Any) -> dict[str, Any]:
+        options = {"weight_cache_timeout": 120, **more.pop("options", {})}
+        return {"model": str(self.model), "weight_cache_mode": mode, "options": options, **more}
+
+    def keeper_pid(self) -> int | None:
+        from weightcache.keeper import INSTANCE_LOCK_NAME
+
+        with contextlib.suppress(OSError, ValueError):
+            return int((self.socket_dir / INSTANCE_LOCK_NAME).read_text().strip())
+        return None
+
+    def stop_keeper(self) -> None:
+        pid = self.keeper_pid()
+        if pid:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGTERM)
+            deadline = time.time() + 30
+            while time.time() < deadline and os.path.exists(f"/proc/{pid}"):
+                time.sleep(0.2)
+
+    def start_daemon(self, dtype: str = "auto") -> float:
+        """SGLang's standalone daemon for rank 0; seconds until its ready file appears."""
+        for path in (SGLANG_READY, SGLANG_SOCKET):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+        t0 = time.time()
+        with open(self.daemon_log, "a") as log:  # the child keeps its own descriptor
+            self.daemon = subprocess.Popen(
+                [sys.executable, "-m", "sglang.srt.weight_cache.daemon", "--model-path", str(self.model),
+                 "--gpu-id", "0", "--tp-size", "1", "--tp-rank", "0", "--dtype", dtype],
+                stdout=log, stderr=subprocess.STDOUT, text=True,
+            )  # fmt: skip
+        while not os.path.exists(SGLANG_READY):
+            if self.daemon.poll() is not None:
+                raise RuntimeError(f"SGLang's daemon exited ({self.daemon.returncode}): {self.daemon_log}")
+            if time.time() - t0 > 900:
+                raise RuntimeError("SGLang's daemon not ready in 900 s")
+            time.sleep(0.05)
+        return time.time() - t0
+
+    def stop_daemon(self, sig: int = signal.SIGTERM) -> None:
+        if self.daemon is not None and self.daemon.poll() is None:
+            self.daemon.send_signal(sig)
+            try:
+                self.daemon.wait(60)
+            except subprocess.TimeoutExpired:
+                self.daemon.kill()
+                self.daemon.wait()
+        self.daemon = None
+        for path in (SGLANG_READY, SGLANG_SOCKET):
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(path)
+
+
+@contextlib.contextmanager
+def running(spec: dict[str, Any], record: list[dict[str, Any]], label: str) -> Iterator[Engine]:
+    engine = Engine(spec)
+    try:
+        yield engine
+    finally:
+        entry = {"label": label, **engine.summary()}
+        record.append(entry)
+        print(json.dumps(entry), flush=True)
+        engine.close()
+
+
+def evict(model: Path) -> None:
+    from engine_models import evict_from_page_cache
+
+    evict_from_page_cache(model)
+
+
+def describe(after: list[int] | str, before: Any) -> Any:
+    """What an engine answered after the kill: an error text, "same tokens", or the other tokens."""
+    return after if isinstance(after, str) else "same tokens" if after == before else after
+
+
+def median(values: list[float]) -> float | None:
+    return round(statistics.median(values), 3) if values else None
+
+
+def scenario_start(s: Systems, repeat: int, record: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    with running({"model": str(s.model)}, record, "sglang auto (warm page cache)") as e:
+        out["auto"] = e.summary()
+    # weightcache first start: an engine in mode daemon (a miss: it loads from disk and publishes)
+    s.stop_keeper()
+    evict(s.model)
+    with running(s.wc_spec("daemon"), record, "weightcache first start (mode daemon, miss, page cache dropped)") as e:
+        out["wc_first"] = e.summary()
+    clients = []
+    for i in range(repeat):
+        evict(s.model)
+        with running(s.wc_spec("client", extra={"strict": True}), record, f"weightcache client restart {i}") as e:
+            clients.append(e.summary())
+    out["wc_client"] = clients
+    s.stop_keeper()
+    # SGLang's own: the standalone daemon's first start, then clients
+    evict(s.model)
+    out["sg_daemon_ready_s"] = round(s.start_daemon(), 3)
+    clients = []
+    for i in range(repeat):
+        evict(s.model)
+        with running(s.sg_spec("client"), record, f"sglang daemon client restart {i}") as e:
+            clients.append(e.summary())
+    out["sg_client"] = clients
+    s.stop_daemon()
+
+    def med(rows: list[dict[str, Any]], key: str) -> float | None:
+        return median([r["phases"][key] for r in rows if "phases" in r and key in r["phases"]])
+
+    out["medians"] = {
+        system: {k: med(out[system], k) for k in ("total", "imports", "weights", "graph_capture")}
+        for system in ("wc_client", "sg_client")
+    }
+    return out
+
+
+def scenario_memory(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
+    share = {"options": {"mem_fraction_static": 0.3}}
+    out: dict[str, Any] = {}
+    s.stop_keeper()
+    base = device_free()
+    with running(s.wc_spec("daemon", **share), record, "weightcache publisher (memory)"):
+        pass
+    keeper_only = base - device_free()
+    with (
+        running(s.wc_spec("client", **share), record, "weightcache engine 1 of 2") as a,
+        running(s.wc_spec("client", **share), record, "weightcache engine 2 of 2") as b,
+    ):
+        two = base - device_free()
+        out["weightcache"] = {
+            "keeper_alone_gb": round(keeper_only / 2**30, 3),
+            "keeper_and_two_engines_gb": round(two / 2**30, 3),
+            "engine_weight_gb": [a.result.get("weight_gb"), b.result.get("weight_gb")],
+            "engine_kv_gb": [a.result.get("kv_gb"), b.result.get("kv_gb")],
+        }
+    s.stop_keeper()
+    base = device_free()
+    s.start_daemon()
+    daemon_only = base - device_free()
+    with (
+        running(s.sg_spec("client", **share), record, "sglang daemon engine 1 of 2") as a,
+        running(s.sg_spec("client", **share), record, "sglang daemon engine 2 of 2") as b,
+    ):
+        two = base - device_free()
+        out["sglang"] = {
+            "daemon_alone_gb": round(daemon_only / 2**30, 3),
+            "daemon_and_two_engines_gb": round(two / 2**30, 3),
+            "engine_weight_gb": [a.result.get("weight_gb"), b.result.get("weight_gb")],
+            "engine_kv_gb": [a.result.get("kv_gb"), b.result.get("kv_gb")],
+        }
+    s.stop_daemon()
+    return out
+
+
+def scenario_kill(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
+    share = {"options": {"mem_fraction_static": 0.3}}
+    out: dict[str, Any] = {}
+    s.stop_keeper()
+    with running(s.wc_spec("daemon", **share), record, "weightcache engine serving (kill)") as a:
+        pid = s.keeper_pid()
+        os.kill(pid or 0, signal.SIGKILL)
+        after = a.generate()
+        t0 = time.time()
+        while (s.keeper_pid() in (None, pid)) and time.time() - t0 < 60:
+            time.sleep(0.2)
+        import weightcache as wc
+
+        entries: list[Any] = []
+        while time.time() - t0 < 60:
+            with contextlib.suppress(wc.KeeperUnavailable):
+                entries = wc.Cache(s.socket_dir).entries()
+                if entries:
+                    break
+            time.sleep(0.2)
+        back_s = time.time() - t0 if entries else None
+        with running(s.wc_spec("client", **share), record, "weightcache new engine after kill") as b:
+            out["weightcache"] = {
+                "engine_keeps_serving": after == a.result.get("tokens"),
+                "engine_after_kill": describe(after, a.result.get("tokens")),
+                "republished_in_s": round(back_s, 3) if back_s is not None else None,
+                "new_engine": "started" if b.result else b.error,
+                "new_engine_weight_gb": b.result.get("weight_gb"),
+                "new_engine_first_token_s": b.result.get("first_token_s"),
+            }
+    s.stop_keeper()
+    s.start_daemon()
+    with running(s.sg_spec("client", **share), record, "sglang engine serving (kill)") as a:
+        assert s.daemon is not None
+        s.daemon.send_signal(signal.SIGKILL)
+        s.daemon.wait()
+        after = a.generate()
+        with running(s.sg_spec("client", **share), record, "sglang new engine after kill (no daemon)") as b:
+            new = {"new_engine": "started" if b.result else b.error, "new_engine_weight_gb": b.result.get("weight_gb"),
+                   "new_engine_first_token_s": b.result.get("first_token_s")}  # fmt: skip
+        restart_s = s.start_daemon()
+        out["sglang"] = {
+            "engine_keeps_serving": after == a.result.get("tokens"),
+            "engine_after_kill": describe(after, a.result.get("tokens")),
+            **new,
+            "daemon_restart_ready_s": round(restart_s, 3),
+        }
+    s.stop_daemon()
+    return out
+
+
+def scenario_mismatch(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    s.stop_keeper()
+    with running(s.wc_spec("daemon"), record, "weightcache publisher (bf16)"):
+        pass
+    for strict in (False, True):
+        spec = s.wc_spec("client", extra={"strict": strict}, options={"dtype": "float16"})
+        with running(spec, record, f"weightcache client float16 strict={strict}") as e:
+            out[f"weightcache_strict_{strict}"] = e.summary()
+    s.stop_keeper()
+    s.start_daemon()
+    with running(s.sg_spec("client", options={"dtype": "float16"}), record, "sglang client float16") as e:
+        out["sglang"] = e.summary()
+    s.stop_daemon()
+    return out
+
+
+def scenario_race(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
+    share = {"options": {"mem_fraction_static": 0.3}}
+    out: dict[str, Any] = {}
+    for system, spec in (("weightcache", s.wc_spec("daemon", **share)), ("sglang", s.sg_spec("daemon", **share))):
+        s.stop_keeper()
+        s.stop_daemon()
+        engines: list[Engine] = []
+
+        def start_one(spec: dict[str, Any] = spec, engines: list[Engine] = engines) -> None:
+            engines.append(Engine(spec))
+
+        threads = [threading.Thread(target=start_one) for _ in range(2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        rows = [e.summary() for e in engines]
+        for i, row in enumerate(rows):
+            record.append({"label": f"{system} racing engine {i}", **row})
+        if system == "weightcache":
+            import weightcache as wc
+
+            with contextlib.suppress(wc.KeeperUnavailable):
+                rows.append({"entries": len(wc.Cache(s.socket_dir).entries())})
+        out[system] = rows
+        for e in engines:
+            e.close()
+    s.stop_keeper()
+    for stale in glob.glob("/tmp/sglang_weight_cache_rank*"):
+        with contextlib.suppress(OSError):
+            os.unlink(stale)
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--workdir", type=Path, required=True)
+    parser.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
+    parser.add_argument("--scenarios", default="start,memory,kill,mismatch,race")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args(argv)
+    args.workdir.mkdir(parents=True, exist_ok=True)
+    t0 = time.time()
+    model = make_model(args.workdir / args.shape, args.shape)
+    print(f"model {args.shape} ready in {time.time() - t0:.1f} s", flush=True)
+    systems = Systems(args.workdir, model)
+    record: list[dict[str, Any]] = []
+    results: dict[str, Any] = {
+        "date": dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds"),
+        "shape": args.shape,
+        "engines": record,
+    }
+    scenarios = {
+        "start": lambda: scenario_start(systems, args.repeat, record),
+        "memory": lambda: scenario_memory(systems, record),
+        "kill": lambda: scenario_kill(systems, record),
+        "mismatch": lambda: scenario_mismatch(systems, record),
+        "race": lambda: scenario_race(systems, record),
+    }
+    try:
+        for name in args.scenarios.split(","):
+            t1 = time.time()
+            try:
+                results[name] = scenarios[name]()
+            except Exception as e:  # one scenario's failure is reported, the next still runs
+                results[name] = {"error": f"{type(e).__name__}: {e}"}
+            results[name + "_seconds"] = round(time.time() - t1, 1)
+            print(json.dumps({name: results[name]}), flush=True)
+            if args.json:
+                args.json.write_text(json.dumps(results, indent=1))
+    finally:
+        systems.stop_daemon()
+        systems.stop_keeper()
+        if args.json:
+            args.json.write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
