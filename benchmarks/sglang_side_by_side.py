@@ -248,7 +248,7 @@ class Systems:
         return {"model": str(self.model), "weight_cache_mode": mode, "options": options, **more}
 
     def keeper_pid(self) -> int | None:
-        from weightcache.keeper import INSTANCE_LOCK_NAME
+        from weightcache.rundir import INSTANCE_LOCK_NAME
 
         with contextlib.suppress(OSError, ValueError):
             return int((self.socket_dir / INSTANCE_LOCK_NAME).read_text().strip())
