@@ -43,7 +43,8 @@ RELEASES = ReleaseRange(
     "0.5.16",
     "0.5.23",
     tested="0.5.23 and 0.5.16 in CI (make test-engines: their model-loader layer on CPUs, both on PyTorch 2.14.1; "
-    "0.5.16 and 0.5.17 pin 2.11.0); 0.5.17 and 0.5.20 by hand on a CPU (see docs/backends.md); none on a GPU",
+    "0.5.16 and 0.5.17 pin 2.11.0); 0.5.17 and 0.5.20 by hand on a CPU (see docs/backends.md); 0.5.17 whole engines "
+    "on an H200 (PyTorch 2.11.0, tests/backends/test_sglang_cuda.py, by hand)",
 )
 
 #: What the adapter imports from every supported release: (module, name).
