@@ -120,6 +120,50 @@ def device_free() -> int:
     return int(out.split()[0]) << 20
 
 
+def sglang_phases(log: list[str], start: float, result: dict[str, Any]) -> dict[str, float]:
+    """An engine's start phase by phase, in seconds, from SGLang's own log lines (``SGLANG_LOG_MS=1``: times to
+    the millisecond) and the worker's RESULT (``import_s``, ``engine_s``, ``first_token_s``, from ``start``, the
+    worker process's start as epoch seconds). Weights and graph capture are SGLang's own ``elapsed=`` figures (every
+    capture's, prefill and decode, added up); the other phases are the times between its lines."""
+    marks: dict[str, float] = {}
+    captures = 0.0
+    for line in log:
+        m = LOG_LINE.match(line.strip())
+        if not m:
+            continue
+        t = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp() - start
+        text = m.group(2)
+        for key, pattern in (
+            ("scheduler_up", "Init torch distributed begin"),
+            ("load_begin", "Load weight begin"),
+            ("load_end", "Load weight end"),
+            ("capture_begin", "CUDA graph begin"),
+            ("capture_end", "CUDA graph end"),
+        ):
+            if pattern in text and (key not in marks or key.endswith("_end")):
+                marks[key] = t
+        elapsed = re.search(r"elapsed=([\d.]+) s", text)
+        if elapsed and "CUDA graph end" in text:
+            captures += float(elapsed.group(1))
+        if elapsed and "Load weight end" in text:
+            marks["weights"] = float(elapsed.group(1))
+    phases = {"imports": float(result.get("import_s", 0.0))}
+    if "scheduler_up" in marks:
+        phases["to_scheduler"] = marks["scheduler_up"] - phases["imports"]
+    if "load_begin" in marks and "scheduler_up" in marks:
+        phases["distributed_and_setup"] = marks["load_begin"] - marks["scheduler_up"]
+    if "weights" in marks:
+        phases["weights"] = marks["weights"]
+    if "load_end" in marks and "capture_begin" in marks:
+        phases["kv_cache_and_backend"] = marks["capture_begin"] - marks["load_end"]
+    phases["graph_capture"] = captures
+    if "capture_end" in marks:
+        phases["to_engine_ready"] = float(result.get("engine_s", 0.0)) - marks["capture_end"]
+    phases["first_generation"] = float(result.get("first_token_s", 0.0)) - float(result.get("engine_s", 0.0))
+    phases["total"] = float(result.get("first_token_s", 0.0))
+    return {k: round(v, 3) for k, v in phases.items()}
+
+
 class Engine:
     """One engine process (the GPU test worker), kept until closed; its log lines are kept with their times."""
 
@@ -150,44 +194,7 @@ class Engine:
         raise RuntimeError(f"engine exited ({code}): " + "".join(self.log[-25:]))
 
     def phases(self) -> dict[str, float]:
-        """Seconds from this process's start: SGLang's log lines (SGLANG_LOG_MS=1) mark the phases."""
-        marks: dict[str, float] = {}
-        captures = 0.0
-        for line in self.log:
-            m = LOG_LINE.match(line.strip())
-            if not m:
-                continue
-            t = dt.datetime.strptime(m.group(1), "%Y-%m-%d %H:%M:%S.%f").timestamp() - self.start
-            text = m.group(2)
-            for key, pattern in (
-                ("scheduler_up", "Init torch distributed begin"),
-                ("load_begin", "Load weight begin"),
-                ("load_end", "Load weight end"),
-                ("capture_begin", "CUDA graph begin"),
-                ("capture_end", "CUDA graph end"),
-            ):
-                if pattern in text and (key not in marks or key.endswith("_end")):
-                    marks[key] = t
-            if "graph end" in text and (e := re.search(r"elapsed=([\d.]+) s", text)):
-                captures += float(e.group(1))
-            if "Load weight end" in text and (e := re.search(r"elapsed=([\d.]+) s", text)):
-                marks["weights"] = float(e.group(1))
-        r = self.result
-        phases = {"imports": r.get("import_s", 0.0)}
-        if "scheduler_up" in marks:
-            phases["to_scheduler"] = marks["scheduler_up"] - phases["imports"]
-        if "load_begin" in marks and "scheduler_up" in marks:
-            phases["distributed_and_setup"] = marks["load_begin"] - marks["scheduler_up"]
-        if "weights" in marks:
-            phases["weights"] = marks["weights"]
-        if "load_end" in marks and "capture_begin" in marks:
-            phases["kv_cache_and_backend"] = marks["capture_begin"] - marks["load_end"]
-        phases["graph_capture"] = captures
-        if "capture_end" in marks:
-            phases["to_engine_ready"] = r.get("engine_s", 0.0) - marks["capture_end"]
-        phases["first_generation"] = r.get("first_token_s", 0.0) - r.get("engine_s", 0.0)
-        phases["total"] = r.get("first_token_s", 0.0)
-        return {k: round(v, 3) for k, v in phases.items()}
+        return sglang_phases(self.log, self.start, self.result)
 
     def generate(self) -> list[int] | str:
         assert self.proc.stdin is not None and self.proc.stdout is not None

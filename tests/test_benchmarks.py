@@ -33,3 +33,34 @@ def test_phases_are_read_line_by_line_and_never_from_the_marks_record() -> None:
         "init engine (profile, KV cache, warm-up)": 19.79,
         "weightcache": 0.219,
     }
+
+
+def test_sglang_phases_come_from_its_log_lines_and_add_every_capture() -> None:
+    side_by_side = benchmark("sglang_side_by_side")
+    import datetime as dt
+
+    start = dt.datetime(2026, 12, 3, 22, 0, 0).timestamp()
+    logged = [
+        "[2026-12-03 22:00:10.000] Launching the scheduler",  # no phase of its own
+        "[2026-12-03 22:00:20.500 TP0] Init torch distributed begin.",
+        "[2026-12-03 22:00:21.700 TP0] Init torch distributed ends. elapsed=1.20 s, mem usage=0.10 GB",
+        "[2026-12-03 22:00:22.000 TP0] Load weight begin. avail mem=139.00 GB",
+        "[2026-12-03 22:00:22.070 TP0] Load weight end. elapsed=0.07 s, type=LlamaForCausalLM, mem usage=0.02 GB.",
+        "[2026-12-03 22:00:22.300 TP0] Capture target prefill CUDA graph begin. backend=x, avail mem=20.00 GB",
+        "[2026-12-03 22:00:24.300 TP0] Capture target prefill CUDA graph end. elapsed=2.00 s, mem usage=0.1 GB.",
+        "[2026-12-03 22:00:24.400 TP0] Capture cuda graph begin. This can take up to several minutes.",
+        "[2026-12-03 22:00:36.400 TP0] Capture target decode CUDA graph end. elapsed=12.00 s, mem usage=1.5 GB.",
+        "RESULT is not a log line: elapsed=99.0 s CUDA graph end",
+    ]
+    result = {"import_s": 8.0, "engine_s": 37.0, "first_token_s": 37.25}
+    assert side_by_side.sglang_phases(logged, start, result) == {
+        "imports": 8.0,
+        "to_scheduler": 12.5,
+        "distributed_and_setup": 1.5,
+        "weights": 0.07,
+        "kv_cache_and_backend": 0.23,
+        "graph_capture": 14.0,
+        "to_engine_ready": 0.6,
+        "first_generation": 0.25,
+        "total": 37.25,
+    }
