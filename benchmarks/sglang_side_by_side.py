@@ -14,10 +14,13 @@ Scenarios (``--scenarios``, default all), each measured for both systems:
   mismatch  a client asking for another dtype (float16) than the copy held (bfloat16).
   race      two engines started at once with nothing cached (weightcache: mode daemon twice; SGLang: two engines
             in mode daemon, each with its own engine-spawned daemon).
+  awq       an AWQ checkpoint (4-bit, group 128, random values; the Llama shape of ``--shape`` made with the
+            llama1b shape when that is not a Llama): SGLang alone, weightcache mode daemon then client, SGLang's
+            daemon (its allow-list holds only unquantized and block-wise FP8).
 Every figure is from this run; the JSON (``--json``) holds every engine's result and phases.
 
 Usage: python benchmarks/sglang_side_by_side.py --workdir DIR [--shape llama8b|llama1b|mixtral]
-       [--scenarios start,memory,kill,mismatch,race] [--repeat 3] [--json FILE]
+       [--scenarios start,memory,kill,mismatch,race,awq] [--repeat 3] [--json FILE]
 """
 
 from __future__ import annotations
@@ -108,6 +111,51 @@ def make_model(directory: Path, shape: str) -> Path:
     model.save_pretrained(directory, safe_serialization=True)
     del model
     torch.cuda.empty_cache()
+    return directory
+
+
+#: The projections AWQ quantizes in a Llama (embeddings, norms and the LM head stay float16).
+AWQ_LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def make_awq_model(directory: Path, shape: str) -> Path:
+    """An AWQ checkpoint in AutoAWQ's GEMM layout (``qweight`` int32 [in, out/8], ``qzeros`` int32
+    [in/128, out/8], ``scales`` float16 [in/128, out]) with random 4-bit values, built from a Llama of ``shape``."""
+    if (directory / "config.json").exists():
+        return directory
+    import torch
+    import transformers
+    from safetensors.torch import save_file
+
+    config_name, model_name, kwargs = SHAPES[shape if shape.startswith("llama") else "llama1b"]
+    config = getattr(transformers, config_name)(max_position_embeddings=4096, tie_word_embeddings=False, **kwargs)
+    with torch.device("meta"):
+        shapes = {name: p.shape for name, p in getattr(transformers, model_name)(config).named_parameters()}
+    generator = torch.Generator().manual_seed(0)
+    tensors: dict[str, torch.Tensor] = {}
+    group = 128
+    for name, size in shapes.items():
+        if name.endswith(".weight") and name.split(".")[-2] in AWQ_LINEARS:
+            out_features, in_features = size
+            base = name.removesuffix(".weight")
+            words = (in_features, out_features // 8)
+            tensors[base + ".qweight"] = torch.randint(
+                -(2**31), 2**31 - 1, words, generator=generator, dtype=torch.int32
+            )
+            zeros = torch.full((in_features // group, out_features // 8), 0x88888888 - 2**32, dtype=torch.int32)
+            tensors[base + ".qzeros"] = zeros  # every zero point 8, the middle of 0..15
+            scales = torch.rand((in_features // group, out_features), generator=generator) * 0.004 + 0.001
+            tensors[base + ".scales"] = scales.to(torch.float16)
+        elif "norm" in name:
+            tensors[name] = (torch.rand(size, generator=generator) + 0.5).to(torch.float16)
+        else:
+            tensors[name] = (torch.randn(size, generator=generator) * 0.02).to(torch.float16)
+    directory.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
+    config.dtype = "float16"
+    config.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
+                                  "version": "gemm"}  # fmt: skip
+    config.save_pretrained(directory)
     return directory
 
 
@@ -508,11 +556,38 @@ def scenario_race(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
+def scenario_awq(s: Systems, shape: str, record: list[dict[str, Any]]) -> dict[str, Any]:
+    awq = Systems(s.socket_dir.parent, make_awq_model(s.socket_dir.parent / f"{shape}-awq", shape))
+    awq.socket_dir = s.socket_dir.parent / "wc-sockets-awq"
+    out: dict[str, Any] = {}
+    with running({"model": str(awq.model)}, record, "sglang auto (AWQ)") as e:
+        out["auto"] = e.summary()
+    with running(awq.wc_spec("daemon"), record, "weightcache mode daemon (AWQ)") as e:
+        out["weightcache_daemon"] = e.summary()
+    with running(awq.wc_spec("client"), record, "weightcache mode client (AWQ)") as e:
+        out["weightcache_client"] = e.summary()
+    import weightcache as wc
+
+    with contextlib.suppress(wc.KeeperUnavailable):
+        out["weightcache_entries"] = len(wc.Cache(awq.socket_dir).entries())
+    awq.stop_keeper()
+    try:
+        out["sglang_daemon_ready_s"] = round(awq.start_daemon(), 3)
+        with running(awq.sg_spec("client"), record, "sglang daemon client (AWQ)") as e:
+            out["sglang_client"] = e.summary()
+    except RuntimeError as e:
+        log = awq.daemon_log.read_text(errors="replace") if awq.daemon_log.exists() else ""
+        out["sglang_daemon"] = {"error": str(e), "log_tail": log[-1500:]}
+    finally:
+        awq.stop_daemon()
+    return out
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--workdir", type=Path, required=True)
     parser.add_argument("--shape", choices=sorted(SHAPES), default="llama8b")
-    parser.add_argument("--scenarios", default="start,memory,kill,mismatch,race")
+    parser.add_argument("--scenarios", default="start,memory,kill,mismatch,race,awq")
     parser.add_argument("--repeat", type=int, default=3)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args(argv)
@@ -533,6 +608,7 @@ def main(argv: list[str] | None = None) -> int:
         "kill": lambda: scenario_kill(systems, record),
         "mismatch": lambda: scenario_mismatch(systems, record),
         "race": lambda: scenario_race(systems, record),
+        "awq": lambda: scenario_awq(systems, args.shape, record),
     }
     try:
         for name in args.scenarios.split(","):
