@@ -94,24 +94,10 @@ SGLANG_SOCKET = "/tmp/sglang_weight_cache_rank0.sock"
 def make_model(directory: Path, shape: str) -> Path:
     if (directory / "config.json").exists():
         return directory
-    import torch
-    import transformers
+    from engine_models import make_random_model
 
     config_name, model_name, kwargs = SHAPES[shape]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_name)(max_position_embeddings=4096, tie_word_embeddings=False, **kwargs)
-    with torch.device("cuda"):
-        model = getattr(transformers, model_name)(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.02)
-    model.save_pretrained(directory, safe_serialization=True)
-    del model
-    torch.cuda.empty_cache()
-    return directory
+    return make_random_model(directory, config_name, model_name, kwargs, max_position_embeddings=4096)
 
 
 #: The projections AWQ quantizes in a Llama (embeddings, norms and the LM head stay float16).

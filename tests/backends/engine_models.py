@@ -188,3 +188,36 @@ def resident_fraction(checkpoint: str | os.PathLike[str]) -> float:
         resident += sum(b & 1 for b in vec.raw)
         total += pages
     return resident / total if total else 0.0
+
+
+def make_random_model(
+    directory: str | os.PathLike[str],
+    config_name: str,
+    model_name: str,
+    config: dict[str, object],
+    *,
+    max_position_embeddings: int = 1024,
+) -> Path:
+    """A bf16 checkpoint of transformers' ``model_name`` built on the GPU (``cuda``) with ``config_name(**config)``:
+    seeded random weights (norms in [0.5, 1.5], the rest N(0, 0.02)), untied embeddings, saved as safetensors. For
+    the engines' GPU tests and benchmarks, whose models are too large to build fast on a CPU."""
+    import torch
+    import transformers
+
+    path = Path(directory)
+    torch.manual_seed(0)
+    hf_config = getattr(transformers, config_name)(
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False, **config
+    )
+    with torch.device("cuda"):
+        model = getattr(transformers, model_name)(hf_config).to(torch.bfloat16)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.uniform_(0.5, 1.5)
+            else:
+                p.normal_(0.0, 0.02)
+    model.save_pretrained(path, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+    return path

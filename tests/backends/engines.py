@@ -8,11 +8,14 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import json
 import os
 import subprocess
+import sys
 from collections.abc import Iterator
 from pathlib import Path
 from types import ModuleType
+from typing import Any
 
 import pytest
 
@@ -41,3 +44,48 @@ def failing_publish(socket_dir: Path, failure: str) -> Iterator[tuple[dict[str, 
     finally:
         keeper.terminate()
         keeper.wait(10)
+
+
+class EngineProcess:
+    """One engine in its own process (a GPU test worker: ``python WORKER '<json spec>'``), kept running until
+    closed. The worker prints ``RESULT <json>`` after its first generation and after each ``generate`` command read
+    on stdin, and stops on ``quit``; every other line it prints is kept in ``log``."""
+
+    def __init__(self, name: str, worker: Path, spec: dict[str, Any], env: dict[str, str], quit_s: float) -> None:
+        self.name = name
+        self.quit_s = quit_s
+        self.proc = subprocess.Popen(
+            [sys.executable, str(worker), json.dumps(spec)],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=dict(os.environ, PYTHONUNBUFFERED="1", **env),
+        )
+        self.log: list[str] = []
+        self.result = self.read()
+
+    def read(self) -> dict[str, Any]:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            if line.startswith("RESULT "):
+                return dict(json.loads(line.removeprefix("RESULT ")))
+            self.log.append(line)
+        raise AssertionError(f"{self.name} engine exited ({self.proc.wait()}):\n{''.join(self.log[-80:])}")
+
+    def generate(self) -> list[int]:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write("generate\n")
+        self.proc.stdin.flush()
+        return list(self.read()["tokens"])
+
+    def close(self) -> None:
+        if self.proc.poll() is None:
+            assert self.proc.stdin is not None
+            self.proc.stdin.write("quit\n")
+            self.proc.stdin.flush()
+            try:
+                self.proc.wait(self.quit_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()

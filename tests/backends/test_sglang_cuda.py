@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engines import require_engine
+from engines import EngineProcess, require_engine
 
 require_engine("sglang")
 
@@ -36,7 +36,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
 from conftest import keeper_pid, wait_until  # noqa: E402
-from engine_models import PROMPT  # noqa: E402
+from engine_models import PROMPT, make_random_model  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -79,69 +79,19 @@ def make_tokenizer(directory: Path) -> None:
 
 
 def make_model(directory: Path, architecture: str) -> Path:
-    import torch
-    import transformers
-
     config_name, model_name, shape = SHAPES[architecture]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_name)(
-        vocab_size=VOCAB, max_position_embeddings=1024, tie_word_embeddings=False, **shape
-    )
-    with torch.device("cuda"):
-        model = getattr(transformers, model_name)(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.02)
-    model.save_pretrained(directory, safe_serialization=True)
+    make_random_model(directory, config_name, model_name, {"vocab_size": VOCAB, **shape})
     make_tokenizer(directory)
-    del model
-    torch.cuda.empty_cache()
     return directory
 
 
-class Engine:
-    """One SGLang engine in its own process, kept running until closed."""
+class Engine(EngineProcess):
+    """One SGLang engine in its own process, kept running until closed; ``result["warnings"]`` holds the log lines
+    of warnings that name weightcache (SGLang's scheduler process prints them)."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "sglang_gpu_worker.py"), json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1"),
-        )
-        self.log: list[str] = []
-        self.result = self.read()
+        super().__init__("SGLang", HERE / "sglang_gpu_worker.py", spec, {}, quit_s=90)
         self.result["warnings"] = [line.strip() for line in self.log if "weightcache" in line and "Warning" in line]
-
-    def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("RESULT "):
-                return dict(json.loads(line.removeprefix("RESULT ")))
-            self.log.append(line)
-        raise AssertionError(f"SGLang engine exited ({self.proc.wait()}):\n{''.join(self.log[-80:])}")
-
-    def generate(self) -> list[int]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("generate\n")
-        self.proc.stdin.flush()
-        return list(self.read()["tokens"])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-            try:
-                self.proc.wait(90)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
 
 
 @pytest.fixture

@@ -15,14 +15,13 @@ from __future__ import annotations
 import json
 import os
 import signal
-import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
-from engines import require_engine
+from engines import EngineProcess, require_engine
 
 require_engine("vllm")
 
@@ -33,6 +32,7 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
 from conftest import keeper_pid, wait_until  # noqa: E402
+from engine_models import make_random_model  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
@@ -61,68 +61,16 @@ SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
 
 
 def make_model(directory: Path, architecture: str) -> Path:
-    import torch
-    import transformers
-
     config_name, model_name, shape = SHAPES[architecture]
-    torch.manual_seed(0)
-    config = getattr(transformers, config_name)(
-        vocab_size=32000, max_position_embeddings=1024, tie_word_embeddings=False, **shape
-    )
-    with torch.device("cuda"):
-        model = getattr(transformers, model_name)(config).to(torch.bfloat16)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "norm" in name:
-                p.uniform_(0.5, 1.5)
-            else:
-                p.normal_(0.0, 0.02)
-    model.save_pretrained(directory, safe_serialization=True)
-    del model
-    torch.cuda.empty_cache()
-    return directory
+    return make_random_model(directory, config_name, model_name, {"vocab_size": 32000, **shape})
 
 
-class Engine:
-    """One vLLM engine in its own process, kept running until closed."""
+class Engine(EngineProcess):
+    """One vLLM engine in its own process (vLLM's engine in-process there), kept running until closed."""
 
     def __init__(self, spec: dict[str, Any]) -> None:
-        env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(HERE / "vllm_gpu_worker.py"), json.dumps(spec)],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        self.log: list[str] = []
-        self.result = self.read()
-
-    def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("RESULT "):
-                return dict(json.loads(line.removeprefix("RESULT ")))
-            self.log.append(line)
-        raise AssertionError(f"vLLM engine exited ({self.proc.wait()}):\n{''.join(self.log[-80:])}")
-
-    def generate(self) -> list[int]:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write("generate\n")
-        self.proc.stdin.flush()
-        return list(self.read()["tokens"])
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            assert self.proc.stdin is not None
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
-            try:
-                self.proc.wait(60)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait()
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+        super().__init__("vLLM", HERE / "vllm_gpu_worker.py", spec, env, quit_s=60)
 
 
 @pytest.fixture
