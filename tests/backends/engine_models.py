@@ -190,6 +190,30 @@ def resident_fraction(checkpoint: str | os.PathLike[str]) -> float:
     return resident / total if total else 0.0
 
 
+#: The engines' GPU test models, by name: (transformers config class, model class, config). Weights of 1-2 GB, so
+#: that weights counted twice or by nobody show in the KV cache at the memory fractions the tests use.
+GPU_SHAPES: dict[str, tuple[str, str, dict[str, object]]] = {
+    "llama": (
+        "LlamaConfig",
+        "LlamaForCausalLM",
+        {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16},
+    ),
+    "mixtral": (  # MoE: 8 experts, 2 per token
+        "MixtralConfig",
+        "MixtralForCausalLM",
+        {
+            "hidden_size": 1024,
+            "intermediate_size": 2048,
+            "num_hidden_layers": 4,
+            "num_attention_heads": 8,
+            "num_key_value_heads": 2,
+            "num_local_experts": 8,
+            "num_experts_per_tok": 2,
+        },
+    ),
+}
+
+
 def make_random_model(
     directory: str | os.PathLike[str],
     config_name: str,

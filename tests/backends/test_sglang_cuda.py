@@ -36,32 +36,11 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
 from conftest import keeper_pid, wait_until  # noqa: E402
-from engine_models import PROMPT, make_random_model  # noqa: E402
+from engine_models import GPU_SHAPES, PROMPT, make_random_model  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
-#: The shapes of tests/backends/test_vllm_cuda.py: weights of ~1 GB, so that weights counted twice or by nobody
-#: would show in the KV cache.
-SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "llama": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16},
-    ),
-    "mixtral": (
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        {
-            "hidden_size": 1024,
-            "intermediate_size": 2048,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 2,
-            "num_local_experts": 8,
-            "num_experts_per_tok": 2,
-        },
-    ),
-}
+SHAPES = GPU_SHAPES
 VOCAB = 32000
 
 

@@ -32,32 +32,12 @@ HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE.parent))
 
 from conftest import keeper_pid, wait_until  # noqa: E402
-from engine_models import make_random_model  # noqa: E402
+from engine_models import GPU_SHAPES, make_random_model  # noqa: E402
 
 pytestmark = [pytest.mark.cuda, pytest.mark.slow]
 
-#: A model large enough that its weights are several percent of the KV cache at the utilization used here, so
-#: that weights counted by nobody (or twice) show as more than 1 % of KV cache.
-SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
-    "llama": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        {"hidden_size": 2048, "intermediate_size": 8192, "num_hidden_layers": 16, "num_attention_heads": 16},
-    ),
-    "mixtral": (
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        {
-            "hidden_size": 1024,
-            "intermediate_size": 2048,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 2,
-            "num_local_experts": 8,
-            "num_experts_per_tok": 2,
-        },
-    ),
-}
+#: Models whose weights are several percent of the KV cache at the utilization used here (engine_models).
+SHAPES = GPU_SHAPES
 
 
 def make_model(directory: Path, architecture: str) -> Path:
