@@ -46,6 +46,9 @@ ROOT = Path(__file__).resolve().parents[1]
 WORKER = ROOT / "tests" / "backends" / "sglang_gpu_worker.py"
 sys.path.insert(0, str(ROOT / "tests" / "backends"))
 
+from engine_models import GPU_SHAPES, evict_from_page_cache, make_random_model, untied_config  # noqa: E402
+from engines import EngineProcess  # noqa: E402
+
 SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
     "llama8b": (  # Llama-3-8B's shape (random weights): 16 GB in bf16
         "LlamaConfig",
@@ -60,31 +63,9 @@ SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
             "rope_theta": 500000.0,
         },
     ),
-    "llama1b": (
-        "LlamaConfig",
-        "LlamaForCausalLM",
-        {
-            "vocab_size": 32000,
-            "hidden_size": 2048,
-            "intermediate_size": 8192,
-            "num_hidden_layers": 16,
-            "num_attention_heads": 16,
-        },
-    ),
-    "mixtral": (  # a small MoE: 8 experts, 2 per token
-        "MixtralConfig",
-        "MixtralForCausalLM",
-        {
-            "vocab_size": 32000,
-            "hidden_size": 1024,
-            "intermediate_size": 2048,
-            "num_hidden_layers": 4,
-            "num_attention_heads": 8,
-            "num_key_value_heads": 2,
-            "num_local_experts": 8,
-            "num_experts_per_tok": 2,
-        },
-    ),
+    # the engines' GPU test models (tests/backends/engine_models.py), with a 32,000-token vocabulary
+    "llama1b": (*GPU_SHAPES["llama"][:2], {"vocab_size": 32000, **GPU_SHAPES["llama"][2]}),
+    "mixtral": (*GPU_SHAPES["mixtral"][:2], {"vocab_size": 32000, **GPU_SHAPES["mixtral"][2]}),  # a small MoE
 }
 LOG_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3})[^\]]*\] (.*)$")
 SGLANG_READY = "/tmp/sglang_weight_cache_rank0.ready"
@@ -94,8 +75,6 @@ SGLANG_SOCKET = "/tmp/sglang_weight_cache_rank0.sock"
 def make_model(directory: Path, shape: str) -> Path:
     if (directory / "config.json").exists():
         return directory
-    from engine_models import make_random_model
-
     config_name, model_name, kwargs = SHAPES[shape]
     return make_random_model(directory, config_name, model_name, kwargs, max_position_embeddings=4096)
 
@@ -114,7 +93,7 @@ def make_awq_model(directory: Path, shape: str) -> Path:
     from safetensors.torch import save_file
 
     config_name, model_name, kwargs = SHAPES[shape if shape.startswith("llama") else "llama1b"]
-    config = getattr(transformers, config_name)(max_position_embeddings=4096, tie_word_embeddings=False, **kwargs)
+    config = untied_config(config_name, kwargs, max_position_embeddings=4096)
     with torch.device("meta"):
         shapes = {name: p.shape for name, p in getattr(transformers, model_name)(config).named_parameters()}
     generator = torch.Generator().manual_seed(0)
@@ -198,49 +177,29 @@ def sglang_phases(log: list[str], start: float, result: dict[str, Any]) -> dict[
     return {k: round(v, 3) for k, v in phases.items()}
 
 
-class Engine:
-    """One engine process (the GPU test worker), kept until closed; its log lines are kept with their times."""
+class Engine(EngineProcess):
+    """One engine process (the GPU test worker), kept until closed; an engine that exits before its first token
+    is kept too, with ``error`` saying why (a scenario reports it rather than stopping)."""
 
     def __init__(self, spec: dict[str, Any], env: dict[str, str] | None = None) -> None:
         self.spec = spec
         self.start = time.time()
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WORKER), json.dumps(spec)],
-            stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", SGLANG_LOG_MS="1", **(env or {})),
-        )  # fmt: skip
-        self.log: list[str] = []
         self.result: dict[str, Any] = {}
         self.error: str | None = None
         try:
-            self.result = self.read()
-            self.result["phases"] = self.phases()
-        except RuntimeError as e:
+            super().__init__("SGLang", WORKER, spec, {"SGLANG_LOG_MS": "1", **(env or {})}, quit_s=90)
+            self.result["phases"] = sglang_phases(self.log, self.start, self.result)
+        except AssertionError as e:  # the worker exited: EngineProcess.read says with what
             self.error = str(e)
 
-    def read(self) -> dict[str, Any]:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("RESULT "):
-                return dict(json.loads(line.removeprefix("RESULT ")))
-            self.log.append(line)
-        code = self.proc.wait()
-        raise RuntimeError(f"engine exited ({code}): " + "".join(self.log[-25:]))
-
-    def phases(self) -> dict[str, float]:
-        return sglang_phases(self.log, self.start, self.result)
-
-    def generate(self) -> list[int] | str:
-        assert self.proc.stdin is not None and self.proc.stdout is not None
+    def generate(self) -> list[int] | str:  # type: ignore[override]
+        """The tokens, or what went wrong instead: an engine whose keeper or daemon was killed may hang."""
         result: dict[str, Any] = {}
 
         def ask() -> None:
             try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write("generate\n")
-                self.proc.stdin.flush()
-                result.update(self.read())
-            except (RuntimeError, OSError) as e:
+                result["tokens"] = super(Engine, self).generate()
+            except (AssertionError, OSError) as e:
                 result["error"] = str(e)
 
         thread = threading.Thread(target=ask, daemon=True)
@@ -249,17 +208,6 @@ class Engine:
         if thread.is_alive():
             return "no answer in 120 s"
         return list(result["tokens"]) if "tokens" in result else str(result.get("error"))
-
-    def close(self) -> None:
-        if self.proc.poll() is None:
-            try:
-                assert self.proc.stdin is not None
-                self.proc.stdin.write("quit\n")
-                self.proc.stdin.flush()
-                self.proc.wait(90)
-            except (OSError, subprocess.TimeoutExpired):
-                self.proc.kill()
-                self.proc.wait()
 
     def summary(self) -> dict[str, Any]:
         if self.error:
@@ -351,8 +299,6 @@ def running(spec: dict[str, Any], record: list[dict[str, Any]], label: str) -> I
 
 
 def evict(model: Path) -> None:
-    from engine_models import evict_from_page_cache
-
     evict_from_page_cache(model)
 
 

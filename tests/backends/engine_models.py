@@ -10,6 +10,7 @@ import ctypes
 import mmap
 import os
 from pathlib import Path
+from typing import Any
 
 from weightcache.checkpoint import drop_page_cache
 
@@ -214,6 +215,15 @@ GPU_SHAPES: dict[str, tuple[str, str, dict[str, object]]] = {
 }
 
 
+def untied_config(config_name: str, config: dict[str, object], *, max_position_embeddings: int = 1024) -> Any:
+    """transformers' ``config_name(**config)`` with untied embeddings and ``max_position_embeddings``."""
+    import transformers
+
+    return getattr(transformers, config_name)(
+        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False, **config
+    )
+
+
 def make_random_model(
     directory: str | os.PathLike[str],
     config_name: str,
@@ -230,9 +240,7 @@ def make_random_model(
 
     path = Path(directory)
     torch.manual_seed(0)
-    hf_config = getattr(transformers, config_name)(
-        max_position_embeddings=max_position_embeddings, tie_word_embeddings=False, **config
-    )
+    hf_config = untied_config(config_name, config, max_position_embeddings=max_position_embeddings)
     with torch.device("cuda"):
         model = getattr(transformers, model_name)(hf_config).to(torch.bfloat16)
     with torch.no_grad():

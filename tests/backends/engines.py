@@ -12,7 +12,7 @@ import json
 import os
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
 from typing import Any
@@ -80,12 +80,36 @@ class EngineProcess:
         return list(self.read()["tokens"])
 
     def close(self) -> None:
+        """``quit``, then a kill if it has not ended in ``quit_s`` (or its stdin is already gone)."""
         if self.proc.poll() is None:
             assert self.proc.stdin is not None
-            self.proc.stdin.write("quit\n")
-            self.proc.stdin.flush()
             try:
+                self.proc.stdin.write("quit\n")
+                self.proc.stdin.flush()
                 self.proc.wait(self.quit_s)
-            except subprocess.TimeoutExpired:
+            except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+
+
+def within(a: float, b: float, fraction: float) -> bool:
+    """Whether ``a`` and ``b`` differ by at most ``fraction`` of the larger."""
+    return abs(a - b) <= fraction * max(a, b)
+
+
+def republished(socket_dir: Path, killed_pid: int, digest: str) -> Callable[[], bool]:
+    """For ``wait_until``: a keeper other than ``killed_pid`` serves in ``socket_dir``, holding exactly the entry
+    ``digest`` (the running engines re-published it after the old keeper's SIGKILL)."""
+    from conftest import keeper_pid
+
+    import weightcache as wc
+
+    def done() -> bool:
+        try:
+            return keeper_pid(socket_dir) not in (None, killed_pid) and [
+                e.digest for e in wc.Cache(socket_dir).entries()
+            ] == [digest]
+        except wc.KeeperUnavailable:
+            return False
+
+    return done

@@ -25,7 +25,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engines import EngineProcess, require_engine
+from engines import EngineProcess, republished, require_engine, within
 
 require_engine("sglang")
 
@@ -88,10 +88,6 @@ def start(engines: list[Engine], spec: dict[str, Any]) -> dict[str, Any]:
     return engine.result
 
 
-def within(a: float, b: float, fraction: float) -> bool:
-    return abs(a - b) <= fraction * max(a, b)
-
-
 def fallbacks(result: dict[str, Any]) -> list[str]:
     return [w for w in result["warnings"] if "FallbackWarning" in w]
 
@@ -122,7 +118,8 @@ def test_auto_daemon_and_client_in_sglang_on_the_gpu(
     assert client["weight_gb"] < 0.01 * weights_gb, (client["weight_gb"], weights_gb)
     # KV cache: SGLang sizes it from the memory free after the load less a share of the memory free before it;
     # the client's weights were resident before (SGLang 0.5.17 does not count preloaded_weights_bytes), so its
-    # cache is larger by weights x (1 - mem_fraction_static): within 1 % with SGLang's defaults.
+    # cache is larger by weights x (1 - mem_fraction_static): within 1 % with SGLang's defaults for these ~2 GB
+    # models (+0.2 %), not for a 16 GB one (+1.28 %, docs/benchmarks.md).
     assert within(daemon["kv_tokens"], auto["kv_tokens"], 0.01), (auto["kv_tokens"], daemon["kv_tokens"])
     assert within(client["kv_tokens"], auto["kv_tokens"], 0.01), (auto["kv_tokens"], client["kv_tokens"])
 
@@ -151,16 +148,8 @@ def test_two_engines_share_one_copy_and_outlive_a_keeper_sigkill(
     os.kill(pid, signal.SIGKILL)
     assert [e.generate() for e in engines] == [first["tokens"]] * 2
 
-    def republished() -> bool:
-        try:
-            return keeper_pid(socket_dir) not in (None, pid) and [e.digest for e in wc.Cache(socket_dir).entries()] == [
-                entry.digest
-            ]
-        except wc.KeeperUnavailable:
-            return False
-
     # The engine in mode daemon starts a new keeper; the engines re-publish what they hold.
-    assert wait_until(republished, 90)
+    assert wait_until(republished(socket_dir, pid, entry.digest), 90)
     third = start(
         engines,
         {"model": model, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "client", "strict": True}, **share},

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from engines import EngineProcess, require_engine
+from engines import EngineProcess, republished, require_engine, within
 
 require_engine("vllm")
 
@@ -67,10 +67,6 @@ def start(engines: list[Engine], spec: dict[str, Any]) -> dict[str, Any]:
     return engine.result
 
 
-def within(a: int, b: int, fraction: float) -> bool:
-    return abs(a - b) <= fraction * max(a, b)
-
-
 @pytest.mark.parametrize("architecture", ["llama", "mixtral"])
 def test_auto_daemon_and_client_on_the_gpu(
     architecture: str, engines: list[Engine], socket_dir: Path, tmp_path: Path
@@ -112,15 +108,7 @@ def test_auto_daemon_and_client_on_the_gpu(
     # The engine in mode daemon starts a new keeper (it keeps one running); the engines re-publish what they
     # hold, and a new engine attaches it without reading the disk.
 
-    def republished() -> bool:
-        try:
-            return keeper_pid(socket_dir) not in (None, pid) and [e.digest for e in wc.Cache(socket_dir).entries()] == [
-                entry.digest
-            ]
-        except wc.KeeperUnavailable:
-            return False
-
-    assert wait_until(republished, 60)
+    assert wait_until(republished(socket_dir, pid, entry.digest), 60)
     third = start(
         engines,
         {"model": model, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "client", "strict": True}},
