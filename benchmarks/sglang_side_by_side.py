@@ -17,6 +17,9 @@ Scenarios (``--scenarios``, default all), each measured for both systems:
   awq       an AWQ checkpoint (4-bit, group 128, random values; the Llama shape of ``--shape`` made with the
             llama1b shape when that is not a Llama): SGLang alone, weightcache mode daemon then client, SGLang's
             daemon (its allow-list holds only unquantized and block-wise FP8).
+Only ``start`` captures CUDA graphs (SGLang's default); the other scenarios' engines run with
+``disable_cuda_graph`` (graph capture is the same per engine in both systems, ~14 s and ~1.7 GB for the Llama-3-8B
+shape in ``start``, and none of those rows is about it).
 Every figure is from this run; the JSON (``--json``) holds every engine's result and phases.
 
 Usage: python benchmarks/sglang_side_by_side.py --workdir DIR [--shape llama8b|llama1b|mixtral]
@@ -70,6 +73,10 @@ SHAPES: dict[str, tuple[str, str, dict[str, Any]]] = {
 LOG_LINE = re.compile(r"^\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d\.\d{3})[^\]]*\] (.*)$")
 SGLANG_READY = "/tmp/sglang_weight_cache_rank0.ready"
 SGLANG_SOCKET = "/tmp/sglang_weight_cache_rank0.sock"
+
+
+#: Engine options of every scenario but ``start``: no CUDA graph capture (see the module's docstring).
+NO_GRAPHS = {"disable_cuda_graph": True}
 
 
 def make_model(directory: Path, shape: str) -> Path:
@@ -349,7 +356,7 @@ def scenario_start(s: Systems, repeat: int, record: list[dict[str, Any]]) -> dic
 
 
 def scenario_memory(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
-    share = {"options": {"mem_fraction_static": 0.3}}
+    share = {"options": {"mem_fraction_static": 0.3, **NO_GRAPHS}}
     out: dict[str, Any] = {}
     s.stop_keeper()
     base = device_free()
@@ -387,7 +394,7 @@ def scenario_memory(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def scenario_kill(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
-    share = {"options": {"mem_fraction_static": 0.3}}
+    share = {"options": {"mem_fraction_static": 0.3, **NO_GRAPHS}}
     out: dict[str, Any] = {}
     s.stop_keeper()
     with running(s.wc_spec("daemon", **share), record, "weightcache engine serving (kill)") as a:
@@ -440,22 +447,22 @@ def scenario_kill(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
 def scenario_mismatch(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     s.stop_keeper()
-    with running(s.wc_spec("daemon"), record, "weightcache publisher (bf16)"):
+    with running(s.wc_spec("daemon", options=NO_GRAPHS), record, "weightcache publisher (bf16)"):
         pass
     for strict in (False, True):
-        spec = s.wc_spec("client", extra={"strict": strict}, options={"dtype": "float16"})
+        spec = s.wc_spec("client", extra={"strict": strict}, options={"dtype": "float16", **NO_GRAPHS})
         with running(spec, record, f"weightcache client float16 strict={strict}") as e:
             out[f"weightcache_strict_{strict}"] = e.summary()
     s.stop_keeper()
     s.start_daemon()
-    with running(s.sg_spec("client", options={"dtype": "float16"}), record, "sglang client float16") as e:
+    with running(s.sg_spec("client", options={"dtype": "float16", **NO_GRAPHS}), record, "sglang client float16") as e:
         out["sglang"] = e.summary()
     s.stop_daemon()
     return out
 
 
 def scenario_race(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
-    share = {"options": {"mem_fraction_static": 0.3}}
+    share = {"options": {"mem_fraction_static": 0.3, **NO_GRAPHS}}
     out: dict[str, Any] = {}
     for system, spec in (("weightcache", s.wc_spec("daemon", **share)), ("sglang", s.sg_spec("daemon", **share))):
         s.stop_keeper()
@@ -492,11 +499,11 @@ def scenario_awq(s: Systems, shape: str, record: list[dict[str, Any]]) -> dict[s
     awq = Systems(s.socket_dir.parent, make_awq_model(s.socket_dir.parent / f"{shape}-awq", shape))
     awq.socket_dir = s.socket_dir.parent / "wc-sockets-awq"
     out: dict[str, Any] = {}
-    with running({"model": str(awq.model)}, record, "sglang auto (AWQ)") as e:
+    with running({"model": str(awq.model), "options": NO_GRAPHS}, record, "sglang auto (AWQ)") as e:
         out["auto"] = e.summary()
-    with running(awq.wc_spec("daemon"), record, "weightcache mode daemon (AWQ)") as e:
+    with running(awq.wc_spec("daemon", options=NO_GRAPHS), record, "weightcache mode daemon (AWQ)") as e:
         out["weightcache_daemon"] = e.summary()
-    with running(awq.wc_spec("client"), record, "weightcache mode client (AWQ)") as e:
+    with running(awq.wc_spec("client", options=NO_GRAPHS), record, "weightcache mode client (AWQ)") as e:
         out["weightcache_client"] = e.summary()
     import weightcache as wc
 
@@ -505,7 +512,7 @@ def scenario_awq(s: Systems, shape: str, record: list[dict[str, Any]]) -> dict[s
     awq.stop_keeper()
     try:
         out["sglang_daemon_ready_s"] = round(awq.start_daemon(), 3)
-        with running(awq.sg_spec("client"), record, "sglang daemon client (AWQ)") as e:
+        with running(awq.sg_spec("client", options=NO_GRAPHS), record, "sglang daemon client (AWQ)") as e:
             out["sglang_client"] = e.summary()
     except RuntimeError as e:
         log = awq.daemon_log.read_text(errors="replace") if awq.daemon_log.exists() else ""

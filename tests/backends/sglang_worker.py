@@ -8,7 +8,10 @@ Usage: python sglang_worker.py '<json spec>'; spec keys: model, table (output pa
 "weightcache", or "launch_server": the plugin's --load-format weightcache, parsed as SGLang's CLI does), options
 (weightcache loader options), other_layout (the weightcache loader's adapter builds the model in bfloat16: an
 engine setting that changes the layout and that the identity does not record), evict, fsize_limit (RLIMIT_FSIZE
-in bytes: memfd segments fail). Prints one RESULT line.
+in bytes: memfd segments fail), runner (a number: the load runs inside ``load_model`` of SGLang's own
+``ModelRunner`` class, as in an engine, with that ``pre_model_load_memory`` in GB; the RESULT line then has the
+runner's ``pre_model_load_memory`` after the load), runner_loads (how many times that runner loads: a reload).
+Prints one RESULT line.
 """
 
 from __future__ import annotations
@@ -82,6 +85,30 @@ def other_layout_loader() -> type:
     return OtherLayoutLoader
 
 
+def load_in_model_runner(
+    loader: object, model_config: object, device_config: object, baseline: float, loads: int
+) -> tuple:
+    """The load called from ``load_model`` of a ModelRunner, as SGLang 0.5.16 to 0.5.23 call it (through
+    ``load_model_with_memory_saver``): SGLang's own class, whose ``__init__`` (a whole engine: CUDA, a scheduler)
+    does not run on this CPU, with the one attribute its ``init_torch_distributed`` sets before the load and its
+    KV cache reads after it; ``loads`` times (a reload). Returns the model and the runner's
+    ``pre_model_load_memory`` after the last load."""
+    from sglang.srt.model_executor.model_runner import ModelRunner
+
+    def through_memory_saver() -> object:
+        return loader.load_model(model_config=model_config, device_config=device_config)  # type: ignore[attr-defined]
+
+    class CpuModelRunner(ModelRunner):  # type: ignore[misc]
+        def load_model(self) -> None:
+            self.model = through_memory_saver()
+
+    runner = CpuModelRunner.__new__(CpuModelRunner)
+    runner.pre_model_load_memory = baseline
+    for _ in range(loads):
+        runner.load_model()
+    return runner.model, runner.pre_model_load_memory
+
+
 def main() -> None:
     spec = json.loads(sys.argv[1])
     if spec.get("evict"):
@@ -118,7 +145,12 @@ def main() -> None:
         resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize_limit"], resource.RLIM_INFINITY))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        model = loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
+        if spec.get("runner") is not None:
+            model, after = load_in_model_runner(
+                loader, model_config, DeviceConfig("cpu"), spec["runner"], spec.get("runner_loads", 1)
+            )
+        else:
+            model = loader.load_model(model_config=model_config, device_config=DeviceConfig("cpu"))
     parity.write_table(model, spec["table"], loader=type(loader).__name__)
     result = {
         "loader": type(loader).__name__,
@@ -127,6 +159,8 @@ def main() -> None:
         "resident_after_load": resident_fraction(spec["model"]),
         "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "weightcache" in str(w.message)],
     }
+    if spec.get("runner") is not None:
+        result["pre_model_load_memory"] = after
     print("RESULT " + json.dumps(result), flush=True)
 
 

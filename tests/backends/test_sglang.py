@@ -163,6 +163,32 @@ def test_launch_server_takes_load_format_weightcache(tiny_llama: Path, socket_di
         assert parity.compare(disk_table, parity.read_table(tmp_path / f"{mode}.json")) == []
 
 
+def test_attached_bytes_count_in_the_calling_model_runners_memory_baseline(
+    tiny_llama: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    """Loaded from ``load_model`` of SGLang's own ModelRunner class, as in an engine, a client's attached bytes
+    count in the runner's pre-load memory baseline (``pre_model_load_memory``, GB), so its KV cache is sized as
+    after a disk load: added by the adapter where SGLang does not count ``preloaded_weights_bytes`` itself (0.5.16
+    to 0.5.18), left to SGLang where it does (0.5.19 on); no warning either way, and a reload does not add them
+    twice. A daemon's load that published (nothing resident before it) adds nothing."""
+    options = {"socket_dir": str(socket_dir)}
+    baseline = 100.0
+    spec = {"model": str(tiny_llama), "loader": "weightcache", "runner": baseline}
+    daemon = run_sglang({**spec, "table": str(tmp_path / "daemon.json"), "options": {**options, "mode": "daemon"}})
+    assert daemon["source"] == "cache" and daemon["preloaded_weights_bytes"] == 0, daemon
+    assert daemon["pre_model_load_memory"] == baseline and daemon["warnings"] == []
+    [entry] = wc.Cache(socket_dir).entries()
+
+    client_options = {**options, "mode": "client", "strict": True}
+    client = run_sglang({**spec, "table": str(tmp_path / "client.json"), "options": client_options, "runner_loads": 2})
+    assert client["source"] == "cache" and client["preloaded_weights_bytes"] == entry.bytes > 0, client
+    assert client["warnings"] == []
+    counted_by_sglang = sglang_releases.counts_preloaded_bytes()
+    expected = baseline if counted_by_sglang else baseline + entry.bytes / (1 << 30)
+    assert client["pre_model_load_memory"] == pytest.approx(expected, abs=1e-9), (counted_by_sglang, client)
+    assert parity.compare(*(parity.read_table(tmp_path / f) for f in ("daemon.json", "client.json"))) == []
+
+
 def test_parity_reports_a_different_checkpoint(tiny_llama: Path, tmp_path: Path) -> None:
     other = make_tiny_llama(tmp_path / "other", seed=1)
     run_sglang({"model": str(tiny_llama), "table": str(tmp_path / "a.json"), "loader": "default"})

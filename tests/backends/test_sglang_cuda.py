@@ -116,12 +116,14 @@ def test_auto_daemon_and_client_in_sglang_on_the_gpu(
     # SGLang's own measure of its load: auto's and the daemon's load allocate the weights, the client maps them.
     assert auto["weight_gb"] > 0.9 * weights_gb and daemon["weight_gb"] > 0.9 * weights_gb
     assert client["weight_gb"] < 0.01 * weights_gb, (client["weight_gb"], weights_gb)
-    # KV cache: SGLang sizes it from the memory free after the load less a share of the memory free before it;
-    # the client's weights were resident before (SGLang 0.5.17 does not count preloaded_weights_bytes), so its
-    # cache is larger by weights x (1 - mem_fraction_static): within 1 % with SGLang's defaults for these ~2 GB
-    # models (+0.2 %), not for a 16 GB one (+1.28 %, docs/benchmarks.md).
+    # KV cache: SGLang sizes it from the memory free after the load less a share of the memory free before it
+    # (its pre-load baseline); the client's weights were resident before that baseline, and SGLang 0.5.17 does not
+    # count preloaded_weights_bytes, so the adapter adds them to the baseline of the ModelRunner that called it.
+    # Without that the client's cache was larger by weights x (1 - mem_fraction_static): +0.2 % for these ~2 GB
+    # models (2026-12-03, on 76d0c81), +1.28 % for a 16 GB one (docs/benchmarks.md); with it, as auto's.
     assert within(daemon["kv_tokens"], auto["kv_tokens"], 0.01), (auto["kv_tokens"], daemon["kv_tokens"])
-    assert within(client["kv_tokens"], auto["kv_tokens"], 0.01), (auto["kv_tokens"], client["kv_tokens"])
+    assert within(client["kv_tokens"], auto["kv_tokens"], 0.001), (auto["kv_tokens"], client["kv_tokens"])
+    assert client["warnings"] == [], client["warnings"]  # neither a fallback nor "its KV cache keeps ... less"
 
 
 def test_two_engines_share_one_copy_and_outlive_a_keeper_sigkill(

@@ -16,8 +16,10 @@ key is an error) or are fixed on a subclass made by :meth:`WeightCacheLoader.con
 
 The loader reports the attached bytes as ``preloaded_weights_bytes``, which SGLang's memory accounting adds to
 its pre-load baseline (from 0.5.19), so the KV cache is sized as after a disk load. SGLang 0.5.16 and 0.5.17 do
-not count them: attaching weights that were resident before its baseline was sampled still works, and a warning says how
-much less headroom its KV cache leaves (see :func:`uncounted_preload_warning`).
+not count them; there the loader adds them to the baseline of the ``ModelRunner`` whose ``load_model`` called it,
+as 0.5.19 does (:func:`~weightcache.backends.sglang_releases.account_preloaded_bytes`). A loader called by other
+code on those releases still attaches, and a warning says how much less headroom the KV cache of whatever sizes
+one from that baseline would keep (see :func:`uncounted_preload_warning`).
 
 This module imports SGLang only inside functions: ``weightcache.backends.sglang`` imports without SGLang
 (tests/test_layers.py checks).
@@ -435,20 +437,26 @@ class WeightCacheLoader:
         # counts; segments this call created were allocated after the sample and are already in its measure.
         self.preloaded_weights_bytes = loaded.preloaded_bytes
         self.handle, self.source = loaded.handle, loaded.source
-        if loaded.preloaded_bytes and not sglang_releases.counts_preloaded_bytes():
+        # SGLang 0.5.19 on add it to that baseline themselves; before, the adapter adds it to the calling
+        # ModelRunner's, and warns where it finds none
+        if not sglang_releases.counts_preloaded_bytes() and not sglang_releases.account_preloaded_bytes(
+            loaded.preloaded_bytes
+        ):
             warnings.warn(uncounted_preload_warning(loaded.preloaded_bytes), stacklevel=2)
         return loaded.model
 
 
 def uncounted_preload_warning(preloaded_bytes: int) -> str:
     """What to tell an operator whose SGLang (before 0.5.19) does not add ``preloaded_weights_bytes`` to its
-    pre-load memory baseline: the weights were attached, and the KV cache leaves less headroom than usual."""
+    pre-load memory baseline, when the loader was not called by a ``ModelRunner`` whose baseline it could add them
+    to itself: the weights were attached, and the KV cache leaves less headroom than usual."""
     gib = preloaded_bytes / (1 << 30)
     return (
         f"weightcache: attached {gib:.2f} GiB of weights that were resident before SGLang sampled its pre-load "
-        "memory baseline, and this SGLang does not count a loader's preloaded_weights_bytes (SGLang 0.5.19 and "
-        f"later do): its KV cache keeps about {gib:.2f} GiB x (1 - mem_fraction_static) less headroom than after a "
-        "disk load. If the engine runs out of memory, lower --mem-fraction-static by "
+        "memory baseline; this SGLang does not count a loader's preloaded_weights_bytes (SGLang 0.5.19 and later "
+        "do), and no SGLang ModelRunner.load_model called this loader for weightcache to add them to its baseline: "
+        f"a KV cache sized from that baseline keeps about {gib:.2f} GiB x (1 - mem_fraction_static) less headroom "
+        "than after a disk load. If the engine runs out of memory, lower --mem-fraction-static by "
         f"{gib:.2f} GiB / the GPU's memory, or use SGLang 0.5.19 or later."
     )
 

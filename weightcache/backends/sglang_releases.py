@@ -16,9 +16,12 @@ Four features differ, and are probed here, never inferred from the version:
 - where ``--load-format`` choices are added (:func:`load_format_choices`): ``arg_groups.choices`` from 0.5.20,
   ``server_args`` before (0.5.16 to 0.5.19 define ``LOAD_FORMAT_CHOICES`` and ``add_load_format_choices`` there);
 - whether SGLang counts a loader's ``preloaded_weights_bytes`` in its pre-load memory baseline
-  (:func:`counts_preloaded_bytes`; from 0.5.19, where ``BaseModelLoader`` declares it). 0.5.16 and 0.5.17 do
-  not: an engine that attaches weights already resident sizes its KV cache with less headroom than after a disk
-  load, which the adapter says in a warning (see :mod:`weightcache.backends.sglang`);
+  (:func:`counts_preloaded_bytes`; from 0.5.19, where ``BaseModelLoader`` declares it and
+  ``ModelRunner.account_preloaded_weights`` adds it). 0.5.16 and 0.5.17 do not: there the adapter adds the
+  attached bytes to the baseline of the ``ModelRunner`` whose ``load_model`` called it, as 0.5.19 does
+  (:func:`account_preloaded_bytes`), so the KV cache is sized as after a disk load; where no such runner is
+  found (a loader called by other code), a warning says how much less headroom the KV cache keeps (see
+  :mod:`weightcache.backends.sglang`);
 - whether SGLang's process-wide cache of rotary embeddings (``rotary_embedding.factory._ROPE_DICT``) tells an
   entry built on meta from a live one (:func:`rope_cache_checks_meta`; from 0.5.20). 0.5.16 and 0.5.17 hand the
   model their own loader builds next the one a meta build cached, whose cos/sin table has no data: the adapter
@@ -30,12 +33,16 @@ This module's layer: below the adapter, above SGLang. Imports SGLang only inside
 from __future__ import annotations
 
 import importlib
+import logging
+import sys
 from collections.abc import Callable
-from types import ModuleType
+from types import FrameType, ModuleType
 from typing import Any
 
 from . import releases
 from .releases import ReleaseRange
+
+log = logging.getLogger(__name__)
 
 #: The releases the adapter supports, and where each is tested.
 RELEASES = ReleaseRange(
@@ -95,6 +102,60 @@ def counts_preloaded_bytes() -> bool:
     return hasattr(BaseModelLoader, "preloaded_weights_bytes")
 
 
+#: The attribute :func:`account_preloaded_bytes` keeps on a ModelRunner: the GiB it added to its baseline so far.
+ACCOUNTED_ATTRIBUTE = "_weightcache_preloaded_gib"
+
+
+def calling_model_runner() -> Any | None:
+    """The SGLang ``ModelRunner`` whose ``load_model`` is on the calling stack (SGLang 0.5.16 to 0.5.23 call a
+    loader from ``ModelRunner.load_model`` through ``load_model_with_memory_saver``), or None: SGLang's model
+    runner module not imported, or the loader called by other code (SGLang's weight-cache daemon, a test)."""
+    module = sys.modules.get("sglang.srt.model_executor.model_runner")
+    runner_class = getattr(module, "ModelRunner", None)
+    if not isinstance(runner_class, type):
+        return None
+    frame: FrameType | None = sys._getframe(1)
+    while frame is not None:
+        if frame.f_code.co_name == "load_model":
+            candidate = frame.f_locals.get("self")
+            if isinstance(candidate, runner_class):
+                return candidate
+        frame = frame.f_back
+    return None
+
+
+def account_preloaded_bytes(preloaded_bytes: int) -> bool:
+    """Count ``preloaded_bytes`` of attached weights, resident before SGLang sampled its pre-load memory
+    baseline, in that baseline, as SGLang 0.5.19 and later do themselves (``ModelRunner.account_preloaded_weights``:
+    ``pre_model_load_memory += preloaded_weights_bytes / 2**30``). SGLang reads the baseline only after the load
+    (the KV cache's size, its resize after graph capture), so adding to it during the load is what 0.5.19 does
+    right after it. Called on every load of a release that does not count them itself
+    (:func:`counts_preloaded_bytes` false); a runner that loads again (a reload) has what an earlier load added
+    replaced, not added twice.
+
+    Returns True when the bytes are counted: a calling ``ModelRunner`` was found (:func:`calling_model_runner`)
+    with a numeric ``pre_model_load_memory``, or there was nothing to count; False otherwise (the caller warns)."""
+    runner = calling_model_runner()
+    baseline = getattr(runner, "pre_model_load_memory", None)
+    if runner is None or isinstance(baseline, bool) or not isinstance(baseline, int | float):
+        return preloaded_bytes == 0
+    added = float(getattr(runner, ACCOUNTED_ATTRIBUTE, 0.0))
+    gib = preloaded_bytes / (1 << 30)
+    if gib == added:
+        return True
+    runner.pre_model_load_memory = baseline - added + gib
+    setattr(runner, ACCOUNTED_ATTRIBUTE, gib)
+    log.info(
+        "weightcache: %.2f GiB of attached weights were resident before SGLang sampled its pre-load memory "
+        "baseline; added to it (%.2f -> %.2f GB), as SGLang 0.5.19 and later do, so the KV cache is sized as "
+        "after a disk load",
+        gib,
+        baseline,
+        runner.pre_model_load_memory,
+    )
+    return True
+
+
 def stale_views_rebuilder() -> Callable[[Any], None] | None:
     """SGLang's ``IpcModelLoader._rebuild_stale_views`` (0.5.17 on), which re-creates the views of weights some
     modules keep as plain attributes after attaching; None where the installed SGLang has none."""
@@ -121,9 +182,12 @@ def _module(name: str) -> ModuleType | None:
 
 
 __all__ = [
+    "ACCOUNTED_ATTRIBUTE",
     "LOAD_FORMAT_CHOICES_API",
     "RELEASES",
     "REQUIRED_API",
+    "account_preloaded_bytes",
+    "calling_model_runner",
     "counts_preloaded_bytes",
     "load_format_choices",
     "missing_api",
