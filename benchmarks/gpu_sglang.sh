@@ -8,6 +8,16 @@
 #   gpu_sglang.sh smoke           one engine with load format auto on a tiny model, one greedy generation
 #   gpu_sglang.sh test [ARGS]     the GPU tests of the SGLang adapter (tests/backends/test_sglang_cuda.py)
 #   gpu_sglang.sh bench [ARGS]    benchmarks/sglang_side_by_side.py (weightcache beside SGLang's weight cache daemon)
+#   gpu_sglang.sh clean           kill what a cut run left: engine workers, SGLang's scheduler processes and daemons,
+#                                 weightcache keepers
+#   gpu_sglang.sh detach          run `plan` in its own process session, which outlives the call that started it
+#                                 (a call is cut at 10 min; the machine stays while calls follow back to back);
+#                                 its logs go to /tmp/persist
+#   gpu_sglang.sh plan            issue 30's GPU measurement, in order, `clean` after each: the HTTP test, the
+#                                 side-by-side benchmark on the Llama-3-8B shape (every scenario, --repeat 3), on
+#                                 the small MoE (start, --repeat 3), then the Llama auto/daemon/client test
+#   gpu_sglang.sh poll SECONDS    wait until `plan` is done or SECONDS passed, copying /tmp/persist to $OUT every 15 s
+#                                 (a call cut at its limit still brings back the last copy)
 # Logs go to $OUT (or /tmp/out).
 # WHEELS: found by importing SGLang's engine, scheduler, model runner, Llama/Mixtral/Qwen MoE models, attention
 # backends (FA3, FlashInfer, Triton), sampler, HTTP server and weight_cache daemon in a venv on a CPU with CUDA
@@ -37,7 +47,7 @@ wc_install() {
     python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-compile --target "$site" . 2>&1 |
         grep -v "already exists" || true
 }
-cmd=${1:?usage: gpu_sglang.sh receive DIR|install|smoke|test|bench}
+cmd=${1:?usage: gpu_sglang.sh receive DIR|install|smoke|test|bench|clean|detach|plan|poll SECONDS}
 shift
 case "$cmd" in
 receive)
@@ -73,5 +83,42 @@ bench)
     wc_install
     python3 benchmarks/sglang_side_by_side.py --workdir /tmp/sbs --json "$out/side-by-side.json" "$@" \
         2>&1 | tee "$out/side-by-side.log" | tail -120
+    ;;
+clean)
+    pkill -9 -f 'sglang_gpu_worker\.py'
+    pkill -9 -f '^sglang::'
+    pkill -9 -f 'sglang\.srt\.weight_cache\.daemon'
+    pkill -9 -f 'weightcache serve'
+    sleep 5
+    rm -f /tmp/sglang_weight_cache_rank*
+    nvidia-smi --query-gpu=memory.used --format=csv
+    ;;
+detach)
+    mkdir -p /tmp/persist
+    setsid nohup bash "$0" plan >/tmp/persist/plan.log 2>&1 </dev/null &
+    echo "plan started (pid $!); bash $0 poll SECONDS to follow it"
+    ;;
+plan)
+    step() {
+        echo "== $(date -u +%FT%TZ) $*"
+        "$@"
+        echo "== $(date -u +%FT%TZ) exit $?"
+        bash "$0" clean
+    }
+    step env OUT=/tmp/persist/http timeout -k 10 480 bash "$0" test -k launch_server
+    step env OUT=/tmp/persist/llama8b bash "$0" bench --shape llama8b --repeat 3
+    step env OUT=/tmp/persist/mixtral bash "$0" bench --shape mixtral --scenarios start --repeat 3
+    step env OUT=/tmp/persist/tests bash "$0" test -k "gpu and llama"
+    touch /tmp/persist/done
+    ;;
+poll)
+    end=$((SECONDS + ${1:?seconds}))
+    while [ ! -e /tmp/persist/done ] && [ $SECONDS -lt $end ]; do
+        cp -r /tmp/persist/. "$out"/ 2>/dev/null
+        sleep 15
+    done
+    cp -r /tmp/persist/. "$out"/
+    grep "^== " /tmp/persist/plan.log
+    tail -5 /tmp/persist/plan.log
     ;;
 esac
