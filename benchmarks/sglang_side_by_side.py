@@ -77,6 +77,8 @@ SGLANG_SOCKET = "/tmp/sglang_weight_cache_rank0.sock"
 
 #: Engine options of every scenario but ``start``: no CUDA graph capture (see the module's docstring).
 NO_GRAPHS = {"disable_cuda_graph": True}
+#: Engine spec of the scenarios that run two engines on the GPU at once: each takes a part of it, without graphs.
+SHARED_GPU: dict[str, Any] = {"options": {"mem_fraction_static": 0.3, **NO_GRAPHS}}
 
 
 def make_model(directory: Path, shape: str) -> Path:
@@ -356,7 +358,7 @@ def scenario_start(s: Systems, repeat: int, record: list[dict[str, Any]]) -> dic
 
 
 def scenario_memory(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
-    share = {"options": {"mem_fraction_static": 0.3, **NO_GRAPHS}}
+    share = SHARED_GPU
     out: dict[str, Any] = {}
     s.stop_keeper()
     base = device_free()
@@ -394,7 +396,7 @@ def scenario_memory(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def scenario_kill(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
-    share = {"options": {"mem_fraction_static": 0.3, **NO_GRAPHS}}
+    share = SHARED_GPU
     out: dict[str, Any] = {}
     s.stop_keeper()
     with running(s.wc_spec("daemon", **share), record, "weightcache engine serving (kill)") as a:
@@ -462,7 +464,7 @@ def scenario_mismatch(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any
 
 
 def scenario_race(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
-    share = {"options": {"mem_fraction_static": 0.3, **NO_GRAPHS}}
+    share = SHARED_GPU
     out: dict[str, Any] = {}
     for system, spec in (("weightcache", s.wc_spec("daemon", **share)), ("sglang", s.sg_spec("daemon", **share))):
         s.stop_keeper()
