@@ -253,6 +253,11 @@ class Systems:
         return None
 
     def stop_keeper(self) -> None:
+        """No keeper afterwards, and none stopped on purpose: the next scenario's first engine (mode daemon) spawns
+        a fresh one. SIGTERM leaves the keeper's stop marker, which makes mode daemon refuse to start another (an
+        operator's deliberate stop stays a stop); between scenarios this is a reset, so the marker goes too."""
+        from weightcache.rundir import STOPPED_NAME
+
         pid = self.keeper_pid()
         if pid:
             with contextlib.suppress(ProcessLookupError):
@@ -260,9 +265,14 @@ class Systems:
             deadline = time.time() + 30
             while time.time() < deadline and os.path.exists(f"/proc/{pid}"):
                 time.sleep(0.2)
+            if os.path.exists(f"/proc/{pid}"):
+                raise RuntimeError(f"the keeper (pid {pid}) did not exit within 30 s of SIGTERM")
+        with contextlib.suppress(FileNotFoundError):
+            (self.socket_dir / STOPPED_NAME).unlink()
 
-    def start_daemon(self, dtype: str = "auto") -> float:
-        """SGLang's standalone daemon for rank 0; seconds until its ready file appears."""
+    def start_daemon(self, dtype: str = "auto", timeout: float = 900) -> float:
+        """SGLang's standalone daemon for rank 0; seconds until its ready file appears (RuntimeError if it exits
+        first, or is not ready in ``timeout`` s: then it is killed)."""
         for path in (SGLANG_READY, SGLANG_SOCKET):
             with contextlib.suppress(FileNotFoundError):
                 os.unlink(path)
@@ -276,8 +286,9 @@ class Systems:
         while not os.path.exists(SGLANG_READY):
             if self.daemon.poll() is not None:
                 raise RuntimeError(f"SGLang's daemon exited ({self.daemon.returncode}): {self.daemon_log}")
-            if time.time() - t0 > 900:
-                raise RuntimeError("SGLang's daemon not ready in 900 s")
+            if time.time() - t0 > timeout:
+                self.stop_daemon(signal.SIGKILL)
+                raise RuntimeError(f"SGLang's daemon not ready in {timeout:.0f} s: {self.daemon_log}")
             time.sleep(0.05)
         return time.time() - t0
 
@@ -513,7 +524,7 @@ def scenario_awq(s: Systems, shape: str, record: list[dict[str, Any]]) -> dict[s
         out["weightcache_entries"] = len(wc.Cache(awq.socket_dir).entries())
     awq.stop_keeper()
     try:
-        out["sglang_daemon_ready_s"] = round(awq.start_daemon(), 3)
+        out["sglang_daemon_ready_s"] = round(awq.start_daemon(timeout=300), 3)  # a 5 GB checkpoint: ~30 s
         with running(awq.sg_spec("client", options=NO_GRAPHS), record, "sglang daemon client (AWQ)") as e:
             out["sglang_client"] = e.summary()
     except RuntimeError as e:

@@ -7,8 +7,9 @@ pattern run on into another phase's number on that record, so its phase columns 
 from __future__ import annotations
 
 import json
+from pathlib import Path
 
-from conftest import benchmark
+from conftest import benchmark, serve_detached
 
 restart_vllm = benchmark("restart_vllm")
 
@@ -64,3 +65,24 @@ def test_sglang_phases_come_from_its_log_lines_and_add_every_capture() -> None:
         "first_generation": 0.25,
         "total": 37.25,
     }
+
+
+def test_side_by_side_resets_the_keeper_so_the_next_scenarios_mode_daemon_starts_one(socket_dir: Path) -> None:
+    """Each scenario of the SGLang side-by-side benchmark starts from no keeper, and its first engine (mode daemon)
+    spawns one. A keeper stopped with SIGTERM leaves its stop marker, which makes mode daemon refuse to start
+    another (a deliberate stop stays a stop): on the H200 the memory scenario's first engine loaded from disk with
+    "the keeper was stopped on purpose" after the start scenario had stopped its keeper."""
+    import weightcache as wc
+    from weightcache.client.lifecycle import ensure_keeper
+
+    side_by_side = benchmark("sglang_side_by_side")
+    serve_detached(socket_dir)
+    systems = side_by_side.Systems(socket_dir.parent, socket_dir.parent / "model")
+    systems.socket_dir = socket_dir
+    pid = systems.keeper_pid()
+    assert pid is not None
+    systems.stop_keeper()
+    assert not Path(f"/proc/{pid}").exists()
+    ensure_keeper(socket_dir)  # what mode daemon does: spawns a keeper, never KeeperUnavailable
+    assert systems.keeper_pid() not in (None, pid)
+    wc.Cache(socket_dir).stop()
