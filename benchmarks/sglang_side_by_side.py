@@ -75,6 +75,9 @@ SGLANG_READY = "/tmp/sglang_weight_cache_rank0.ready"
 SGLANG_SOCKET = "/tmp/sglang_weight_cache_rank0.sock"
 
 
+#: Seconds an engine worker may take to its first token (or to answer a generation) before it is killed: the
+#: Llama-3-8B shape's slowest start, from disk with graph capture, took 78 s on the H200.
+ENGINE_TIMEOUT_S = 420
 #: Engine options of every scenario but ``start``: no CUDA graph capture (see the module's docstring).
 NO_GRAPHS = {"disable_cuda_graph": True}
 #: Engine spec of the scenarios that run two engines on the GPU at once: each takes a part of it, without graphs.
@@ -200,6 +203,21 @@ class Engine(EngineProcess):
             self.result["phases"] = sglang_phases(self.log, self.start, self.result)
         except AssertionError as e:  # the worker exited: EngineProcess.read says with what
             self.error = str(e)
+
+    def read(self) -> dict[str, Any]:
+        """The worker's next result; a worker with none in :data:`ENGINE_TIMEOUT_S` is killed (a hung engine would
+        otherwise hold the rest of the run), and the result is then the AssertionError of an exited worker."""
+
+        def hung() -> None:
+            self.log.append(f"benchmark: no result in {ENGINE_TIMEOUT_S} s, worker killed\n")
+            self.proc.kill()
+
+        timer = threading.Timer(ENGINE_TIMEOUT_S, hung)
+        timer.start()
+        try:
+            return super().read()
+        finally:
+            timer.cancel()
 
     def generate(self) -> list[int] | str:  # type: ignore[override]
         """The tokens, or what went wrong instead: an engine whose keeper or daemon was killed may hang."""
@@ -412,7 +430,9 @@ def scenario_kill(s: Systems, record: list[dict[str, Any]]) -> dict[str, Any]:
     s.stop_keeper()
     with running(s.wc_spec("daemon", **share), record, "weightcache engine serving (kill)") as a:
         pid = s.keeper_pid()
-        os.kill(pid or 0, signal.SIGKILL)
+        if pid is None:
+            raise RuntimeError(f"no keeper serves {s.socket_dir}: the engine in mode daemon did not start one")
+        os.kill(pid, signal.SIGKILL)
         after = a.generate()
         t0 = time.time()
         while (s.keeper_pid() in (None, pid)) and time.time() - t0 < 60:
