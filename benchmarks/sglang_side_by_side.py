@@ -130,6 +130,7 @@ def make_awq_model(directory: Path, shape: str) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(directory / "model.safetensors"), metadata={"format": "pt"})
     config.dtype = "float16"
+    config.architectures = [model_name]  # what a model's save_pretrained writes; SGLang needs it to pick its model
     config.quantization_config = {"quant_method": "awq", "bits": 4, "group_size": group, "zero_point": True,
                                   "version": "gemm"}  # fmt: skip
     config.save_pretrained(directory)

@@ -86,3 +86,32 @@ def test_side_by_side_resets_the_keeper_so_the_next_scenarios_mode_daemon_starts
     ensure_keeper(socket_dir)  # what mode daemon does: spawns a keeper, never KeeperUnavailable
     assert systems.keeper_pid() not in (None, pid)
     wc.Cache(socket_dir).stop()
+
+
+def test_the_awq_checkpoint_names_its_architecture_and_holds_every_linear_in_awq_layout(tmp_path: Path) -> None:
+    """SGLang reads a checkpoint's architecture from config.json before anything else: the benchmark's first AWQ
+    checkpoint had none, and every engine of the H200's AWQ row failed on it ('NoneType' object is not
+    subscriptable, in SGLang's ModelConfig)."""
+    import transformers
+    from safetensors import safe_open
+
+    side_by_side = benchmark("sglang_side_by_side")
+    tiny = {"vocab_size": 256, "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+            "num_attention_heads": 4, "num_key_value_heads": 2}  # fmt: skip
+    side_by_side.SHAPES["llama-tiny"] = ("LlamaConfig", "LlamaForCausalLM", tiny)
+    try:
+        path = side_by_side.make_awq_model(tmp_path / "awq", "llama-tiny")
+    finally:
+        del side_by_side.SHAPES["llama-tiny"]
+    config = transformers.AutoConfig.from_pretrained(path)
+    assert config.architectures == ["LlamaForCausalLM"]
+    assert config.quantization_config["quant_method"] == "awq" and config.quantization_config["bits"] == 4
+    with safe_open(str(path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+        qweight = f.get_tensor("model.layers.0.mlp.down_proj.qweight")
+        scales = f.get_tensor("model.layers.0.mlp.down_proj.scales")
+    linears = {n.rsplit(".", 1)[0] for n in names if n.endswith(".qweight")}
+    assert len(linears) == 2 * len(side_by_side.AWQ_LINEARS)
+    assert all(f"{base}.{part}" in names for base in linears for part in ("qzeros", "scales"))
+    assert not any(n.endswith("_proj.weight") for n in names)
+    assert tuple(qweight.shape) == (512, 256 // 8) and tuple(scales.shape) == (512 // 128, 256)
