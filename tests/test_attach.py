@@ -7,6 +7,7 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -249,13 +250,16 @@ def test_concurrent_clients(checkpoint: Path, socket_dir: Path) -> None:
 
 
 def test_racing_daemons_publish_once(checkpoint: Path, socket_dir: Path) -> None:
-    """Six engines start at once in mode daemon: one keeper, one entry, identical outputs."""
-    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir), "mode": "daemon"}
+    """Six engines miss at the same instant in mode daemon, with no keeper running: one keeper, one entry,
+    identical outputs, and one read of the checkpoint (the others wait for that load and attach its copy)."""
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir), "mode": "daemon", "start_at": time.time() + 8}
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(lambda _: run_worker("attach", spec), range(6)))
     assert {r["source"] for r in results} == {"cache"}
     assert len({r["output"] for r in results}) == 1
     assert len(wc.Cache(socket_dir).entries()) == 1
+    assert sorted(r["read_disk"] for r in results) == [False] * 5 + [True], results
+    assert not list(socket_dir.glob("load-*.lock"))  # the lock files go with their loads
 
 
 def test_leases_follow_handles(checkpoint: Path, socket_dir: Path) -> None:

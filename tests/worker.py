@@ -63,6 +63,8 @@ def attach(spec: dict) -> tuple[torch.nn.Module, wc.Handle, dict]:
         import resource
 
         resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize_limit"], resource.RLIM_INFINITY))
+    if spec.get("start_at"):  # a wall-clock instant shared by racing workers: all attach at once, imports done
+        time.sleep(max(0.0, spec["start_at"] - time.time()))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()

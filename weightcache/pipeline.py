@@ -8,11 +8,12 @@ bind them into a module, build an engine's model around them, or just return the
 - ``off``: the caller's own disk load; no keeper is involved.
 - ``client``: attach what the keeper holds. If no keeper runs, it holds no such entry, or its entry differs:
   a :class:`FallbackWarning` that says why and the caller's own disk load (``strict``: the error instead).
-- ``daemon``: attach if cached. Else load from disk (a keeper is spawned meanwhile when none runs), pack the
-  loaded weights into segments one segment at a time while releasing the loaded copy (the peak is the weights
-  plus one segment), publish them, and serve the published copy. If publishing fails after the load (a budget,
-  out of memory, no keeper), the loaded weights are served anyway, with a FallbackWarning (``strict``: the
-  error instead). Reaching no keeper at all also falls back; only ``strict`` raises.
+- ``daemon``: attach if cached. Else, if another engine is loading the same entry, wait for that load and attach
+  its copy (:func:`weightcache.client.first_load`). Else load from disk (a keeper is spawned meanwhile when none
+  runs), pack the loaded weights into segments one segment at a time while releasing the loaded copy (the peak
+  is the weights plus one segment), publish them, and serve the published copy. If publishing fails after the
+  load (a budget, out of memory, no keeper), the loaded weights are served anyway, with a FallbackWarning
+  (``strict``: the error instead). Reaching no keeper at all also falls back; only ``strict`` raises.
 
 Each start logs one line on the ``weightcache`` logger: hit or miss, bytes, milliseconds, and why on a miss.
 
@@ -43,7 +44,7 @@ import torch
 
 from . import quant as quant_registry
 from .cache import Cache
-from .client import ensure_keeper
+from .client import ensure_keeper, first_load, load_key
 from .errors import (
     BackendError,
     BindError,
@@ -268,9 +269,30 @@ def _daemon(request: Request, steps: Steps[T], start: float) -> T:
             with collector_paused():
                 return _serve(request, steps, handle, "hit", start)
         steps.check_fit(None)  # weights the model cannot take: before a keeper starts and anything is read
-        # No keeper: start one while the weights load instead of before.
-        spawning: Future[object] | None = pool.submit(ensure_keeper, request.socket_dir) if no_keeper else None
-        return _load_and_publish(request, steps, cache, spawning, start)
+        # One load per entry: engines that miss it at once wait for the first one's load, then attach its copy.
+        fingerprint = request.fingerprint
+        key = load_key(fingerprint.digest, fingerprint.placement)
+        with first_load(resolve_socket_dir(request.socket_dir), key) as first:
+            handle = _look_again(cache, request)  # published meanwhile: by the load waited for, or just before
+            if handle is not None:
+                with collector_paused():
+                    return _serve(request, steps, handle, "hit" if first else "hit, after another engine's load", start)
+            # No keeper: start one while the weights load instead of before (ensure_keeper returns at once if one
+            # runs by now).
+            spawning: Future[object] | None = pool.submit(ensure_keeper, request.socket_dir) if no_keeper else None
+            return _load_and_publish(request, steps, cache, spawning, start)
+
+
+def _look_again(cache: Cache, request: Request) -> Handle | None:
+    """The entry, if the keeper holds it now; None if not, or if no keeper can be asked (the load that follows
+    spawns one, or falls back, as on a first miss)."""
+    try:
+        with collector_paused():
+            return cache.get(request.fingerprint)
+    except (UnsupportedQuantError, BindError, BackendError):
+        raise
+    except WeightCacheError:
+        return None
 
 
 def _load_and_publish(
