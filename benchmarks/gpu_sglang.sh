@@ -16,9 +16,9 @@
 #   gpu_sglang.sh plan            issue 30's GPU measurement, in order, `clean` after each: the side-by-side
 #                                 benchmark on the Llama-3-8B shape (every scenario in one run, --repeat 3; `start`
 #                                 last, so that its engines find SGLang's kernels compiled: the first engine on a
-#                                 fresh machine pays ~35 s of JIT), the auto/daemon/client tests (Llama and
-#                                 Mixtral), then the small MoE's start (--repeat 3). (The HTTP test passed on
-#                                 9bec40d: `test -k launch_server`.)
+#                                 fresh machine pays ~35 s of JIT), the small MoE's start (--repeat 3), then the
+#                                 GPU tests of the adapter (all four) with what device time is left (~1,500 s for
+#                                 the two benchmarks; the tests ~550 s)
 #   gpu_sglang.sh poll SECONDS    wait until `plan` is done or SECONDS passed, copying /tmp/persist to $OUT every 15 s
 #                                 (a call cut at its limit still brings back the last copy)
 # Logs go to $OUT (or /tmp/out).
@@ -110,8 +110,8 @@ plan)
     }
     step env OUT=/tmp/persist/llama8b bash "$0" bench --shape llama8b --repeat 3 \
         --scenarios memory,kill,mismatch,race,awq,start
-    step env OUT=/tmp/persist/tests bash "$0" test -k in_sglang_on_the_gpu
     step env OUT=/tmp/persist/mixtral bash "$0" bench --shape mixtral --scenarios start --repeat 3
+    step env OUT=/tmp/persist/tests bash "$0" test
     touch /tmp/persist/done
     ;;
 poll)

@@ -243,6 +243,8 @@ class Engine(EngineProcess):
         keep = ("tokens", "weight_gb", "kv_tokens", "kv_gb", "graph_gb", "first_token_s", "phases")
         out = {k: self.result.get(k) for k in keep}
         out["warnings"] = [ln.strip()[:400] for ln in self.log if "Warning" in ln and "weightcache" in ln]
+        # weightcache's own lines: hit or miss, and where a miss's time went (load, pack and digests, publish)
+        out["weightcache_log"] = [ln.strip()[:400] for ln in self.log if "weightcache: " in ln and "Warning" not in ln]
         return out
 
 

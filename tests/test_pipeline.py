@@ -206,6 +206,8 @@ def test_each_start_logs_one_line(checkpoint: Path, socket_dir: Path, caplog: py
     lines = [r.getMessage() for r in caplog.records if r.name == "weightcache"]
     assert len(lines) == 2, lines
     assert lines[0].startswith("weightcache: miss, published (mode daemon)") and " MiB in " in lines[0]
+    # where the miss's time went: the disk load, the copies into segments with their digests, the publish
+    assert re.search(r" ms \(load \d+ ms, pack and digests \d+ ms, publish \d+ ms\)$", lines[0]), lines[0]
     assert lines[1].startswith("weightcache: hit (mode client)")
 
 

@@ -15,7 +15,9 @@ bind them into a module, build an engine's model around them, or just return the
   load (a budget, out of memory, no keeper), the loaded weights are served anyway, with a FallbackWarning
   (``strict``: the error instead). Reaching no keeper at all also falls back; only ``strict`` raises.
 
-Each start logs one line on the ``weightcache`` logger: hit or miss, bytes, milliseconds, and why on a miss.
+Each start logs one line on the ``weightcache`` logger: hit or miss, bytes, milliseconds, and why on a miss (on a
+miss that publishes, where its time went: the load, the packing into segments with the digests, the publish); an
+engine that waits for another engine's load of the same entry logs that it waits, first.
 
 An attach of a cached entry runs with CPython's cyclic garbage collector paused, from its first allocation (the
 fingerprint) to its return: it makes thousands of objects (views, parameters) that cannot form cycles, and a fresh
@@ -305,12 +307,15 @@ def _load_and_publish(
     layout = steps.stream_layout()
     state: MutableMapping[str, torch.Tensor] | None = None
     packed: Packed | None = None
+    marks = [("", time.perf_counter())]  # where the miss's time went, for its log line
     try:
         try:
             if layout is not None:
                 packed = pack_checkpoint(fingerprint, layout, digests=request.digests, progress=request.progress)
+                marks.append(("read into segments" + (" and digests" if request.digests else ""), time.perf_counter()))
             else:
                 state = steps.load_state()
+                marks.append(("load", time.perf_counter()))
                 steps.check_fit(state)  # what a transform made is known only now: still before publishing
                 gc.collect()  # whatever held the loaded tensors besides `state` (a dropped model's cycles) goes now
                 # consume: each tensor is released once copied into its sealed segment.
@@ -322,9 +327,11 @@ def _load_and_publish(
                     max_segment_bytes=request.max_segment_bytes,
                     progress=request.progress,
                 )
+                marks.append(("pack" + (" and digests" if request.digests else ""), time.perf_counter()))
             if spawning is not None:
                 spawning.result()  # the keeper started while the weights loaded
             handle = cache.publish(packed)
+            marks.append(("publish", time.perf_counter()))
         except (CheckpointError, BindError):
             raise  # no fault of the cache: serving these weights without it would fail the same way
         except PUBLISH_FAILURES as exc:
@@ -341,7 +348,8 @@ def _load_and_publish(
         if packed is not None:
             packed.close()
     handle.read_disk = True
-    return _serve(request, steps, handle, "miss, published", start)
+    phases = ", ".join(f"{name} {(t - marks[i][1]) * 1e3:.0f} ms" for i, (name, t) in enumerate(marks[1:]))
+    return _serve(request, steps, handle, "miss, published", start, phases=phases)
 
 
 def pause_collector() -> bool:
@@ -371,7 +379,7 @@ def collector_paused() -> Iterator[None]:
         resume_collector(enabled)
 
 
-def _serve(request: Request, steps: Steps[T], handle: Handle, outcome: str, start: float) -> T:
+def _serve(request: Request, steps: Steps[T], handle: Handle, outcome: str, start: float, phases: str = "") -> T:
     try:
         result = steps.serve(handle)
     except BackendError as exc:  # the engine cannot take these weights here: its own load may still work
@@ -382,7 +390,7 @@ def _serve(request: Request, steps: Steps[T], handle: Handle, outcome: str, star
     except BaseException:
         handle.close()
         raise
-    _report(request, outcome, start, handle)
+    _report(request, outcome, start, handle, phases=phases)
     return result
 
 
@@ -415,12 +423,17 @@ def _warn(message: str) -> None:
     warnings.warn(message, FallbackWarning, stacklevel=6)
 
 
-def _report(request: Request, outcome: str, start: float, handle: Handle | None = None, reason: str = "") -> None:
+def _report(
+    request: Request, outcome: str, start: float, handle: Handle | None = None, reason: str = "", phases: str = ""
+) -> None:
+    """The start's one log line; ``phases``: where a miss's time went ("load 8890 ms, pack and digests ...")."""
     fp = request.fingerprint
     size = f", {handle.nbytes / 2**20:.1f} MiB" if handle is not None else ""
     if handle is not None and handle.evicted:  # a budget made room: this process's log says so, not only the keeper's
         size += f" (the keeper evicted {', '.join(key[:12] for key in handle.evicted)} to make room)"
     why = f": {reason}" if reason else ""
+    if phases:
+        why = f" ({phases}){why}"
     log.info(
         "weightcache: %s (mode %s) %s on %s%s in %.1f ms%s",
         outcome,
