@@ -20,41 +20,47 @@ HOLDER = textwrap.dedent(
     import sys, time
     from pathlib import Path
     from weightcache.client import first_load
-    with first_load(Path(sys.argv[1]), sys.argv[2]) as first:
-        print("first" if first else "waited", flush=True)
+    with first_load(Path(sys.argv[1]), sys.argv[2]) as turn:
+        print("first" if turn.first else "waited", flush=True)
         time.sleep(float(sys.argv[3]))
+        turn.done()  # published: the waiters may go
+        time.sleep(float(sys.argv[4]))  # serving what it published
     """
 )
 
 
-def holding(directory: Path, seconds: float) -> subprocess.Popen[str]:
-    """A process that takes the load of KEY and holds it ``seconds`` (it prints "first" once it holds it)."""
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(directory), KEY, str(seconds)], stdout=subprocess.PIPE, text=True
-    )
+def holding(directory: Path, seconds: float, after: float = 0.0) -> subprocess.Popen[str]:
+    """A process that takes the load of KEY, holds it ``seconds``, ends its turn and stays ``after`` seconds more
+    in the block (it prints "first" once it holds the load)."""
+    command = [sys.executable, "-c", HOLDER, str(directory), KEY, str(seconds), str(after)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
     assert proc.stdout is not None and proc.stdout.readline().strip() == "first"
     return proc
 
 
 def test_the_first_loads_and_the_next_waits_for_that_load_to_end(tmp_path: Path) -> None:
-    holder = holding(tmp_path, 2.0)
+    holder = holding(tmp_path, 2.0, after=30.0)
     t0 = time.monotonic()
-    with first_load(tmp_path, KEY) as first:
+    with first_load(tmp_path, KEY) as turn:
         waited = time.monotonic() - t0
-    assert not first and 1.0 < waited < 10, waited  # it looked again once the holder's load ended
-    assert holder.wait(10) == 0
+    # it looked again once the holder's turn ended (its publish), not when the holder left the block
+    assert not turn.first and 1.0 < waited < 10, waited
     assert not list(tmp_path.glob("load-*.lock"))
-    with first_load(tmp_path, KEY) as first:  # nobody loads now: this one does
-        assert first
+    with first_load(tmp_path, KEY) as turn:  # nobody loads now: this one does
+        assert turn.first
+        assert list(tmp_path.glob("load-*.lock"))
+    assert not list(tmp_path.glob("load-*.lock"))
+    holder.kill()
+    holder.wait()
 
 
 def test_a_loader_killed_mid_load_releases_its_waiters_at_once(tmp_path: Path) -> None:
     holder = holding(tmp_path, 60.0)
     killer = subprocess.Popen([sys.executable, "-c", f"import os, time; time.sleep(1); os.kill({holder.pid}, 9)"])
     t0 = time.monotonic()
-    with first_load(tmp_path, KEY) as first:
+    with first_load(tmp_path, KEY) as turn:
         waited = time.monotonic() - t0
-    assert not first and waited < 10, waited
+    assert not turn.first and waited < 10, waited
     assert holder.wait(10) == -signal.SIGKILL and killer.wait(10) == 0
 
 
@@ -62,9 +68,9 @@ def test_a_waiter_gives_up_after_wait_seconds(tmp_path: Path) -> None:
     holder = holding(tmp_path, 60.0)
     try:
         t0 = time.monotonic()
-        with first_load(tmp_path, KEY, wait=0.5) as first:
+        with first_load(tmp_path, KEY, wait=0.5) as turn:
             waited = time.monotonic() - t0
-        assert not first and 0.4 < waited < 5, waited  # the caller looks again and loads its own
+        assert not turn.first and 0.4 < waited < 5, waited  # the caller looks again and loads its own
     finally:
         holder.kill()
         holder.wait()
@@ -75,8 +81,8 @@ def test_other_entries_and_other_placements_load_at_once(tmp_path: Path) -> None
     try:
         for key in (load_key("e" * 64, "cpu"), load_key("d" * 64, "GPU-0a1b")):
             t0 = time.monotonic()
-            with first_load(tmp_path, key) as first:
-                assert first and time.monotonic() - t0 < 1
+            with first_load(tmp_path, key) as turn:
+                assert turn.first and time.monotonic() - t0 < 1
     finally:
         holder.kill()
         holder.wait()
@@ -84,6 +90,6 @@ def test_other_entries_and_other_placements_load_at_once(tmp_path: Path) -> None
 
 def test_a_missing_socket_directory_is_made_private(tmp_path: Path) -> None:
     directory = tmp_path / "new" / "s"
-    with first_load(directory, KEY) as first:
-        assert first
+    with first_load(directory, KEY) as turn:
+        assert turn.first
     assert directory.is_dir() and os.stat(directory).st_mode & 0o777 == 0o700

@@ -274,15 +274,17 @@ def _daemon(request: Request, steps: Steps[T], start: float) -> T:
         # One load per entry: engines that miss it at once wait for the first one's load, then attach its copy.
         fingerprint = request.fingerprint
         key = load_key(fingerprint.digest, fingerprint.placement)
-        with first_load(resolve_socket_dir(request.socket_dir), key) as first:
+        with first_load(resolve_socket_dir(request.socket_dir), key) as turn:
             handle = _look_again(cache, request)  # published meanwhile: by the load waited for, or just before
             if handle is not None:
+                turn.done()
+                outcome = "hit" if turn.first else "hit, after another engine's load"
                 with collector_paused():
-                    return _serve(request, steps, handle, "hit" if first else "hit, after another engine's load", start)
+                    return _serve(request, steps, handle, outcome, start)
             # No keeper: start one while the weights load instead of before (ensure_keeper returns at once if one
             # runs by now).
             spawning: Future[object] | None = pool.submit(ensure_keeper, request.socket_dir) if no_keeper else None
-            return _load_and_publish(request, steps, cache, spawning, start)
+            return _load_and_publish(request, steps, cache, spawning, start, published=turn.done)
 
 
 def _look_again(cache: Cache, request: Request) -> Handle | None:
@@ -298,8 +300,15 @@ def _look_again(cache: Cache, request: Request) -> Handle | None:
 
 
 def _load_and_publish(
-    request: Request, steps: Steps[T], cache: Cache, spawning: Future[object] | None, start: float
+    request: Request,
+    steps: Steps[T],
+    cache: Cache,
+    spawning: Future[object] | None,
+    start: float,
+    published: Callable[[], None] = lambda: None,
 ) -> T:
+    """Load, pack, publish and serve; ``published`` is called once the publish is done or has failed, before the
+    weights are served (engines waiting for this load look in the keeper then)."""
     # Loading and packing are imported on a miss only: an attach from the cache never needs them.
     from .publish import pack_checkpoint, pack_state
 
@@ -332,9 +341,11 @@ def _load_and_publish(
                 spawning.result()  # the keeper started while the weights loaded
             handle = cache.publish(packed)
             marks.append(("publish", time.perf_counter()))
+            published()
         except (CheckpointError, BindError):
             raise  # no fault of the cache: serving these weights without it would fail the same way
         except PUBLISH_FAILURES as exc:
+            published()  # nothing to wait for: the waiters load their own
             if request.strict:
                 raise
             reason = f"publishing the loaded weights failed ({type(exc).__name__}: {exc})"

@@ -30,7 +30,7 @@ from .connection import _silent as _silent
 from .lifecycle import SPAWN_TIMEOUT_S, ensure_keeper, stop_keeper
 from .lifecycle import _ProcessExit as _ProcessExit
 from .lifecycle import _spawn as _spawn
-from .loading import LOAD_WAIT_S, first_load, load_key
+from .loading import LOAD_WAIT_S, LoadTurn, first_load, load_key
 
 # The underscore helpers are imported above as ``x as x``: they stay importable from here, as from the single
 # module this package was.
@@ -39,6 +39,7 @@ __all__ = [
     "CONNECT_TIMEOUT_S",
     "KeeperConnection",
     "LOAD_WAIT_S",
+    "LoadTurn",
     "MAX_LIST_PAGES",
     "PUBLISH_S_PER_GIB",
     "REPLY_TIMEOUT_S",

@@ -22,7 +22,7 @@ import contextlib
 import hashlib
 import logging
 import os
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 from ..errors import WeightCacheError
@@ -42,12 +42,30 @@ def load_key(digest: str, placement: str) -> str:
     return hashlib.sha256(f"{digest}\0{placement}".encode()).hexdigest()[:32]
 
 
+class LoadTurn:
+    """What :func:`first_load` yields. ``first``: this process loads the entry, and others wait for it; else another
+    process's load has ended (or the wait was given up): look in the keeper again, and load only on a miss.
+    :meth:`done` lets the waiters go at once (call it once the entry is published, or its publish failed, before
+    the weights are put to use); leaving the ``with`` block does it too."""
+
+    def __init__(self, first: bool, release: Callable[[], None] | None = None) -> None:
+        self.first = first
+        self._release = release
+
+    def done(self) -> None:
+        """End this process's turn: the lock is released and its file removed (idempotent)."""
+        release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
 @contextlib.contextmanager
-def first_load(directory: Path, key: str, *, wait: float = LOAD_WAIT_S) -> Iterator[bool]:
-    """Yield True while this process holds the load of entry ``key`` (load and publish inside the block: others wait
-    for it), or False once another process's load of it has ended, or ``wait`` seconds passed: the caller looks in
-    the keeper again, and loads its own only if the entry is still missing. True also where no lock can be taken
-    in ``directory`` (it is created, private, if missing)."""
+def first_load(directory: Path, key: str, *, wait: float = LOAD_WAIT_S) -> Iterator[LoadTurn]:
+    """Yield a :class:`LoadTurn`: ``first`` while this process holds the load of entry ``key`` (load and publish
+    inside the block, then :meth:`LoadTurn.done`: others wait for it), or not first once another process's load of
+    it has ended, or ``wait`` seconds passed: the caller looks in the keeper again, and loads its own only if the
+    entry is still missing. First also where no lock can be taken in ``directory`` (created, private, if
+    missing)."""
     from filelock import FileLock
     from filelock import Timeout as LockTimeout
 
@@ -63,18 +81,23 @@ def first_load(directory: Path, key: str, *, wait: float = LOAD_WAIT_S) -> Itera
             held = False  # another engine loads this entry: wait for it below
     except (OSError, WeightCacheError) as exc:  # no lock here: every engine loads, as without one
         _log.debug("weightcache: no load lock in %s (%s); loading without waiting for others", directory, exc)
-        yield True
+        yield LoadTurn(True)
         return
     if held:
-        try:
-            yield True
-        finally:
+
+        def release() -> None:
             lock.release()
             # The file goes with the load. A waiter still blocked on it gets it next, and one that comes later
             # makes a new one: either looks in the keeper before it loads, so at worst a failed publish is
             # followed by two loads instead of one.
             with contextlib.suppress(OSError):
                 path.unlink()
+
+        turn = LoadTurn(True, release)
+        try:
+            yield turn
+        finally:
+            turn.done()
         return
     _log.info("weightcache: another engine is loading entry %s; waiting for it (at most %.0f s)", key[:12], wait)
     waiter = FileLock(str(path), mode=0o660)
@@ -82,4 +105,4 @@ def first_load(directory: Path, key: str, *, wait: float = LOAD_WAIT_S) -> Itera
         waiter.acquire(timeout=wait)
         waiter.release()
         path.unlink()  # made again if the loader had removed it already
-    yield False
+    yield LoadTurn(False)
