@@ -11,6 +11,8 @@ import textwrap
 import time
 from pathlib import Path
 
+import pytest
+
 from weightcache.client import first_load, load_key
 
 KEY = load_key("d" * 64, "cpu")
@@ -93,3 +95,13 @@ def test_a_missing_socket_directory_is_made_private(tmp_path: Path) -> None:
     with first_load(directory, KEY) as turn:
         assert turn.first
     assert directory.is_dir() and os.stat(directory).st_mode & 0o777 == 0o700
+
+
+def test_a_waiter_says_what_it_waits_for(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    caplog.set_level("INFO", logger="weightcache")
+    holder = holding(tmp_path, 1.0)
+    with first_load(tmp_path, KEY, what="0123456789ab on cpu") as turn:
+        assert not turn.first
+    assert holder.wait(10) == 0
+    [line] = [r.getMessage() for r in caplog.records if r.name == "weightcache"]
+    assert line == "weightcache: another engine is loading 0123456789ab on cpu; waiting for it (at most 600 s)"

@@ -274,7 +274,8 @@ def _daemon(request: Request, steps: Steps[T], start: float) -> T:
         # One load per entry: engines that miss it at once wait for the first one's load, then attach its copy.
         fingerprint = request.fingerprint
         key = load_key(fingerprint.digest, fingerprint.placement)
-        with first_load(resolve_socket_dir(request.socket_dir), key) as turn:
+        what = f"{fingerprint.digest[:12]} on {fingerprint.placement}"
+        with first_load(resolve_socket_dir(request.socket_dir), key, what=what) as turn:
             handle = _look_again(cache, request)  # published meanwhile: by the load waited for, or just before
             if handle is not None:
                 turn.done()

@@ -60,12 +60,12 @@ class LoadTurn:
 
 
 @contextlib.contextmanager
-def first_load(directory: Path, key: str, *, wait: float = LOAD_WAIT_S) -> Iterator[LoadTurn]:
+def first_load(directory: Path, key: str, *, wait: float = LOAD_WAIT_S, what: str = "") -> Iterator[LoadTurn]:
     """Yield a :class:`LoadTurn`: ``first`` while this process holds the load of entry ``key`` (load and publish
     inside the block, then :meth:`LoadTurn.done`: others wait for it), or not first once another process's load of
     it has ended, or ``wait`` seconds passed: the caller looks in the keeper again, and loads its own only if the
     entry is still missing. First also where no lock can be taken in ``directory`` (created, private, if
-    missing)."""
+    missing). ``what``: the entry as the log line that says this process waits names it (default: ``key``)."""
     from filelock import FileLock
     from filelock import Timeout as LockTimeout
 
@@ -99,7 +99,7 @@ def first_load(directory: Path, key: str, *, wait: float = LOAD_WAIT_S) -> Itera
         finally:
             turn.done()
         return
-    _log.info("weightcache: another engine is loading entry %s; waiting for it (at most %.0f s)", key[:12], wait)
+    _log.info("weightcache: another engine is loading %s; waiting for it (at most %.0f s)", what or key[:12], wait)
     waiter = FileLock(str(path), mode=0o660)
     with contextlib.suppress(LockTimeout, OSError):
         waiter.acquire(timeout=wait)
