@@ -318,11 +318,12 @@ def _load_and_publish(
     state: MutableMapping[str, torch.Tensor] | None = None
     packed: Packed | None = None
     marks = [("", time.perf_counter())]  # where the miss's time went, for its log line
+    and_digests = " and digests" if request.digests else ""
     try:
         try:
             if layout is not None:
                 packed = pack_checkpoint(fingerprint, layout, digests=request.digests, progress=request.progress)
-                marks.append(("read into segments" + (" and digests" if request.digests else ""), time.perf_counter()))
+                marks.append(("read into segments" + and_digests, time.perf_counter()))
             else:
                 state = steps.load_state()
                 marks.append(("load", time.perf_counter()))
@@ -337,7 +338,7 @@ def _load_and_publish(
                     max_segment_bytes=request.max_segment_bytes,
                     progress=request.progress,
                 )
-                marks.append(("pack" + (" and digests" if request.digests else ""), time.perf_counter()))
+                marks.append(("pack" + and_digests, time.perf_counter()))
             if spawning is not None:
                 spawning.result()  # the keeper started while the weights loaded
             handle = cache.publish(packed)
