@@ -13,12 +13,14 @@
 #   gpu_sglang.sh detach          run `plan` in its own process session, which outlives the call that started it
 #                                 (a call is cut at 10 min; the machine stays while calls follow back to back);
 #                                 its logs go to /tmp/persist
-#   gpu_sglang.sh plan            issue 30's GPU measurement, in order, `clean` after each: the side-by-side
-#                                 benchmark on the Llama-3-8B shape (every scenario in one run, --repeat 3; `start`
-#                                 last, so that its engines find SGLang's kernels compiled: the first engine on a
-#                                 fresh machine pays ~35 s of JIT), the small MoE's start (--repeat 3), then the
-#                                 GPU tests of the adapter (all four) with what device time is left (~1,500 s for
-#                                 the two benchmarks; the tests ~550 s)
+#   gpu_sglang.sh plan            issue 30's GPU measurement, in order, `clean` after each: GPU hashing
+#                                 (benchmarks/digest_gpu.py, ~40 s) and its test; the side-by-side benchmark on the
+#                                 Llama-3-8B shape (every scenario in one run, --repeat 3; `start` last, so that its
+#                                 engines find SGLang's kernels compiled: the first engine on a fresh machine pays
+#                                 ~35-70 s of JIT); the JIT caches, if under 15 MB; the small MoE's start
+#                                 (--repeat 3); then the GPU tests of the adapter (all four; the two auto/daemon/
+#                                 client ones first) with what device time is left (~1,500 s for the two
+#                                 benchmarks; the tests ~550 s)
 #   gpu_sglang.sh poll SECONDS    wait until `plan` is done or SECONDS passed, copying /tmp/persist to $OUT every 15 s
 #                                 (a call cut at its limit still brings back the last copy)
 # Logs go to $OUT (or /tmp/out).
@@ -98,6 +100,7 @@ clean)
     ;;
 detach)
     mkdir -p /tmp/persist
+    rm -f /tmp/plan.done
     setsid nohup bash "$0" plan >/tmp/persist/plan.log 2>&1 </dev/null &
     echo "plan started (pid $!); bash $0 poll SECONDS to follow it"
     ;;
@@ -108,15 +111,21 @@ plan)
         echo "== $(date -u +%FT%TZ) exit $?"
         bash "$0" clean
     }
+    step python3 benchmarks/digest_gpu.py --processes 3
+    step python3 -m pytest -p no:cacheprovider -q -m cuda tests/test_cuda.py -k digests
     step env OUT=/tmp/persist/llama8b bash "$0" bench --shape llama8b --repeat 3 \
         --scenarios memory,kill,mismatch,race,awq,start
+    # JIT caches the engines filled (FlashInfer, Triton, TVM FFI), brought back if small: a later lease can
+    # carry them and spare its first engine the compile (~35-70 s on a fresh machine)
+    tar -C "$HOME" -czf /tmp/jit-cache.tgz $(cd "$HOME" && ls -d .cache/flashinfer .cache/tvm-ffi .triton/cache 2>/dev/null)
+    [ "$(stat -c %s /tmp/jit-cache.tgz 2>/dev/null || echo 99999999)" -lt 15000000 ] && mv /tmp/jit-cache.tgz /tmp/persist/
     step env OUT=/tmp/persist/mixtral bash "$0" bench --shape mixtral --scenarios start --repeat 3
-    step env OUT=/tmp/persist/tests bash "$0" test
-    touch /tmp/persist/done
+    step env OUT=/tmp/persist/tests bash "$0" test  # the auto/daemon/client tests run first (file order)
+    touch /tmp/plan.done
     ;;
 poll)
     end=$((SECONDS + ${1:?seconds}))
-    while [ ! -e /tmp/persist/done ] && [ $SECONDS -lt $end ]; do
+    while [ ! -e /tmp/plan.done ] && [ $SECONDS -lt $end ]; do
         cp -r /tmp/persist/. "$out"/ 2>/dev/null
         sleep 15
     done

@@ -502,3 +502,38 @@ def test_bench_real_checkpoint_holds_the_synthetic_entrys_bits_on_gpu(tmp_path: 
     [row] = json.loads(report.read_text())["results"]
     assert row["real"]["identical"] is True and row["identical"] is True
     assert {run["checksum"] for run in row["real"]["runs"]} == {run["checksum"] for run in row["runs"]}
+
+
+def test_gpu_digests_equal_the_host_bytes_digests_and_follow_the_callers_stream() -> None:
+    """content_digest(s) of CUDA tensors (empty, one byte, a chunk's edges, several chunks, not dense, bf16, a
+    transpose) equal the digests of the same tensors copied to the host (strides kept: bytes in memory order);
+    and a tensor still being written on the caller's current stream when hashing starts is hashed as written
+    (the copies wait for that stream, not only for the default one)."""
+    import hashlib
+
+    from weightcache.digests import CHUNK_BYTES, content_digest, content_digests
+
+    def host_sha(t: torch.Tensor) -> str:
+        return content_digest(t.detach().cpu())  # .cpu() keeps a dense tensor's strides (its memory order)
+
+    g = torch.Generator(device="cuda:0").manual_seed(3)
+    sizes = [0, 1, CHUNK_BYTES - 1, CHUNK_BYTES, CHUNK_BYTES + 1, 2 * CHUNK_BYTES + 5]
+    tensors = [torch.randint(0, 256, (n,), dtype=torch.uint8, device="cuda:0", generator=g) for n in sizes]
+    tensors.append(torch.randn(512, 768, device="cuda:0", generator=g).to(torch.bfloat16)[:, ::3])  # not dense
+    tensors.append(torch.randn(1000, 3000, device="cuda:0", generator=g).t())  # a transpose: dense, other order
+    expected = [host_sha(t) for t in tensors]
+    assert [content_digest(t) for t in tensors] == expected
+    assert content_digests(tensors) == expected
+
+    side = torch.cuda.Stream()
+    late = [torch.zeros(3 * CHUNK_BYTES, dtype=torch.uint8, device="cuda:0") for _ in range(4)]
+    with torch.cuda.stream(side):
+        torch.cuda._sleep(2_000_000_000)  # ~1 s of GPU time before the writes below run on this stream
+        for i, t in enumerate(late):
+            t.fill_(i + 1)
+        hashed = content_digests(late)
+        single = content_digest(late[0])
+    torch.cuda.synchronize()
+    assert hashed == [host_sha(t) for t in late]
+    assert single == hashed[0]
+    assert hashed[0] != hashlib.sha256(bytes(3 * CHUNK_BYTES)).hexdigest()
