@@ -13,16 +13,19 @@
 #   gpu_sglang.sh detach          run `plan` in its own process session, which outlives the call that started it
 #                                 (a call is cut at 10 min; the machine stays while calls follow back to back);
 #                                 its logs go to /tmp/persist
-#   gpu_sglang.sh plan            issue 30's GPU measurement, in order, `clean` after each: GPU hashing
-#                                 (benchmarks/digest_gpu.py, ~40 s) and its test; the side-by-side benchmark on the
-#                                 Llama-3-8B shape (every scenario in one run, --repeat 3; `start` last, so that its
-#                                 engines find SGLang's kernels compiled: the first engine on a fresh machine pays
-#                                 ~35-70 s of JIT); the JIT caches, if under 15 MB; the small MoE's start
-#                                 (--repeat 3); then the GPU tests of the adapter (all four; the two auto/daemon/
-#                                 client ones first) with what device time is left (~1,500 s for the two
-#                                 benchmarks; the tests ~550 s)
+#   gpu_sglang.sh plan            issue 30's GPU measurement, in order, `clean` after each: the test of GPU
+#                                 hashing (~10 s); the side-by-side benchmark on the Llama-3-8B shape (every
+#                                 scenario in one run, --repeat 3; AWQ without SGLang alone's reference run, whose
+#                                 kernel JIT took 330 s on 2026-12-04; `start` last, so that its engines find
+#                                 SGLang's kernels compiled: the first engine on a fresh machine pays ~35-70 s of
+#                                 JIT); the JIT caches, if under 15 MB; the small MoE's start (--repeat 3); then
+#                                 the GPU tests of the adapter (all four; the two auto/daemon/client ones first)
+#                                 with what device time is left. Budget, from the 2026-12-04 runs: receive and
+#                                 install ~130 s; memory 232, kill 129, mismatch 134, race 69, AWQ ~80, start ~400,
+#                                 MoE start ~280 s; the tests ~230 s (the first two) and ~320 s (the other two)
 #   gpu_sglang.sh poll SECONDS    wait until `plan` is done or SECONDS passed, copying /tmp/persist to $OUT every 15 s
-#                                 (a call cut at its limit still brings back the last copy)
+#                                 (a call cut at its limit still brings back the last copy); exits at once (3) on a
+#                                 machine where no plan ran: the last one was given back (30 s idle between calls)
 # Logs go to $OUT (or /tmp/out).
 # WHEELS: found by importing SGLang's engine, scheduler, model runner, Llama/Mixtral/Qwen MoE models, attention
 # backends (FA3, FlashInfer, Triton), sampler, HTTP server and weight_cache daemon in a venv on a CPU with CUDA
@@ -111,9 +114,8 @@ plan)
         echo "== $(date -u +%FT%TZ) exit $?"
         bash "$0" clean
     }
-    step python3 benchmarks/digest_gpu.py --processes 3
     step python3 -m pytest -p no:cacheprovider -q -m cuda tests/test_cuda.py -k digests
-    step env OUT=/tmp/persist/llama8b bash "$0" bench --shape llama8b --repeat 3 \
+    step env OUT=/tmp/persist/llama8b bash "$0" bench --shape llama8b --repeat 3 --no-awq-reference \
         --scenarios memory,kill,mismatch,race,awq,start
     # JIT caches the engines filled (FlashInfer, Triton, TVM FFI), brought back if small: a later lease can
     # carry them and spare its first engine the compile (~35-70 s on a fresh machine)
@@ -125,6 +127,10 @@ plan)
     ;;
 poll)
     end=$((SECONDS + ${1:?seconds}))
+    if [ ! -e /tmp/persist/plan.log ]; then  # a fresh machine: the one that ran the plan was given back
+        echo "no plan has run on this machine (the one that ran it was given back, its files with it): receive, install and detach again" >&2
+        exit 3
+    fi
     while [ ! -e /tmp/plan.done ] && [ $SECONDS -lt $end ]; do
         cp -r /tmp/persist/. "$out"/ 2>/dev/null
         sleep 15
