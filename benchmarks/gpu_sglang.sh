@@ -12,7 +12,7 @@
 #                                 weightcache keepers
 #   gpu_sglang.sh detach          run `plan` in its own process session, which outlives the call that started it
 #                                 (a call is cut at 10 min; the machine stays while calls follow back to back);
-#                                 its logs go to /tmp/persist
+#                                 its logs go to /tmp/persist ($PERSIST)
 #   gpu_sglang.sh plan            issue 30's GPU measurement, in order, `clean` after each: the test of GPU
 #                                 hashing (~10 s); the side-by-side benchmark on the Llama-3-8B shape (every
 #                                 scenario in one run, --repeat 3; AWQ without SGLang alone's reference run, whose
@@ -46,6 +46,7 @@ executing==2.3.0 pure_eval==0.2.4 decorator"
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}
+persist=${PERSIST:-/tmp/persist}  # where `detach`'s plan keeps its logs; `$persist.done` marks its end
 mkdir -p "$out" /tmp/carry
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONUNBUFFERED=1
@@ -102,9 +103,9 @@ clean)
     nvidia-smi --query-gpu=memory.used --format=csv
     ;;
 detach)
-    mkdir -p /tmp/persist
-    rm -f /tmp/plan.done
-    setsid nohup bash "$0" plan >/tmp/persist/plan.log 2>&1 </dev/null &
+    mkdir -p "$persist"
+    rm -f "$persist.done"
+    setsid nohup bash "$0" plan >"$persist/plan.log" 2>&1 </dev/null &
     echo "plan started (pid $!); bash $0 poll SECONDS to follow it"
     ;;
 plan)
@@ -115,28 +116,28 @@ plan)
         bash "$0" clean
     }
     step python3 -m pytest -p no:cacheprovider -q -m cuda tests/test_cuda.py -k digests
-    step env OUT=/tmp/persist/llama8b bash "$0" bench --shape llama8b --repeat 3 --no-awq-reference \
+    step env OUT=$persist/llama8b bash "$0" bench --shape llama8b --repeat 3 --no-awq-reference \
         --scenarios memory,kill,mismatch,race,awq,start
     # JIT caches the engines filled (FlashInfer, Triton, TVM FFI), brought back if small: a later lease can
     # carry them and spare its first engine the compile (~35-70 s on a fresh machine)
     tar -C "$HOME" -czf /tmp/jit-cache.tgz $(cd "$HOME" && ls -d .cache/flashinfer .cache/tvm-ffi .triton/cache 2>/dev/null)
-    [ "$(stat -c %s /tmp/jit-cache.tgz 2>/dev/null || echo 99999999)" -lt 15000000 ] && mv /tmp/jit-cache.tgz /tmp/persist/
-    step env OUT=/tmp/persist/mixtral bash "$0" bench --shape mixtral --scenarios start --repeat 3
-    step env OUT=/tmp/persist/tests bash "$0" test  # the auto/daemon/client tests run first (file order)
-    touch /tmp/plan.done
+    [ "$(stat -c %s /tmp/jit-cache.tgz 2>/dev/null || echo 99999999)" -lt 15000000 ] && mv /tmp/jit-cache.tgz "$persist"/
+    step env OUT=$persist/mixtral bash "$0" bench --shape mixtral --scenarios start --repeat 3
+    step env OUT=$persist/tests bash "$0" test  # the auto/daemon/client tests run first (file order)
+    touch "$persist.done"
     ;;
 poll)
     end=$((SECONDS + ${1:?seconds}))
-    if [ ! -e /tmp/persist/plan.log ]; then  # a fresh machine: the one that ran the plan was given back
+    if [ ! -e "$persist/plan.log" ]; then  # a fresh machine: the one that ran the plan was given back
         echo "no plan has run on this machine (the one that ran it was given back, its files with it): receive, install and detach again" >&2
         exit 3
     fi
-    while [ ! -e /tmp/plan.done ] && [ $SECONDS -lt $end ]; do
-        cp -r /tmp/persist/. "$out"/ 2>/dev/null
+    while [ ! -e "$persist.done" ] && [ $SECONDS -lt $end ]; do
+        cp -r "$persist"/. "$out"/ 2>/dev/null
         sleep 15
     done
-    cp -r /tmp/persist/. "$out"/
-    grep "^== " /tmp/persist/plan.log
-    tail -5 /tmp/persist/plan.log
+    cp -r "$persist"/. "$out"/
+    grep "^== " "$persist/plan.log"
+    tail -5 "$persist/plan.log"
     ;;
 esac

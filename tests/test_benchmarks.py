@@ -115,3 +115,25 @@ def test_the_awq_checkpoint_names_its_architecture_and_holds_every_linear_in_awq
     assert all(f"{base}.{part}" in names for base in linears for part in ("qzeros", "scales"))
     assert not any(n.endswith("_proj.weight") for n in names)
     assert tuple(qweight.shape) == (512, 256 // 8) and tuple(scales.shape) == (512 // 128, 256)
+
+
+def test_gpu_plan_poll_stops_at_once_on_a_machine_where_no_plan_ran(tmp_path: Path) -> None:
+    """`gpu_sglang.sh poll` on a machine with no plan log (a fresh one: the machine that ran `detach` was given back)
+    exits at once with 3 and says so, instead of copying nothing for as long as it was asked (on 2026-12-04 that
+    spent a session's last 464 s of device time)."""
+    import subprocess
+    import time
+
+    script = Path(__file__).parent.parent / "benchmarks" / "gpu_sglang.sh"
+    env = {"PATH": "/usr/bin:/bin", "OUT": str(tmp_path / "out"), "PERSIST": str(tmp_path / "persist")}
+    start = time.monotonic()
+    done = subprocess.run(["bash", str(script), "poll", "60"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 3, done.stdout + done.stderr
+    assert "no plan has run on this machine" in done.stderr
+    assert time.monotonic() - start < 20
+    (tmp_path / "persist").mkdir()
+    (tmp_path / "persist" / "plan.log").write_text("== 2026-12-04T11:24:45Z step\n== 2026-12-04T11:25:39Z exit 0\n")
+    (tmp_path / "persist.done").touch()  # a plan that ran and ended: poll copies its logs and returns
+    done = subprocess.run(["bash", str(script), "poll", "60"], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert (tmp_path / "out" / "plan.log").exists() and "exit 0" in done.stdout
