@@ -105,7 +105,7 @@ def pack_state(
 
     Args:
         digests: record a SHA-256 per tensor (for :meth:`Handle.verify`); on a GPU this copies each tensor to
-            the host once, one at a time.
+            the host once, in chunks through pinned buffers (:mod:`weightcache.digests`), a few tensors at a time.
         max_segment_bytes: largest segment; default :func:`default_segment_bytes`.
         consume: remove each tensor from ``tensors`` (a mutable mapping) once its segment is sealed, returning
             GPU memory the originals held to the driver before the next segment is created. Only references
