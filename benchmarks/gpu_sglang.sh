@@ -13,7 +13,7 @@
 #   gpu_sglang.sh detach          run `plan` in its own process session, which outlives the call that started it
 #                                 (a call is cut at 10 min; the machine stays while calls follow back to back);
 #                                 its logs go to /tmp/persist ($PERSIST)
-#   gpu_sglang.sh plan            issue 30's GPU measurement, in order, `clean` after each: the test of GPU
+#   gpu_sglang.sh plan            issue 30's GPU measurement, in order, `clean` after each: the tests of GPU
 #                                 hashing (~10 s); the side-by-side benchmark on the Llama-3-8B shape (every
 #                                 scenario in one run, --repeat 3; AWQ without SGLang alone's reference run, whose
 #                                 kernel JIT took 330 s on 2026-12-04; `start` last, so that its engines find
@@ -115,7 +115,7 @@ plan)
         echo "== $(date -u +%FT%TZ) exit $?"
         bash "$0" clean
     }
-    step python3 -m pytest -p no:cacheprovider -q -m cuda tests/test_cuda.py -k digests
+    step python3 -m pytest -p no:cacheprovider -q -m cuda tests/test_cuda.py -k "digests or publish_the_same_entry"
     step env OUT=$persist/llama8b bash "$0" bench --shape llama8b --repeat 3 --no-awq-reference \
         --scenarios memory,kill,mismatch,race,awq,start
     # JIT caches the engines filled (FlashInfer, Triton, TVM FFI), brought back if small: a later lease can

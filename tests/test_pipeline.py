@@ -99,6 +99,36 @@ def test_consume_releases_each_tensor_once_packed(checkpoint: Path) -> None:
         packed.close()
 
 
+def test_digests_are_the_tensors_digests_when_hashed_from_the_sealed_segments(checkpoint: Path) -> None:
+    """pack_state hashes from the sealed segments once all are filled, largest tensors first: the digests are
+    still each tensor's own (content_digest of the original, in its memory order), whatever its segment, shape,
+    strides or dtype, with consume taking the originals away segment by segment, and in the state dict's order."""
+    from weightcache.digests import content_digest
+
+    torch.manual_seed(1)
+    base = torch.randn(64, 48)
+    state = {
+        "small": torch.arange(7, dtype=torch.int16),
+        "empty": torch.empty(0, 3),
+        "big": torch.randn(3000),
+        "transposed": base.t(),  # dense in another order: stored as is, hashed in memory order
+        "strided": base[:, ::2],  # not dense: stored contiguous
+        "half": torch.randn(33, 5).to(torch.bfloat16),
+        "scalar": torch.tensor(2.5),
+    }
+    expected = {name: content_digest(t) for name, t in state.items()}
+    packed = pack_state(wc.Fingerprint.create(checkpoint, device="cpu"), state, consume=True, max_segment_bytes=4096)
+    try:
+        assert state == {} and len(packed.segments) >= 4
+        manifest = packed.manifest
+        assert dict(zip(manifest.names, manifest.digest)) == expected
+        assert sorted(manifest.names) == sorted(expected)
+        views = packed.local_tensors()
+        assert torch.equal(views["transposed"], base.t()) and torch.equal(views["strided"], base[:, ::2])
+    finally:
+        packed.close()
+
+
 def test_the_custom_adapter_serves_the_loaded_weights_when_the_budget_refuses_them(
     tmp_path: Path, socket_dir: Path
 ) -> None:

@@ -82,7 +82,7 @@ def content_digest(tensor: torch.Tensor) -> str:
 
 
 def content_digests(tensors: Sequence[torch.Tensor]) -> list[str]:
-    """:func:`content_digest` of each tensor, in order, hashed by a few threads.
+    """:func:`content_digest` of each tensor, in order, hashed by a few threads (the largest tensors first).
 
     CUDA tensors are read after the work queued on the caller's current stream of their device, as
     :func:`content_digest` called by the caller would read them.
@@ -98,8 +98,13 @@ def content_digests(tensors: Sequence[torch.Tensor]) -> list[str]:
             data = dense_bytes(t)
         return _device_digest(data, after[t.device])
 
+    # Largest first: a large tensor hashed last would leave the other threads idle while one thread hashes it.
+    order = sorted(range(len(tensors)), key=lambda i: -(tensors[i].numel() * tensors[i].element_size()))
+    found: list[str] = [""] * len(tensors)
     with ThreadPoolExecutor(max_workers=min(MAX_THREADS, os.cpu_count() or 1)) as pool:
-        return list(pool.map(one, tensors))
+        for i, digest in zip(order, pool.map(lambda i: one(tensors[i]), order)):
+            found[i] = digest
+    return found
 
 
 __all__ = ["CHUNK_BYTES", "MAX_THREADS", "content_digest", "content_digests"]

@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from . import segments
-from .digests import content_digest, content_digests
+from .digests import content_digests
 from .errors import SegmentError, WeightCacheError
 from .fingerprint import Fingerprint
 from .loader import StoredTensor, pinned_staging, prefetch_head, stream_into
@@ -104,8 +104,9 @@ def pack_state(
     """Copy a state dict into sealed segments of the fingerprint's placement.
 
     Args:
-        digests: record a SHA-256 per tensor (for :meth:`Handle.verify`); on a GPU this copies each tensor to
-            the host once, in chunks through pinned buffers (:mod:`weightcache.digests`), a few tensors at a time.
+        digests: record a SHA-256 per tensor (for :meth:`Handle.verify`), hashed from the sealed segments once
+            all are filled, a few tensors at a time; from a GPU each tensor comes to the host once, in chunks
+            through pinned buffers (:mod:`weightcache.digests`).
         max_segment_bytes: largest segment; default :func:`default_segment_bytes`.
         consume: remove each tensor from ``tensors`` (a mutable mapping) once its segment is sealed, returning
             GPU memory the originals held to the driver before the next segment is created. Only references
@@ -158,8 +159,9 @@ def _fill(
     consume: bool,
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Create the segments one at a time and copy their tensors in (a few threads: copies and hashing release
-    the GIL), appending each segment and its tensors' rows to ``packed`` as it is sealed."""
+    """Create the segments one at a time and copy their tensors in (a few threads where copies block on the
+    host), appending each segment and its tensors' rows to ``packed`` as it is sealed; then, with ``digests``,
+    hash every tensor at once from the sealed segments (:func:`_digest_sealed`)."""
     by_segment: list[list[int]] = [[] for _ in sizes]
     for i, where in enumerate(placements):
         by_segment[where.segment].append(i)
@@ -177,16 +179,16 @@ def _fill(
             stride=segments.stored_stride(t),
             kind="parameter" if isinstance(t, torch.nn.Parameter) else "tensor",
             requires_grad=bool(t.requires_grad),
-            digest=content_digest(t) if digests else None,
+            digest=None,  # filled in by _digest_sealed, once every segment is sealed
         )
         if progress is not None:
             progress(t.numel() * t.element_size())
         return info
 
     on_gpu = any(tensors[n].is_cuda for n in names)
-    # Threads pay off where copies block on the host (page faults in mapped files, pwrite, hashing); copies
-    # between device buffers are asynchronous launches, and threads would only fight over the GIL.
-    host_work = digests or not all(tensors[n].is_cuda for n in names) or packed.transport.kind == "memfd"
+    # Threads pay off where copies block on the host (page faults in mapped files, pwrite); copies between device
+    # buffers are asynchronous launches, and threads would only fight over the GIL.
+    host_work = not all(tensors[n].is_cuda for n in names) or packed.transport.kind == "memfd"
     workers = min(8, os.cpu_count() or 1) if host_work else 1
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for k, size in enumerate(sizes):
@@ -200,6 +202,24 @@ def _fill(
                     tensors.pop(names[i], None)
                 if on_gpu:
                     torch.cuda.empty_cache()
+    if digests:
+        _digest_sealed(packed)
+
+
+def _digest_sealed(packed: Packed) -> None:
+    """Record every tensor's content digest, hashed from ``packed``'s sealed segments (mapped read-only here):
+    all tensors at once, so that no segment waits for its largest tensor's hash. Why: when each segment's tensors
+    were hashed before the next segment was created, a publish of a Llama-3-8B on an H200 spent 5.1-5.9 s packing
+    and hashing, where hashing its tensors at once took 2.8 s (docs/benchmarks.md, "Hashing a GPU checkpoint");
+    its 1 GiB embedding and output head each fill a 1 GiB segment, hashed by one thread while the others waited
+    (the suspected cause; this change is not measured on a GPU yet). The bytes hashed are those the segments
+    hold: the tensors' bytes in memory order."""
+    views = map_entry(packed.manifest, packed.fds())
+    try:
+        sums = content_digests([views[info.name] for info in packed.infos])
+    finally:
+        views.clear()  # unmaps the segments here: the keeper's and the engine's mappings are their own
+    packed.infos = [attrs.evolve(info, digest=digest) for info, digest in zip(packed.infos, sums)]
 
 
 def pack_checkpoint(
