@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 
 import torch
@@ -81,14 +81,24 @@ def content_digest(tensor: torch.Tensor) -> str:
     return digest.hexdigest()
 
 
-def content_digests(tensors: Sequence[torch.Tensor]) -> list[str]:
+def content_digests(tensors: Sequence[torch.Tensor], progress: Callable[[int], None] | None = None) -> list[str]:
     """:func:`content_digest` of each tensor, in order, hashed by a few threads (the largest tensors first).
 
     CUDA tensors are read after the work queued on the caller's current stream of their device, as
-    :func:`content_digest` called by the caller would read them.
+    :func:`content_digest` called by the caller would read them. ``progress``, if given, is called in the
+    caller's thread with each tensor's size in bytes once it is hashed.
     """
+
+    def size(t: torch.Tensor) -> int:
+        return t.numel() * t.element_size()
+
     if len(tensors) < 2:
-        return [content_digest(t) for t in tensors]
+        sums = []
+        for t in tensors:
+            sums.append(content_digest(t))
+            if progress is not None:
+                progress(size(t))
+        return sums
     after = {t.device: torch.cuda.current_stream(t.device) for t in tensors if t.device.type == "cuda"}
 
     def one(t: torch.Tensor) -> str:
@@ -99,11 +109,13 @@ def content_digests(tensors: Sequence[torch.Tensor]) -> list[str]:
         return _device_digest(data, after[t.device])
 
     # Largest first: a large tensor hashed last would leave the other threads idle while one thread hashes it.
-    order = sorted(range(len(tensors)), key=lambda i: -(tensors[i].numel() * tensors[i].element_size()))
+    order = sorted(range(len(tensors)), key=lambda i: -size(tensors[i]))
     found: list[str] = [""] * len(tensors)
     with ThreadPoolExecutor(max_workers=min(MAX_THREADS, os.cpu_count() or 1)) as pool:
         for i, digest in zip(order, pool.map(lambda i: one(tensors[i]), order)):
             found[i] = digest
+            if progress is not None:
+                progress(size(tensors[i]))
     return found
 
 

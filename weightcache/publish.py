@@ -112,9 +112,9 @@ def pack_state(
             GPU memory the originals held to the driver before the next segment is created. Only references
             held elsewhere (e.g. by a model) keep originals alive. If packing fails, the tensors already removed
             are put back as views of their sealed segments, and the error is raised.
-        progress: a bar of the bytes packed, on stderr (None: only on a terminal and for at least 1 GiB; see
-            :mod:`weightcache.progress`): after a load's own bar, the copies and digests of a big CPU load take
-            longer than the read.
+        progress: a bar of the bytes packed, then (with ``digests``) one of the bytes hashed, on stderr (None:
+            only on a terminal and for at least 1 GiB; see :mod:`weightcache.progress`): after a load's own bar,
+            the copies and digests of a big CPU load take longer than the read.
     """
     transport = segments.transport_for_placement(fingerprint.placement)
     names = list(tensors)
@@ -131,8 +131,12 @@ def pack_state(
     packed = Packed(fingerprint, transport, [], [])
     total = sum(nbytes)
     try:
-        with byte_bar(total, "publishing into the cache", wanted(progress, total)) as update:
-            _fill(packed, sizes, names, placements, tensors, digests, consume, update)
+        show = wanted(progress, total)
+        with byte_bar(total, "publishing into the cache", show) as update:
+            _fill(packed, sizes, names, placements, tensors, consume, update)
+        if digests:
+            with byte_bar(total, "hashing what was published", show) as update:
+                _digest_sealed(packed, update)
     except BaseException:
         if consume and isinstance(tensors, MutableMapping) and packed.segments:
             _restore(packed, tensors)
@@ -155,13 +159,11 @@ def _fill(
     names: list[str],
     placements: list[segments.Placement],
     tensors: Mapping[str, torch.Tensor],
-    digests: bool,
     consume: bool,
     progress: Callable[[int], None] | None = None,
 ) -> None:
     """Create the segments one at a time and copy their tensors in (a few threads where copies block on the
-    host), appending each segment and its tensors' rows to ``packed`` as it is sealed; then, with ``digests``,
-    hash every tensor at once from the sealed segments (:func:`_digest_sealed`)."""
+    host), appending each segment and its tensors' rows (digests not yet taken) to ``packed`` as it is sealed."""
     by_segment: list[list[int]] = [[] for _ in sizes]
     for i, where in enumerate(placements):
         by_segment[where.segment].append(i)
@@ -202,11 +204,9 @@ def _fill(
                     tensors.pop(names[i], None)
                 if on_gpu:
                     torch.cuda.empty_cache()
-    if digests:
-        _digest_sealed(packed)
 
 
-def _digest_sealed(packed: Packed) -> None:
+def _digest_sealed(packed: Packed, progress: Callable[[int], None] | None = None) -> None:
     """Record every tensor's content digest, hashed from ``packed``'s sealed segments (mapped read-only here):
     all tensors at once, so that no segment waits for its largest tensor's hash. Why: when each segment's tensors
     were hashed before the next segment was created, a publish of a Llama-3-8B on an H200 spent 5.1-5.9 s packing
@@ -216,7 +216,7 @@ def _digest_sealed(packed: Packed) -> None:
     hold: the tensors' bytes in memory order."""
     views = map_entry(packed.manifest, packed.fds())
     try:
-        sums = content_digests([views[info.name] for info in packed.infos])
+        sums = content_digests([views[info.name] for info in packed.infos], progress=progress)
     finally:
         views.clear()  # unmaps the segments here: the keeper's and the engine's mappings are their own
     packed.infos = [attrs.evolve(info, digest=digest) for info, digest in zip(packed.infos, sums)]
