@@ -99,11 +99,16 @@ def test_consume_releases_each_tensor_once_packed(checkpoint: Path) -> None:
         packed.close()
 
 
-def test_digests_are_the_tensors_digests_when_hashed_from_the_sealed_segments(checkpoint: Path) -> None:
-    """pack_state hashes from the sealed segments once all are filled, largest tensors first: the digests are
-    still each tensor's own (content_digest of the original, in its memory order), whatever its segment, shape,
-    strides or dtype, with consume taking the originals away segment by segment, and in the state dict's order."""
+@pytest.mark.parametrize("after_sealing", [False, True])
+def test_digests_are_the_tensors_digests_as_copied_or_from_the_sealed_segments(
+    checkpoint: Path, after_sealing: bool
+) -> None:
+    """Digests taken as each tensor is copied (host memory) or from the sealed segments once all are filled,
+    largest first (GPU segments; run here on memfds) are each tensor's own (content_digest of the original, in
+    its memory order), whatever its segment, shape, strides or dtype, with consume taking the originals away
+    segment by segment, in the state dict's order."""
     from weightcache.digests import content_digest
+    from weightcache.publish import _digest_sealed
 
     torch.manual_seed(1)
     base = torch.randn(64, 48)
@@ -117,12 +122,17 @@ def test_digests_are_the_tensors_digests_when_hashed_from_the_sealed_segments(ch
         "scalar": torch.tensor(2.5),
     }
     expected = {name: content_digest(t) for name, t in state.items()}
-    packed = pack_state(wc.Fingerprint.create(checkpoint, device="cpu"), state, consume=True, max_segment_bytes=4096)
+    fp = wc.Fingerprint.create(checkpoint, device="cpu")
+    packed = pack_state(fp, state, digests=not after_sealing, consume=True, max_segment_bytes=4096)
     try:
+        if after_sealing:
+            assert set(packed.manifest.digest) == {None}
+            bytes_hashed: list[int] = []
+            _digest_sealed(packed, bytes_hashed.append)
+            assert sum(bytes_hashed) == sum(t.numel() * t.element_size() for t in packed.local_tensors().values())
         assert state == {} and len(packed.segments) >= 4
         manifest = packed.manifest
         assert dict(zip(manifest.names, manifest.digest)) == expected
-        assert sorted(manifest.names) == sorted(expected)
         views = packed.local_tensors()
         assert torch.equal(views["transposed"], base.t()) and torch.equal(views["strided"], base[:, ::2])
     finally:

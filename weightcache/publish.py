@@ -25,7 +25,7 @@ import attrs
 import torch
 
 from . import segments
-from .digests import content_digests
+from .digests import content_digest, content_digests
 from .errors import SegmentError, WeightCacheError
 from .fingerprint import Fingerprint
 from .loader import StoredTensor, pinned_staging, prefetch_head, stream_into
@@ -104,17 +104,17 @@ def pack_state(
     """Copy a state dict into sealed segments of the fingerprint's placement.
 
     Args:
-        digests: record a SHA-256 per tensor (for :meth:`Handle.verify`), hashed from the sealed segments once
-            all are filled, a few tensors at a time; from a GPU each tensor comes to the host once, in chunks
-            through pinned buffers (:mod:`weightcache.digests`).
+        digests: record a SHA-256 per tensor (for :meth:`Handle.verify`): into host memory, each tensor as it
+            is copied; into GPU segments, from the sealed segments once all are filled, each tensor coming to the
+            host once in chunks through pinned buffers (:mod:`weightcache.digests`).
         max_segment_bytes: largest segment; default :func:`default_segment_bytes`.
         consume: remove each tensor from ``tensors`` (a mutable mapping) once its segment is sealed, returning
             GPU memory the originals held to the driver before the next segment is created. Only references
             held elsewhere (e.g. by a model) keep originals alive. If packing fails, the tensors already removed
             are put back as views of their sealed segments, and the error is raised.
-        progress: a bar of the bytes packed, then (with ``digests``) one of the bytes hashed, on stderr (None:
-            only on a terminal and for at least 1 GiB; see :mod:`weightcache.progress`): after a load's own bar,
-            the copies and digests of a big CPU load take longer than the read.
+        progress: a bar of the bytes packed, then (digests into GPU segments) one of the bytes hashed, on
+            stderr (None: only on a terminal and for at least 1 GiB; see :mod:`weightcache.progress`): after a
+            load's own bar, the copies and digests of a big CPU load take longer than the read.
     """
     transport = segments.transport_for_placement(fingerprint.placement)
     names = list(tensors)
@@ -132,9 +132,13 @@ def pack_state(
     total = sum(nbytes)
     try:
         show = wanted(progress, total)
+        # Host memory: each thread hashes the tensor it has just copied (while others copy), one segment after
+        # another. A GPU: the copies are asynchronous, and hashing goes to the host through PCIe, so it waits
+        # until every segment is sealed and takes all tensors at once (_digest_sealed).
+        after_sealing = digests and packed.transport.kind != "memfd"
         with byte_bar(total, "publishing into the cache", show) as update:
-            _fill(packed, sizes, names, placements, tensors, consume, update)
-        if digests:
+            _fill(packed, sizes, names, placements, tensors, digests and not after_sealing, consume, update)
+        if after_sealing:
             with byte_bar(total, "hashing what was published", show) as update:
                 _digest_sealed(packed, update)
     except BaseException:
@@ -159,11 +163,13 @@ def _fill(
     names: list[str],
     placements: list[segments.Placement],
     tensors: Mapping[str, torch.Tensor],
+    digests: bool,
     consume: bool,
     progress: Callable[[int], None] | None = None,
 ) -> None:
-    """Create the segments one at a time and copy their tensors in (a few threads where copies block on the
-    host), appending each segment and its tensors' rows (digests not yet taken) to ``packed`` as it is sealed."""
+    """Create the segments one at a time and copy their tensors in (a few threads where copies or hashing block
+    on the host), appending each segment and its tensors' rows to ``packed`` as it is sealed; with ``digests``
+    each tensor is hashed as it is copied."""
     by_segment: list[list[int]] = [[] for _ in sizes]
     for i, where in enumerate(placements):
         by_segment[where.segment].append(i)
@@ -181,16 +187,16 @@ def _fill(
             stride=segments.stored_stride(t),
             kind="parameter" if isinstance(t, torch.nn.Parameter) else "tensor",
             requires_grad=bool(t.requires_grad),
-            digest=None,  # filled in by _digest_sealed, once every segment is sealed
+            digest=content_digest(t) if digests else None,  # else none, or _digest_sealed's later
         )
         if progress is not None:
             progress(t.numel() * t.element_size())
         return info
 
     on_gpu = any(tensors[n].is_cuda for n in names)
-    # Threads pay off where copies block on the host (page faults in mapped files, pwrite); copies between device
-    # buffers are asynchronous launches, and threads would only fight over the GIL.
-    host_work = not all(tensors[n].is_cuda for n in names) or packed.transport.kind == "memfd"
+    # Threads pay off where copies block on the host (page faults in mapped files, pwrite, hashing); copies
+    # between device buffers are asynchronous launches, and threads would only fight over the GIL.
+    host_work = digests or not all(tensors[n].is_cuda for n in names) or packed.transport.kind == "memfd"
     workers = min(8, os.cpu_count() or 1) if host_work else 1
     with ThreadPoolExecutor(max_workers=workers) as pool:
         for k, size in enumerate(sizes):
@@ -208,12 +214,15 @@ def _fill(
 
 def _digest_sealed(packed: Packed, progress: Callable[[int], None] | None = None) -> None:
     """Record every tensor's content digest, hashed from ``packed``'s sealed segments (mapped read-only here):
-    all tensors at once, so that no segment waits for its largest tensor's hash. Why: when each segment's tensors
-    were hashed before the next segment was created, a publish of a Llama-3-8B on an H200 spent 5.1-5.9 s packing
-    and hashing, where hashing its tensors at once took 2.8 s (docs/benchmarks.md, "Hashing a GPU checkpoint");
-    its 1 GiB embedding and output head each fill a 1 GiB segment, hashed by one thread while the others waited
-    (the suspected cause; this change is not measured on a GPU yet). The bytes hashed are those the segments
-    hold: the tensors' bytes in memory order."""
+    all tensors at once, so that no segment waits for its largest tensor's hash (GPU segments).
+
+    Why: when each segment's tensors were hashed before the next segment was created, a publish of a Llama-3-8B
+    on an H200 spent 5.1-5.9 s packing and hashing, where hashing its tensors at once took 2.8 s
+    (docs/benchmarks.md, "Hashing a GPU checkpoint"); its 1 GiB embedding and output head each fill a 1 GiB
+    segment, hashed by one thread while the others waited (the suspected cause; not measured on a GPU with this
+    change yet). On the CPU the copy-and-hash of each tensor in turn was faster (0.69 against 0.80-0.93 s for
+    1 GiB on two cores), so host memory keeps it. The bytes hashed are those the segments hold: the tensors'
+    bytes in memory order."""
     views = map_entry(packed.manifest, packed.fds())
     try:
         sums = content_digests([views[info.name] for info in packed.infos], progress=progress)
@@ -264,7 +273,10 @@ def pack_checkpoint(
             stream_into(layout, device, destination, update, staging)
         torch.cuda.synchronize(device)
         # Stored contiguous and unconverted, so the bytes streamed are the tensor's bytes in memory order.
-        sums = content_digests([views[t.name] for t in layout]) if digests else [None] * len(layout)
+        sums: list[str | None] = [None] * len(layout)
+        if digests:
+            with byte_bar(total, "hashing what was published", wanted(progress, total)) as update:
+                sums = list(content_digests([views[t.name] for t in layout], progress=update))
         views.clear()
         for seg in packed.segments:
             seg.seal()
