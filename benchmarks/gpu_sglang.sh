@@ -14,15 +14,16 @@
 #                                 (a call is cut at 10 min; the machine stays while calls follow back to back);
 #                                 its logs go to /tmp/persist ($PERSIST)
 #   gpu_sglang.sh plan            issue 30's GPU measurement, in order, `clean` after each: the tests of GPU
-#                                 hashing (~10 s); the side-by-side benchmark on the Llama-3-8B shape (every
-#                                 scenario in one run, --repeat 3; AWQ without SGLang alone's reference run, whose
-#                                 kernel JIT took 330 s on 2026-12-04; `start` last, so that its engines find
-#                                 SGLang's kernels compiled: the first engine on a fresh machine pays ~35-70 s of
-#                                 JIT); the JIT caches, if under 15 MB; the small MoE's start (--repeat 3); then
-#                                 the GPU tests of the adapter (all four; the two auto/daemon/client ones first)
-#                                 with what device time is left. Budget, from the 2026-12-04 runs: receive and
-#                                 install ~130 s; memory 232, kill 129, mismatch 134, race 69, AWQ ~80, start ~400,
-#                                 MoE start ~280 s; the tests ~230 s (the first two) and ~320 s (the other two)
+#                                 hashing (~30 s; the plan stops if they fail: every miss publishes through it);
+#                                 the side-by-side benchmark on the Llama-3-8B shape (every scenario in one run,
+#                                 --repeat 3; AWQ without SGLang alone's reference run, whose kernel JIT took 330 s
+#                                 on 2026-12-04; `start` last, so that its engines find SGLang's kernels compiled:
+#                                 the first engine on a fresh machine pays ~35-70 s of JIT); the JIT caches, if
+#                                 under 15 MB; the small MoE's start (--repeat 3); then the GPU tests of the
+#                                 adapter (all four; the two auto/daemon/client ones first) with what device time
+#                                 is left. Budget, from the 2026-12-04 runs: receive and install ~130 s; memory
+#                                 232, kill 129, mismatch 134, race 69, AWQ ~80, start ~400, MoE start ~280 s; the
+#                                 tests ~230 s (the first two) and ~320 s (the other two)
 #   gpu_sglang.sh poll SECONDS    wait until `plan` is done or SECONDS passed, copying /tmp/persist to $OUT every 15 s
 #                                 (a call cut at its limit still brings back the last copy); exits at once (3) on a
 #                                 machine where no plan ran: the last one was given back (30 s idle between calls)
@@ -115,7 +116,12 @@ plan)
         echo "== $(date -u +%FT%TZ) exit $?"
         bash "$0" clean
     }
-    step python3 -m pytest -p no:cacheprovider -q -m cuda tests/test_cuda.py -k "digests or publish_the_same_entry"
+    # Every miss of the benchmark publishes through these: if they fail, its rows would be fallbacks; stop.
+    if ! python3 -m pytest -p no:cacheprovider -q -m cuda tests/test_cuda.py -k "digests or publish_the_same_entry"; then
+        echo "== $(date -u +%FT%TZ) the GPU hashing tests failed: plan stopped"
+        touch "$persist.done"
+        exit 1
+    fi
     step env OUT=$persist/llama8b bash "$0" bench --shape llama8b --repeat 3 --no-awq-reference \
         --scenarios memory,kill,mismatch,race,awq,start
     # JIT caches the engines filled (FlashInfer, Triton, TVM FFI), brought back if small: a later lease can
