@@ -70,11 +70,19 @@ def content_digest(tensor: torch.Tensor) -> str:
     A CUDA tensor is read after the work already queued on the calling thread's current stream, the stream its
     producer is expected to have used.
     """
+    after = torch.cuda.current_stream(tensor.device) if tensor.device.type == "cuda" else None
+    return _digest(tensor, after)
+
+
+def _digest(tensor: torch.Tensor, after: torch.cuda.Stream | None) -> str:
+    """:func:`content_digest`, a CUDA tensor read after the work queued on ``after``."""
+    if after is not None:
+        with torch.cuda.stream(after):  # a copy dense_bytes makes is ordered after the producer too
+            data = dense_bytes(tensor)
+        return _device_digest(data, after)
     data = dense_bytes(tensor)
     if data.device.type == "cpu":
         return hashlib.sha256(data.numpy().data if data.numel() else b"").hexdigest()
-    if data.device.type == "cuda":
-        return _device_digest(data, torch.cuda.current_stream(data.device))
     digest = hashlib.sha256()  # another device type: its tensors come to the host a chunk at a time
     for start in range(0, data.numel(), CHUNK_BYTES):
         digest.update(data[start : start + CHUNK_BYTES].cpu().numpy().data)
@@ -92,27 +100,14 @@ def content_digests(tensors: Sequence[torch.Tensor], progress: Callable[[int], N
     def size(t: torch.Tensor) -> int:
         return t.numel() * t.element_size()
 
-    if len(tensors) < 2:
-        sums = []
-        for t in tensors:
-            sums.append(content_digest(t))
-            if progress is not None:
-                progress(size(t))
-        return sums
     after = {t.device: torch.cuda.current_stream(t.device) for t in tensors if t.device.type == "cuda"}
-
-    def one(t: torch.Tensor) -> str:
-        if t.device.type != "cuda":
-            return content_digest(t)
-        with torch.cuda.stream(after[t.device]):  # a copy dense_bytes makes is ordered after the producer too
-            data = dense_bytes(t)
-        return _device_digest(data, after[t.device])
-
     # Largest first: a large tensor hashed last would leave the other threads idle while one thread hashes it.
     order = sorted(range(len(tensors)), key=lambda i: -size(tensors[i]))
     found: list[str] = [""] * len(tensors)
-    with ThreadPoolExecutor(max_workers=min(MAX_THREADS, os.cpu_count() or 1)) as pool:
-        for i, digest in zip(order, pool.map(lambda i: one(tensors[i]), order)):
+    workers = max(1, min(MAX_THREADS, os.cpu_count() or 1, len(tensors)))
+    with ThreadPoolExecutor(max_workers=workers) as pool:
+        hashed = pool.map(lambda i: _digest(tensors[i], after.get(tensors[i].device)), order)
+        for i, digest in zip(order, hashed):
             found[i] = digest
             if progress is not None:
                 progress(size(tensors[i]))

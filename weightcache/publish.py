@@ -187,7 +187,7 @@ def _fill(
             stride=segments.stored_stride(t),
             kind="parameter" if isinstance(t, torch.nn.Parameter) else "tensor",
             requires_grad=bool(t.requires_grad),
-            digest=content_digest(t) if digests else None,  # else none, or _digest_sealed's later
+            digest=content_digest(t) if digests else None,  # None: no digests, or _digest_sealed's, taken later
         )
         if progress is not None:
             progress(t.numel() * t.element_size())
