@@ -161,13 +161,26 @@ def keeper(socket_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
     """A keeper running in the foreground as a child process (`weightcache serve`)."""
     proc = start_keeper(socket_dir)
     yield proc
-    if proc.poll() is None:
-        proc.terminate()
-        try:
-            proc.wait(10)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    terminate_keeper(proc)
+
+
+def terminate_keeper(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
+    """Stop a :func:`start_keeper` keeper with SIGTERM and wait for it. One that has not exited after ``timeout``
+    seconds fails the test with its log and every thread's stack (SIGUSR1), then is killed."""
+    if proc.poll() is not None:
+        return
+    proc.terminate()
+    try:
+        proc.wait(timeout)
+        return
+    except subprocess.TimeoutExpired:
+        pass
+    proc.send_signal(signal.SIGUSR1)
+    time.sleep(1.0)
+    proc.kill()
+    proc.wait()
+    log = proc.stderr.read().decode(errors="replace") if proc.stderr else ""
+    pytest.fail(f"the keeper (pid {proc.pid}) did not stop within {timeout} s of SIGTERM; its log:\n{log}")
 
 
 def serve_detached(socket_dir: Path, *args: str) -> None:

@@ -28,6 +28,7 @@ from conftest import (
     sealed_memfd,
     serve_detached,
     start_keeper,
+    terminate_keeper,
     wait_until,
 )
 
@@ -357,8 +358,7 @@ def end_holders(holders: list[subprocess.Popen[str]], keeper: subprocess.Popen[b
     for proc in holders:
         if proc.poll() is None:
             proc.kill()
-    keeper.terminate()
-    keeper.wait(30)
+    terminate_keeper(keeper)
 
 
 def start_holders(socket_dir: Path, holders: list[subprocess.Popen[str]]) -> None:
@@ -473,8 +473,7 @@ def test_an_artifacts_reply_fd_counts_against_the_reply_shares(socket_dir: Path,
         assert wait_until(lambda: cache.get_artifact(weights, key) == b"blob", timeout=10)
         assert keeper.poll() is None
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def test_every_artifact_is_listed_inspected_and_evicted_however_many_there_are(socket_dir: Path) -> None:

@@ -21,6 +21,7 @@ from conftest import (
     run_worker,
     sealed_memfd,
     start_keeper,
+    terminate_keeper,
     wait_until,
 )
 from models import INPUT_IDS, TinyLM, make_checkpoint, meta_model, reference_output
@@ -361,8 +362,7 @@ def test_daemon_refuses_a_model_that_does_not_fit_before_it_publishes(checkpoint
         with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir) as handle:  # one that fits
             assert handle.source == "cache" and len(wc.Cache(socket_dir).entries()) == 1
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def test_keeper_pid_is_recorded(checkpoint: Path, socket_dir: Path) -> None:

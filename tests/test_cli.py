@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, start_keeper, wait_until
+from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, start_keeper, terminate_keeper, wait_until
 from safetensors.torch import save_file
 
 import weightcache as wc
@@ -224,8 +224,7 @@ def test_ls_shows_holders_and_budget(checkpoint: Path, socket_dir: Path) -> None
             shown = wc_cli("inspect", wc.Fingerprint.create(checkpoint).digest, "--socket-dir", str(socket_dir)).stdout
             assert re.search(rf"leases +1  pid {os.getpid()} since \d+s", shown)
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 #: A sitecustomize.py for processes that must run where torch is not installed: importing torch fails, and every
@@ -428,8 +427,7 @@ def test_ls_counts_bytes_under_a_bare_budget_and_load_reports_what_it_evicted(
         second = wc_cli("load", str(checkpoint), "--dtype", "bfloat16", *sd).stdout
         assert re.search(rf"evicted {digest}\w*@cpu \(unleased, least recently used\) to make room", second), second
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def test_every_option_has_a_whole_help_text() -> None:

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Holder, keeper_pid, open_fds, process_gone, run_worker, start_keeper, wait_until
+from conftest import Holder, keeper_pid, open_fds, process_gone, run_worker, start_keeper, terminate_keeper, wait_until
 from models import make_checkpoint, meta_model
 
 import weightcache as wc
@@ -77,8 +77,7 @@ def test_restarted_keeper_gets_entries_back_from_clients(checkpoint: Path, socke
             for h in holders:
                 h.close()
             assert wait_until(lambda: [e.leases for e in entries(socket_dir)] == [0])
-            new_keeper.terminate()
-            new_keeper.wait(30)  # 10 s once ran out on the dev VM shared with two other test suites
+            terminate_keeper(new_keeper)
     finally:
         for h in holders:
             h.close()
@@ -120,8 +119,7 @@ def test_a_stopped_keeper_is_not_respawned_but_a_new_one_gets_the_entries(checkp
             assert holder.compute() == {"output": holder.info["output"], "leased": True}
         finally:
             holder.close()
-            upgraded.terminate()
-            upgraded.wait(10)
+            terminate_keeper(upgraded)
     finally:
         holder.close()
 
@@ -156,8 +154,7 @@ def test_a_deliberate_stop_stays_a_stop_for_every_entry_point(checkpoint: Path, 
         assert run_worker("attach", spec)["warnings"] == []
         assert len(wc.Cache(socket_dir).entries()) == 1
     finally:
-        keeper.terminate()
-        keeper.wait(30)
+        terminate_keeper(keeper)
 
 
 def test_handle_closed_while_its_keeper_is_gone_is_not_republished(checkpoint: Path, socket_dir: Path) -> None:
@@ -177,8 +174,7 @@ def test_handle_closed_while_its_keeper_is_gone_is_not_republished(checkpoint: P
         kept.close()
         assert wait_until(lambda: cache.entries()[0].leases == 0)
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 # --- item 3: clients killed in the middle of things ----------------------------------------------------------
@@ -266,8 +262,7 @@ def test_client_killed_mid_publish_or_attach(checkpoint: Path, socket_dir: Path,
             assert torch.equal(handle.tensors["w"], torch.arange(256.0))
         assert keeper.poll() is None
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 #: Attaches the entry from 8 threads at once (8 leases), reports the tensors' digests, waits for stdin to close.
@@ -318,8 +313,7 @@ def test_32_concurrent_attaches(checkpoint: Path, socket_dir: Path) -> None:
             if p.stdin:
                 p.stdin.close()
             p.wait(30)
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 # --- item 3: the environment fails --------------------------------------------------------------------------
@@ -392,8 +386,7 @@ def test_damaged_checkpoint_is_a_clear_error_and_publishes_nothing(
         assert "corrupt" in str(info.value) or "truncated" in str(info.value)
         assert entries(socket_dir) == [], "nothing is published from a damaged checkpoint"
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def test_1000_attach_detach_cycles_leak_nothing(checkpoint: Path, socket_dir: Path) -> None:
@@ -433,8 +426,7 @@ def test_1000_attach_detach_cycles_leak_nothing(checkpoint: Path, socket_dir: Pa
         assert after[0] == before[0] and after[1] <= before[1] and after[2] == before[2], (before, after)
         assert after[3] < before[3] + 4096 and after[4] < before[4] + 16384, (before, after)  # KiB
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def test_socket_directory_appearing_mid_connect_means_no_keeper(tmp_path: Path) -> None:
@@ -537,8 +529,7 @@ def test_a_stopped_keeper_is_a_deadline_not_a_hang(checkpoint: Path, socket_dir:
         assert took < 20
     finally:
         keeper.send_signal(signal.SIGCONT)
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def test_200_engines_connect_while_the_keeper_pauses(socket_dir: Path) -> None:
@@ -566,8 +557,7 @@ def test_200_engines_connect_while_the_keeper_pauses(socket_dir: Path) -> None:
         assert failed == [], f"{len(failed)} of 200 failed, e.g. {failed[0]}"
     finally:
         keeper.send_signal(signal.SIGCONT)
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 # --- engines always start ------------------------------------------------------------------------------------

@@ -17,7 +17,15 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, serve_detached, start_keeper, wait_until
+from conftest import (
+    keeper_pid,
+    one_tensor_manifest,
+    sealed_memfd,
+    serve_detached,
+    start_keeper,
+    terminate_keeper,
+    wait_until,
+)
 
 import weightcache as wc
 from weightcache import protocol
@@ -323,8 +331,7 @@ def test_allowed_group_gets_in_and_nobody_else(checkpoint: Path) -> None:
         os.chmod(socket_dir, 0o2750)
         assert keeper.poll() is None and len(wc.Cache(socket_dir).entries()) == 1
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
         shutil.rmtree(base, ignore_errors=True)
 
 
@@ -356,6 +363,50 @@ def test_stop(socket_dir: Path) -> None:
     with pytest.raises(wc.KeeperUnavailable):
         KeeperConnection.connect(socket_dir)
     assert pid
+
+
+def _tgkill(pid: int, tid: int, sig: int) -> None:
+    """Send ``sig`` to thread ``tid`` of process ``pid`` (Linux's tgkill; os.kill would reach the main thread)."""
+    import ctypes
+
+    libc = ctypes.CDLL(None, use_errno=True)
+    if libc.syscall(234, pid, tid, sig) != 0:  # SYS_tgkill on x86-64
+        raise OSError(ctypes.get_errno(), f"tgkill({pid}, {tid}, {sig})")
+
+
+def test_a_stop_signal_that_reaches_a_connection_thread_still_stops_the_keeper(socket_dir: Path) -> None:
+    """The kernel may deliver a process's SIGTERM to any of its threads; Python runs the handler on the main thread,
+    which waits in select() for connections. Whichever thread the signal reaches, the keeper stops."""
+    keeper = start_keeper(socket_dir)
+    try:
+        with KeeperConnection.connect(socket_dir) as conn:  # a connection: a thread of its own in the keeper
+            threads = sorted(int(t) for t in os.listdir(f"/proc/{keeper.pid}/task") if int(t) != keeper.pid)
+            assert threads, "the keeper serves a connection on a thread of its own"
+            _tgkill(keeper.pid, threads[-1], 15)
+            assert keeper.wait(10) == 0
+            assert conn.peer_closed()
+    finally:
+        if keeper.poll() is None:
+            keeper.kill()
+            keeper.wait(10)
+    assert not (socket_dir / "keeper.sock").exists(), "a stopped keeper removes its socket"
+
+
+def test_sigusr1_writes_every_threads_stack_to_the_log_and_the_keeper_serves_on(socket_dir: Path) -> None:
+    keeper = start_keeper(socket_dir)
+    try:
+        with KeeperConnection.connect(socket_dir):
+            keeper.send_signal(10)  # SIGUSR1
+            assert alive(socket_dir)
+        keeper.terminate()
+        assert keeper.wait(10) == 0
+        assert keeper.stderr is not None
+        log = keeper.stderr.read().decode()
+        assert log.count("hread 0x") >= 2 and "in serve_forever" in log and "in _serve" in log, log
+    finally:
+        if keeper.poll() is None:
+            keeper.kill()
+            keeper.wait(10)
 
 
 _ = protocol

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import run_worker, start_keeper, stop_keeper
+from conftest import run_worker, start_keeper, stop_keeper, terminate_keeper
 from models import INPUT_IDS, TinyLM, meta_model, model_kwargs, reference_output
 
 import weightcache as wc
@@ -47,8 +47,7 @@ def test_attach_daemon_serves_the_loaded_weights_when_the_budget_refuses_them(
                 meta_model(**model_kwargs(checkpoint)), checkpoint, mode="daemon", socket_dir=socket_dir, strict=True
             )
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def test_attach_daemon_serves_the_loaded_weights_when_segments_cannot_be_allocated(
@@ -167,8 +166,7 @@ def test_the_custom_adapter_serves_the_loaded_weights_when_the_budget_refuses_th
         assert "FallbackWarning" in out.stderr and "BudgetExceeded" in out.stderr
         assert wc.Cache(socket_dir).entries() == []
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def entry_digests(handle: wc.Handle) -> list[tuple[str, str | None]]:

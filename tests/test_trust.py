@@ -18,7 +18,7 @@ from pathlib import Path
 import hostile
 import pytest
 import torch
-from conftest import serve_detached, start_keeper, wait_until
+from conftest import serve_detached, start_keeper, terminate_keeper, wait_until
 from models import meta_model
 from safetensors.torch import load_file
 
@@ -119,7 +119,7 @@ def owner_fingerprint(checkpoint: Path, socket_dir: Path) -> Fingerprint:
     with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=socket_dir) as handle:
         fingerprint = handle.fingerprint
     cache = wc.Cache(socket_dir)
-    assert wait_until(lambda: cache.entries()[0].leases == 0)  # the keeper notices the closed lease async
+    assert cache.entries()[0].leases == 0  # closing the handle returned once the keeper released the lease
     cache.evict(fingerprint)
     return fingerprint
 
@@ -164,8 +164,7 @@ def test_a_members_forged_entry_is_never_served_to_the_owner(checkpoint: Path, s
         with pytest.raises(ValueError, match="no user named"):
             wc.Cache(shared_dir, trusted_publishers=["no-such-user-here"])
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def test_a_members_publish_never_evicts_the_owners_entries(checkpoint: Path, shared_dir: Path) -> None:
@@ -174,7 +173,7 @@ def test_a_members_publish_never_evicts_the_owners_entries(checkpoint: Path, sha
         with wc.attach(meta_model(), checkpoint, mode="daemon", socket_dir=shared_dir) as handle:
             fingerprint = handle.fingerprint
         cache = wc.Cache(shared_dir)
-        assert wait_until(lambda: cache.entries()[0].leases == 0)  # the keeper notices the closed lease async
+        assert cache.entries()[0].leases == 0  # closing the handle returned once the keeper released the lease
         [owners] = cache.entries()
         assert owners.leases == 0 and owners.publisher == 0  # unleased: the owner's own publish could evict it
         other = Fingerprint.from_json({**fingerprint.to_json(), "dtype": "float16"})
@@ -182,8 +181,7 @@ def test_a_members_publish_never_evicts_the_owners_entries(checkpoint: Path, sha
         assert refused["error"] == "BudgetExceeded" and "uid 65534" in refused["message"], refused
         assert [e.key for e in cache.entries()] == [owners.key]
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def test_republication_after_a_restart_follows_the_same_rules(checkpoint: Path, shared_dir: Path) -> None:
@@ -213,8 +211,7 @@ def test_republication_after_a_restart_follows_the_same_rules(checkpoint: Path, 
         if holder is not None:
             holder.kill()
             holder.wait(10)
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def test_republication_never_changes_who_published(checkpoint: Path, shared_dir: Path) -> None:
@@ -248,8 +245,7 @@ def test_republication_never_changes_who_published(checkpoint: Path, shared_dir:
         for h in (trusted, own):
             if h is not None:
                 h.close()
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def test_a_members_entry_cannot_crash_or_flood_the_owners_engine(checkpoint: Path, shared_dir: Path) -> None:
@@ -272,8 +268,7 @@ def test_a_members_entry_cannot_crash_or_flood_the_owners_engine(checkpoint: Pat
         [warning] = [w for w in caught if issubclass(w.category, wc.FallbackWarning)]
         assert len(str(warning.message)) < 2000
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def test_one_member_cannot_starve_the_owner(checkpoint: Path, shared_dir: Path) -> None:
@@ -317,8 +312,7 @@ def test_one_member_cannot_starve_the_owner(checkpoint: Path, shared_dir: Path) 
         if member is not None:
             member.kill()
             member.wait(10)
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 def test_the_cli_escapes_what_a_member_published(checkpoint: Path, shared_dir: Path) -> None:
@@ -346,8 +340,7 @@ def test_the_cli_escapes_what_a_member_published(checkpoint: Path, shared_dir: P
             assert "Evil" in text and "\\x1b]0;owned\\x07\\x0d\\x9b2J\\u202e\\ud800" in text, text
             assert not any(c in text for c in "\x1b\x07\r\x9b\u202e"), text
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 #: As a member of GROUP: open (hold) the owner's artifact ``argv[2]`` of key {"n": 1}, report what it read and
@@ -386,8 +379,7 @@ def test_a_member_takes_no_lease_on_an_artifact_it_did_not_publish(shared_dir: P
     finally:
         if member is not None:
             member.communicate("", timeout=30)
-        keeper.terminate()
-        keeper.wait(timeout=30)
+        terminate_keeper(keeper)
 
 
 def test_unread_artifact_lists_count_against_the_members_reply_share(shared_dir: Path) -> None:
@@ -444,8 +436,7 @@ def test_inspect_and_evict_take_the_name_ls_prints_for_a_members_artifact(shared
         assert evicted.returncode == 0, evicted.stdout + evicted.stderr
         assert wc.Cache(shared_dir).artifacts() == []
     finally:
-        keeper.terminate()
-        keeper.wait(10)
+        terminate_keeper(keeper)
 
 
 #: As a member of GROUP: publish an artifact of ``argv[2]`` MiB named ``argv[3]``; print what the keeper said.

@@ -112,7 +112,8 @@ class Handle:
             )
 
     def close(self) -> None:
-        """Release the lease and this handle's fds. The tensors stay valid."""
+        """Release the lease and this handle's fds; returns once the keeper has released the lease (at most
+        :data:`~weightcache.client.connection.CLOSE_TIMEOUT_S`). The tensors stay valid."""
         lease = getattr(self, "_lease", None)
         if lease is None:  # weights held privately, or __init__ did not finish
             return

@@ -65,6 +65,8 @@ from ..rundir import (
 CONNECT_TIMEOUT_S = 10.0
 #: Seconds the keeper has to answer a request (hello, get, list, inspect, evict, stop) once it was sent.
 REPLY_TIMEOUT_S = 10.0
+#: How long :meth:`KeeperConnection.close` waits for the keeper to release the connection's leases (seconds).
+CLOSE_TIMEOUT_S = 5.0
 #: Most pages :meth:`KeeperConnection.list` asks for (each at most 4 MiB of entries).
 MAX_LIST_PAGES = 100_000
 #: A publish gets :data:`REPLY_TIMEOUT_S` plus this many seconds per GiB of its segments (the keeper checks each
@@ -120,6 +122,7 @@ class KeeperConnection:
 
     def __init__(self, sock: socket.socket, socket_dir: Path, hello: dict[str, Any], explicit: bool = True) -> None:
         self._sock = sock
+        self._pid = os.getpid()
         self.socket_dir = socket_dir
         #: The keeper's answer to ``hello``: pid, version, negotiated protocol.
         self.hello = hello
@@ -439,8 +442,25 @@ class KeeperConnection:
         return bool(poller.poll(0))
 
     def close(self) -> None:
-        with contextlib.suppress(OSError):
-            self._sock.close()
+        """Close the connection, ending the leases it holds; returns once the keeper has released them.
+
+        The keeper serves each connection on a thread of its own: it releases the leases, then closes its end. So
+        this process says it is done (half-close), waits up to :data:`CLOSE_TIMEOUT_S` for that close and only then
+        returns: an ``evict`` or a publish that follows never finds the entry still leased by us. A copy of the
+        connection inherited over ``fork`` is only closed here, never shut down: the socket still belongs to the
+        process that opened it.
+        """
+        if self._sock.fileno() < 0:
+            return
+        try:
+            if os.getpid() == self._pid:
+                self._sock.shutdown(socket.SHUT_WR)
+                _wait_for_eof(self._sock, CLOSE_TIMEOUT_S)
+        except OSError:
+            pass  # broken already: nothing is leased over it any more
+        finally:
+            with contextlib.suppress(OSError):
+                self._sock.close()
 
     @property
     def closed(self) -> bool:
@@ -451,3 +471,16 @@ class KeeperConnection:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _wait_for_eof(sock: socket.socket, timeout: float) -> None:
+    """Read and drop what ``sock`` still receives (a reply never read) until the peer closes it, at most
+    ``timeout`` seconds."""
+    deadline = time.monotonic() + timeout
+    while (left := deadline - time.monotonic()) > 0:
+        sock.settimeout(left)
+        try:
+            if not sock.recv(65536):
+                return
+        except TimeoutError:
+            return

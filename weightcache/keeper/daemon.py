@@ -13,6 +13,7 @@ server's job); it wires a :class:`~weightcache.keeper.store.Store` and a
 from __future__ import annotations
 
 import contextlib
+import faulthandler
 import fcntl
 import logging
 import os
@@ -257,6 +258,8 @@ def serve(
 ) -> None:
     """Run a keeper in this process until it is stopped (``weightcache stop``, SIGTERM or SIGINT).
 
+    SIGUSR1 writes every thread's stack to stderr (the keeper's log when detached) and the keeper serves on.
+
     ``ready_fd``, when given, receives ``b"ok\\n"`` once the socket is live, or ``b"error: ...\\n"``.
     ``budget`` limits the bytes held per placement (see :class:`Budget`); default unlimited. ``allow_group``
     lets members of that gid connect too, through a shared socket directory (see :mod:`weightcache.rundir`).
@@ -270,10 +273,15 @@ def serve(
         raise
     for sig in (signal.SIGTERM, signal.SIGINT):
         signal.signal(sig, lambda *_: server.stop())
+    # A signal may reach any thread; the main thread, waiting in select, runs the handler only once woken.
+    signal.set_wakeup_fd(server.wakeup_fd, warn_on_full_buffer=False)
+    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # stacks into the log, serves on
     _report(ready_fd, "ok")
     try:
         server.serve_forever()
     finally:
+        faulthandler.unregister(signal.SIGUSR1)
+        signal.set_wakeup_fd(-1)
         daemon.close()
         log.info("keeper %d stopped", os.getpid())
 

@@ -147,6 +147,8 @@ class Server:
         self._next_id = 0
         self._stopping = threading.Event()
         self._wake_r, self._wake_w = os.pipe()
+        for fd in (self._wake_r, self._wake_w):
+            os.set_blocking(fd, False)  # signal.set_wakeup_fd needs it; a full pipe already wakes the loop
         self._allowance = protocol.Allowance(MAX_INFLIGHT_BYTES, max_inflight_fds, owner=owner, fraction=member_share)
 
     # --- the accept loop ---------------------------------------------------------------------------------------
@@ -157,6 +159,9 @@ class Server:
             ready, _, _ = select.select(waitables, [], [])
             if self._stopping.is_set():
                 break
+            if self._wake_r in ready:
+                with contextlib.suppress(OSError):
+                    os.read(self._wake_r, 4096)  # woken by a signal: its handler runs on this thread, now
             if self._listener not in ready:
                 continue
             try:
@@ -166,6 +171,12 @@ class Server:
                 time.sleep(0.05)  # e.g. out of fds: let connections drain instead of spinning
                 continue
             self._admit(sock)
+
+    @property
+    def wakeup_fd(self) -> int:
+        """A non-blocking fd whose writes wake the accept loop (for :func:`signal.set_wakeup_fd`: the kernel may
+        deliver a signal to any thread, and Python runs its handler on the main thread, waiting in select)."""
+        return self._wake_w
 
     def stop(self) -> None:
         """Ask the accept loop to exit (thread- and signal-safe)."""
