@@ -288,6 +288,44 @@ def test_a_corrupt_blob_is_a_miss_and_the_next_put_replaces_it(
     assert len(cache.artifacts()) == 1
 
 
+def test_an_artifact_opened_unchecked_is_mapped_not_read_and_read_still_checks(
+    keeper: subprocess.Popen[bytes], socket_dir: Path
+) -> None:
+    """``open_artifact(check=False)`` maps the memfd (no copy, no hash: a 57 MB graph artifact spent ~150 ms on
+    both); ``view()`` gives the mapping, valid after close; ``read()`` still checks the bytes against the SHA-256."""
+    import mmap
+
+    good = b"kernel images " * 10_000
+    cache = wc.Cache(socket_dir)
+    cache.put_artifact(WEIGHTS, KEY, good).close()
+    artifact = cache.open_artifact(WEIGHTS, KEY, check=False)
+    assert artifact is not None and artifact.held
+    view = artifact.view()
+    assert view is not None and isinstance(view.obj, mmap.mmap) and view == good
+    artifact.close()
+    assert view == good  # the mapping outlives the lease
+    again = cache.open_artifact(WEIGHTS, KEY, check=False)
+    assert again is not None and again.read() == good
+    again.close()
+
+    bad = KEY.with_fields(options={"mode": "corrupt"})
+    fd, _ = artifact_ops.sealed_memfd(b"X" + good[1:])  # one byte off what the recorded SHA-256 says
+    with KeeperConnection.connect(socket_dir) as conn:
+        conn.put_artifact(WEIGHTS, bad, fd, len(good), hashlib.sha256(good).hexdigest())
+    os.close(fd)
+    corrupt = cache.open_artifact(WEIGHTS, bad, check=False)  # not checked: no miss
+    assert corrupt is not None
+    with pytest.raises(wc.SegmentError, match="do not match its SHA-256"):
+        corrupt.read()
+    corrupt.close()
+    unchecked = cache.open_artifact(WEIGHTS, bad, check=False)
+    assert unchecked is not None
+    view = unchecked.view()
+    assert view is not None and view[:1] == b"X" and view[1:] == good[1:]  # the caller's to check
+    unchecked.close()
+    assert cache.open_artifact(WEIGHTS, bad) is None  # checked: a miss, as before
+
+
 def deep(levels: int) -> object:
     """A JSON value of lists nested ``levels`` deep."""
     value: object = 0

@@ -7,9 +7,11 @@ from __future__ import annotations
 
 import itertools
 import json
+import os
 from collections.abc import Sequence
 from typing import Any
 
+import numpy as np
 import pytest
 
 from weightcache.errors import GraphDescriptionError, GraphRestoreError
@@ -293,6 +295,88 @@ def test_a_malformed_description_is_an_error_naming_the_field(change: Any, field
     change(raw)
     with pytest.raises(GraphDescriptionError, match=f"graph description: {field}"):
         GraphDescription.from_json(raw)
+
+
+def test_a_graph_described_as_tables_comes_back_the_same() -> None:
+    driver = FakeDriver()
+    graph, _ = mlp_graph(driver)
+    description = describe(driver, graph)[0]
+    assert GraphDescription.from_binary(description.to_binary()) == description
+    assert GraphDescription.from_binary(memoryview(description.to_binary())) == description
+    empty = GraphDescription(())
+    assert GraphDescription.from_binary(empty.to_binary()) == empty
+
+
+def _binary_tables(raw: bytearray, description: GraphDescription) -> dict[str, np.ndarray]:
+    """Writable numpy views of the tables of ``raw`` (``description.to_binary()``), to corrupt one field."""
+    from weightcache.graphs import description as module
+
+    spans = sum(len(n.layout) for n in description.nodes if isinstance(n, KernelNode))
+    attributes = sum(len(n.attributes) for n in description.nodes if isinstance(n, KernelNode))
+    at, out = 4, {}
+    for name, dtype, count in (
+        ("counts", np.dtype("<u4"), 6),
+        ("nodes", module._NODE, len(description.nodes)),
+        ("spans", module._SPAN, spans),
+        ("attributes", module._ATTRIBUTE, attributes),
+        ("edges", module._EDGE, len(description.edges)),
+    ):
+        out[name] = np.frombuffer(raw, dtype=dtype, count=count, offset=at)
+        at += dtype.itemsize * count
+    out["names"] = np.frombuffer(raw, dtype=np.uint8, offset=at)
+    return out
+
+
+@pytest.mark.parametrize(
+    "change, field",
+    [
+        (lambda raw, t: raw.__setitem__(slice(0, 4), b"WCGX"), "the binary description"),
+        (lambda raw, t: t["counts"].__setitem__(0, 2), "format"),
+        (lambda raw, t: t["counts"].__setitem__(1, 1 << 20), "the node table"),
+        (lambda raw, t: t["nodes"]["kind"].__setitem__(3, 7), "node 3 kind"),
+        (lambda raw, t: t["nodes"]["form"].__setitem__(1, 5), "node 1 launched_with"),
+        (lambda raw, t: t["nodes"]["name"].__setitem__(1, 9), "node 1 function"),
+        (lambda raw, t: t["spans"]["size"].__setitem__(2, 64), "node 2 layout"),
+        (lambda raw, t: t["nodes"]["memset"].__setitem__((0, 3), 3), "node 0 element_size"),
+        (lambda raw, t: t["nodes"]["args"].__setitem__(0, 8), "node 0"),
+        (lambda raw, t: t["nodes"]["layout"].__setitem__(1, 1), "node 1 layout"),
+        (lambda raw, t: t["nodes"]["args"].__setitem__(2, 4), "the nodes' argument bytes"),
+        (lambda raw, t: t["edges"]["dst"].__setitem__(2, 9), "edge 2"),
+        (lambda raw, t: t["names"].__setitem__(8, 0xFF), "name 0"),
+        (lambda raw, t: bytes(raw) + b"x", "the nodes' argument bytes"),
+        (lambda raw, t: bytes(raw[:-1]), "the nodes' argument bytes"),
+    ],
+)
+def test_a_malformed_binary_description_is_an_error_naming_the_field(change: Any, field: str) -> None:
+    driver = FakeDriver()
+    graph, _ = mlp_graph(driver)
+    description = describe(driver, graph)[0]
+    raw = bytearray(description.to_binary())
+    tables = _binary_tables(raw, description)
+    changed = change(raw, tables)  # in place, or a new blob
+    with pytest.raises(GraphDescriptionError, match=f"graph description: {field}"):
+        GraphDescription.from_binary(changed if isinstance(changed, bytes) else bytes(raw))
+
+
+def test_an_image_reaches_the_driver_without_a_copy_when_it_is_mapped() -> None:
+    """cuModuleLoadData gets a pointer: to bytes as they are, into a mapped artifact's view itself (no copy), or to
+    a copy of a read-only view."""
+    import ctypes
+
+    from weightcache.artifacts import map_blob, sealed_memfd
+    from weightcache.graphs.driver import _address_of
+
+    image = bytes(range(256)) * 64
+    assert _address_of(image) is image
+    fd, _ = sealed_memfd(b"head" + image)
+    try:
+        view = map_blob(fd, 4 + len(image))[4:]
+    finally:
+        os.close(fd)
+    pointer = _address_of(view)
+    assert isinstance(pointer, ctypes.Array) and ctypes.string_at(pointer, len(image)) == image
+    assert ctypes.addressof(pointer) == ctypes.addressof(ctypes.c_char.from_buffer(view))  # the mapping itself
+    assert _address_of(memoryview(image)) == image
 
 
 def test_a_description_that_is_no_object_is_an_error() -> None:

@@ -10,14 +10,19 @@ from __future__ import annotations
 
 import hashlib
 import json
+import mmap
 import struct
+import subprocess
+from pathlib import Path
 from typing import Any
 
 import pytest
 from conftest import benchmark
 
-from weightcache.errors import GraphDescriptionError
-from weightcache.graphs.bundle import MAGIC, GraphBundle, GraphRecord, Output
+import weightcache as wc
+from weightcache.artifact_key import ArtifactKey
+from weightcache.errors import GraphDescriptionError, GraphRestoreError
+from weightcache.graphs.bundle import MAGIC, PREFIX, GraphBundle, GraphRecord, Output, image_matches
 from weightcache.graphs.check import AddressRange
 from weightcache.graphs.cubins import kernel_names
 from weightcache.graphs.description import Edge, EmptyNode, GraphDescription, KernelNode, MemsetNode
@@ -86,15 +91,36 @@ def test_a_bundle_comes_back_from_its_bytes_as_it_went_in() -> None:
     assert GraphBundle.from_bytes(original.to_bytes()) == original
 
 
+def test_images_taken_unchecked_are_views_of_the_blob_and_each_is_checked_on_its_own() -> None:
+    """A restore maps the artifact and checks each image where it loads it: from_bytes neither copies nor hashes
+    them then, and image_matches tells a changed byte."""
+    blob = bytearray(bundle().to_bytes())
+    [(digest, image)] = bundle().images.items()
+    at = bytes(blob).rindex(image)
+    blob[at + len(image) // 2] ^= 0x40  # a byte of the image, which no header check covers
+    with pytest.raises(GraphDescriptionError, match="image 0 sha256"):
+        GraphBundle.from_bytes(bytes(blob))
+    taken = GraphBundle.from_bytes(memoryview(blob), check_images=False)
+    view = taken.images[digest]
+    assert isinstance(view, memoryview) and view.obj is blob  # not copied
+    assert not image_matches(digest, view)
+    blob[at + len(image) // 2] ^= 0x40
+    assert image_matches(digest, view) and view == image
+
+
 def header_and_images(blob: bytes) -> tuple[dict[str, Any], bytes]:
-    (length,) = struct.unpack_from("<Q", blob, len(MAGIC))
-    start = len(MAGIC) + 8
-    return json.loads(blob[start : start + length]), blob[start + length :]
+    """The header's JSON, and the bytes after it (the descriptions, then the images)."""
+    length, _ = struct.unpack_from("<QQ", blob, len(MAGIC))
+    return json.loads(blob[PREFIX : PREFIX + length]), blob[PREFIX + length :]
 
 
-def rebuilt(header: dict[str, Any], images: bytes) -> bytes:
+def rebuilt(header: dict[str, Any], rest: bytes) -> bytes:
+    """A blob of this header and the original descriptions and images, its SHA-256 recomputed (so that a test
+    reaches the field it changed)."""
+    _, tables = struct.unpack_from("<QQ", bundle().to_bytes(), len(MAGIC))
     text = json.dumps(header).encode()
-    return MAGIC + struct.pack("<Q", len(text)) + text + images
+    checked = hashlib.sha256(text + rest[:tables]).digest()
+    return MAGIC + struct.pack("<QQ", len(text), tables) + checked + text + rest
 
 
 def edit(change: Any) -> bytes:
@@ -106,9 +132,12 @@ def edit(change: Any) -> bytes:
 @pytest.mark.parametrize(
     ("change", "field"),
     [
-        (lambda h, i: b"NOTGRAPH" + bytes(16), "the blob"),
-        (lambda h, i: MAGIC + struct.pack("<Q", 1 << 40) + b"{}", "the header length"),
-        (lambda h, i: MAGIC + struct.pack("<Q", 3) + b"{x}", "the header"),
+        (lambda h, i: b"NOTGRAPH" + bytes(64), "the blob"),
+        (lambda h, i: b"WCGRAPH1" + bytes(64), "the blob"),  # the JSON-only format of 2026-12-03
+        (lambda h, i: MAGIC + struct.pack("<QQ", 1 << 40, 0) + bytes(34), "the header and description lengths"),
+        (lambda h, i: MAGIC + struct.pack("<QQ", 3, 0) + hashlib.sha256(b"{x}").digest() + b"{x}", "the header"),
+        (lambda h, i: bundle().to_bytes().replace(b'"b8"', b'"b9"'), "the header and descriptions"),
+        (lambda h, i: bundle().to_bytes().replace(b"WCGD", b"WCGX"), "the header and descriptions"),
         (lambda h, i: h.update(format=99), "format"),
         (lambda h, i: h["images"][0].update(sha256="0" * 64), "image 0 sha256"),
         (lambda h, i: h["images"][0].update(size=1 << 30), "image 0"),
@@ -117,7 +146,8 @@ def edit(change: Any) -> bytes:
         (lambda h, i: h["graphs"][0].update(end=0, start=5), "graph 0 end"),
         (lambda h, i: h["graphs"][0]["outputs"][0].update(dtype="complex512"), "graph 0 output 0 dtype"),
         (lambda h, i: h["graphs"][0]["outputs"][0].update(stride=[1]), "graph 0 output 0 shape and stride"),
-        (lambda h, i: h["graphs"][0]["description"]["nodes"][0].update(grid=[1, 2]), "node 0 grid"),
+        (lambda h, i: h["graphs"][0].update(description=[0, 1 << 40]), "graph 0 description"),
+        (lambda h, i: h["graphs"][0].update(description=[0, 10]), "the counts"),
         (lambda h, i: h["ranges"][0].update(base=-1), "base"),
         (lambda h, i: h["graphs"][0].update(name=""), "graph 0 name"),
         (lambda h, i: h["graphs"][0].update(reach={"pool": 1}), "graph 'b8' reach pool"),
@@ -130,6 +160,55 @@ def test_a_malformed_artifact_is_refused_naming_the_field(change: Any, field: st
     with pytest.raises(GraphDescriptionError, match="must be") as info:
         GraphBundle.from_bytes(edit(change))
     assert field in str(info.value)
+
+
+class LoadingDriver:
+    """The one call a restore makes with an image: it loads it as a module."""
+
+    def __init__(self) -> None:
+        self.loaded: list[bytes] = []
+
+    def load_module(self, image: bytes | memoryview) -> int:
+        self.loaded.append(bytes(image))
+        return len(self.loaded)
+
+
+def test_a_restore_maps_the_artifact_and_checks_each_image_where_it_loads_it(
+    keeper: subprocess.Popen[bytes], socket_dir: Path
+) -> None:
+    """fetch_bundle maps the keeper's artifact (the header and descriptions checked against their SHA-256, the
+    images not copied); an image whose bytes changed never reaches the driver, a good one does."""
+    from weightcache.torch_graphs import _load_image, fetch_bundle
+
+    weights, key = "cd" * 32, ArtifactKey("cuda.graphs", {"test": "fetch"})
+    cache = wc.Cache(socket_dir)
+    assert fetch_bundle(cache, weights, key) == f"no cuda.graphs artifact for weights {weights[:12]} and this key"
+    original = bundle()
+    [(digest, image)] = original.images.items()
+    blob = original.to_bytes()
+    cache.put_artifact(weights, key, blob).close()
+    fetched = fetch_bundle(cache, weights, key)
+    assert not isinstance(fetched, str), fetched
+    assert fetched.bundle == original and fetched.bytes == len(blob)
+    assert fetched.sha256 == hashlib.sha256(blob).hexdigest() and set(fetched.phases) == {"artifact", "parse"}
+    view = fetched.bundle.images[digest]
+    assert isinstance(view, memoryview) and isinstance(view.obj, mmap.mmap)
+    driver = LoadingDriver()
+    assert _load_image(driver, digest, view, check=True) == 1 and driver.loaded == [image]  # type: ignore[arg-type]
+
+    other = ArtifactKey("cuda.graphs", {"test": "a changed image"})
+    at = blob.rindex(image) + 100
+    cache.put_artifact(weights, other, blob[:at] + bytes([blob[at] ^ 1]) + blob[at + 1 :]).close()
+    changed = fetch_bundle(cache, weights, other)  # the header and descriptions are intact
+    assert not isinstance(changed, str), changed
+    with pytest.raises(GraphRestoreError, match=f"kernel image {digest[:12]} does not match its SHA-256"):
+        _load_image(driver, digest, changed.bundle.images[digest], check=True)  # type: ignore[arg-type]
+    assert len(driver.loaded) == 1
+
+    header = ArtifactKey("cuda.graphs", {"test": "a changed header"})
+    cache.put_artifact(weights, header, blob.replace(b'"b8"', b'"b9"')).close()
+    refused = fetch_bundle(cache, weights, header)
+    assert isinstance(refused, str) and "the header and descriptions must be bytes matching" in refused
 
 
 def test_every_entry_has_one_home_and_its_segments_lie_back_to_back() -> None:

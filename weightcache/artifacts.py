@@ -17,6 +17,7 @@ import contextlib
 import fcntl
 import hashlib
 import logging
+import mmap
 import os
 import tempfile
 import time
@@ -80,6 +81,21 @@ def read_blob(fd: int, size: int) -> bytes:
             raise SegmentError(f"the artifact's memfd holds {done} bytes; its record says {size}")
         done += n
     return bytes(out)
+
+
+def map_blob(fd: int, size: int) -> memoryview:
+    """The ``size`` bytes of memfd ``fd`` mapped into this process, not copied (SegmentError if it holds fewer).
+
+    A private mapping: the memfd is sealed against writes, and a write here would stay this process's own. It is
+    writable so that C code can take the bytes' address (ctypes needs a writable buffer for that). The mapping
+    lives as long as the view and any slice of it; ``fd`` may be closed at once.
+    """
+    held = os.fstat(fd).st_size
+    if held < size:
+        raise SegmentError(f"the artifact's memfd holds {held} bytes; its record says {size}")
+    if size == 0:
+        return memoryview(bytearray())
+    return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
 
 
 def umask() -> int:
@@ -170,10 +186,11 @@ class Artifact:
         created: bool = True,
         replaced: bool = False,
         evicted: tuple[str, ...] = (),
-        data: bytes | None = None,
+        data: bytes | memoryview | None = None,
     ) -> None:
         self.info = info
-        # The bytes it was fetched with (already checked): the first read() returns them without reading again.
+        # What it was fetched with: its bytes, checked (the first read() returns them without reading again), or
+        # its mapping, unchecked (fetched with check=False: the first view() returns it).
         self._data = data
         self.created = created
         self.replaced = replaced
@@ -195,6 +212,10 @@ class Artifact:
     def read(self) -> bytes | None:
         """The blob; None once closed (or never held). SegmentError if its bytes do not match its SHA-256."""
         data, self._data = self._data, None
+        if isinstance(data, memoryview):  # fetched mapped and unchecked
+            data = data.tobytes()
+            if hashlib.sha256(data).hexdigest() != self.info.sha256:
+                raise SegmentError(f"artifact {self.info.key[:24]}...'s bytes do not match its SHA-256")
         if data is not None and (self.held or self._lease is None):  # fetched, or another uid's: read, not held
             return data
         fds = self._lease.dup_fds() if self._lease is not None else None
@@ -207,6 +228,21 @@ class Artifact:
         if hashlib.sha256(data).hexdigest() != self.info.sha256:
             raise SegmentError(f"artifact {self.info.key[:24]}...'s bytes do not match its SHA-256")
         return data
+
+    def view(self) -> memoryview | None:
+        """The blob mapped into this process, not copied and **not checked** against its SHA-256 (the caller checks
+        what it uses, e.g. against hashes the blob carries itself); None once closed (or never held). The view
+        stays valid after :meth:`close`."""
+        data, self._data = self._data, None
+        if data is not None and (self.held or self._lease is None):
+            return data if isinstance(data, memoryview) else memoryview(data)
+        fds = self._lease.dup_fds() if self._lease is not None else None
+        if fds is None:
+            return None
+        try:
+            return map_blob(fds[0], self.info.bytes)
+        finally:
+            close_fds(fds)
 
     def close(self) -> None:
         if self._lease is not None:
@@ -232,7 +268,7 @@ class Artifact:
 class Fetched:
     """What :func:`get` found: the blob and the artifact's record (and, held, the open :class:`Artifact`)."""
 
-    data: bytes
+    data: bytes | memoryview
     info: ArtifactInfo
     artifact: Artifact | None = None
 
@@ -300,24 +336,28 @@ def get(
     trust: Sequence[int] = (),
     hold: bool = False,
     respawn: bool = False,
+    check: bool = True,
 ) -> Fetched | Miss:
     """The artifact of ``weights`` for ``key`` over ``conn``, its bytes checked against its SHA-256, or a
-    :class:`Miss` saying why not. Errors of the keeper or the connection propagate (the caller decides); a corrupt
-    blob is a Miss. With ``hold`` (and a hit on an artifact this uid published), the Fetched's :class:`Artifact`
-    owns ``conn`` and the memfd; another publisher's artifact comes as an :class:`Artifact` that is not held (the
-    keeper leases artifacts to their publishers only), and ``conn`` stays the caller's."""
+    :class:`Miss` saying why not. Without ``check``, the Fetched's data is the memfd mapped (:func:`map_blob`),
+    neither copied nor checked: the caller checks what it uses. Errors of the keeper or the connection propagate
+    (the caller decides); a corrupt blob is a Miss (when checked). With ``hold`` (and a hit on an artifact this
+    uid published), the Fetched's :class:`Artifact` owns ``conn`` and the memfd; another publisher's artifact
+    comes as an :class:`Artifact` that is not held (the keeper leases artifacts to their publishers only), and
+    ``conn`` stays the caller's."""
     if not conn.serves_artifacts:
         return Miss(f"the keeper speaks protocol {conn.protocol}, which holds no artifacts (restart it to upgrade)")
     reply, fd = conn.get_artifact(weights, key, trust=trust)
     if reply.artifact is None or fd is None:
         return Miss(_miss_reason(weights, key, reply.others, reply.near))
     info = reply.artifact
+    data: bytes | memoryview
     try:
-        data = read_blob(fd, info.bytes)
+        data = read_blob(fd, info.bytes) if check else map_blob(fd, info.bytes)
     except BaseException:
         os.close(fd)
         raise
-    actual = hashlib.sha256(data).hexdigest()
+    actual = hashlib.sha256(data).hexdigest() if check else info.sha256
     if actual != info.sha256:
         os.close(fd)
         return Miss(

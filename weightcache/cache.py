@@ -178,14 +178,21 @@ class Cache:
         for exactly this key, or a corrupt blob. The reason is logged (logger ``weightcache.artifacts``, INFO; a
         corrupt blob at WARNING). Never raises for the keeper's sake: the caller compiles as it would have."""
         found = self._fetch(fingerprint, key, hold=False)
-        return found.data if found is not None else None
+        if found is None:
+            return None
+        assert isinstance(found.data, bytes)  # fetched checked: read, not mapped
+        return found.data
 
-    def open_artifact(self, fingerprint: Fingerprint | str, key: ArtifactKey) -> Artifact | None:
+    def open_artifact(self, fingerprint: Fingerprint | str, key: ArtifactKey, *, check: bool = True) -> Artifact | None:
         """Like :meth:`get_artifact`, but the artifact stays held (leased, and re-published if the keeper
         restarts) until the returned :class:`Artifact` is closed; ``artifact.read()`` gives its bytes. An artifact
         another uid published is read but not held (``artifact.held`` is False): the keeper leases an artifact
-        only to its publisher, whose processes alone load it."""
-        found = self._fetch(fingerprint, key, hold=True)
+        only to its publisher, whose processes alone load it.
+
+        ``check=False``: the artifact is mapped, not read, and its SHA-256 is not checked here, so a large blob
+        costs neither a copy nor a hash on the way; ``artifact.view()`` gives the mapping, and the caller checks
+        what it uses (``read()`` still gives the bytes checked). A corrupt blob is then not a miss here."""
+        found = self._fetch(fingerprint, key, hold=True, check=check)
         return found.artifact if found is not None else None
 
     def miss_reason(self, fingerprint: Fingerprint | str, key: ArtifactKey) -> str | None:
@@ -194,9 +201,11 @@ class Cache:
         keeper failed to answer: ..."``, a corrupt blob), or None after a hit or before any."""
         return self._misses.get((weights_digest(fingerprint), key.digest))
 
-    def _fetch(self, fingerprint: Fingerprint | str, key: ArtifactKey, *, hold: bool) -> Fetched | None:
+    def _fetch(
+        self, fingerprint: Fingerprint | str, key: ArtifactKey, *, hold: bool, check: bool = True
+    ) -> Fetched | None:
         weights = weights_digest(fingerprint)
-        miss = self._get(weights, key, hold=hold)
+        miss = self._get(weights, key, hold=hold, check=check)
         if isinstance(miss, artifact_ops.Miss):
             self._misses[(weights, key.digest)] = miss.reason
             if miss.corrupt is not None:
@@ -214,12 +223,14 @@ class Cache:
         )
         return miss
 
-    def _get(self, weights: str, key: ArtifactKey, *, hold: bool) -> Fetched | artifact_ops.Miss:
+    def _get(self, weights: str, key: ArtifactKey, *, hold: bool, check: bool = True) -> Fetched | artifact_ops.Miss:
         conn = artifact_ops.connect_or_miss(self.socket_dir)
         if isinstance(conn, artifact_ops.Miss):
             return conn
         try:
-            found = artifact_ops.get(conn, weights, key, trust=self.trust(conn), hold=hold, respawn=self.respawn)
+            found = artifact_ops.get(
+                conn, weights, key, trust=self.trust(conn), hold=hold, respawn=self.respawn, check=check
+            )
         except (WeightCacheError, OSError) as exc:
             conn.close()
             return artifact_ops.Miss(f"{KEEPER_FAILED}: {exc}")

@@ -45,6 +45,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
+import attrs
 import torch
 
 from .artifact_key import ArtifactKey
@@ -53,7 +54,7 @@ from .dtypes import DTYPES
 from .errors import GraphDescriptionError, GraphRestoreError, WeightCacheError
 from .fingerprint import Fingerprint
 from .graphs.arena import DEFAULT_BASE, Arena, CudaArenaDriver
-from .graphs.bundle import FORMAT, GraphBundle, GraphRecord, Output
+from .graphs.bundle import FORMAT, GraphBundle, GraphRecord, Output, image_matches
 from .graphs.check import AddressRange, extent_problems, extents, pointers
 from .graphs.cubins import CubinRecorder, keep_kernel_images, loading_kept_images
 from .graphs.description import GraphDescription
@@ -205,6 +206,59 @@ def graphs_key(key: Mapping[str, Any], device: int, arena: tuple[int, int]) -> A
     )
 
 
+def _load_image(driver: CudaGraphDriver, digest: str, image: bytes | memoryview, *, check: bool) -> int:
+    """A module of this process loaded from a kept kernel image; with ``check``, only once the image's SHA-256 is
+    ``digest`` (GraphRestoreError otherwise: no byte of an image that does not match reaches the driver)."""
+    if check and not image_matches(digest, image):
+        raise GraphRestoreError(f"the artifact's kernel image {digest[:12]} does not match its SHA-256")
+    with loading_kept_images():
+        return driver.load_module(image)
+
+
+@attrs.frozen
+class FetchedBundle:
+    """A ``cuda.graphs`` artifact as :func:`fetch_bundle` got it: the bundle, the artifact's SHA-256 and size, and
+    the seconds of each step (``artifact``: asked for, read and its SHA-256 checked; ``parse``)."""
+
+    bundle: GraphBundle
+    sha256: str
+    bytes: int
+    phases: dict[str, float]
+
+
+def fetch_bundle(cache: Cache, weights: str, key: ArtifactKey) -> FetchedBundle | str:
+    """This uid's ``cuda.graphs`` artifact of ``weights`` for ``key`` from the keeper, read and parsed with every
+    field checked; or why there is none to use (no artifact, another uid's, unreadable, malformed: logged at
+    WARNING). Never raises for the keeper's or the artifact's sake: the caller captures instead."""
+    began = time.perf_counter()
+    try:
+        found = cache.open_artifact(weights, key, check=False)  # mapped: no copy, no hash of the whole blob
+    except WeightCacheError as exc:
+        return f"no {KIND} artifact: {exc}"
+    if found is None:
+        return cache.miss_reason(weights, key) or f"no {KIND} artifact for this key"
+    try:
+        if found.info.publisher != os.getuid():
+            return f"the keeper's {KIND} artifact was published by uid {found.info.publisher}, not this uid"
+        blob = found.view()
+    except WeightCacheError as exc:  # its memfd is shorter than its record
+        log.warning("weightcache: %s", exc)
+        return f"the {KIND} artifact could not be used: {exc}"
+    finally:
+        found.close()
+    if blob is None:
+        return f"the {KIND} artifact could not be read"
+    read = time.perf_counter()
+    try:
+        # The header and descriptions are checked against their SHA-256 here; each image by the thread that loads it.
+        bundle = GraphBundle.from_bytes(blob, check_images=False)
+    except GraphDescriptionError as exc:
+        log.warning("weightcache: %s", exc)
+        return str(exc)
+    phases = {"artifact": read - began, "parse": time.perf_counter() - read}
+    return FetchedBundle(bundle, found.info.sha256, len(blob), phases)
+
+
 class GraphCache:
     """The CUDA graphs of one model, restored from the keeper when an earlier process recorded them (see the
     module's text).
@@ -256,7 +310,7 @@ class GraphCache:
         self._diverged = False  # the arena's layout is this process's own from here on: no more restores
         self._recordable = True  # every graph so far recorded: later ones can be too
         self._records: list[GraphRecord] = []
-        self._images: dict[str, bytes] = {}
+        self._images: dict[str, bytes | memoryview] = {}
         self._modules: dict[str, int] = {}
         #: Kernel images this GraphCache loaded (each once), their bytes, and the seconds the graphs waited for them.
         self.images_loaded = 0
@@ -328,51 +382,29 @@ class GraphCache:
             self._off(f"{SWITCH_ENV}=off: graphs are captured and nothing is published")
             return
         assert self.key is not None
-        began = time.perf_counter()
-        try:
-            found = self._cache.open_artifact(self.weights, self.key)
-        except WeightCacheError as exc:
-            self.reason = f"no {KIND} artifact: {exc}"
+        fetched = fetch_bundle(self._cache, self.weights, self.key)
+        if isinstance(fetched, str):
+            self.reason = fetched
             return
-        if found is None:
-            self.reason = self._cache.miss_reason(self.weights, self.key) or f"no {KIND} artifact for this key"
-            return
-        try:
-            if found.info.publisher != os.getuid():
-                self.reason = f"the keeper's {KIND} artifact was published by uid {found.info.publisher}, not this uid"
-                return
-            blob = found.read()
-        finally:
-            found.close()
-        if blob is None:
-            self.reason = f"the {KIND} artifact could not be read"
-            return
-        self._replace = found.info.sha256
-        self.phases["artifact"] = time.perf_counter() - began
-        try:
-            self._bundle = GraphBundle.from_bytes(blob, hashed=True)  # the keeper's reader checked the blob's SHA-256
-        except GraphDescriptionError as exc:
-            self.reason = str(exc)
-            log.warning("weightcache: %s", exc)
-            return
-        self.phases["parse"] = time.perf_counter() - began - self.phases["artifact"]
+        self._bundle, self._replace = fetched.bundle, fetched.sha256
+        self.phases.update(fetched.phases)
         self._preload(self._bundle.images)
 
-    def _preload(self, images: Mapping[str, bytes]) -> None:
-        """Load every image of the artifact on worker threads (the driver loads modules in parallel and without
-        the GIL), while the caller goes on; :meth:`_functions` waits for the ones a graph needs."""
+    def _preload(self, images: Mapping[str, bytes | memoryview]) -> None:
+        """Check and load every image of the artifact on worker threads (hashing and the driver's module loads run
+        in parallel and without the GIL), while the caller goes on; :meth:`_functions` waits for the ones a graph
+        needs."""
         driver = self._driver
         if driver is None or not images:
             return
         context = driver.current_context()
 
-        def load(image: bytes) -> int:
+        def load(digest: str, image: bytes | memoryview) -> int:
             driver.make_current(context)
-            with loading_kept_images():
-                return driver.load_module(image)
+            return _load_image(driver, digest, image, check=True)
 
         pool = ThreadPoolExecutor(max_workers=min(8, len(images)), thread_name_prefix="weightcache-images")
-        self._loading = {digest: pool.submit(load, image) for digest, image in images.items()}
+        self._loading = {digest: pool.submit(load, digest, image) for digest, image in images.items()}
         pool.shutdown(wait=False)
 
     def ranges(self) -> list[AddressRange]:
@@ -459,7 +491,7 @@ class GraphCache:
             if problems:
                 return self._refuse(name, f"{len(problems)} address check(s) failed, e.g. {problems[0]}")
             phases["checks"] = time.perf_counter() - started
-            functions = self._functions(record.kernels, bundle.images)
+            functions = self._functions(record.kernels, bundle.images, check=True)
             prepare(driver, record.description, functions)
             phases["kernels"] = time.perf_counter() - started - sum(phases.values())
             graph = rebuild(driver, record.description, functions)
@@ -495,8 +527,11 @@ class GraphCache:
     def _output(self, o: Output) -> torch.Tensor:
         return self._at(o.address, TORCH_DTYPES[o.dtype], o.shape, o.stride)
 
-    def _functions(self, kernels: Mapping[str, str], images: Mapping[str, bytes]) -> dict[str, int]:
-        """Each kernel's function handle from this process's own load of its image."""
+    def _functions(
+        self, kernels: Mapping[str, str], images: Mapping[str, bytes | memoryview], *, check: bool
+    ) -> dict[str, int]:
+        """Each kernel's function handle from this process's own load of its image (``check``: each image checked
+        against its SHA-256 first: one from the artifact, which is mapped unchecked)."""
         assert self._driver is not None
         functions = {}
         for name, digest in kernels.items():
@@ -507,8 +542,7 @@ class GraphCache:
                 if loading is not None:
                     loaded = loading.result()
                 else:
-                    with loading_kept_images():
-                        loaded = self._driver.load_module(images[digest])
+                    loaded = _load_image(self._driver, digest, images[digest], check=check)
                 module = self._modules[digest] = loaded
                 self.images_loaded += 1
                 self.image_bytes += len(images[digest])
@@ -604,7 +638,7 @@ class GraphCache:
         driver = self._driver
         assert driver is not None
         try:
-            functions = self._functions(kernels, images)
+            functions = self._functions(kernels, images, check=False)
             prepare(driver, description, functions)
             rebuilt = rebuild(driver, description, functions)
             try:

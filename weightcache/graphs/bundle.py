@@ -5,10 +5,15 @@ where in the graph arena its memory lies, its outputs) and the address ranges th
 (the arena, the weights at their home addresses), plus one cubin image per module that defines a kernel of them
 (:mod:`~weightcache.graphs.cubins`), by SHA-256.
 
-:meth:`GraphBundle.to_bytes` writes ``MAGIC``, the length of a JSON header, the header, and the images one after
-the other; :meth:`GraphBundle.from_bytes` reads that back with every field and every length checked, and each
-image's SHA-256 recomputed, so a blob from the keeper is never more than data (no pickle). Anything malformed is
-a :class:`~weightcache.errors.GraphDescriptionError`.
+:meth:`GraphBundle.to_bytes` writes ``MAGIC``; the lengths of a JSON header and of the graphs' descriptions
+(:meth:`~weightcache.graphs.description.GraphDescription.to_binary`, one after the other); the SHA-256 of those two;
+the header, the descriptions, and the images one after the other. :meth:`GraphBundle.from_bytes` reads that back
+with every field and every length checked and the header's and descriptions' SHA-256 recomputed, so a blob from the
+keeper is never more than data (no pickle). The images are not copied (each is a view of the blob) and are checked
+against their own SHA-256 there too, unless the caller says it checks each one before it uses it
+(:func:`image_matches`): a restore maps the artifact instead of reading it, and hashes each image on the worker
+thread that loads it, so that no byte is hashed or copied on the way. Anything malformed is a
+:class:`~weightcache.errors.GraphDescriptionError`.
 
 Layer L3; imports no torch.
 """
@@ -29,9 +34,11 @@ from .check import AddressRange
 from .description import GraphDescription
 from .json_fields import FieldReader
 
-MAGIC = b"WCGRAPH1"
+MAGIC = b"WCGRAPH2"
 #: The format of the JSON header.
-FORMAT = 1
+FORMAT = 2
+#: Bytes before the header: the magic, the header's and the descriptions' lengths, their SHA-256.
+PREFIX = len(MAGIC) + 8 + 8 + 32
 _SHA = re.compile(r"[0-9a-f]{64}")
 
 
@@ -93,24 +100,32 @@ class GraphRecord:
     kernels: Mapping[str, str]
     reach: Mapping[str, int] = attrs.field(factory=dict)
 
-    def to_json(self) -> dict[str, Any]:
+    def to_json(self, description: tuple[int, int]) -> dict[str, Any]:
+        """Its JSON in the header; ``description``: where its binary description lies (offset, size)."""
         return {
             "name": self.name,
             "start": self.start,
             "end": self.end,
-            "description": self.description.to_json(),
+            "description": list(description),
             "outputs": [o.to_json() for o in self.outputs],
             "kernels": dict(sorted(self.kernels.items())),
             "reach": dict(sorted(self.reach.items())),
         }
 
     @classmethod
-    def from_json(cls, raw: object, where: str) -> GraphRecord:
+    def from_json(cls, raw: object, where: str, descriptions: memoryview) -> GraphRecord:
+        """The record of its header JSON; its description read from ``descriptions`` (every graph's, in order)."""
         f = _object(raw, where, ("name", "start", "end", "description", "outputs", "kernels", "reach"))
         start, end = _int(f["start"], f"{where} start"), _int(f["end"], f"{where} end")
         if end < start:
             raise _fail(f"{where} end", f"at least its start ({start})", end)
-        description = GraphDescription.from_json(f["description"])
+        span = _list(f["description"], f"{where} description")
+        if len(span) != 2:
+            raise _fail(f"{where} description", "[offset, size]", span)
+        offset, size = _int(span[0], f"{where} description"), _int(span[1], f"{where} description")
+        if offset + size > len(descriptions):
+            raise _fail(f"{where} description", f"within the {len(descriptions)} bytes of descriptions", span)
+        description = GraphDescription.from_binary(descriptions[offset : offset + size])
         kernels = f["kernels"]
         if not isinstance(kernels, Mapping) or not all(
             isinstance(k, str) and isinstance(v, str) and _SHA.fullmatch(v) for k, v in kernels.items()
@@ -127,13 +142,19 @@ class GraphRecord:
         return cls(_str(f["name"], f"{where} name"), start, end, description, outputs, dict(kernels), extents)
 
 
+def image_matches(digest: str, image: bytes | memoryview) -> bool:
+    """Whether ``image``'s SHA-256 is ``digest`` (hex): what a caller that took images unchecked
+    (``GraphBundle.from_bytes(..., check_images=False)``) asks before it loads one."""
+    return hashlib.sha256(image).hexdigest() == digest
+
+
 @attrs.frozen
 class GraphBundle:
     """The recorded graphs of one model (see the module's text)."""
 
     ranges: tuple[AddressRange, ...]
     graphs: tuple[GraphRecord, ...]
-    images: Mapping[str, bytes] = attrs.field(factory=dict)
+    images: Mapping[str, bytes | memoryview] = attrs.field(factory=dict)
 
     def to_bytes(self) -> bytes:
         order = sorted(self.images)
@@ -141,30 +162,43 @@ class GraphBundle:
         for digest in order:
             offsets.append({"sha256": digest, "offset": at, "size": len(self.images[digest])})
             at += len(self.images[digest])
+        descriptions = [g.description.to_binary() for g in self.graphs]
+        spans, at = [], 0
+        for d in descriptions:
+            spans.append((at, len(d)))
+            at += len(d)
         header = json.dumps(
             {
                 "format": FORMAT,
                 "ranges": [{"name": r.name, "base": r.base, "size": r.size} for r in self.ranges],
-                "graphs": [g.to_json() for g in self.graphs],
+                "graphs": [g.to_json(span) for g, span in zip(self.graphs, spans, strict=True)],
                 "images": offsets,
             },
             separators=(",", ":"),
         ).encode()
-        return b"".join([MAGIC, struct.pack("<Q", len(header)), header, *(self.images[d] for d in order)])
+        tables = b"".join(descriptions)
+        checked = hashlib.sha256(header)
+        checked.update(tables)
+        lengths = struct.pack("<QQ", len(header), len(tables))
+        return b"".join([MAGIC, lengths, checked.digest(), header, tables, *(self.images[d] for d in order)])
 
     @classmethod
-    def from_bytes(cls, blob: bytes, *, hashed: bool = False) -> GraphBundle:
-        """What :meth:`to_bytes` wrote, every field checked; :class:`GraphDescriptionError` otherwise. Each image's
-        SHA-256 is recomputed unless ``hashed`` says the whole blob's was already checked (the keeper's artifacts
-        are: :mod:`weightcache.artifacts`), which also covers the images."""
-        if len(blob) < len(MAGIC) + 8 or blob[: len(MAGIC)] != MAGIC:
-            raise _fail("the blob", f"a graph artifact starting with {MAGIC!r}", blob[:16])
-        (length,) = struct.unpack_from("<Q", blob, len(MAGIC))
-        body = len(MAGIC) + 8
-        if length > len(blob) - body:
-            raise _fail("the header length", f"at most {len(blob) - body}", length)
+    def from_bytes(cls, blob: bytes | memoryview, *, check_images: bool = True) -> GraphBundle:
+        """What :meth:`to_bytes` wrote, every field checked; :class:`GraphDescriptionError` otherwise. The images
+        are views of ``blob``, each checked against its SHA-256 unless ``check_images`` is False: then the caller
+        checks each one (:func:`image_matches`) before it uses it."""
+        view = memoryview(blob).cast("B")
+        if len(view) < PREFIX or bytes(view[: len(MAGIC)]) != MAGIC:
+            raise _fail("the blob", f"a graph artifact starting with {MAGIC!r} (format {FORMAT})", bytes(view[:16]))
+        length, tables = struct.unpack_from("<QQ", view, len(MAGIC))
+        body = PREFIX
+        if length > len(view) - body or tables > len(view) - body - length:
+            raise _fail("the header and description lengths", f"at most {len(view) - body} together", (length, tables))
+        checked = hashlib.sha256(view[body : body + length + tables]).digest()
+        if checked != bytes(view[PREFIX - 32 : PREFIX]):
+            raise _fail("the header and descriptions", "bytes matching their SHA-256", checked.hex()[:12])
         try:
-            top = json.loads(blob[body : body + length])
+            top = json.loads(bytes(view[body : body + length]))
         except (UnicodeDecodeError, ValueError) as exc:
             raise _fail("the header", "JSON", str(exc)) from None
         top = _object(top, "the header", ("format", "ranges", "graphs", "images"))
@@ -176,20 +210,23 @@ class GraphBundle:
             ranges.append(
                 AddressRange(_str(r["name"], f"range {i} name"), _int(r["base"], "base"), _int(r["size"], "size"))
             )
-        data = memoryview(blob)[body + length :]
-        images: dict[str, bytes] = {}
+        descriptions = view[body + length : body + length + tables]
+        data = view[body + length + tables :]
+        images: dict[str, bytes | memoryview] = {}
         for i, raw in enumerate(_list(top["images"], "images")):
             m = _object(raw, f"image {i}", ("sha256", "offset", "size"))
             offset, size = _int(m["offset"], f"image {i} offset"), _int(m["size"], f"image {i} size")
             if offset + size > len(data):
-                raise _fail(f"image {i}", f"within the {len(data)} bytes after the header", (offset, size))
-            image = bytes(data[offset : offset + size])
+                raise _fail(f"image {i}", f"within the {len(data)} bytes after the descriptions", (offset, size))
+            image = data[offset : offset + size]
             if not isinstance(m["sha256"], str) or not _SHA.fullmatch(m["sha256"]):
                 raise _fail(f"image {i} sha256", "a hex SHA-256", m["sha256"])
-            if not hashed and hashlib.sha256(image).hexdigest() != m["sha256"]:
+            if check_images and not image_matches(m["sha256"], image):
                 raise _fail(f"image {i} sha256", "the SHA-256 of its bytes", m["sha256"])
             images[m["sha256"]] = image
-        graphs = tuple(GraphRecord.from_json(g, f"graph {i}") for i, g in enumerate(_list(top["graphs"], "graphs")))
+        graphs = tuple(
+            GraphRecord.from_json(g, f"graph {i}", descriptions) for i, g in enumerate(_list(top["graphs"], "graphs"))
+        )
         names = {r.name: r for r in ranges}
         for g in graphs:
             absent = sorted(set(g.kernels.values()) - set(images))
@@ -201,4 +238,4 @@ class GraphBundle:
         return cls(tuple(ranges), graphs, images)
 
 
-__all__ = ["FORMAT", "MAGIC", "GraphBundle", "GraphRecord", "Output"]
+__all__ = ["FORMAT", "MAGIC", "PREFIX", "GraphBundle", "GraphRecord", "Output", "image_matches"]

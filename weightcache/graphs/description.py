@@ -7,9 +7,11 @@ offsets and sizes, for a node launched with ``kernelParams``) or as one buffer (
 form cuBLAS uses; its layout is unknown). A memset node is its destination and geometry; an empty node is nothing.
 Edges carry the driver's 8 bytes of edge data (ports and type: a programmatic dependent launch has some).
 
-:meth:`GraphDescription.to_json` and :meth:`GraphDescription.from_json` are the only serialization: plain JSON
-(bytes as hex), read back with every field checked, so a description from a file or the keeper is never more than
-data. Anything malformed is a :class:`~weightcache.errors.GraphDescriptionError` naming the field.
+Two serializations, each read back with every field checked, so a description from a file or the keeper is never
+more than data: :meth:`GraphDescription.to_json` (plain JSON, bytes as hex: for files and people) and
+:meth:`GraphDescription.to_binary` (fixed-size little-endian tables checked as arrays: what the graph artifact
+holds, since a restore reads thousands of nodes and JSON cost it ~60 us each). Anything malformed is a
+:class:`~weightcache.errors.GraphDescriptionError` naming the field.
 """
 
 from __future__ import annotations
@@ -23,9 +25,12 @@ from .json_fields import FieldReader
 
 #: The format of :meth:`GraphDescription.to_json`.
 FORMAT = 1
+#: What :meth:`GraphDescription.to_binary` writes first, and its format.
+BINARY_MAGIC = b"WCGD"
+BINARY_FORMAT = 1
 #: How a kernel node's arguments were given at capture: ``params`` (``kernelParams``, one pointer per parameter;
 #: :attr:`KernelNode.layout` holds their offsets and sizes) or ``buffer`` (``extra``: one argument buffer).
-LAUNCH_FORMS = ("params", "buffer")
+LAUNCH_FORMS: tuple[Literal["params"], Literal["buffer"]] = ("params", "buffer")
 #: Bytes of one launch attribute's value (``CUlaunchAttributeValue`` is a 64-byte union) and of one edge's data.
 ATTRIBUTE_BYTES = 64
 EDGE_BYTES = 8
@@ -182,6 +187,229 @@ class GraphDescription:
             edges.append(Edge(src, dst, _hex(raw[2], f"{where} data", EDGE_BYTES)))
         return cls(nodes, tuple(edges))
 
+    def to_binary(self) -> bytes:
+        """The description as tables (:data:`BINARY_MAGIC`, counts, then the node, layout, attribute, edge and
+        name tables and the argument bytes); :meth:`from_binary` reads them back."""
+        names: dict[str, int] = {}
+        table = np.zeros(len(self.nodes), dtype=_NODE)
+        layout: list[tuple[int, int]] = []
+        attributes: list[tuple[int, bytes]] = []
+        args: list[bytes] = []
+        for i, node in enumerate(self.nodes):
+            row = table[i]
+            if isinstance(node, KernelNode):
+                row["kind"], row["form"] = _KERNEL, LAUNCH_FORMS.index(node.launched_with)
+                row["name"] = names.setdefault(node.function, len(names))
+                row["grid"], row["block"], row["shared"] = node.grid, node.block, node.shared_bytes
+                row["args"], row["layout"], row["attributes"] = len(node.args), len(node.layout), len(node.attributes)
+                args.append(node.args)
+                layout.extend(node.layout)
+                attributes.extend(node.attributes)
+            elif isinstance(node, MemsetNode):
+                row["kind"] = _MEMSET
+                row["memset"] = [getattr(node, f) for f in _MEMSET_FIELDS]
+            else:
+                row["kind"] = _EMPTY
+        encoded = [n.encode() for n in names]
+        spans = np.array(layout, dtype=_SPAN).reshape(-1) if layout else np.zeros(0, _SPAN)
+        attrs_table = np.zeros(len(attributes), dtype=_ATTRIBUTE)
+        for j, (key, value) in enumerate(attributes):
+            attrs_table[j] = (key, np.frombuffer(value, dtype=np.uint8))
+        edges = np.zeros(len(self.edges), dtype=_EDGE)
+        for j, e in enumerate(self.edges):
+            edges[j] = (e.src, e.dst, np.frombuffer(e.data, dtype=np.uint8))
+        counts = np.array(
+            [BINARY_FORMAT, len(self.nodes), len(layout), len(attributes), len(self.edges), len(names)], dtype="<u4"
+        )
+        lengths = np.array([len(n) for n in encoded], dtype="<u4")
+        return b"".join(
+            [
+                BINARY_MAGIC,
+                counts.tobytes(),
+                table.tobytes(),
+                spans.tobytes(),
+                attrs_table.tobytes(),
+                edges.tobytes(),
+                lengths.tobytes(),
+                *encoded,
+                *args,
+            ]
+        )
+
+    @classmethod
+    def from_binary(cls, data: bytes | memoryview) -> GraphDescription:
+        """The description :meth:`to_binary` wrote, every field and length checked (as arrays);
+        :class:`GraphDescriptionError` otherwise."""
+        reader = _Tables(memoryview(data).cast("B"))
+        if bytes(reader.take(len(BINARY_MAGIC), "the magic")) != BINARY_MAGIC:
+            raise _fail("the binary description", f"one starting with {BINARY_MAGIC!r}", bytes(data[:4]))
+        version, n_nodes, n_spans, n_attributes, n_edges, n_names = (
+            int(v) for v in reader.array(np.dtype("<u4"), 6, "the counts")
+        )
+        if version != BINARY_FORMAT:
+            raise _fail("format", str(BINARY_FORMAT), version)
+        table = reader.array(_NODE, n_nodes, "the node table")
+        spans = reader.array(_SPAN, n_spans, "the layout table")
+        attributes = reader.array(_ATTRIBUTE, n_attributes, "the attribute table")
+        edges = reader.array(_EDGE, n_edges, "the edge table")
+        lengths = reader.array(np.dtype("<u4"), n_names, "the name lengths").astype(np.int64)
+        names = []
+        for j, size in enumerate(lengths.tolist()):
+            raw = bytes(reader.take(size, f"name {j}"))
+            try:
+                names.append(raw.decode())
+            except UnicodeDecodeError:
+                raise _fail(f"name {j}", "UTF-8", raw) from None
+            if not names[-1]:
+                raise _fail(f"name {j}", "a kernel name", "")
+        kinds = table["kind"]
+        kernel = kinds == _KERNEL
+        _check_tables(table, kernel, spans, attributes, edges, n_names, reader.left())
+        args = reader.take(reader.left(), "the argument bytes")
+        return cls(_nodes(table, kernel, spans, attributes, names, args), _edges(edges))
+
+
+_KERNEL, _MEMSET, _EMPTY = 0, 1, 2
+_NODE = np.dtype(
+    [
+        ("kind", "u1"),
+        ("form", "u1"),
+        ("pad", "<u2"),
+        ("name", "<u4"),
+        ("grid", "<u4", 3),
+        ("block", "<u4", 3),
+        ("shared", "<u4"),
+        ("args", "<u4"),
+        ("layout", "<u4"),
+        ("attributes", "<u4"),
+        ("memset", "<u8", 6),
+    ]
+)
+_SPAN = np.dtype([("offset", "<u4"), ("size", "<u4")])
+_ATTRIBUTE = np.dtype([("id", "<u4"), ("value", "u1", ATTRIBUTE_BYTES)])
+_EDGE = np.dtype([("src", "<u4"), ("dst", "<u4"), ("data", "u1", EDGE_BYTES)])
+
+
+class _Tables:
+    """Consecutive reads of a binary description, each one checked to be within it."""
+
+    def __init__(self, data: memoryview) -> None:
+        self.data = data
+        self.at = 0
+
+    def left(self) -> int:
+        return len(self.data) - self.at
+
+    def take(self, size: int, what: str) -> memoryview:
+        if size > self.left():
+            raise _fail(what, f"{size} bytes", f"{self.left()} bytes left in the description")
+        out = self.data[self.at : self.at + size]
+        self.at += size
+        return out
+
+    def array(self, dtype: np.dtype[Any], count: int, what: str) -> np.ndarray:
+        return np.frombuffer(self.take(count * dtype.itemsize, what), dtype=dtype, count=count)
+
+
+def _first(mask: np.ndarray) -> int:
+    return int(np.flatnonzero(mask)[0])
+
+
+def _check_tables(
+    table: np.ndarray,
+    kernel: np.ndarray,
+    spans: np.ndarray,
+    attributes: np.ndarray,
+    edges: np.ndarray,
+    n_names: int,
+    arg_bytes: int,
+) -> None:
+    """Every count, index and span of the tables within what the description holds."""
+    kinds = table["kind"]
+    if (bad := kinds > _EMPTY).any():
+        raise _fail(f"node {_first(bad)} kind", "kernel, memset or empty", int(kinds[_first(bad)]))
+    if (bad := kernel & (table["form"] >= len(LAUNCH_FORMS))).any():
+        raise _fail(f"node {_first(bad)} launched_with", " or ".join(LAUNCH_FORMS), int(table["form"][_first(bad)]))
+    if (bad := kernel & (table["name"] >= n_names)).any():
+        raise _fail(f"node {_first(bad)} function", f"a name of the {n_names} listed", int(table["name"][_first(bad)]))
+    counts = table[["args", "layout", "attributes"]]
+    if (bad := ~kernel & ((table["args"] > 0) | (table["layout"] > 0) | (table["attributes"] > 0))).any():
+        raise _fail(f"node {_first(bad)}", "no arguments, layout or attributes (it is no kernel)", counts[_first(bad)])
+    if (bad := kernel & (table["form"] == LAUNCH_FORMS.index("buffer")) & (table["layout"] > 0)).any():
+        raise _fail(f"node {_first(bad)} layout", "empty for an argument buffer", int(table["layout"][_first(bad)]))
+    memset = kinds == _MEMSET
+    if (bad := memset & ~np.isin(table["memset"][:, 3], (1, 2, 4))).any():
+        raise _fail(f"node {_first(bad)} element_size", "1, 2 or 4", int(table["memset"][_first(bad), 3]))
+    for field, total, what in (
+        ("args", arg_bytes, "argument bytes"),
+        ("layout", len(spans), "layout entries"),
+        ("attributes", len(attributes), "attributes"),
+    ):
+        if (listed := int(table[field].sum(dtype=np.int64))) != total:
+            raise _fail(f"the nodes' {what}", f"the {total} the description holds", listed)
+    owner = np.repeat(np.arange(len(table)), table["layout"].astype(np.intp))
+    ends = spans["offset"].astype(np.int64) + spans["size"].astype(np.int64)
+    if (bad := ends > table["args"][owner]).any():
+        j = _first(bad)
+        raise _fail(f"node {int(owner[j])} layout", "within its argument bytes", spans[j].tolist())
+    if (bad := (edges["src"] >= len(table)) | (edges["dst"] >= len(table))).any():
+        raise _fail(f"edge {_first(bad)}", f"between the {len(table)} nodes", edges[_first(bad)][["src", "dst"]])
+
+
+def _nodes(
+    table: np.ndarray,
+    kernel: np.ndarray,
+    spans: np.ndarray,
+    attributes: np.ndarray,
+    names: list[str],
+    args: memoryview,
+) -> tuple[Node, ...]:
+    """The nodes of checked tables (:func:`_check_tables`)."""
+    arg_ends = np.cumsum(table["args"], dtype=np.int64).tolist()
+    span_ends = np.cumsum(table["layout"], dtype=np.int64).tolist()
+    attr_ends = np.cumsum(table["attributes"], dtype=np.int64).tolist()
+    pairs = list(zip(spans["offset"].tolist(), spans["size"].tolist(), strict=True))
+    ids, values = attributes["id"].tolist(), [v.tobytes() for v in attributes["value"]]
+    rows = zip(
+        table["kind"].tolist(),
+        table["form"].tolist(),
+        table["name"].tolist(),
+        table["grid"].tolist(),
+        table["block"].tolist(),
+        table["shared"].tolist(),
+        table["memset"].tolist(),
+        strict=True,
+    )
+    nodes: list[Node] = []
+    a = s = t = 0
+    for i, (kind, form, name, grid, block, shared, memset) in enumerate(rows):
+        if kind == _KERNEL:
+            nodes.append(
+                KernelNode(
+                    function=names[name],
+                    grid=(grid[0], grid[1], grid[2]),
+                    block=(block[0], block[1], block[2]),
+                    shared_bytes=shared,
+                    args=bytes(args[a : arg_ends[i]]),
+                    layout=tuple(pairs[s : span_ends[i]]),
+                    launched_with=LAUNCH_FORMS[form],
+                    attributes=tuple(zip(ids[t : attr_ends[i]], values[t : attr_ends[i]], strict=True)),
+                )
+            )
+        elif kind == _MEMSET:
+            nodes.append(MemsetNode(*memset))
+        else:
+            nodes.append(EmptyNode())
+        a, s, t = arg_ends[i], span_ends[i], attr_ends[i]
+    return tuple(nodes)
+
+
+def _edges(edges: np.ndarray) -> tuple[Edge, ...]:
+    data = [d.tobytes() for d in edges["data"]]
+    return tuple(
+        Edge(src, dst, d) for src, dst, d in zip(edges["src"].tolist(), edges["dst"].tolist(), data, strict=True)
+    )
+
 
 _MEMSET_FIELDS = ("dst", "pitch", "value", "element_size", "width", "height")
 
@@ -236,6 +464,8 @@ def _node(raw: object, where: str) -> Node:
 
 __all__ = [
     "ATTRIBUTE_BYTES",
+    "BINARY_FORMAT",
+    "BINARY_MAGIC",
     "EDGE_BYTES",
     "FORMAT",
     "LAUNCH_FORMS",

@@ -125,7 +125,7 @@ class RestoreDriver(GraphDriver, Protocol):
         """Free an executable graph (errors ignored)."""
         ...
 
-    def load_module(self, image: bytes) -> int:
+    def load_module(self, image: bytes | memoryview) -> int:
         """A module of this process loaded from a cubin ``image`` (``cuModuleLoadData``)."""
         ...
 
@@ -137,6 +137,17 @@ class RestoreDriver(GraphDriver, Protocol):
         """``cuFuncSetAttribute`` (e.g. :data:`MAX_DYNAMIC_SHARED` before a node asks for more shared memory than
         a function gets by default)."""
         ...
+
+
+def _address_of(image: bytes | memoryview) -> bytes | ctypes.Array[ctypes.c_char]:
+    """What ctypes passes as a pointer to ``image``'s bytes: bytes as they are; a writable view (an artifact's
+    private mapping) without a copy; a read-only view copied."""
+    if isinstance(image, bytes):
+        return image
+    view = image.cast("B")
+    if view.readonly:
+        return view.tobytes()
+    return (ctypes.c_char * view.nbytes).from_buffer(view)
 
 
 class _KernelParams(ctypes.Structure):
@@ -385,9 +396,9 @@ class CudaGraphDriver:
     def destroy_executable(self, executable: int) -> None:
         self._lib.cuGraphExecDestroy(_p(executable))
 
-    def load_module(self, image: bytes) -> int:
+    def load_module(self, image: bytes | memoryview) -> int:
         module = _p()
-        self._call("cuModuleLoadData", ctypes.byref(module), image)
+        self._call("cuModuleLoadData", ctypes.byref(module), _address_of(image))
         return int(module.value or 0)
 
     def module_function(self, module: int, name: str) -> int | None:
