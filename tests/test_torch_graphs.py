@@ -13,6 +13,7 @@ import json
 import mmap
 import struct
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from weightcache.graphs.bundle import MAGIC, PREFIX, GraphBundle, GraphRecord, O
 from weightcache.graphs.check import AddressRange
 from weightcache.graphs.cubins import kernel_names
 from weightcache.graphs.description import Edge, EmptyNode, GraphDescription, KernelNode, MemsetNode
+from weightcache.graphs.loading import KernelLoader
 from weightcache.segments.cuda_vmm import HOME_BASE, HOME_RESERVE, HOME_SLOT, HOME_SLOTS, home_addresses
 
 
@@ -163,14 +165,30 @@ def test_a_malformed_artifact_is_refused_naming_the_field(change: Any, field: st
 
 
 class LoadingDriver:
-    """The one call a restore makes with an image: it loads it as a module."""
+    """The driver calls a KernelLoader makes: modules from images (their kernels read from the ELF), functions by
+    name, and on which thread each was asked for."""
 
     def __init__(self) -> None:
         self.loaded: list[bytes] = []
+        self.asked: list[tuple[str, str]] = []  # (kernel, thread name)
 
     def load_module(self, image: bytes | memoryview) -> int:
         self.loaded.append(bytes(image))
         return len(self.loaded)
+
+    def module_function(self, module: int, name: str) -> int | None:
+        self.asked.append((name, threading.current_thread().name))
+        return (
+            1000 * module + sorted(kernel_names(self.loaded[module - 1])).index(name)
+            if name in kernel_names(self.loaded[module - 1])
+            else None
+        )
+
+    def current_context(self) -> int:
+        return 7
+
+    def make_current(self, context: int) -> None:
+        assert context == 7
 
 
 def test_a_restore_maps_the_artifact_and_checks_each_image_where_it_loads_it(
@@ -178,7 +196,7 @@ def test_a_restore_maps_the_artifact_and_checks_each_image_where_it_loads_it(
 ) -> None:
     """fetch_bundle maps the keeper's artifact (the header and descriptions checked against their SHA-256, the
     images not copied); an image whose bytes changed never reaches the driver, a good one does."""
-    from weightcache.torch_graphs import _load_image, fetch_bundle
+    from weightcache.torch_graphs import fetch_bundle
 
     weights, key = "cd" * 32, ArtifactKey("cuda.graphs", {"test": "fetch"})
     cache = wc.Cache(socket_dir)
@@ -194,15 +212,26 @@ def test_a_restore_maps_the_artifact_and_checks_each_image_where_it_loads_it(
     view = fetched.bundle.images[digest]
     assert isinstance(view, memoryview) and isinstance(view.obj, mmap.mmap)
     driver = LoadingDriver()
-    assert _load_image(driver, digest, view, check=True) == 1 and driver.loaded == [image]  # type: ignore[arg-type]
+    loader = KernelLoader(driver)
+    loader.preload(fetched.bundle.images, fetched.bundle.graphs)
+    [record] = fetched.bundle.graphs
+    assert loader.functions(record.kernels, fetched.bundle.images, check=True) == {"gelu": 1000, "gemm": 1001}
+    assert driver.loaded == [image] and (loader.images_loaded, loader.image_bytes) == (1, len(image))
+    assert {thread.split("_")[0] for _, thread in driver.asked} == {"weightcache-images"}  # resolved ahead
+    with pytest.raises(GraphRestoreError, match="has no kernel named nope"):
+        loader.functions({"nope": digest}, fetched.bundle.images, check=True)
 
     other = ArtifactKey("cuda.graphs", {"test": "a changed image"})
     at = blob.rindex(image) + 100
     cache.put_artifact(weights, other, blob[:at] + bytes([blob[at] ^ 1]) + blob[at + 1 :]).close()
     changed = fetch_bundle(cache, weights, other)  # the header and descriptions are intact
     assert not isinstance(changed, str), changed
+    refusing = KernelLoader(driver)
+    refusing.preload(changed.bundle.images, changed.bundle.graphs)
     with pytest.raises(GraphRestoreError, match=f"kernel image {digest[:12]} does not match its SHA-256"):
-        _load_image(driver, digest, changed.bundle.images[digest], check=True)  # type: ignore[arg-type]
+        refusing.functions(record.kernels, changed.bundle.images, check=True)
+    with pytest.raises(GraphRestoreError, match="does not match"):  # loaded now, not ahead: checked all the same
+        refusing.functions(record.kernels, changed.bundle.images, check=True)
     assert len(driver.loaded) == 1
 
     header = ArtifactKey("cuda.graphs", {"test": "a changed header"})

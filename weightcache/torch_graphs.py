@@ -42,7 +42,6 @@ import logging
 import os
 import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import attrs
@@ -54,11 +53,12 @@ from .dtypes import DTYPES
 from .errors import GraphDescriptionError, GraphRestoreError, WeightCacheError
 from .fingerprint import Fingerprint
 from .graphs.arena import DEFAULT_BASE, Arena, CudaArenaDriver
-from .graphs.bundle import FORMAT, GraphBundle, GraphRecord, Output, image_matches
+from .graphs.bundle import FORMAT, GraphBundle, GraphRecord, Output
 from .graphs.check import AddressRange, extent_problems, extents, pointers
-from .graphs.cubins import CubinRecorder, keep_kernel_images, loading_kept_images
+from .graphs.cubins import CubinRecorder, keep_kernel_images
 from .graphs.description import GraphDescription
 from .graphs.driver import CudaGraphDriver
+from .graphs.loading import KernelLoader
 from .graphs.record import describe, prepare, rebuild
 from .handle import Handle
 from .manifest import extent_bytes
@@ -206,15 +206,6 @@ def graphs_key(key: Mapping[str, Any], device: int, arena: tuple[int, int]) -> A
     )
 
 
-def _load_image(driver: CudaGraphDriver, digest: str, image: bytes | memoryview, *, check: bool) -> int:
-    """A module of this process loaded from a kept kernel image; with ``check``, only once the image's SHA-256 is
-    ``digest`` (GraphRestoreError otherwise: no byte of an image that does not match reaches the driver)."""
-    if check and not image_matches(digest, image):
-        raise GraphRestoreError(f"the artifact's kernel image {digest[:12]} does not match its SHA-256")
-    with loading_kept_images():
-        return driver.load_module(image)
-
-
 @attrs.frozen
 class FetchedBundle:
     """A ``cuda.graphs`` artifact as :func:`fetch_bundle` got it: the bundle, the artifact's SHA-256 and size, and
@@ -311,15 +302,10 @@ class GraphCache:
         self._recordable = True  # every graph so far recorded: later ones can be too
         self._records: list[GraphRecord] = []
         self._images: dict[str, bytes | memoryview] = {}
-        self._modules: dict[str, int] = {}
-        #: Kernel images this GraphCache loaded (each once), their bytes, and the seconds the graphs waited for them.
-        self.images_loaded = 0
-        self.image_bytes = 0
-        self.image_seconds = 0.0
+        self._kernels: KernelLoader | None = None  # once there is a driver
         #: Seconds of the start-up steps: ``arena`` (range, pool, driver), ``artifact`` (asked of the keeper and
         #: read), ``parse`` (checked).
         self.phases: dict[str, float] = {}
-        self._loading: dict[str, Future[int]] = {}
         self._captured = 0
         self.graphs: list[CudaGraph] = []
         began = time.perf_counter()
@@ -328,6 +314,7 @@ class GraphCache:
             torch.cuda.current_stream(self.device)  # the primary context is current on this thread from here on
             try:
                 self._driver: CudaGraphDriver | None = CudaGraphDriver()
+                self._kernels = KernelLoader(self._driver)
                 self._arena = Arena(CudaArenaDriver(), "graphs", arena_bytes, self.device, base)
                 self._alloc = _ALLOC(self._allocate)  # kept alive: torch holds the raw pointers
                 self._free = _FREE(self._release)
@@ -336,7 +323,7 @@ class GraphCache:
                 allocator = torch._C._cuda_customAllocator(address, release)
                 self._pool = torch.cuda.MemPool(allocator)
             except (GraphRestoreError, AttributeError, RuntimeError, TypeError) as exc:
-                self._driver = None
+                self._driver = self._kernels = None
                 if self._arena is not None:  # the range was had, torch's pool was not: give the range back
                     self._arena.close()
                     self._arena = None
@@ -388,24 +375,24 @@ class GraphCache:
             return
         self._bundle, self._replace = fetched.bundle, fetched.sha256
         self.phases.update(fetched.phases)
-        self._preload(self._bundle.images)
+        if self._kernels is not None:  # checked, loaded and asked for their kernels on worker threads
+            self._kernels.preload(self._bundle.images, self._bundle.graphs)
 
-    def _preload(self, images: Mapping[str, bytes | memoryview]) -> None:
-        """Check and load every image of the artifact on worker threads (hashing and the driver's module loads run
-        in parallel and without the GIL), while the caller goes on; :meth:`_functions` waits for the ones a graph
-        needs."""
-        driver = self._driver
-        if driver is None or not images:
-            return
-        context = driver.current_context()
+    @property
+    def images_loaded(self) -> int:
+        """Kernel images this GraphCache loaded (each once)."""
+        return self._kernels.images_loaded if self._kernels is not None else 0
 
-        def load(digest: str, image: bytes | memoryview) -> int:
-            driver.make_current(context)
-            return _load_image(driver, digest, image, check=True)
+    @property
+    def image_bytes(self) -> int:
+        """The bytes of those images."""
+        return self._kernels.image_bytes if self._kernels is not None else 0
 
-        pool = ThreadPoolExecutor(max_workers=min(8, len(images)), thread_name_prefix="weightcache-images")
-        self._loading = {digest: pool.submit(load, digest, image) for digest, image in images.items()}
-        pool.shutdown(wait=False)
+    @property
+    def image_seconds(self) -> float:
+        """Seconds the graphs waited for those images (loads on worker threads are not counted while they run
+        beside the caller)."""
+        return self._kernels.image_seconds if self._kernels is not None else 0.0
 
     def ranges(self) -> list[AddressRange]:
         """The address ranges this process reproduces: the arena, and the weights mapped at their homes."""
@@ -491,7 +478,7 @@ class GraphCache:
             if problems:
                 return self._refuse(name, f"{len(problems)} address check(s) failed, e.g. {problems[0]}")
             phases["checks"] = time.perf_counter() - started
-            functions = self._functions(record.kernels, bundle.images, check=True)
+            functions = self._kernel_functions(record.kernels, bundle.images, check=True)
             prepare(driver, record.description, functions)
             phases["kernels"] = time.perf_counter() - started - sum(phases.values())
             graph = rebuild(driver, record.description, functions)
@@ -527,31 +514,13 @@ class GraphCache:
     def _output(self, o: Output) -> torch.Tensor:
         return self._at(o.address, TORCH_DTYPES[o.dtype], o.shape, o.stride)
 
-    def _functions(
+    def _kernel_functions(
         self, kernels: Mapping[str, str], images: Mapping[str, bytes | memoryview], *, check: bool
     ) -> dict[str, int]:
-        """Each kernel's function handle from this process's own load of its image (``check``: each image checked
-        against its SHA-256 first: one from the artifact, which is mapped unchecked)."""
-        assert self._driver is not None
-        functions = {}
-        for name, digest in kernels.items():
-            module = self._modules.get(digest)
-            if module is None:
-                began = time.perf_counter()
-                loading = self._loading.pop(digest, None)
-                if loading is not None:
-                    loaded = loading.result()
-                else:
-                    loaded = _load_image(self._driver, digest, images[digest], check=check)
-                module = self._modules[digest] = loaded
-                self.images_loaded += 1
-                self.image_bytes += len(images[digest])
-                self.image_seconds += time.perf_counter() - began
-            function = self._driver.module_function(module, name)
-            if function is None:
-                raise GraphRestoreError(f"the kept image {digest[:12]} has no kernel named {name[:120]}")
-            functions[name] = function
-        return functions
+        """Each kernel's function handle from this process's own load of its image (``check``: the image checked
+        against its SHA-256 first: an artifact's, which is mapped unchecked)."""
+        assert self._kernels is not None
+        return self._kernels.functions(kernels, images, check=check)
 
     def _capture(self, name: str, fn: Callable[[], object], warmup: int, started: float, why: str) -> CudaGraph:
         current = torch.cuda.current_stream()
@@ -638,7 +607,7 @@ class GraphCache:
         driver = self._driver
         assert driver is not None
         try:
-            functions = self._functions(kernels, images, check=False)
+            functions = self._kernel_functions(kernels, images, check=False)
             prepare(driver, description, functions)
             rebuilt = rebuild(driver, description, functions)
             try:

@@ -1,0 +1,114 @@
+"""The kept kernel images of graphs loaded into this process: :class:`KernelLoader`.
+
+A graph rebuilt in a new process needs a handle of each kernel it launches, and handles cannot be found by name
+(:mod:`~weightcache.graphs.cubins`), so the process loads the images the artifact carries itself and asks each
+module for its kernels. The loader does that once per image, and for an artifact's images ahead of time
+(:meth:`KernelLoader.preload`): on worker threads, each image is checked against its SHA-256, loaded
+(``cuModuleLoadData``) and asked for every kernel the graphs use (``cuModuleGetFunction``, where the driver's lazy
+loading loads each function), while the caller parses, checks and rebuilds; hashing and the driver's work run
+without the GIL. No byte of an image that does not match its SHA-256 reaches the driver.
+
+Layer L3; imports no torch.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable, Mapping
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+from ..errors import GraphRestoreError
+from .bundle import GraphRecord, image_matches
+from .cubins import loading_kept_images
+
+#: Worker threads that check and load an artifact's images.
+MAX_THREADS = 8
+
+
+class ModuleDriver(Protocol):
+    """The driver calls a :class:`KernelLoader` makes (:class:`~weightcache.graphs.driver.CudaGraphDriver` has
+    them)."""
+
+    def load_module(self, image: bytes | memoryview) -> int: ...
+
+    def module_function(self, module: int, name: str) -> int | None: ...
+
+    def current_context(self) -> int: ...
+
+    def make_current(self, context: int) -> None: ...
+
+
+class KernelLoader:
+    """Modules loaded from kept kernel images, each image once, and the kernels' function handles."""
+
+    def __init__(self, driver: ModuleDriver) -> None:
+        self._driver = driver
+        self._modules: dict[str, int] = {}
+        self._functions: dict[tuple[str, str], int | None] = {}
+        self._loading: dict[str, Future[tuple[int, dict[str, int | None]]]] = {}
+        #: Images loaded (each once), their bytes, and the seconds callers of :meth:`functions` waited for them.
+        self.images_loaded = 0
+        self.image_bytes = 0
+        self.image_seconds = 0.0
+
+    def preload(self, images: Mapping[str, bytes | memoryview], graphs: Iterable[GraphRecord]) -> None:
+        """Start checking and loading every image of ``images`` (an artifact's, taken unchecked) on worker
+        threads, each module asked for the kernels ``graphs`` use from it; :meth:`functions` waits for the ones
+        it needs, and raises what a worker raised (:class:`GraphRestoreError` for an image that does not match)."""
+        todo = {d: image for d, image in images.items() if d not in self._modules and d not in self._loading}
+        if not todo:
+            return
+        wanted: dict[str, set[str]] = {}
+        for record in graphs:
+            for name, digest in record.kernels.items():
+                wanted.setdefault(digest, set()).add(name)
+        driver, context = self._driver, self._driver.current_context()
+
+        def load(digest: str, image: bytes | memoryview) -> tuple[int, dict[str, int | None]]:
+            driver.make_current(context)
+            module = self._load(digest, image, check=True)
+            return module, {name: driver.module_function(module, name) for name in sorted(wanted.get(digest, ()))}
+
+        pool = ThreadPoolExecutor(max_workers=min(MAX_THREADS, len(todo)), thread_name_prefix="weightcache-images")
+        self._loading.update({digest: pool.submit(load, digest, image) for digest, image in todo.items()})
+        pool.shutdown(wait=False)
+
+    def functions(
+        self, kernels: Mapping[str, str], images: Mapping[str, bytes | memoryview], *, check: bool
+    ) -> dict[str, int]:
+        """Each kernel of ``kernels`` (name -> SHA-256 of its image) -> its function handle, from this process's
+        own load of its image in ``images``: preloaded, loaded earlier, or loaded now (``check``: the image
+        checked against its SHA-256 first; an artifact's images are taken unchecked, a recorder's are this
+        process's own). :class:`GraphRestoreError` if an image does not match or has no kernel of that name."""
+        found = {}
+        for name, digest in kernels.items():
+            module = self._modules.get(digest)
+            if module is None:
+                began = time.perf_counter()
+                loading = self._loading.pop(digest, None)
+                if loading is not None:
+                    module, resolved = loading.result()
+                    self._functions.update({(digest, n): f for n, f in resolved.items()})
+                else:
+                    module = self._load(digest, images[digest], check=check)
+                self._modules[digest] = module
+                self.images_loaded += 1
+                self.image_bytes += len(images[digest])
+                self.image_seconds += time.perf_counter() - began
+            if (digest, name) not in self._functions:
+                self._functions[(digest, name)] = self._driver.module_function(module, name)
+            function = self._functions[(digest, name)]
+            if function is None:
+                raise GraphRestoreError(f"the kept image {digest[:12]} has no kernel named {name[:120]}")
+            found[name] = function
+        return found
+
+    def _load(self, digest: str, image: bytes | memoryview, *, check: bool) -> int:
+        if check and not image_matches(digest, image):
+            raise GraphRestoreError(f"the artifact's kernel image {digest[:12]} does not match its SHA-256")
+        with loading_kept_images():  # a recorder in this process does not keep what we load ourselves
+            return self._driver.load_module(image)
+
+
+__all__ = ["MAX_THREADS", "KernelLoader", "ModuleDriver"]
