@@ -9,7 +9,7 @@ from pathlib import Path
 import attrs
 import pytest
 import torch
-from conftest import start_keeper, wait_until
+from conftest import start_keeper, terminate_keeper, wait_until
 
 import weightcache as wc
 
@@ -128,6 +128,41 @@ def test_evict_right_after_close_finds_the_lease_released(cache: wc.Cache, check
         again.close()
         handle.close()
         assert cache.evict(fp) == [f"{fp.digest}@cpu"], i
+
+
+def test_close_waits_for_a_stopped_keeper_at_most_its_timeout_and_a_collected_handle_never_waits(
+    socket_dir: Path, checkpoint: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A keeper that does not answer (SIGSTOP) holds an explicit close up to CLOSE_TIMEOUT_S, and a handle that the
+    garbage collector drops not at all: collection may run anywhere."""
+    import signal
+    import time
+    import weakref
+
+    from weightcache.client import connection
+
+    monkeypatch.setattr(connection, "CLOSE_TIMEOUT_S", 0.5)
+    keeper = start_keeper(socket_dir)
+    try:
+        cache = wc.Cache(socket_dir)
+        fp = wc.Fingerprint.create(checkpoint)
+        closed, dropped = cache.put(fp, {"w": torch.ones(8)}), cache.get(fp)
+        assert dropped is not None
+        collected = weakref.ref(dropped)
+        keeper.send_signal(signal.SIGSTOP)
+        try:
+            began = time.monotonic()
+            del dropped
+            gc.collect()
+            assert collected() is None and time.monotonic() - began < 0.3
+            began = time.monotonic()
+            closed.close()
+            assert 0.4 < time.monotonic() - began < 2.0
+        finally:
+            keeper.send_signal(signal.SIGCONT)
+        assert wait_until(lambda: cache.entries()[0].leases == 0)  # both released once the keeper runs again
+    finally:
+        terminate_keeper(keeper)
 
 
 def test_handle_close_keeps_tensors_valid(cache: wc.Cache, checkpoint: Path) -> None:

@@ -244,10 +244,12 @@ class Artifact:
         finally:
             close_fds(fds)
 
-    def close(self) -> None:
+    def close(self, *, wait: bool = True) -> None:
+        """Release the lease; returns once the keeper has released it (``wait``; at most
+        :data:`~weightcache.client.connection.CLOSE_TIMEOUT_S`)."""
         if self._lease is not None:
             republish.forget(self._lease)
-            self._lease.close()
+            self._lease.close(wait=wait)
 
     def __enter__(self) -> Artifact:
         return self
@@ -257,7 +259,7 @@ class Artifact:
 
     def __del__(self) -> None:
         with contextlib.suppress(Exception):
-            self.close()
+            self.close(wait=False)  # collected anywhere: never wait on the keeper here
 
     def __repr__(self) -> str:
         state = "" if self.held else " (released)"

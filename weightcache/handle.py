@@ -114,11 +114,14 @@ class Handle:
     def close(self) -> None:
         """Release the lease and this handle's fds; returns once the keeper has released the lease (at most
         :data:`~weightcache.client.connection.CLOSE_TIMEOUT_S`). The tensors stay valid."""
+        self._release(wait=True)
+
+    def _release(self, *, wait: bool) -> None:
         lease = getattr(self, "_lease", None)
         if lease is None:  # weights held privately, or __init__ did not finish
             return
         republish.forget(lease)
-        lease.close()
+        lease.close(wait=wait)
 
     def __enter__(self) -> Handle:
         return self
@@ -128,7 +131,7 @@ class Handle:
 
     def __del__(self) -> None:
         try:
-            self.close()
+            self._release(wait=False)  # collected anywhere: never wait on the keeper here
         except Exception:
             pass
 

@@ -106,12 +106,13 @@ class BaseLease:
             self._connection = connection
             return True
 
-    def close(self) -> None:
-        """Release the lease (close the connection) and the fds. Memory mapped from them stays valid."""
+    def close(self, *, wait: bool = True) -> None:
+        """Release the lease (close the connection; with ``wait``, return once the keeper has released it) and the
+        fds. Memory mapped from them stays valid."""
         with self._lock:
             self._closed = True
             if self._connection is not None:
-                self._connection.close()
+                self._connection.close(wait=wait)
                 self._connection = None
             close_fds(self._fds)
             self._fds = []

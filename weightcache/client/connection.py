@@ -441,8 +441,9 @@ class KeeperConnection:
         # more.
         return bool(poller.poll(0))
 
-    def close(self) -> None:
-        """Close the connection, ending the leases it holds; returns once the keeper has released them.
+    def close(self, *, wait: bool = True) -> None:
+        """Close the connection, ending the leases it holds; with ``wait``, returns once the keeper has released
+        them.
 
         The keeper serves each connection on a thread of its own: it releases the leases, then closes its end. So
         this process says it is done (half-close), waits up to :data:`CLOSE_TIMEOUT_S` for that close and only then
@@ -453,7 +454,7 @@ class KeeperConnection:
         if self._sock.fileno() < 0:
             return
         try:
-            if os.getpid() == self._pid:
+            if wait and os.getpid() == self._pid:
                 self._sock.shutdown(socket.SHUT_WR)
                 _wait_for_eof(self._sock, CLOSE_TIMEOUT_S)
         except OSError:
