@@ -113,7 +113,7 @@ def measure(socket_dir: str, tree: int) -> dict[str, float]:
     cache = wc.Cache(socket_dir)
     try:
         from weightcache.torch_graphs import fetch_bundle
-    except ImportError:  # a tree from before fetch_bundle (2026-12-04): GraphCache._load's steps, inline
+    except ImportError:  # a tree from before fetch_bundle (2026-12-04): the steps its GraphCache took to load, inline
         import time
 
         began = time.perf_counter()

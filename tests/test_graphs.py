@@ -358,25 +358,32 @@ def test_a_malformed_binary_description_is_an_error_naming_the_field(change: Any
         GraphDescription.from_binary(changed if isinstance(changed, bytes) else bytes(raw))
 
 
-def test_an_image_reaches_the_driver_without_a_copy_when_it_is_mapped() -> None:
-    """cuModuleLoadData gets a pointer: to bytes as they are, into a mapped artifact's view itself (no copy), or to
-    a copy of a read-only view."""
+def test_an_image_reaches_the_driver_without_a_copy_when_it_is_mapped_and_aligned() -> None:
+    """cuModuleLoadData gets a pointer: to bytes as they are; into a mapped artifact itself (no copy) where the image
+    starts aligned, as format 2 places each; to a copy where it does not."""
     import ctypes
 
     from weightcache.artifacts import map_blob, sealed_memfd
+    from weightcache.graphs.bundle import IMAGE_ALIGNMENT
     from weightcache.graphs.driver import _address_of
 
     image = bytes(range(256)) * 64
     assert _address_of(image) is image
-    fd, _ = sealed_memfd(b"head" + image)
+    fd, _ = sealed_memfd(bytes(IMAGE_ALIGNMENT) + image + b"x")
     try:
-        view = map_blob(fd, 4 + len(image))[4:]
+        mapped = map_blob(fd, IMAGE_ALIGNMENT + len(image) + 1)
     finally:
         os.close(fd)
+    assert mapped.readonly
+    view = mapped[IMAGE_ALIGNMENT : IMAGE_ALIGNMENT + len(image)]
     pointer = _address_of(view)
-    assert isinstance(pointer, ctypes.Array) and ctypes.string_at(pointer, len(image)) == image
-    assert ctypes.addressof(pointer) == ctypes.addressof(ctypes.c_char.from_buffer(view))  # the mapping itself
-    assert _address_of(memoryview(image)) == image
+    assert isinstance(pointer, ctypes.c_void_p) and ctypes.string_at(pointer, len(image)) == image
+    assert pointer.value == np.frombuffer(mapped, dtype=np.uint8).ctypes.data + IMAGE_ALIGNMENT  # the mapping
+    del view, mapped
+    assert ctypes.string_at(pointer, len(image)) == image  # the pointer keeps the mapping alive
+    unaligned = memoryview(b"ab" + image)[1:]
+    copied = _address_of(unaligned)
+    assert isinstance(copied, bytes) and copied == b"b" + image
 
 
 def test_a_description_that_is_no_object_is_an_error() -> None:

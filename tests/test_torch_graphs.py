@@ -23,7 +23,7 @@ from conftest import benchmark
 import weightcache as wc
 from weightcache.artifact_key import ArtifactKey
 from weightcache.errors import GraphDescriptionError, GraphRestoreError
-from weightcache.graphs.bundle import MAGIC, PREFIX, GraphBundle, GraphRecord, Output, image_matches
+from weightcache.graphs.bundle import IMAGE_ALIGNMENT, MAGIC, PREFIX, GraphBundle, GraphRecord, Output, image_matches
 from weightcache.graphs.check import AddressRange
 from weightcache.graphs.cubins import kernel_names
 from weightcache.graphs.description import Edge, EmptyNode, GraphDescription, KernelNode, MemsetNode
@@ -111,18 +111,29 @@ def test_images_taken_unchecked_are_views_of_the_blob_and_each_is_checked_on_its
 
 
 def header_and_images(blob: bytes) -> tuple[dict[str, Any], bytes]:
-    """The header's JSON, and the bytes after it (the descriptions, then the images)."""
+    """The header's JSON, and the bytes after it (the descriptions, padding, then the images)."""
     length, _ = struct.unpack_from("<QQ", blob, len(MAGIC))
     return json.loads(blob[PREFIX : PREFIX + length]), blob[PREFIX + length :]
 
 
 def rebuilt(header: dict[str, Any], rest: bytes) -> bytes:
-    """A blob of this header and the original descriptions and images, its SHA-256 recomputed (so that a test
-    reaches the field it changed)."""
-    _, tables = struct.unpack_from("<QQ", bundle().to_bytes(), len(MAGIC))
+    """A blob of this header and the original descriptions and images (padded to their alignment again), its
+    SHA-256 recomputed (so that a test reaches the field it changed)."""
+    original = bundle().to_bytes()
+    length, tables = struct.unpack_from("<QQ", original, len(MAGIC))
+    start = PREFIX + length + tables
+    images = original[start + (-start % IMAGE_ALIGNMENT) :]
     text = json.dumps(header).encode()
     checked = hashlib.sha256(text + rest[:tables]).digest()
-    return MAGIC + struct.pack("<QQ", len(text), tables) + checked + text + rest
+    ahead = PREFIX + len(text) + tables
+    pad = bytes(-ahead % IMAGE_ALIGNMENT)
+    return MAGIC + struct.pack("<QQ", len(text), tables) + checked + text + rest[:tables] + pad + images
+
+
+def deep_header() -> bytes:
+    """A blob whose header, its SHA-256 right, nests deeper than Python's JSON parser goes (a RecursionError)."""
+    text = b"[" * 100_000 + b"]" * 100_000
+    return MAGIC + struct.pack("<QQ", len(text), 0) + hashlib.sha256(text).digest() + text
 
 
 def edit(change: Any) -> bytes:
@@ -143,6 +154,9 @@ def edit(change: Any) -> bytes:
         (lambda h, i: h.update(format=99), "format"),
         (lambda h, i: h["images"][0].update(sha256="0" * 64), "image 0 sha256"),
         (lambda h, i: h["images"][0].update(size=1 << 30), "image 0"),
+        (lambda h, i: h["images"][0].update(offset=8), "image 0"),  # not at a multiple of IMAGE_ALIGNMENT
+        (lambda h, i: h["graphs"][0]["outputs"][0].update(dtype=["bfloat16"]), "graph 0 output 0 dtype"),
+        (lambda h, i: deep_header(), "the header"),
         (lambda h, i: h["graphs"][0]["kernels"].pop("gelu"), "graph 0 kernels"),
         (lambda h, i: h["graphs"][0]["kernels"].update(gemm="f" * 64), "graph 'b8' kernels"),
         (lambda h, i: h["graphs"][0].update(end=0, start=5), "graph 0 end"),
@@ -196,17 +210,19 @@ def test_a_restore_maps_the_artifact_and_checks_each_image_where_it_loads_it(
 ) -> None:
     """fetch_bundle maps the keeper's artifact (the header and descriptions checked against their SHA-256, the
     images not copied); an image whose bytes changed never reaches the driver, a good one does."""
-    from weightcache.torch_graphs import fetch_bundle
+    from weightcache.torch_graphs import BundleMiss, fetch_bundle
 
     weights, key = "cd" * 32, ArtifactKey("cuda.graphs", {"test": "fetch"})
     cache = wc.Cache(socket_dir)
-    assert fetch_bundle(cache, weights, key) == f"no cuda.graphs artifact for weights {weights[:12]} and this key"
+    assert fetch_bundle(cache, weights, key) == BundleMiss(
+        f"no cuda.graphs artifact for weights {weights[:12]} and this key"
+    )
     original = bundle()
     [(digest, image)] = original.images.items()
     blob = original.to_bytes()
     cache.put_artifact(weights, key, blob).close()
     fetched = fetch_bundle(cache, weights, key)
-    assert not isinstance(fetched, str), fetched
+    assert not isinstance(fetched, BundleMiss), fetched
     assert fetched.bundle == original and fetched.bytes == len(blob)
     assert fetched.sha256 == hashlib.sha256(blob).hexdigest() and set(fetched.phases) == {"artifact", "parse"}
     view = fetched.bundle.images[digest]
@@ -225,7 +241,7 @@ def test_a_restore_maps_the_artifact_and_checks_each_image_where_it_loads_it(
     at = blob.rindex(image) + 100
     cache.put_artifact(weights, other, blob[:at] + bytes([blob[at] ^ 1]) + blob[at + 1 :]).close()
     changed = fetch_bundle(cache, weights, other)  # the header and descriptions are intact
-    assert not isinstance(changed, str), changed
+    assert not isinstance(changed, BundleMiss), changed
     refusing = KernelLoader(driver)
     refusing.preload(changed.bundle.images, changed.bundle.graphs)
     with pytest.raises(GraphRestoreError, match=f"kernel image {digest[:12]} does not match its SHA-256"):
@@ -236,8 +252,12 @@ def test_a_restore_maps_the_artifact_and_checks_each_image_where_it_loads_it(
 
     header = ArtifactKey("cuda.graphs", {"test": "a changed header"})
     cache.put_artifact(weights, header, blob.replace(b'"b8"', b'"b9"')).close()
+    changed_header = blob.replace(b'"b8"', b'"b9"')
     refused = fetch_bundle(cache, weights, header)
-    assert isinstance(refused, str) and "the header and descriptions must be bytes matching" in refused
+    assert isinstance(refused, BundleMiss) and "the header and descriptions must be bytes matching" in refused.reason
+    assert refused.sha256 == hashlib.sha256(changed_header).hexdigest()  # what the next publish replaces
+    assert cache.put_artifact(weights, header, blob, replace=refused.sha256).replaced
+    assert not isinstance(fetch_bundle(cache, weights, header), BundleMiss)
 
 
 def test_every_entry_has_one_home_and_its_segments_lie_back_to_back() -> None:

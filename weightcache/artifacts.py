@@ -84,18 +84,15 @@ def read_blob(fd: int, size: int) -> bytes:
 
 
 def map_blob(fd: int, size: int) -> memoryview:
-    """The ``size`` bytes of memfd ``fd`` mapped into this process, not copied (SegmentError if it holds fewer).
-
-    A private mapping: the memfd is sealed against writes, and a write here would stay this process's own. It is
-    writable so that C code can take the bytes' address (ctypes needs a writable buffer for that). The mapping
-    lives as long as the view and any slice of it; ``fd`` may be closed at once.
-    """
+    """The ``size`` bytes of memfd ``fd`` mapped into this process read-only, not copied (SegmentError if it holds
+    fewer). The mapping, and a duplicate of ``fd`` that Python's mmap keeps, live as long as the view and any slice
+    of it; the caller may close ``fd`` at once."""
     held = os.fstat(fd).st_size
     if held < size:
         raise SegmentError(f"the artifact's memfd holds {held} bytes; its record says {size}")
     if size == 0:
         return memoryview(bytearray())
-    return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE))
+    return memoryview(mmap.mmap(fd, size, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ))
 
 
 def umask() -> int:

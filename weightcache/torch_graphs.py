@@ -217,37 +217,48 @@ class FetchedBundle:
     phases: dict[str, float]
 
 
-def fetch_bundle(cache: Cache, weights: str, key: ArtifactKey) -> FetchedBundle | str:
-    """This uid's ``cuda.graphs`` artifact of ``weights`` for ``key`` from the keeper, read and parsed with every
+@attrs.frozen
+class BundleMiss:
+    """Why :func:`fetch_bundle` has no bundle to use; ``sha256``: the SHA-256 of this uid's artifact that was there
+    but could not be used (unreadable, malformed), which the next publish replaces; None where there was none."""
+
+    reason: str
+    sha256: str | None = None
+
+
+def fetch_bundle(cache: Cache, weights: str, key: ArtifactKey) -> FetchedBundle | BundleMiss:
+    """This uid's ``cuda.graphs`` artifact of ``weights`` for ``key`` from the keeper, mapped and parsed with every
     field checked; or why there is none to use (no artifact, another uid's, unreadable, malformed: logged at
     WARNING). Never raises for the keeper's or the artifact's sake: the caller captures instead."""
     began = time.perf_counter()
     try:
         found = cache.open_artifact(weights, key, check=False)  # mapped: no copy, no hash of the whole blob
     except WeightCacheError as exc:
-        return f"no {KIND} artifact: {exc}"
+        return BundleMiss(f"no {KIND} artifact: {exc}")
     if found is None:
-        return cache.miss_reason(weights, key) or f"no {KIND} artifact for this key"
+        return BundleMiss(cache.miss_reason(weights, key) or f"no {KIND} artifact for this key")
+    if found.info.publisher != os.getuid():
+        found.close()
+        return BundleMiss(f"the keeper's {KIND} artifact was published by uid {found.info.publisher}, not this uid")
+    ours = found.info.sha256
     try:
-        if found.info.publisher != os.getuid():
-            return f"the keeper's {KIND} artifact was published by uid {found.info.publisher}, not this uid"
         blob = found.view()
-    except WeightCacheError as exc:  # its memfd is shorter than its record
-        log.warning("weightcache: %s", exc)
-        return f"the {KIND} artifact could not be used: {exc}"
+    except (WeightCacheError, OSError) as exc:  # its memfd is shorter than its record; the mapping failed
+        log.warning("weightcache: the %s artifact could not be mapped: %s", KIND, exc)
+        return BundleMiss(f"the {KIND} artifact could not be used: {exc}", ours)
     finally:
         found.close()
     if blob is None:
-        return f"the {KIND} artifact could not be read"
+        return BundleMiss(f"the {KIND} artifact could not be read", ours)
     read = time.perf_counter()
     try:
         # The header and descriptions are checked against their SHA-256 here; each image by the thread that loads it.
         bundle = GraphBundle.from_bytes(blob, check_images=False)
     except GraphDescriptionError as exc:
         log.warning("weightcache: %s", exc)
-        return str(exc)
+        return BundleMiss(str(exc), ours)
     phases = {"artifact": read - began, "parse": time.perf_counter() - read}
-    return FetchedBundle(bundle, found.info.sha256, len(blob), phases)
+    return FetchedBundle(bundle, ours, len(blob), phases)
 
 
 class GraphCache:
@@ -370,8 +381,8 @@ class GraphCache:
             return
         assert self.key is not None
         fetched = fetch_bundle(self._cache, self.weights, self.key)
-        if isinstance(fetched, str):
-            self.reason = fetched
+        if isinstance(fetched, BundleMiss):
+            self.reason, self._replace = fetched.reason, fetched.sha256  # one of ours that is unusable: replace it
             return
         self._bundle, self._replace = fetched.bundle, fetched.sha256
         self.phases.update(fetched.phases)
@@ -638,10 +649,20 @@ class GraphCache:
         bundle = GraphBundle(tuple(self.ranges()), tuple(self._records), images)
         blob = bundle.to_bytes()
         try:
-            self._cache.put_artifact(self.weights, self.key, blob, replace=self._replace)
+            made = self._cache.put_artifact(self.weights, self.key, blob, replace=self._replace)
         except WeightCacheError as exc:
             log.warning("weightcache: could not publish the %s artifact for %s: %s", KIND, self.weights[:12], exc)
             return False
+        if not made.created:
+            log.warning(
+                "weightcache: the keeper kept the %s artifact it holds for %s (another process published one "
+                "meanwhile, or it is not the one this process loaded); this one was not published",
+                KIND,
+                self.weights[:12],
+            )
+            made.close()
+            return False
+        made.close()
         self._replace = hashlib.sha256(blob).hexdigest()
         log.info(
             "weightcache: published %s artifact for %s: %d graphs, %d kernel images, %d bytes",

@@ -218,10 +218,10 @@ class KeeperConnection:
             protocol.send_frame(self._sock, message, fds)
             reply, out = protocol.recv_frame(self._sock, idle_timeout=timeout)
         except protocol.NoFrame:
-            self.close()
+            self.close(wait=False)  # it did not answer: waiting for it to close would only add CLOSE_TIMEOUT_S
             raise _silent(str(message.get("op")), timeout, socket_path(self.socket_dir)) from None
         except TimeoutError:
-            self.close()
+            self.close(wait=False)
             raise _silent(str(message.get("op")), timeout, socket_path(self.socket_dir)) from None
         except protocol.PeerClosed as exc:
             raise KeeperUnavailable("the keeper closed the connection (stopped or crashed)") from exc

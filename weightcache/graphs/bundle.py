@@ -39,6 +39,15 @@ MAGIC = b"WCGRAPH2"
 FORMAT = 2
 #: Bytes before the header: the magic, the header's and the descriptions' lengths, their SHA-256.
 PREFIX = len(MAGIC) + 8 + 8 + 32
+#: Where the images start, and each image within them: at multiples of this many bytes from the blob's start (a
+#: mapped blob starts on a page, so each image the driver loads from it is aligned as a compiled one is).
+IMAGE_ALIGNMENT = 64
+
+
+def _aligned(offset: int) -> int:
+    return -(-offset // IMAGE_ALIGNMENT) * IMAGE_ALIGNMENT
+
+
 _SHA = re.compile(r"[0-9a-f]{64}")
 
 
@@ -69,7 +78,7 @@ class Output:
     @classmethod
     def from_json(cls, raw: object, where: str) -> Output:
         f = _object(raw, where, ("address", "dtype", "shape", "stride"))
-        if f["dtype"] not in DTYPES:
+        if not isinstance(f["dtype"], str) or f["dtype"] not in DTYPES:
             raise _fail(f"{where} dtype", "a dtype weightcache knows", f["dtype"])
         shape = tuple(_int(v, f"{where} shape") for v in _list(f["shape"], f"{where} shape"))
         stride = tuple(_int(v, f"{where} stride") for v in _list(f["stride"], f"{where} stride"))
@@ -158,10 +167,13 @@ class GraphBundle:
 
     def to_bytes(self) -> bytes:
         order = sorted(self.images)
-        offsets, at = [], 0
+        offsets, at, data = [], 0, []
         for digest in order:
-            offsets.append({"sha256": digest, "offset": at, "size": len(self.images[digest])})
-            at += len(self.images[digest])
+            image = self.images[digest]
+            data += [bytes(_aligned(at) - at), image]
+            at = _aligned(at)
+            offsets.append({"sha256": digest, "offset": at, "size": len(image)})
+            at += len(image)
         descriptions = [g.description.to_binary() for g in self.graphs]
         spans, at = [], 0
         for d in descriptions:
@@ -180,7 +192,9 @@ class GraphBundle:
         checked = hashlib.sha256(header)
         checked.update(tables)
         lengths = struct.pack("<QQ", len(header), len(tables))
-        return b"".join([MAGIC, lengths, checked.digest(), header, tables, *(self.images[d] for d in order)])
+        ahead = PREFIX + len(header) + len(tables)
+        pad = bytes(_aligned(ahead) - ahead)
+        return b"".join([MAGIC, lengths, checked.digest(), header, tables, pad, *data])
 
     @classmethod
     def from_bytes(cls, blob: bytes | memoryview, *, check_images: bool = True) -> GraphBundle:
@@ -199,8 +213,8 @@ class GraphBundle:
             raise _fail("the header and descriptions", "bytes matching their SHA-256", checked.hex()[:12])
         try:
             top = json.loads(bytes(view[body : body + length]))
-        except (UnicodeDecodeError, ValueError) as exc:
-            raise _fail("the header", "JSON", str(exc)) from None
+        except (UnicodeDecodeError, ValueError, RecursionError) as exc:
+            raise _fail("the header", "JSON nested at most as deep as Python parses", str(exc)) from None
         top = _object(top, "the header", ("format", "ranges", "graphs", "images"))
         if top["format"] != FORMAT:
             raise _fail("format", str(FORMAT), top["format"])
@@ -211,13 +225,17 @@ class GraphBundle:
                 AddressRange(_str(r["name"], f"range {i} name"), _int(r["base"], "base"), _int(r["size"], "size"))
             )
         descriptions = view[body + length : body + length + tables]
-        data = view[body + length + tables :]
+        data = view[min(_aligned(body + length + tables), len(view)) :]
         images: dict[str, bytes | memoryview] = {}
         for i, raw in enumerate(_list(top["images"], "images")):
             m = _object(raw, f"image {i}", ("sha256", "offset", "size"))
             offset, size = _int(m["offset"], f"image {i} offset"), _int(m["size"], f"image {i} size")
-            if offset + size > len(data):
-                raise _fail(f"image {i}", f"within the {len(data)} bytes after the descriptions", (offset, size))
+            if offset + size > len(data) or offset % IMAGE_ALIGNMENT:
+                raise _fail(
+                    f"image {i}",
+                    f"within the {len(data)} bytes after the descriptions, at a multiple of {IMAGE_ALIGNMENT}",
+                    (offset, size),
+                )
             image = data[offset : offset + size]
             if not isinstance(m["sha256"], str) or not _SHA.fullmatch(m["sha256"]):
                 raise _fail(f"image {i} sha256", "a hex SHA-256", m["sha256"])
@@ -238,4 +256,4 @@ class GraphBundle:
         return cls(tuple(ranges), graphs, images)
 
 
-__all__ = ["FORMAT", "MAGIC", "PREFIX", "GraphBundle", "GraphRecord", "Output", "image_matches"]
+__all__ = ["FORMAT", "IMAGE_ALIGNMENT", "MAGIC", "PREFIX", "GraphBundle", "GraphRecord", "Output", "image_matches"]

@@ -17,7 +17,10 @@ import ctypes
 from collections.abc import Sequence
 from typing import Any, Protocol
 
+import numpy as np
+
 from ..errors import GraphRestoreError
+from .bundle import IMAGE_ALIGNMENT
 from .description import ATTRIBUTE_BYTES, EDGE_BYTES, KernelNode, MemsetNode
 
 #: ``CUgraphNodeType`` values by name (the ones a graph of an engine can hold).
@@ -139,15 +142,17 @@ class RestoreDriver(GraphDriver, Protocol):
         ...
 
 
-def _address_of(image: bytes | memoryview) -> bytes | ctypes.Array[ctypes.c_char]:
-    """What ctypes passes as a pointer to ``image``'s bytes: bytes as they are; a writable view (an artifact's
-    private mapping) without a copy; a read-only view copied."""
+def _address_of(image: bytes | memoryview) -> bytes | ctypes.c_void_p:
+    """What ctypes passes as a pointer to ``image``'s bytes: bytes as they are (Python aligns and NUL-ends them); a
+    view (of an artifact's mapping, whose images start 64-byte aligned) as a pointer into it, which keeps the view
+    alive; a view that is not 16-byte aligned copied (the driver's loader is not promised to read unaligned
+    images)."""
     if isinstance(image, bytes):
         return image
-    view = image.cast("B")
-    if view.readonly:
-        return view.tobytes()
-    return (ctypes.c_char * view.nbytes).from_buffer(view)
+    array = np.frombuffer(image, dtype=np.uint8)
+    if array.ctypes.data % IMAGE_ALIGNMENT:
+        return array.tobytes()
+    return array.ctypes.data_as(ctypes.c_void_p)
 
 
 class _KernelParams(ctypes.Structure):

@@ -271,16 +271,21 @@ def serve(
     except Exception as exc:
         _report(ready_fd, f"error: {exc}")
         raise
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: server.stop())
-    # A signal may reach any thread; the main thread, waiting in select, runs the handler only once woken.
-    signal.set_wakeup_fd(server.wakeup_fd, warn_on_full_buffer=False)
-    faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # stacks into the log, serves on
-    _report(ready_fd, "ok")
     try:
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            signal.signal(sig, lambda *_: server.stop())
+        # A signal may reach any thread; the main thread, waiting in select, runs the handler only once woken.
+        signal.set_wakeup_fd(server.wakeup_fd, warn_on_full_buffer=False)
+        try:
+            faulthandler.register(signal.SIGUSR1, file=sys.stderr, all_threads=True)  # stacks into the log
+        except (AttributeError, ValueError, OSError, RuntimeError) as exc:  # no stderr with a file descriptor
+            log.warning("SIGUSR1 will not write the threads' stacks: %s", exc)
+            signal.signal(signal.SIGUSR1, signal.SIG_IGN)
+        _report(ready_fd, "ok")
         server.serve_forever()
     finally:
-        faulthandler.unregister(signal.SIGUSR1)
+        with contextlib.suppress(RuntimeError):
+            faulthandler.unregister(signal.SIGUSR1)
         signal.set_wakeup_fd(-1)
         daemon.close()
         log.info("keeper %d stopped", os.getpid())
