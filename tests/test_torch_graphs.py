@@ -185,6 +185,7 @@ class LoadingDriver:
     def __init__(self) -> None:
         self.loaded: list[bytes] = []
         self.asked: list[tuple[str, str]] = []  # (kernel, thread name)
+        self.unloaded: list[int] = []
 
     def load_module(self, image: bytes | memoryview) -> int:
         self.loaded.append(bytes(image))
@@ -197,6 +198,9 @@ class LoadingDriver:
             if name in kernel_names(self.loaded[module - 1])
             else None
         )
+
+    def unload_module(self, module: int) -> None:
+        self.unloaded.append(module)
 
     def current_context(self) -> int:
         return 7
@@ -249,6 +253,11 @@ def test_a_restore_maps_the_artifact_and_checks_each_image_where_it_loads_it(
     with pytest.raises(GraphRestoreError, match="does not match"):  # loaded now, not ahead: checked all the same
         refusing.functions(record.kernels, changed.bundle.images, check=True)
     assert len(driver.loaded) == 1
+    refusing.close()  # its one image never loaded: nothing to unload
+    assert driver.unloaded == []
+    loader.close()
+    assert driver.unloaded == [1] and loader.functions(record.kernels, fetched.bundle.images, check=True)
+    assert driver.loaded == [image, image]  # loaded again after close
 
     header = ArtifactKey("cuda.graphs", {"test": "a changed header"})
     cache.put_artifact(weights, header, blob.replace(b'"b8"', b'"b9"')).close()

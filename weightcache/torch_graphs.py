@@ -680,8 +680,11 @@ class GraphCache:
         for g in self.graphs:
             g.close()
         self._recorder = None  # the process's recorder stays subscribed (CUPTI allows one subscriber)
-        if self._arena is not None:
+        if self._kernels is not None or self._arena is not None:
             torch.cuda.synchronize(self.device)
+        if self._kernels is not None:
+            self._kernels.close()
+        if self._arena is not None:
             self._arena.close()
             self._arena = None
 

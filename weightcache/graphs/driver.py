@@ -136,6 +136,10 @@ class RestoreDriver(GraphDriver, Protocol):
         """The function ``name`` of ``module``; None where the module has none of that name."""
         ...
 
+    def unload_module(self, module: int) -> None:
+        """Unload a module :meth:`load_module` loaded (``cuModuleUnload``); no graph may use its functions then."""
+        ...
+
     def set_function_attribute(self, function: int, attribute: int, value: int) -> None:
         """``cuFuncSetAttribute`` (e.g. :data:`MAX_DYNAMIC_SHARED` before a node asks for more shared memory than
         a function gets by default)."""
@@ -414,6 +418,9 @@ class CudaGraphDriver:
 
     def set_function_attribute(self, function: int, attribute: int, value: int) -> None:
         self._call("cuFuncSetAttribute", _p(function), attribute, value)
+
+    def unload_module(self, module: int) -> None:
+        self._call("cuModuleUnload", _p(module))
 
     def current_context(self) -> int:
         """The context current on this thread (0: none)."""

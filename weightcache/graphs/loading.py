@@ -13,6 +13,7 @@ Layer L3; imports no torch.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -21,6 +22,8 @@ from typing import Protocol
 from ..errors import GraphRestoreError
 from .bundle import GraphRecord, image_matches
 from .cubins import loading_kept_images
+
+log = logging.getLogger("weightcache.graphs")
 
 #: Worker threads that check and load an artifact's images.
 MAX_THREADS = 8
@@ -33,6 +36,8 @@ class ModuleDriver(Protocol):
     def load_module(self, image: bytes | memoryview) -> int: ...
 
     def module_function(self, module: int, name: str) -> int | None: ...
+
+    def unload_module(self, module: int) -> None: ...
 
     def current_context(self) -> int: ...
 
@@ -103,6 +108,24 @@ class KernelLoader:
                 raise GraphRestoreError(f"the kept image {digest[:12]} has no kernel named {name[:120]}")
             found[name] = function
         return found
+
+    def close(self) -> None:
+        """Unload every module loaded here, preloaded ones too (waiting for loads still running); a graph that uses
+        their functions must be destroyed first. Errors of the driver are logged, not raised."""
+        modules = list(self._modules.values())
+        for loading in self._loading.values():
+            try:
+                modules.append(loading.result()[0])
+            except Exception:  # an image that did not match, or a load that failed: no module
+                pass
+        self._modules.clear()
+        self._loading.clear()
+        self._functions.clear()
+        for module in modules:
+            try:
+                self._driver.unload_module(module)
+            except Exception as exc:
+                log.warning("weightcache: a kernel module could not be unloaded: %s", exc)
 
     def _load(self, digest: str, image: bytes | memoryview, *, check: bool) -> int:
         if check and not image_matches(digest, image):
