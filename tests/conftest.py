@@ -164,6 +164,17 @@ def keeper(socket_dir: Path) -> Iterator[subprocess.Popen[bytes]]:
     terminate_keeper(proc)
 
 
+def all_threads_stopped(pid: int) -> bool:
+    """Whether every thread of ``pid`` is in the stopped state (``T`` in /proc/PID/task/TID/stat)."""
+    states = []
+    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
+        try:
+            states.append(stat.read_text().rpartition(")")[2].split()[0])
+        except OSError:
+            continue
+    return bool(states) and all(state in ("T", "t") for state in states)
+
+
 def terminate_keeper(proc: subprocess.Popen[bytes], timeout: float = 30.0) -> None:
     """Stop a :func:`start_keeper` keeper with SIGTERM and wait for it. One that has not exited after ``timeout``
     seconds fails the test with its log and every thread's stack (SIGUSR1), then is killed."""

@@ -21,7 +21,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import Holder, keeper_pid, open_fds, process_gone, run_worker, start_keeper, terminate_keeper, wait_until
+from conftest import (
+    Holder,
+    all_threads_stopped,
+    keeper_pid,
+    open_fds,
+    process_gone,
+    run_worker,
+    start_keeper,
+    terminate_keeper,
+    wait_until,
+)
 from models import make_checkpoint, meta_model
 
 import weightcache as wc
@@ -483,17 +493,6 @@ def _in_thread(call: Callable[[], object], timeout: float) -> tuple[object, floa
     thread.join(timeout)
     assert box, f"still blocked after {timeout} s"
     return box[0], time.monotonic() - start
-
-
-def all_threads_stopped(pid: int) -> bool:
-    """Whether every thread of ``pid`` is in the stopped state (``T`` in /proc/PID/task/TID/stat)."""
-    states = []
-    for stat in Path(f"/proc/{pid}/task").glob("*/stat"):
-        try:
-            states.append(stat.read_text().rpartition(")")[2].split()[0])
-        except OSError:
-            continue
-    return bool(states) and all(state in ("T", "t") for state in states)
 
 
 def test_a_stopped_keeper_is_a_deadline_not_a_hang(checkpoint: Path, socket_dir: Path) -> None:
