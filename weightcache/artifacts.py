@@ -210,18 +210,19 @@ class Artifact:
         """The blob; None once closed (or never held). SegmentError if its bytes do not match its SHA-256."""
         data, self._data = self._data, None
         if isinstance(data, memoryview):  # fetched mapped and unchecked
-            data = data.tobytes()
-            if hashlib.sha256(data).hexdigest() != self.info.sha256:
-                raise SegmentError(f"artifact {self.info.key[:24]}...'s bytes do not match its SHA-256")
+            data = self._checked(data.tobytes())
         if data is not None and (self.held or self._lease is None):  # fetched, or another uid's: read, not held
             return data
         fds = self._lease.dup_fds() if self._lease is not None else None
         if fds is None:
             return None
         try:
-            data = read_blob(fds[0], self.info.bytes)
+            return self._checked(read_blob(fds[0], self.info.bytes))
         finally:
             close_fds(fds)
+
+    def _checked(self, data: bytes) -> bytes:
+        """``data``, once its SHA-256 is the artifact's (SegmentError otherwise)."""
         if hashlib.sha256(data).hexdigest() != self.info.sha256:
             raise SegmentError(f"artifact {self.info.key[:24]}...'s bytes do not match its SHA-256")
         return data
