@@ -209,7 +209,8 @@ def graphs_key(key: Mapping[str, Any], device: int, arena: tuple[int, int]) -> A
 @attrs.frozen
 class FetchedBundle:
     """A ``cuda.graphs`` artifact as :func:`fetch_bundle` got it: the bundle, the artifact's SHA-256 and size, and
-    the seconds of each step (``artifact``: asked for, read and its SHA-256 checked; ``parse``)."""
+    the seconds of each step (``artifact``: asked for and mapped; ``parse``: the header and descriptions checked
+    against their SHA-256 and parsed)."""
 
     bundle: GraphBundle
     sha256: str
@@ -315,7 +316,7 @@ class GraphCache:
         self._images: dict[str, bytes | memoryview] = {}
         self._kernels: KernelLoader | None = None  # once there is a driver
         #: Seconds of the start-up steps: ``arena`` (range, pool, driver), ``artifact`` (asked of the keeper and
-        #: read), ``parse`` (checked).
+        #: mapped), ``parse`` (checked).
         self.phases: dict[str, float] = {}
         self._captured = 0
         self.graphs: list[CudaGraph] = []

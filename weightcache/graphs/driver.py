@@ -148,9 +148,9 @@ class RestoreDriver(GraphDriver, Protocol):
 
 def _address_of(image: bytes | memoryview) -> bytes | ctypes.c_void_p:
     """What ctypes passes as a pointer to ``image``'s bytes: bytes as they are (Python aligns and NUL-ends them); a
-    view (of an artifact's mapping, whose images start 64-byte aligned) as a pointer into it, which keeps the view
-    alive; a view that is not 16-byte aligned copied (the driver's loader is not promised to read unaligned
-    images)."""
+    view (of an artifact's mapping, whose images start :data:`IMAGE_ALIGNMENT`-aligned) as a pointer into it, which
+    keeps the view alive; a view that is not so aligned copied (the driver's loader is not promised to read
+    unaligned images)."""
     if isinstance(image, bytes):
         return image
     array = np.frombuffer(image, dtype=np.uint8)
