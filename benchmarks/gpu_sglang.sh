@@ -15,6 +15,7 @@
 #                                 its logs go to /tmp/persist ($PERSIST)
 #   gpu_sglang.sh plan            issue 30's GPU measurement, in order, `clean` after each: the tests of GPU
 #                                 hashing (~30 s; the plan stops if they fail: every miss publishes through it);
+#                                 issue 31's graph tests and benchmark (benchmarks/gpu_graphs.sh, ~1.5 min);
 #                                 the side-by-side benchmark on the Llama-3-8B shape (every scenario in one run,
 #                                 --repeat 3; AWQ without SGLang alone's reference run, whose kernel JIT took 330 s
 #                                 on 2026-12-04; `start` last, so that its engines find SGLang's kernels compiled:
@@ -122,6 +123,10 @@ plan)
         touch "$persist.done"
         exit 1
     fi
+    # Issue 31's graph restore (no SGLang needed; ~25 s of tests, ~1 min of benchmark): cheap, so before the long steps
+    step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh test
+    step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh bench --repeat 3 --variants shift home-taken \
+        --json "$persist/graphs/graph-restore.json"
     step env OUT=$persist/llama8b bash "$0" bench --shape llama8b --repeat 3 --no-awq-reference \
         --scenarios memory,kill,mismatch,race,awq,start
     # JIT caches the engines filled (FlashInfer, Triton, TVM FFI), brought back if small: a later lease can
