@@ -17,6 +17,7 @@ import pytest
 from weightcache.errors import GraphDescriptionError, GraphRestoreError
 from weightcache.graphs import (
     AddressRange,
+    CudaGraphDriver,
     EmptyNode,
     GraphDescription,
     KernelNode,
@@ -384,6 +385,65 @@ def test_an_image_reaches_the_driver_without_a_copy_when_it_is_mapped_and_aligne
     unaligned = memoryview(b"ab" + image)[1:]
     copied = _address_of(unaligned)
     assert isinstance(copied, bytes) and copied == b"b" + image
+
+
+class FakeLibcuda:
+    """libcuda's graph calls as real ctypes function pointers (Python callbacks), so that the argument conversions
+    ctypes makes for :class:`CudaGraphDriver` run as they do against the driver: cuModuleLoadData records the image
+    bytes it was given; every other call returns CUDA_SUCCESS."""
+
+    def __init__(self, image_size: int) -> None:
+        import ctypes
+
+        self.images: list[bytes] = []
+        self._functions: dict[str, Any] = {}
+
+        def load(module: int, image: int) -> int:
+            self.images.append(ctypes.string_at(image, image_size))
+            ctypes.cast(module, ctypes.POINTER(ctypes.c_void_p))[0] = 42
+            return 0
+
+        self._load = load
+
+    def __getattr__(self, name: str) -> Any:
+        import ctypes
+
+        from weightcache.graphs.driver import _SIGNATURES
+
+        if name not in self._functions:
+            count = len(_SIGNATURES.get(name, [ctypes.c_int, ctypes.c_void_p]))
+            prototype = ctypes.CFUNCTYPE(ctypes.c_int, *[ctypes.c_void_p] * count)
+            self._functions[name] = prototype(self._load if name == "cuModuleLoadData" else lambda *_: 0)
+        return self._functions[name]
+
+
+def test_the_driver_loads_an_image_from_bytes_from_a_mapping_and_from_a_copy() -> None:
+    """Through ctypes' own argument conversions (on the H200, 2026-12-04, a mapped image failed there with
+    ``ctypes.ArgumentError: argument 2: TypeError: wrong type``: cuModuleLoadData was declared to take a
+    ``char *``, which refuses the pointer into the mapping)."""
+    from weightcache.artifacts import map_blob, sealed_memfd
+    from weightcache.graphs.bundle import IMAGE_ALIGNMENT
+
+    image = bytes(range(256)) * 64
+    lib = FakeLibcuda(len(image))
+    driver = CudaGraphDriver(lib)  # type: ignore[arg-type]
+    fd, _ = sealed_memfd(bytes(IMAGE_ALIGNMENT) + image + b"x")
+    try:
+        mapped = map_blob(fd, IMAGE_ALIGNMENT + len(image) + 1)
+    finally:
+        os.close(fd)
+    aligned = mapped[IMAGE_ALIGNMENT : IMAGE_ALIGNMENT + len(image)]
+    unaligned = memoryview(b"a" + image)[1:]
+    assert [driver.load_module(x) for x in (image, aligned, unaligned)] == [42, 42, 42]
+    assert lib.images == [image, image, image]
+
+
+def test_a_call_ctypes_refuses_is_a_restore_error_so_the_graph_is_captured() -> None:
+    """A binding that does not fit (a wrong argument type) is a :class:`GraphRestoreError` naming the call, which a
+    restore turns into a capture, not an exception out of the engine's start."""
+    driver = CudaGraphDriver(FakeLibcuda(0))  # type: ignore[arg-type]
+    with pytest.raises(GraphRestoreError, match="cuFuncSetAttribute could not be called.*wrong type"):
+        driver.set_function_attribute(1, "an attribute", 2)  # type: ignore[arg-type]
 
 
 def test_a_description_that_is_no_object_is_an_error() -> None:

@@ -219,7 +219,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuGraphInstantiateWithFlags": [ctypes.POINTER(_p), _p, ctypes.c_ulonglong],
     "cuGraphLaunch": [_p, _p],
     "cuGraphExecDestroy": [_p],
-    "cuModuleLoadData": [ctypes.POINTER(_p), ctypes.c_char_p],
+    "cuModuleLoadData": [ctypes.POINTER(_p), _p],  # bytes, or a pointer into a mapped artifact (_address_of)
     "cuModuleGetFunction": [ctypes.POINTER(_p), _p, ctypes.c_char_p],
     "cuFuncSetAttribute": [_p, ctypes.c_int, ctypes.c_int],
     "cuCtxSetCurrent": [_p],
@@ -245,7 +245,10 @@ class CudaGraphDriver:
         self._lib = lib
 
     def _call(self, name: str, *args: Any) -> None:
-        code = getattr(self._lib, name)(*args)
+        try:
+            code = getattr(self._lib, name)(*args)
+        except ctypes.ArgumentError as exc:  # a binding that does not fit: the graph is captured, the engine starts
+            raise GraphRestoreError(f"{name} could not be called: ctypes refused its arguments ({exc})") from None
         if code != 0:
             text = ctypes.c_char_p()
             known = self._lib.cuGetErrorName(code, ctypes.byref(text)) == 0 and text.value
