@@ -10,10 +10,12 @@
 #   gpu_sglang.sh bench [ARGS]    benchmarks/sglang_side_by_side.py (weightcache beside SGLang's weight cache daemon)
 #   gpu_sglang.sh clean           kill what a cut run left: engine workers, SGLang's scheduler processes and daemons,
 #                                 weightcache keepers
-#   gpu_sglang.sh detach          run `plan` in its own process session, which outlives the call that started it
+#   gpu_sglang.sh detach [PARTS]  run `plan` (with PARTS) in its own process session, which outlives the call that started it
 #                                 (a call is cut at 10 min; the machine stays while calls follow back to back);
 #                                 its logs go to /tmp/persist ($PERSIST)
-#   gpu_sglang.sh plan            issue 30's GPU measurement, in order, `clean` after each: the tests of GPU
+#   gpu_sglang.sh jit FILE        unpack the JIT caches a `llama8b` part brought back into $HOME (before `detach`)
+#   gpu_sglang.sh plan [PARTS]    issue 30's GPU measurement, the PARTS named (default: hashing graphs llama8b
+#                                 mixtral tests; also: race), in order, `clean` after each: the tests of GPU
 #                                 hashing (~30 s; the plan stops if they fail: every miss publishes through it);
 #                                 issue 31's graph tests and benchmark (benchmarks/gpu_graphs.sh, ~1.5 min);
 #                                 the side-by-side benchmark on the Llama-3-8B shape (every scenario in one run,
@@ -22,9 +24,11 @@
 #                                 the first engine on a fresh machine pays ~35-70 s of JIT); the JIT caches, if
 #                                 under 15 MB; the small MoE's start (--repeat 3); then the GPU tests of the
 #                                 adapter (all four; the two auto/daemon/client ones first) with what device time
-#                                 is left. Budget, from the 2026-12-04 runs: receive and install ~130 s; memory
-#                                 232, kill 129, mismatch 134, race 69, AWQ ~80, start ~400, MoE start ~280 s; the
-#                                 tests ~230 s (the first two) and ~320 s (the other two)
+#                                 is left. Budget, from the fifth run (2026-12-04): the machine's start ~30 s,
+#                                 receive and install ~90 s; hashing 15 s, graphs 60 s; llama8b 1180 s (memory 256,
+#                                 kill 153, mismatch 167, race 85, AWQ 90, start 394); mixtral 346 s; the tests
+#                                 ~230 s (the first two) and ~320 s (the other two). All of it is more than one
+#                                 session's 30 minutes of device time: a lease runs some parts
 #   gpu_sglang.sh poll SECONDS    wait until `plan` is done or SECONDS passed, copying /tmp/persist to $OUT every 15 s
 #                                 (a call cut at its limit still brings back the last copy); exits at once (3) on a
 #                                 machine where no plan ran: the last one was given back (30 s idle between calls)
@@ -58,7 +62,7 @@ wc_install() {
     python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-compile --target "$site" . 2>&1 |
         grep -v "already exists" || true
 }
-cmd=${1:?usage: gpu_sglang.sh receive DIR|install|smoke|test|bench|clean|detach|plan|poll SECONDS}
+cmd=${1:?usage: gpu_sglang.sh receive DIR|install|smoke|test|bench|clean|jit FILE|detach [PARTS]|plan [PARTS]|poll SECONDS}
 shift
 case "$cmd" in
 receive)
@@ -107,8 +111,8 @@ clean)
 detach)
     mkdir -p "$persist"
     rm -f "$persist.done"
-    setsid nohup bash "$0" plan >"$persist/plan.log" 2>&1 </dev/null &
-    echo "plan started (pid $!); bash $0 poll SECONDS to follow it"
+    setsid nohup bash "$0" plan "$@" >"$persist/plan.log" 2>&1 </dev/null &
+    echo "plan started (pid $!): ${*:-every part}; bash $0 poll SECONDS to follow it"
     ;;
 plan)
     step() {
@@ -117,25 +121,42 @@ plan)
         echo "== $(date -u +%FT%TZ) exit $?"
         bash "$0" clean
     }
-    # Every miss of the benchmark publishes through these: if they fail, its rows would be fallbacks; stop.
-    if ! python3 -m pytest -p no:cacheprovider -q -m cuda tests/test_cuda.py -k "digests or publish_the_same_entry"; then
-        echo "== $(date -u +%FT%TZ) the GPU hashing tests failed: plan stopped"
-        touch "$persist.done"
-        exit 1
-    fi
-    # Issue 31's graph restore (no SGLang needed; ~25 s of tests, ~1 min of benchmark): cheap, so before the long steps
-    step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh test
-    step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh bench --repeat 3 --variants shift home-taken \
-        --json "$persist/graphs/graph-restore.json"
-    step env OUT=$persist/llama8b bash "$0" bench --shape llama8b --repeat 3 --no-awq-reference \
-        --scenarios memory,kill,mismatch,race,awq,start
-    # JIT caches the engines filled (FlashInfer, Triton, TVM FFI), brought back if small: a later lease can
-    # carry them and spare its first engine the compile (~35-70 s on a fresh machine)
-    tar -C "$HOME" -czf /tmp/jit-cache.tgz $(cd "$HOME" && ls -d .cache/flashinfer .cache/tvm-ffi .triton/cache 2>/dev/null)
-    [ "$(stat -c %s /tmp/jit-cache.tgz 2>/dev/null || echo 99999999)" -lt 15000000 ] && mv /tmp/jit-cache.tgz "$persist"/
-    step env OUT=$persist/mixtral bash "$0" bench --shape mixtral --scenarios start --repeat 3
-    step env OUT=$persist/tests bash "$0" test  # the auto/daemon/client tests run first (file order)
+    parts=${*:-hashing graphs llama8b mixtral tests}
+    for part in $parts; do
+        case "$part" in
+        hashing)  # every miss of the benchmark publishes through these: if they fail, its rows would be fallbacks
+            if ! python3 -m pytest -p no:cacheprovider -q -m cuda tests/test_cuda.py \
+                -k "digests or publish_the_same_entry or device_memory"; then
+                echo "== $(date -u +%FT%TZ) the GPU hashing tests failed: plan stopped"
+                touch "$persist.done"
+                exit 1
+            fi
+            ;;
+        graphs)  # issue 31's graph restore (no SGLang needed; ~25 s of tests, ~1 min of benchmark)
+            step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh test
+            step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh bench --repeat 3 --variants shift home-taken \
+                --json "$persist/graphs/graph-restore.json"
+            ;;
+        llama8b)
+            step env OUT=$persist/llama8b bash "$0" bench --shape llama8b --repeat 3 --no-awq-reference \
+                --scenarios memory,kill,mismatch,race,awq,start
+            # JIT caches the engines filled (FlashInfer, Triton, TVM FFI), brought back if small: a later lease
+            # can carry them (`jit`) and spare its first engine the compile (~35-115 s on a fresh machine)
+            tar -C "$HOME" -czf /tmp/jit-cache.tgz $(cd "$HOME" && ls -d .cache/flashinfer .cache/tvm-ffi .triton/cache 2>/dev/null)
+            [ "$(stat -c %s /tmp/jit-cache.tgz 2>/dev/null || echo 99999999)" -lt 15000000 ] && mv /tmp/jit-cache.tgz "$persist"/
+            ;;
+        race)  # the two-engine race alone (one run), e.g. after a change to how a waiting engine is sized
+            step env OUT=$persist/race bash "$0" bench --shape llama8b --repeat 1 --scenarios race
+            ;;
+        mixtral) step env OUT=$persist/mixtral bash "$0" bench --shape mixtral --scenarios start --repeat 3 ;;
+        tests) step env OUT=$persist/tests bash "$0" test ;;  # the auto/daemon/client tests run first (file order)
+        *) echo "== unknown part $part (hashing, graphs, llama8b, race, mixtral, tests)" ;;
+        esac
+    done
     touch "$persist.done"
+    ;;
+jit)  # unpack JIT caches a `llama8b` part brought back (jit-cache.tgz) into $HOME
+    tar -C "$HOME" -xzf "${1:?jit-cache.tgz}" && echo "JIT caches unpacked: $(du -sh "$HOME/.cache" | cut -f1)"
     ;;
 poll)
     end=$((SECONDS + ${1:?seconds}))
