@@ -16,7 +16,9 @@ Each replays every graph on the same inputs and reports the SHA-256 of each outp
 
 ``--variant shift`` (restore only) asks for one more static input before the graphs, so that the graphs' memory
 would start at another arena offset; ``--variant home-taken`` reserves the weights' home address range before
-attaching, so that the weights land elsewhere. Both must capture instead of restoring.
+attaching, so that the weights land elsewhere; ``--variant driver-fault`` makes every kernel image load fail with
+an error that is no :class:`~weightcache.errors.GraphRestoreError` (as a binding that does not fit the driver
+would). Each must capture instead of restoring.
 """
 
 from __future__ import annotations
@@ -125,6 +127,13 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
                 graphs.append((g, (out,)))
                 inputs.append(x)
         else:
+            if spec.get("variant") == "driver-fault":
+                from weightcache.graphs import CudaGraphDriver
+
+                def fault(*_: object) -> int:
+                    raise RuntimeError("a kernel image load failed (injected by the benchmark's driver-fault run)")
+
+                setattr(CudaGraphDriver, "load_module", fault)  # noqa: B010 (a method replaced, for this process only)
             cache = GraphCache(
                 handle, {"benchmark": "graph_restore", **config, "sizes": sizes}, device="cuda:0", socket_dir=socket_dir
             )
@@ -265,7 +274,7 @@ def main() -> int:
     b.add_argument("--inter", type=int, default=5632)
     b.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     b.add_argument("--repeat", type=int, default=3)
-    b.add_argument("--variants", nargs="*", default=[], choices=["shift", "home-taken"])
+    b.add_argument("--variants", nargs="*", default=[], choices=["shift", "home-taken", "driver-fault"])
     b.add_argument("--json", type=Path)
     c = sub.add_parser("child")
     c.add_argument("role", choices=["record", "plain", "restore"])

@@ -294,8 +294,8 @@ def bench_runs(*variants: str) -> dict[str, Any]:
 
 @pytest.mark.cuda
 def test_on_a_gpu_a_fresh_process_restores_every_graph_and_replays_bitwise_equal_to_a_capture() -> None:
-    result = bench_runs("shift", "home-taken")
-    record, plain, restore, shift, taken = result["runs"]
+    result = bench_runs("shift", "home-taken", "driver-fault")
+    record, plain, restore, shift, taken, fault = result["runs"]
     assert record["published"] and record["weights"] == "cache" and record["home_ranges"] >= 1, record
     assert not any(record["restored"]) and record["recorded"] == [True] * 3, record
     assert restore["restored"] == [True] * 3, restore
@@ -305,6 +305,9 @@ def test_on_a_gpu_a_fresh_process_restores_every_graph_and_replays_bitwise_equal
     assert shift["restored"] == [False] * 3 and "arena offset" in (shift["reasons"][0] or ""), shift
     assert taken["home_taken"] and taken["restored"] == [False] * 3, taken
     assert "weights/" in (taken["reasons"][0] or ""), taken
+    # a failure that is no GraphRestoreError (on 2026-12-04 a ctypes ArgumentError escaped GraphCache.graph): captured
+    assert fault["restored"] == [False] * 3 and "RuntimeError: a kernel image load failed" in fault["reasons"][0]
+    assert fault["digests"] == plain["digests"], fault
 
 
 class FakeCupti:

@@ -502,6 +502,9 @@ class GraphCache:
             phases["instantiate"] = time.perf_counter() - started - sum(phases.values())
         except (GraphRestoreError, GraphDescriptionError) as exc:
             return self._refuse(name, str(exc))
+        except Exception as exc:  # never raises for the cache's sake: whatever else failed, the graph is captured
+            log.debug("weightcache: graph %r: the restore failed", name, exc_info=True)
+            return self._refuse(name, f"its restore failed ({type(exc).__name__}: {exc})")
         outputs = tuple(self._output(o) for o in record.outputs)
         self._next += 1
         self._records.append(record)
