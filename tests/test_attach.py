@@ -261,6 +261,16 @@ def test_racing_daemons_publish_once(checkpoint: Path, socket_dir: Path) -> None
     assert len(wc.Cache(socket_dir).entries()) == 1
     assert sorted(r["read_disk"] for r in results) == [False] * 5 + [True], results
     assert not list(socket_dir.glob("load-*.lock"))  # the lock files go with their loads
+    # an entry that appeared while an engine waited for that load was not resident before its start (an engine
+    # sizing its KV cache from memory sampled before loading must not count it as preloaded:
+    # Loaded.preloaded_bytes); only one that found it at its first look (a plain "hit") had it resident before
+    waited = [r for r in results if "hit, after another engine's load" in (r["start_line"] or "")]
+    assert waited and not any(r["resident_before"] for r in waited), results
+    for r in results:
+        plain_hit = (r["start_line"] or "").startswith("weightcache: hit (mode")
+        assert r["resident_before"] == plain_hit, (r["start_line"], r["resident_before"], r["read_disk"])
+    later = run_worker("attach", {**spec, "start_at": 0})
+    assert (later["source"], later["read_disk"], later["resident_before"]) == ("cache", False, True), later
 
 
 def test_leases_follow_handles(checkpoint: Path, socket_dir: Path) -> None:

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import sys
 import time
@@ -65,6 +66,11 @@ def attach(spec: dict) -> tuple[torch.nn.Module, wc.Handle, dict]:
         resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize_limit"], resource.RLIM_INFINITY))
     if spec.get("start_at"):  # a wall-clock instant shared by racing workers: all attach at once, imports done
         time.sleep(max(0.0, spec["start_at"] - time.time()))
+    start_lines: list[str] = []  # the start's log line ("hit", "hit, after another engine's load", "miss, ...")
+    line_handler = logging.Handler()
+    line_handler.emit = lambda record: start_lines.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("weightcache").addHandler(line_handler)
+    logging.getLogger("weightcache").setLevel(logging.INFO)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         t0 = time.perf_counter()
@@ -88,6 +94,8 @@ def attach(spec: dict) -> tuple[torch.nn.Module, wc.Handle, dict]:
         "warnings": [str(w.message) for w in caught if issubclass(w.category, wc.FallbackWarning)],
         "fallback_reason": handle.fallback_reason,
         "read_disk": handle.read_disk,
+        "resident_before": handle.resident_before,
+        "start_line": next((line for line in start_lines if " (mode " in line), None),
         "pid": os.getpid(),
     }
     return model, handle, info

@@ -278,8 +278,9 @@ def _daemon(request: Request, steps: Steps[T], start: float) -> T:
         with first_load(resolve_socket_dir(request.socket_dir), key, what=what) as turn:
             handle = _look_again(cache, request)  # published meanwhile: by the load waited for, or just before
             if handle is not None:
+                handle.resident_before = False  # its segments appeared during this start
                 turn.done()
-                outcome = "hit" if turn.first else "hit, after another engine's load"
+                outcome = "hit, published meanwhile" if turn.first else "hit, after another engine's load"
                 with collector_paused():
                     return _serve(request, steps, handle, outcome, start)
             # No keeper: start one while the weights load instead of before (ensure_keeper returns at once if one
@@ -361,6 +362,7 @@ def _load_and_publish(
         if packed is not None:
             packed.close()
     handle.read_disk = True
+    handle.resident_before = False  # this start published it
     phases = ", ".join(f"{name} {(t - marks[i][1]) * 1e3:.0f} ms" for i, (name, t) in enumerate(marks[1:]))
     return _serve(request, steps, handle, "miss, published", start, phases=phases)
 

@@ -481,6 +481,7 @@ class GraphCache:
                 name, f"its memory started at arena offset {record.start} when recorded, {arena.used} here"
             )
         phases: dict[str, float] = {}
+        executable: int | None = None
         try:
             arena.skip_to(record.end)
             problems = extent_problems(bundle.ranges, self.ranges(), record.reach, driver.pointer_range)
@@ -500,12 +501,14 @@ class GraphCache:
             finally:
                 driver.destroy_graph(graph)
             phases["instantiate"] = time.perf_counter() - started - sum(phases.values())
+            outputs = tuple(self._output(o) for o in record.outputs)
         except (GraphRestoreError, GraphDescriptionError) as exc:
+            self._discard(executable)
             return self._refuse(name, str(exc))
         except Exception as exc:  # never raises for the cache's sake: whatever else failed, the graph is captured
             log.debug("weightcache: graph %r: the restore failed", name, exc_info=True)
+            self._discard(executable)
             return self._refuse(name, f"its restore failed ({type(exc).__name__}: {exc})")
-        outputs = tuple(self._output(o) for o in record.outputs)
         self._next += 1
         self._records.append(record)
         self._images.update({d: bundle.images[d] for d in record.kernels.values()})
@@ -515,6 +518,14 @@ class GraphCache:
         )
         restored.phases = phases
         return restored
+
+    def _discard(self, executable: int | None) -> None:
+        """Destroy an executable graph a failed restore or check made (no error of its own escapes)."""
+        if executable is not None and self._driver is not None:
+            try:
+                self._driver.destroy_executable(executable)
+            except Exception:
+                log.debug("weightcache: destroying an executable graph failed", exc_info=True)
 
     def _output_problems(self, outputs: Iterable[Output]) -> list[str]:
         arena = self._arena
@@ -555,7 +566,13 @@ class GraphCache:
         if recording:
             graph.instantiate()
         self._captured += 1
-        problem = self._record(name, graph, outputs, start) if recording else "an earlier graph was not recorded"
+        problem: str | None = "an earlier graph was not recorded"
+        if recording:
+            try:
+                problem = self._record(name, graph, outputs, start)
+            except Exception as exc:  # never raises for the cache's sake: the graph is captured, not recorded
+                log.debug("weightcache: graph %r: recording failed", name, exc_info=True)
+                problem = f"recording it failed ({type(exc).__name__}: {exc})"
         if problem is not None and recording:
             self._recordable = False
             log.warning("weightcache: graph %r is captured but not recorded: %s", name, problem)
@@ -629,7 +646,7 @@ class GraphCache:
                 executable = driver.instantiate(rebuilt)
             finally:
                 driver.destroy_graph(rebuilt)
-        except GraphRestoreError as exc:
+        except Exception as exc:  # GraphRestoreError, or anything else a driver call raised
             return f"the graph cannot be rebuilt from the kept kernel images: {exc}"
         try:
             graph.replay()
@@ -648,6 +665,15 @@ class GraphCache:
         captured any, replacing the artifact loaded; whether it did. Call it after the last graph. Logs and returns
         False where the keeper refuses it."""
         if switched_off() or not self._captured or not self._records or self._arena is None or self.key is None:
+            return False
+        if not self._recordable:  # an artifact without the graphs not recorded would replace a whole one
+            log.warning(
+                "weightcache: the %s artifact for %s is not published: not every graph of this process was "
+                "recorded (%s)",
+                KIND,
+                self.weights[:12],
+                self.reason or "see the warnings above",
+            )
             return False
         images = {d: self._images[d] for r in self._records for d in r.kernels.values()}
         bundle = GraphBundle(tuple(self.ranges()), tuple(self._records), images)

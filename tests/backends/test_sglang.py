@@ -15,19 +15,10 @@ from engines import failing_publish, require_engine
 
 require_engine("sglang")
 
-import torch  # noqa: E402
-
 import weightcache as wc  # noqa: E402
 from weightcache import parity  # noqa: E402
 from weightcache.backends import sglang_releases  # noqa: E402
-from weightcache.backends.sglang import (  # noqa: E402
-    OTHERS_THRESHOLD_BYTES,
-    DeviceMemory,
-    SglangBackend,
-    WeightCacheLoader,
-    discount_others,
-    uncounted_preload_warning,
-)
+from weightcache.backends.sglang import SglangBackend, WeightCacheLoader, uncounted_preload_warning  # noqa: E402
 
 HERE = Path(__file__).parent
 sys.path.insert(0, str(HERE))
@@ -248,41 +239,6 @@ def test_publish_failure_after_the_load_serves_the_loaded_weights(
 
 
 # --- in this process: options and quantization (no model is loaded) ---------------------------------------------
-
-
-def test_what_others_allocated_during_a_load_from_the_cache_comes_off_the_baseline_once(
-    caplog: pytest.LogCaptureFixture,
-) -> None:
-    """An engine that waited for another's load: the memory the other took meanwhile (here 20 GiB: its copy and
-    its KV cache) comes off the runner's pre-load baseline, once, with a log line saying so; a reload, a trifle
-    below the threshold, memory freed, or a runner without a numeric baseline changes nothing."""
-    from types import SimpleNamespace
-
-    gib = 1 << 30
-    runner = SimpleNamespace(pre_model_load_memory=136.5)
-    with caplog.at_level("INFO", logger="weightcache.backends.sglang"):
-        assert discount_others(runner, 20 * gib)
-    assert runner.pre_model_load_memory == pytest.approx(116.5)
-    assert "other processes took 20.00 GiB" in caplog.text and "(136.50 -> 116.50 GB)" in caplog.text
-    assert not discount_others(runner, 5 * gib)  # a reload: the KV cache exists by then
-    assert runner.pre_model_load_memory == pytest.approx(116.5)
-    for other_bytes in (OTHERS_THRESHOLD_BYTES - 1, 0, -4 * gib):
-        fresh = SimpleNamespace(pre_model_load_memory=50.0)
-        assert not discount_others(fresh, other_bytes) and fresh.pre_model_load_memory == 50.0
-    for baseline in (None, True, "50"):
-        odd = SimpleNamespace(pre_model_load_memory=baseline)
-        assert not discount_others(odd, 20 * gib) and odd.pre_model_load_memory == baseline
-    assert not discount_others(None, 20 * gib)
-
-
-def test_others_are_what_the_gpu_lost_beyond_this_process_allocations() -> None:
-    """Free memory that went beyond what torch's allocator of this process reserved meanwhile is others'."""
-    gib = 1 << 30
-    before = DeviceMemory(free=100 * gib, reserved=2 * gib)
-    assert before.others_until(DeviceMemory(free=70 * gib, reserved=3 * gib)) == 29 * gib
-    assert before.others_until(DeviceMemory(free=99 * gib, reserved=3 * gib)) == 0
-    assert before.others_until(DeviceMemory(free=110 * gib, reserved=2 * gib)) == -10 * gib
-    assert DeviceMemory.now(torch.device("cpu")) is None
 
 
 def test_options_come_from_extra_config_or_configure() -> None:

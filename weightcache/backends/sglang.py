@@ -427,19 +427,15 @@ class WeightCacheLoader:
     def load_model(self, *, model_config: Any, device_config: Any) -> nn.Module:
         device = torch.device(device_config.device)
         context = SglangLoad(model_config, self.load_config, device_config)
-        before = DeviceMemory.now(device)
         loaded = self.backend.serve_engine(
             context,
             describe=lambda: self.backend.fingerprint(model_config, self.load_config, device),  # quant refused here
             device=device,
             options=self.options,
         )
-        if loaded.source == "cache" and before is not None and (after := DeviceMemory.now(device)) is not None:
-            # what other processes allocated on this GPU while this engine waited for another's load and attached
-            # it (that load's segments included) is theirs, not this engine's weights (see discount_others)
-            discount_others(sglang_releases.calling_model_runner(), before.others_until(after))
         # SGLang adds this to a memory baseline sampled before load_model: only an entry that was resident then
-        # counts; segments this call created were allocated after the sample and are already in its measure.
+        # counts; segments that appeared during this call (its own publish, or another engine's that it waited
+        # for) were allocated after the sample and are already in its measure (Handle.resident_before).
         self.preloaded_weights_bytes = loaded.preloaded_bytes
         self.handle, self.source = loaded.handle, loaded.source
         # SGLang 0.5.19 on add it to that baseline themselves; before, the adapter adds it to the calling
@@ -449,79 +445,6 @@ class WeightCacheLoader:
         ):
             warnings.warn(uncounted_preload_warning(loaded.preloaded_bytes), stacklevel=2)
         return loaded.model
-
-
-@attrs.frozen
-class DeviceMemory:
-    """A GPU's free bytes (``cudaMemGetInfo``) and this process's reserved bytes (torch's allocator) at one time."""
-
-    free: int
-    reserved: int
-
-    @classmethod
-    def now(cls, device: torch.device) -> DeviceMemory | None:
-        """This moment's figures for a CUDA ``device``; None for any other device."""
-        if device.type != "cuda":
-            return None
-        free, _ = torch.cuda.mem_get_info(device)
-        return cls(free, torch.cuda.memory_reserved(device))
-
-    def others_until(self, later: DeviceMemory) -> int:
-        """Bytes of this GPU that other processes (or this one's outside torch's allocator: a mapping of
-        the keeper's segments costs none) took between this moment and ``later``; negative where they freed."""
-        return (self.free - later.free) - (later.reserved - self.reserved)
-
-
-#: Below this, what other processes allocated during a load is left in SGLang's measure (noise, small buffers).
-OTHERS_THRESHOLD_BYTES = 256 << 20
-#: The attribute :func:`discount_others` marks a ModelRunner with: the GiB it took off its baseline.
-DISCOUNTED_ATTRIBUTE = "_weightcache_others_gib"
-
-
-def discount_others(runner: Any, other_bytes: int) -> bool:
-    """Take ``other_bytes`` that other processes allocated on the GPU during a load from the cache off the
-    calling SGLang ``ModelRunner``'s pre-load memory baseline (``pre_model_load_memory``, GB), so that its KV cache
-    is sized as if this engine had started after them.
-
-    Why: SGLang sizes the KV cache from its baseline, sampled before ``load_model``, and the GPU's free memory
-    after it, and counts all the difference as this engine's weights. A disk load takes seconds; an engine in mode
-    daemon that misses an entry another engine is loading waits for that load (:func:`weightcache.client.first_load`)
-    and attaches its copy, so everything the other engine allocates meanwhile (its copy in the keeper's segments,
-    its KV cache) would count as this engine's weights, and at a modest ``mem_fraction_static`` SGLang refuses to
-    start ("Loaded weights leave no GPU memory for the KV cache"; seen on the H200, 2026-12-04). With the discount
-    the engine gets what it would have had started right after the other: its fraction of what was then free,
-    plus the attached weights as after a disk load (added by SGLang 0.5.19 on, or
-    :func:`~weightcache.backends.sglang_releases.account_preloaded_bytes`).
-
-    Only once per runner (a reload leaves the baseline as it is: the KV cache exists by then), only where the
-    engine runs on one rank (the ranks of a tensor-parallel engine share one baseline, the minimum of theirs, and
-    a rank's own discount would make their KV caches differ), and only above :data:`OTHERS_THRESHOLD_BYTES`.
-    Returns True when the baseline was lowered."""
-    baseline = getattr(runner, "pre_model_load_memory", None)
-    if runner is None or isinstance(baseline, bool) or not isinstance(baseline, int | float):
-        return False
-    if other_bytes < OTHERS_THRESHOLD_BYTES or hasattr(runner, DISCOUNTED_ATTRIBUTE):
-        return False
-    distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
-    if distributed and torch.distributed.get_world_size() > 1:
-        logging.getLogger(__name__).info(
-            "weightcache: other processes took %.2f GiB of this GPU during the load; this engine has more than "
-            "one rank, so SGLang's memory baseline is left as it is",
-            other_bytes / (1 << 30),
-        )
-        return False
-    gib = other_bytes / (1 << 30)
-    runner.pre_model_load_memory = baseline - gib
-    setattr(runner, DISCOUNTED_ATTRIBUTE, gib)
-    logging.getLogger(__name__).info(
-        "weightcache: other processes took %.2f GiB of this GPU while this engine waited for and attached its "
-        "weights; taken off SGLang's pre-load memory baseline (%.2f -> %.2f GB), so the KV cache is sized as if "
-        "this engine had started after them",
-        gib,
-        baseline,
-        runner.pre_model_load_memory,
-    )
-    return True
 
 
 def uncounted_preload_warning(preloaded_bytes: int) -> str:
@@ -545,8 +468,6 @@ __all__ = [
     "SglangBackend",
     "SglangLoad",
     "WeightCacheLoader",
-    "DeviceMemory",
-    "discount_others",
     "model_identity",
     "parallel_layout",
     "register",

@@ -450,8 +450,10 @@ class Loaded:
 
     @property
     def preloaded_bytes(self) -> int:
-        """Bytes of weights that were already resident before this load (a cache hit), else 0."""
-        if self.handle is None or self.handle.read_disk or self.handle.manifest is None:
+        """Bytes of weights that were already resident before this load began (a plain cache hit:
+        :attr:`Handle.resident_before`), else 0: a disk load, a publish of this load, or a hit on an entry another
+        engine published while this load waited for it, whose memory appeared during this load."""
+        if self.handle is None or not self.handle.resident_before or self.handle.manifest is None:
             return 0
         return self.handle.manifest.total_bytes
 
