@@ -7,7 +7,6 @@ import os
 import signal
 import subprocess
 import sys
-import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -250,10 +249,13 @@ def test_concurrent_clients(checkpoint: Path, socket_dir: Path) -> None:
     assert len({r["pid"] for r in results}) == 8
 
 
-def test_racing_daemons_publish_once(checkpoint: Path, socket_dir: Path) -> None:
+def test_racing_daemons_publish_once(checkpoint: Path, socket_dir: Path, tmp_path: Path) -> None:
     """Six engines miss at the same instant in mode daemon, with no keeper running: one keeper, one entry,
     identical outputs, and one read of the checkpoint (the others wait for that load and attach its copy)."""
-    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir), "mode": "daemon", "start_at": time.time() + 8}
+    barrier = tmp_path / "barrier"
+    barrier.mkdir()
+    spec = {"checkpoint": str(checkpoint), "socket_dir": str(socket_dir), "mode": "daemon"}
+    spec |= {"barrier": str(barrier), "barrier_count": 6}  # all six attach at once, whenever their imports end
     with ThreadPoolExecutor(6) as pool:
         results = list(pool.map(lambda _: run_worker("attach", spec), range(6)))
     assert {r["source"] for r in results} == {"cache"}
@@ -269,7 +271,7 @@ def test_racing_daemons_publish_once(checkpoint: Path, socket_dir: Path) -> None
     for r in results:
         plain_hit = (r["start_line"] or "").startswith("weightcache: hit (mode")
         assert r["resident_before"] == plain_hit, (r["start_line"], r["resident_before"], r["read_disk"])
-    later = run_worker("attach", {**spec, "start_at": 0})
+    later = run_worker("attach", {**spec, "barrier": None})
     assert (later["source"], later["read_disk"], later["resident_before"]) == ("cache", False, True), later
 
 

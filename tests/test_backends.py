@@ -178,6 +178,9 @@ def test_backend_template_runs_every_mode(checkpoint: Path, socket_dir: Path) ->
     again = load("client")
     assert again.source == "cache" and again.handle is not None and not again.handle.read_disk
     assert again.preloaded_bytes == again.handle.nbytes > 0
+    again.handle.resident_before = False  # as for an entry another engine published while this load waited
+    assert again.preloaded_bytes == 0  # its memory appeared during this load: already in an engine's own measure
+    again.handle.resident_before = True
     assert again.model.weightcache_handle is again.handle  # the lease lives as long as the model
     for loaded in (first, fallback, again):
         with torch.no_grad():

@@ -13,6 +13,7 @@ import os
 import sys
 import time
 import warnings
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
@@ -64,8 +65,12 @@ def attach(spec: dict) -> tuple[torch.nn.Module, wc.Handle, dict]:
         import resource
 
         resource.setrlimit(resource.RLIMIT_FSIZE, (spec["fsize_limit"], resource.RLIM_INFINITY))
-    if spec.get("start_at"):  # a wall-clock instant shared by racing workers: all attach at once, imports done
-        time.sleep(max(0.0, spec["start_at"] - time.time()))
+    if spec.get("barrier"):  # racing workers start together once all have imported: a file each, then all go
+        barrier = Path(spec["barrier"])
+        (barrier / str(os.getpid())).touch()
+        deadline = time.monotonic() + 120
+        while len(list(barrier.iterdir())) < spec["barrier_count"] and time.monotonic() < deadline:
+            time.sleep(0.005)
     start_lines: list[str] = []  # the start's log line ("hit", "hit, after another engine's load", "miss, ...")
     line_handler = logging.Handler()
     line_handler.emit = lambda record: start_lines.append(record.getMessage())  # type: ignore[method-assign]

@@ -361,6 +361,7 @@ class Cache:
             handle = self.get(packed.fingerprint)
             if handle is None:
                 raise KeeperError("the keeper reported the entry as existing, then could not find it", "race")
+            handle.resident_before = False  # published while this call packed its own
             return handle
         fds = packed.detach_fds()  # the handle owns them from here
         try:
@@ -371,6 +372,7 @@ class Cache:
             raise
         handle = self._attached(manifest, views, conn, fds, os.getuid())
         handle.evicted = reply.evicted
+        handle.resident_before = False  # this call published it
         return handle
 
 

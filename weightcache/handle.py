@@ -32,10 +32,12 @@ class Handle:
         fallback_reason: why weightcache served weights from disk when the mode asked for the cache, else None.
         read_disk: whether this start read the checkpoint (True for every disk source, and for mode daemon's
             first start, which loads, publishes and then runs on the published copy).
-        resident_before: whether the entry was in the keeper before this start asked for it (a plain hit): False
-            for weights held privately, for a publish of this start, and for a hit on an entry that another engine
-            published while this start waited for its load (the segments appeared during this start). An engine
-            that sizes its caches from the free memory it sampled before loading counts only these as preloaded.
+        resident_before: whether the entry was in the keeper when this start first looked for it (a plain hit):
+            False for weights held privately, for what this start published (``Cache.publish``, mode daemon's
+            miss), and for an entry another engine published after that first look (while this start waited for
+            its load, or before this start took the load lock: "hit, published meanwhile"), whose segments
+            appeared during this start. An engine that sizes its caches from the free memory it sampled before
+            loading counts only such an entry as preloaded.
         publisher: the uid that published the entry (as the keeper saw it); None for weights held privately.
         evicted: the keys of the entries the keeper evicted (unleased, least recently used) to make room under its
             budget when this process published these weights; empty otherwise.

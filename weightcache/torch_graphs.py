@@ -312,6 +312,7 @@ class GraphCache:
         self._next = 0  # index into the loaded bundle's graphs
         self._diverged = False  # the arena's layout is this process's own from here on: no more restores
         self._recordable = True  # every graph so far recorded: later ones can be too
+        self._record_problem: str | None = None  # why the first graph not recorded was not
         self._records: list[GraphRecord] = []
         self._images: dict[str, bytes | memoryview] = {}
         self._kernels: KernelLoader | None = None  # once there is a driver
@@ -575,6 +576,7 @@ class GraphCache:
                 problem = f"recording it failed ({type(exc).__name__}: {exc})"
         if problem is not None and recording:
             self._recordable = False
+            self._record_problem = self._record_problem or f"graph {name!r}: {problem}"
             log.warning("weightcache: graph %r is captured but not recorded: %s", name, problem)
         return CudaGraph(
             name,
@@ -638,6 +640,7 @@ class GraphCache:
         bytes."""
         driver = self._driver
         assert driver is not None
+        executable: int | None = None
         try:
             functions = self._kernel_functions(kernels, images, check=False)
             prepare(driver, description, functions)
@@ -647,6 +650,7 @@ class GraphCache:
             finally:
                 driver.destroy_graph(rebuilt)
         except Exception as exc:  # GraphRestoreError, or anything else a driver call raised
+            self._discard(executable)
             return f"the graph cannot be rebuilt from the kept kernel images: {exc}"
         try:
             graph.replay()
@@ -663,16 +667,19 @@ class GraphCache:
     def publish(self) -> bool:
         """Publish the recorded graphs (those restored and those captured and recorded, in order) if this process
         captured any, replacing the artifact loaded; whether it did. Call it after the last graph. Logs and returns
-        False where the keeper refuses it."""
+        False where the keeper refuses it, and where this process recorded fewer graphs than the artifact it
+        loaded holds (a graph it could not record: the artifact is kept rather than replaced by a shorter one)."""
         if switched_off() or not self._captured or not self._records or self._arena is None or self.key is None:
             return False
-        if not self._recordable:  # an artifact without the graphs not recorded would replace a whole one
+        loaded = len(self._bundle.graphs) if self._bundle is not None else 0
+        if len(self._records) < loaded:  # never replace the artifact loaded with one that holds fewer graphs
             log.warning(
-                "weightcache: the %s artifact for %s is not published: not every graph of this process was "
-                "recorded (%s)",
+                "weightcache: the %s artifact for %s is kept as it is: this process recorded %d of its %d graphs (%s)",
                 KIND,
                 self.weights[:12],
-                self.reason or "see the warnings above",
+                len(self._records),
+                loaded,
+                self._record_problem or self.reason,
             )
             return False
         images = {d: self._images[d] for r in self._records for d in r.kernels.values()}

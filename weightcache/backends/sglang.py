@@ -14,8 +14,10 @@ key is an error) or are fixed on a subclass made by :meth:`WeightCacheLoader.con
   post-processing is skipped, as its own weight-cache loader does: its result is what was published. If the
   keeper does not hold the weights: a FallbackWarning and SGLang's own disk load (``strict``: an error).
 
-The loader reports the attached bytes as ``preloaded_weights_bytes``, which SGLang's memory accounting adds to
-its pre-load baseline (from 0.5.19), so the KV cache is sized as after a disk load. SGLang 0.5.16 and 0.5.17 do
+The loader reports the attached bytes of an entry that was resident before the load (``Handle.resident_before``;
+none where this load published the entry or attached one published during it) as ``preloaded_weights_bytes``,
+which SGLang's memory accounting adds to its pre-load baseline (from 0.5.19), so the KV cache is sized as after a
+disk load. SGLang 0.5.16 and 0.5.17 do
 not count them; there the loader adds them to the baseline of the ``ModelRunner`` whose ``load_model`` called it,
 as 0.5.19 does (:func:`~weightcache.backends.sglang_releases.account_preloaded_bytes`). A loader called by other
 code on those releases still attaches, and a warning says how much less headroom the KV cache of whatever sizes
