@@ -583,6 +583,15 @@ def test_an_arena_elsewhere_full_or_unmappable_is_refused_and_gives_back_what_it
     assert len(vmm.handles) == 1 and arena.used == 3 << 20  # the failed chunk released, nothing handed out
     with pytest.raises(GraphRestoreError, match="was not allocated from it"):
         arena.free(0x1234, 16)
+    # a refused restore: moved past a recorded graph's memory, then back, the mapping kept, the next address as
+    # the recording process's capture got it
+    mapped = arena.mapped
+    arena.skip_to(4 << 20)
+    arena.rewind_to(3 << 20)
+    assert (arena.used, arena.mapped) == (3 << 20, mapped)
+    assert arena.allocate(4096) == 0x6000_0000_0000 + (3 << 20)
+    with pytest.raises(GraphRestoreError, match="cannot move its pointer back from 3149824 to 3149825"):
+        arena.rewind_to(arena.used + 1)
     arena.close()
     arena.close()
     assert not vmm.reserved and not vmm.handles

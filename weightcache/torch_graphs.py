@@ -459,7 +459,11 @@ class GraphCache:
         self.graphs.append(restored)
         return restored
 
-    def _refuse(self, name: str, why: str) -> str:
+    def _refuse(self, name: str, why: str, record: GraphRecord | None = None) -> str:
+        """Capture ``name`` instead of restoring it: log why, restore nothing more. ``record``: the graph's record
+        whose memory the arena was moved past: moved back, so that the capture gets the recorded addresses."""
+        if record is not None and self._arena is not None and self._arena.used == record.end:
+            self._arena.rewind_to(record.start)
         self.reason = f"graph {name!r} is captured: {why}"
         self._diverged = True
         log.warning("weightcache: %s", self.reason)
@@ -490,7 +494,7 @@ class GraphCache:
             if arena.name in record.reach and record.reach[arena.name] > record.end:
                 problems.append(f"its pointers reach arena offset {record.reach[arena.name]}, past its memory")
             if problems:
-                return self._refuse(name, f"{len(problems)} address check(s) failed, e.g. {problems[0]}")
+                return self._refuse(name, f"{len(problems)} address check(s) failed, e.g. {problems[0]}", record)
             phases["checks"] = time.perf_counter() - started
             functions = self._kernel_functions(record.kernels, bundle.images, check=True)
             prepare(driver, record.description, functions)
@@ -505,11 +509,11 @@ class GraphCache:
             outputs = tuple(self._output(o) for o in record.outputs)
         except (GraphRestoreError, GraphDescriptionError) as exc:
             self._discard(executable)
-            return self._refuse(name, str(exc))
+            return self._refuse(name, str(exc), record)
         except Exception as exc:  # never raises for the cache's sake: whatever else failed, the graph is captured
             log.debug("weightcache: graph %r: the restore failed", name, exc_info=True)
             self._discard(executable)
-            return self._refuse(name, f"its restore failed ({type(exc).__name__}: {exc})")
+            return self._refuse(name, f"its restore failed ({type(exc).__name__}: {exc})", record)
         self._next += 1
         self._records.append(record)
         self._images.update({d: bundle.images[d] for d in record.kernels.values()})

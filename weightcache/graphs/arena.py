@@ -127,6 +127,16 @@ class Arena:
         self._map_to(used)
         self.used = used
 
+    def rewind_to(self, used: int) -> None:
+        """Move the bump pointer back to ``used`` bytes from the base, keeping the memory mapped: what a refused
+        restore does after :meth:`skip_to`, so that the capture in its place gets the addresses the recording
+        process's capture got. Only for bytes nothing was handed out from since the pointer stood there (the caller
+        knows: a restore allocates nothing). Raises :class:`~weightcache.errors.GraphRestoreError` if ``used`` lies
+        past the pointer or below zero."""
+        if not 0 <= used <= self.used:
+            raise GraphRestoreError(f"arena {self.name!r}: cannot move its pointer back from {self.used} to {used}")
+        self.used = used
+
     def _map_to(self, end: int) -> None:
         while self.mapped < end:
             length = min(max(self.chunk, -(-(end - self.mapped) // self.chunk) * self.chunk), self.size - self.mapped)
