@@ -361,8 +361,7 @@ def _load_and_publish(
     finally:
         if packed is not None:
             packed.close()
-    handle.read_disk = True
-    handle.resident_before = False  # this start published it
+    handle.read_disk = True  # (Cache.publish has marked it not resident before: this start published it)
     phases = ", ".join(f"{name} {(t - marks[i][1]) * 1e3:.0f} ms" for i, (name, t) in enumerate(marks[1:]))
     return _serve(request, steps, handle, "miss, published", start, phases=phases)
 

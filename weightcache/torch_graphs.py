@@ -507,12 +507,11 @@ class GraphCache:
                 driver.destroy_graph(graph)
             phases["instantiate"] = time.perf_counter() - started - sum(phases.values())
             outputs = tuple(self._output(o) for o in record.outputs)
-        except (GraphRestoreError, GraphDescriptionError) as exc:
+        except Exception as exc:  # never raises for the cache's sake: whatever failed, the graph is captured
             self._discard(executable)
-            return self._refuse(name, str(exc), record)
-        except Exception as exc:  # never raises for the cache's sake: whatever else failed, the graph is captured
+            if isinstance(exc, GraphRestoreError | GraphDescriptionError):
+                return self._refuse(name, str(exc), record)
             log.debug("weightcache: graph %r: the restore failed", name, exc_info=True)
-            self._discard(executable)
             return self._refuse(name, f"its restore failed ({type(exc).__name__}: {exc})", record)
         self._next += 1
         self._records.append(record)
