@@ -15,7 +15,7 @@
 #                                 its logs go to /tmp/persist ($PERSIST)
 #   gpu_sglang.sh jit FILE        unpack the JIT caches a `llama8b` part brought back into $HOME (before `detach`)
 #   gpu_sglang.sh plan [PARTS]    issue 30's GPU measurement, the PARTS named (default: hashing graphs llama8b
-#                                 mixtral tests; also: race), in order, `clean` after each: the tests of GPU
+#                                 mixtral tests; also: race, vllm-graphs), in order, `clean` after each: the tests of GPU
 #                                 hashing (~30 s; the plan stops if they fail: every miss publishes through it);
 #                                 issue 31's graph tests and benchmark (benchmarks/gpu_graphs.sh, ~1.5 min);
 #                                 the side-by-side benchmark on the Llama-3-8B shape (every scenario in one run,
@@ -149,8 +149,10 @@ plan)
             step env OUT=$persist/race bash "$0" bench --shape llama8b --repeat 1 --scenarios race
             ;;
         mixtral) step env OUT=$persist/mixtral bash "$0" bench --shape mixtral --scenarios start --repeat 3 ;;
+        vllm-graphs)  # issue 31: vLLM's graphs over fresh processes (benchmarks/gpu_vllm.sh, installed beforehand)
+            step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe ;;
         tests) step env OUT=$persist/tests bash "$0" test ;;  # the auto/daemon/client tests run first (file order)
-        *) echo "== unknown part $part (hashing, graphs, llama8b, race, mixtral, tests)" ;;
+        *) echo "== unknown part $part (hashing, graphs, llama8b, race, mixtral, tests, vllm-graphs)" ;;
         esac
     done
     touch "$persist.done"

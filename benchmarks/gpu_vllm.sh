@@ -5,11 +5,12 @@
 # an xz-compressed one (site/: vLLM's unpacked wheel; wheels/: its missing dependencies).
 # WHEELS: what vLLM 0.26.0 needs at import and to serve offline beside the H200 image's packages (found by importing
 # its engine, worker, Llama model, FlashAttention backend and API server in a venv of those packages):
-#   gpu_vllm.sh receive DIR       copy the parts found in DIR to /tmp/carry (once per part, any order)
+#   gpu_vllm.sh receive DIR       copy the parts found in DIR to /tmp/carry-vllm (once per part, any order)
 #   gpu_vllm.sh install           join and unpack them; install the wheels, and weightcache as a distribution (vLLM
-#                                 finds its plugin through the entry point), into /tmp/site
+#                                 finds its plugin through the entry point), into /tmp/site-vllm
 #   gpu_vllm.sh test [ARGS]       the GPU tests of the vLLM adapter (tests/backends/test_vllm_cuda.py)
 #   gpu_vllm.sh bench [ARGS]      benchmarks/restart_vllm.py
+#   gpu_vllm.sh graph-probe [ARGS] benchmarks/vllm_graph_probe.py (issue 31: vLLM's CUDA graphs over fresh processes)
 #   gpu_vllm.sh mp-probe          vLLM's multiprocessing engine with load format auto and weightcache NOT on the
 #                                 path, 120 s at most, then every thread's stack (faulthandler)
 # Logs go to $OUT (or /tmp/out).
@@ -25,34 +26,36 @@ referencing==0.37.0 rpds-py==2026.9.1 mistral-common==1.13.1 pycountry==26.2.16 
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}
-mkdir -p "$out" /tmp/carry
+# its own carry and site folders, so that a lease can hold SGLang's (benchmarks/gpu_sglang.sh) beside them
+carry=/tmp/carry-vllm
+mkdir -p "$out" "$carry"
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONUNBUFFERED=1
 # FlashInfer is not carried (its kernels come from the network at run time): vLLM samples with PyTorch instead
 export VLLM_USE_FLASHINFER_SAMPLER=0
-site=/tmp/site
+site=/tmp/site-vllm
 # weightcache as a distribution (vLLM finds its plugin through the entry point), replacing any earlier copy
 wc_install() {
     python3 -m pip install -q --upgrade --no-deps --no-build-isolation --no-compile --target "$site" . 2>&1 |
         grep -v "already exists" || true
 }
-cmd=${1:?usage: gpu_vllm.sh receive DIR|install|test|bench|mp-probe}
+cmd=${1:?usage: gpu_vllm.sh receive DIR|install|test|bench|graph-probe|mp-probe}
 shift
 case "$cmd" in
 receive)
-    cp "$1"/part.* /tmp/carry/ && ls -l /tmp/carry
+    cp "$1"/part.* "$carry"/ && ls -l "$carry"
     ;;
 install)
     set -e
     mkdir -p "$site"
-    if [ "$(head -c 6 /tmp/carry/part.00 | od -An -tx1 | tr -d ' ')" = "fd377a585a00" ]; then  # xz: site/ + wheels/
+    if [ "$(head -c 6 "$carry"/part.00 | od -An -tx1 | tr -d ' ')" = "fd377a585a00" ]; then  # xz: site/ + wheels/
         if command -v xz >/dev/null; then unxz=(xz -d -T0); else unxz=(python3 -c "import lzma, shutil, sys; shutil.copyfileobj(lzma.open(sys.stdin.buffer), sys.stdout.buffer)"); fi
-        cat /tmp/carry/part.* | "${unxz[@]}" | tar -C /tmp/carry -xf -
-        cp -r /tmp/carry/site/. "$site"/
+        cat "$carry"/part.* | "${unxz[@]}" | tar -C "$carry" -xf -
+        cp -r "$carry"/site/. "$site"/
     else  # carry-wheels: wheels/ only, vLLM's among them
-        cat /tmp/carry/part.* | tar -C /tmp/carry -xf -
+        cat "$carry"/part.* | tar -C "$carry" -xf -
     fi
-    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" /tmp/carry/wheels/*.whl
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$carry"/wheels/*.whl
     PYTHONPATH=$site python3 -c "import vllm, torch; print('vllm', vllm.__version__, 'torch', torch.__version__)"
     ;;
 test)
@@ -64,6 +67,12 @@ bench)
     wc_install
     PYTHONPATH=$site python3 benchmarks/restart_vllm.py --workdir /tmp/llama8b --json "$out/restart-vllm.json" "$@" \
         2>&1 | tee "$out/restart-vllm.log"
+    ;;
+graph-probe)
+    wc_install
+    PYTHONPATH=$site python3 benchmarks/vllm_graph_probe.py --workdir /tmp/vllm-graph-probe \
+        --json "$out/vllm-graph-probe.json" "$@" 2>&1 | tee "$out/vllm-graph-probe.out" | tail -150
+    cp /tmp/vllm-graph-probe/*.log "$out"/ 2>/dev/null || true
     ;;
 mp-probe)
     # weightcache is left out of the path on purpose: does vLLM's engine process start here without any plugin?

@@ -1,0 +1,274 @@
+"""vLLM's CUDA graphs seen from inside, over fresh processes (issue 31, the vLLM artifact kind's first step:
+research, not product code). Runs on a GPU with vLLM installed; nothing is downloaded.
+
+Each run is a fresh process with vLLM in-process (``VLLM_ENABLE_V1_MULTIPROCESSING=0``) on a Llama-3-8B-shaped
+config with dummy weights (``load_format="dummy"``), vLLM's defaults otherwise (torch.compile, CUDA graphs), the KV
+cache pinned with ``kv_cache_memory_bytes`` (a profiled size would move every address after it) and one compile
+cache for every run (the first fills it). ``torch.cuda.CUDAGraph`` is replaced, before vLLM is imported, by a
+subclass that keeps each captured graph (``keep_graph=True``) and times its capture. After the engine started and
+generated 8 greedy tokens, every kept graph is walked with weightcache's describer (``weightcache.graphs``): its
+node kinds, whether a description can hold it, how many of its argument words point into which of PyTorch's
+segments (``torch.cuda.memory_snapshot``: default pool or a private graph pool) and into device memory outside
+them, and digests of its description and of its pointer set. Then each describable graph is rebuilt from its
+description and instantiated (what a restore would do, without the address checks), timed.
+
+Across runs it answers: do two fresh warm starts place every segment at the same address (the caching allocator
+fed the same sequence)? Are the graphs' descriptions byte-identical? What does a restore cost beside vLLM's
+capture, and which nodes can a description not hold?
+
+    PYTHONPATH=$PWD python benchmarks/vllm_graph_probe.py --workdir /tmp/vgp --runs 3 --json out.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+sys.path.insert(0, str(Path(__file__).parent))
+
+CHILD = r"""
+import hashlib, json, logging, os, re, sys, time
+from collections import Counter
+t0 = time.time()
+import torch
+
+kept = []  # (graph, capture seconds)
+
+
+class Kept(torch.cuda.CUDAGraph):
+    def __new__(cls, keep_graph=False):
+        return super().__new__(cls, True)
+
+    def capture_begin(self, *args, **kwargs):
+        self._t = time.perf_counter()
+        return super().capture_begin(*args, **kwargs)
+
+    def capture_end(self):
+        out = super().capture_end()
+        kept.append((self, time.perf_counter() - self._t))
+        return out
+
+
+torch.cuda.CUDAGraph = Kept
+torch.cuda.graphs.CUDAGraph = Kept
+lines = []
+
+
+class Lines(logging.Handler):
+    def emit(self, record):
+        lines.append((round(time.time() - t0, 2), record.getMessage()))
+
+
+from vllm import LLM, SamplingParams
+
+logging.getLogger("vllm").addHandler(Lines())
+t_import = time.time() - t0
+kwargs = dict(model=sys.argv[1], load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0,
+              gpu_memory_utilization=0.85, kv_cache_memory_bytes=int(sys.argv[2]))
+try:
+    llm = LLM(**kwargs)
+except TypeError as exc:  # a release without kv_cache_memory_bytes: profiled size
+    print("no kv_cache_memory_bytes:", exc, file=sys.stderr)
+    kwargs.pop("kv_cache_memory_bytes")
+    llm = LLM(**kwargs)
+t_ready = time.time() - t0
+out = llm.generate([{"prompt_token_ids": list(range(100, 116))}], SamplingParams(temperature=0.0, max_tokens=8))
+tokens = list(out[0].outputs[0].token_ids)
+t_token = time.time() - t0
+torch.cuda.synchronize()
+
+runner = "unknown"
+try:
+    runner = type(llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker.model_runner).__module__
+except Exception as exc:
+    runner = f"unknown ({exc!r})"[:200]
+
+segments = [(s["address"], s["total_size"], str(s.get("segment_pool_id")), s.get("segment_type"))
+            for s in torch.cuda.memory_snapshot()]
+segments.sort()
+pools = {}
+for _, _, pool, _ in segments:
+    pools.setdefault(pool, f"pool{len(pools)}")
+
+from weightcache.graphs import AddressRange, CudaGraphDriver, describe, pointers, rebuild
+from weightcache.errors import GraphRestoreError
+
+driver = CudaGraphDriver()
+ranges = [AddressRange(f"{pools[pool]}/{i}", address, size) for i, (address, size, pool, _) in enumerate(segments)]
+graphs = []
+described = []
+t = time.perf_counter()
+for i, (g, seconds) in enumerate(kept):
+    raw = g.raw_cuda_graph()
+    kinds = Counter(driver.node_kind(n) for n in driver.graph_nodes(raw))
+    entry = {"i": i, "capture_s": round(seconds, 5), "nodes": sum(kinds.values()), "kinds": dict(kinds)}
+    try:
+        description, functions = describe(driver, raw)
+    except GraphRestoreError as exc:
+        entry["error"] = str(exc)[:300]
+        graphs.append(entry)
+        continue
+    found, problems = pointers(description, ranges, driver.pointer_range)
+    by_pool = Counter(p.range.split("/")[0] for p in found)
+    entry.update(
+        kernels=len(description.kernels()),
+        pointers=len(found),
+        by_pool=dict(by_pool),
+        segments=len({p.range for p in found}),
+        outside=len(problems),
+        outside_sample=problems[:2],
+        digest=hashlib.sha256(description.to_binary()).hexdigest()[:16],
+        pointer_digest=hashlib.sha256(repr(sorted(p.value for p in found)).encode()).hexdigest()[:16],
+    )
+    graphs.append(entry)
+    described.append((description, functions))
+t_describe = time.perf_counter() - t
+
+rebuilt = failed = 0
+first_failure = None
+t = time.perf_counter()
+for description, functions in described:
+    try:
+        graph = rebuild(driver, description, functions)
+        try:
+            driver.destroy_executable(driver.instantiate(graph))
+        finally:
+            driver.destroy_graph(graph)
+        rebuilt += 1
+    except GraphRestoreError as exc:
+        failed += 1
+        first_failure = first_failure or str(exc)[:300]
+t_rebuild = time.perf_counter() - t
+
+capture_log = [m for _, m in lines if re.search(r"[Gg]raph captur", m)]
+print("RESULT " + json.dumps({
+    "runner": runner, "import_s": round(t_import, 2), "ready_s": round(t_ready, 2), "token_s": round(t_token, 2),
+    "tokens": tokens, "capture_log": capture_log[-3:], "kept": len(kept),
+    "capture_sum_s": round(sum(s for _, s in kept), 3), "describe_s": round(t_describe, 3),
+    "rebuild_instantiate_s": round(t_rebuild, 3), "rebuilt": rebuilt, "rebuild_failed": failed,
+    "rebuild_first_failure": first_failure,
+    "segments": segments, "pools": {v: k for k, v in pools.items()}, "graphs": graphs,
+    "kv_cache_memory_bytes": kwargs.get("kv_cache_memory_bytes"),
+}), flush=True)
+os._exit(0)  # the engine's teardown is not measured
+"""
+
+
+def write_config(path: Path) -> None:
+    """A Llama-3-8B-shaped ``config.json`` (no weights: the runs use vLLM's dummy loader)."""
+    import transformers
+    from restart_llama import LLAMA3_8B
+
+    path.mkdir(parents=True, exist_ok=True)
+    transformers.LlamaConfig(**LLAMA3_8B, torch_dtype="bfloat16").save_pretrained(path)
+
+
+def run(model: Path, kv_bytes: int, env: dict[str, str], log: Path) -> dict[str, Any]:
+    started = time.time()
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD, str(model), str(kv_bytes)],
+        capture_output=True,
+        text=True,
+        env=env,
+        check=False,
+        timeout=900,
+    )
+    with log.open("a") as f:
+        f.write(f"== run at {time.strftime('%FT%TZ', time.gmtime(started))}, rc {proc.returncode}\n")
+        f.write(proc.stderr[-20000:])
+    result = next((line[7:] for line in proc.stdout.splitlines() if line.startswith("RESULT ")), None)
+    if result is None:
+        return {"error": f"rc {proc.returncode}", "tail": proc.stderr[-3000:], "wall_s": time.time() - started}
+    out: dict[str, Any] = json.loads(result)
+    out["wall_s"] = round(time.time() - started, 2)
+    return out
+
+
+def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+    """What two runs share: segments at the same place, graphs with the same description / pointer set."""
+    sa = {tuple(s[:2]) for s in a["segments"]}
+    sb = {tuple(s[:2]) for s in b["segments"]}
+    ga, gb = a["graphs"], b["graphs"]
+    same_desc = sum(1 for x, y in zip(ga, gb, strict=False) if x.get("digest") and x.get("digest") == y.get("digest"))
+    same_ptrs = sum(1 for x, y in zip(ga, gb, strict=False) if x.get("pointer_digest") == y.get("pointer_digest", 0))
+    return {
+        "segments": [len(sa), len(sb)],
+        "segments_same_place": len(sa & sb),
+        "graphs": [len(ga), len(gb)],
+        "same_description": same_desc,
+        "same_pointers": same_ptrs,
+        "same_tokens": a["tokens"] == b["tokens"],
+    }
+
+
+SUMMARY_KEYS = (
+    *("runner", "import_s", "ready_s", "token_s", "kept", "capture_sum_s", "describe_s"),
+    *("rebuild_instantiate_s", "rebuilt", "rebuild_failed", "capture_log", "tokens", "wall_s"),
+)
+
+
+def summary(r: dict[str, Any]) -> dict[str, Any]:
+    graphs = r["graphs"]
+    kinds: Counter[str] = Counter()
+    errors: Counter[str] = Counter()
+    for g in graphs:
+        kinds.update(g["kinds"])
+        if "error" in g:
+            errors[g["error"][:90]] += 1
+    return {k: r[k] for k in SUMMARY_KEYS} | {
+        "node_kinds": dict(kinds),
+        "not_describable": dict(errors),
+        "pointers": sum(g.get("pointers", 0) for g in graphs),
+        "outside": sum(g.get("outside", 0) for g in graphs),
+        "outside_sample": next((g["outside_sample"] for g in graphs if g.get("outside")), []),
+        "by_pool": dict(sum((Counter(g.get("by_pool", {})) for g in graphs), Counter())),
+        "segments": len(r["segments"]),
+        "pools": r["pools"],
+    }
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--workdir", type=Path, default=Path("/tmp/vllm-graph-probe"))
+    parser.add_argument("--runs", type=int, default=3)
+    parser.add_argument("--kv-gib", type=float, default=16.0, help="kv_cache_memory_bytes, in GiB")
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    model = args.workdir / "model"
+    if not (model / "config.json").exists():
+        write_config(model)
+    env = dict(os.environ)
+    env.update(
+        VLLM_ENABLE_V1_MULTIPROCESSING="0",
+        VLLM_CACHE_ROOT=str(args.workdir / "vllm-cache"),
+        VLLM_USE_FLASHINFER_SAMPLER="0",
+    )
+    env.pop("PYTHONDONTWRITEBYTECODE", None)
+    log = (args.json or args.workdir / "probe.json").with_suffix(".log")
+    runs: list[dict[str, Any]] = []
+    report: dict[str, Any] = {"date": time.strftime("%F"), "runs": runs}
+    for i in range(args.runs):
+        r = run(model, int(args.kv_gib * 2**30), env, log)
+        runs.append(r)
+        print(f"run {i + 1}:", json.dumps(summary(r) if "graphs" in r else r, indent=1)[:6000], flush=True)
+        if "graphs" not in r:
+            break
+    ok = [r for r in runs if "graphs" in r]
+    report["compare"] = [
+        {"runs": [i + 1, j + 1], **compare(ok[i], ok[j])} for i in range(len(ok)) for j in range(i + 1, len(ok))
+    ]
+    print("compare:", json.dumps(report["compare"], indent=1), flush=True)
+    if args.json:
+        args.json.write_text(json.dumps(report))
+    return 0 if len(ok) == args.runs else 1
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
