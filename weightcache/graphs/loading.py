@@ -60,7 +60,8 @@ class KernelLoader:
     def preload(self, images: Mapping[str, bytes | memoryview], graphs: Iterable[GraphRecord]) -> None:
         """Start checking and loading every image of ``images`` (an artifact's, taken unchecked) on worker
         threads, each module asked for the kernels ``graphs`` use from it; :meth:`functions` waits for the ones
-        it needs, and raises what a worker raised (:class:`GraphRestoreError` for an image that does not match)."""
+        it needs. A preload that failed is not remembered: :meth:`functions` loads the caller's copy of that image
+        instead (a recorder's own image, after the artifact's did not match)."""
         todo = {d: image for d, image in images.items() if d not in self._modules and d not in self._loading}
         if not todo:
             return
@@ -93,9 +94,13 @@ class KernelLoader:
                 began = time.perf_counter()
                 loading = self._loading.pop(digest, None)
                 if loading is not None:
-                    module, resolved = loading.result()
-                    self._functions.update({(digest, n): f for n, f in resolved.items()})
-                else:
+                    try:
+                        module, resolved = loading.result()
+                    except GraphRestoreError:
+                        pass  # the preloaded copy failed: the caller's own copy below (a recorder's loads)
+                    else:
+                        self._functions.update({(digest, n): f for n, f in resolved.items()})
+                if module is None:  # checked as the caller says; the artifact's failing copy fails again
                     module = self._load(digest, images[digest], check=check)
                 self._modules[digest] = module
                 self.images_loaded += 1
