@@ -46,6 +46,12 @@ class Kept(torch.cuda.CUDAGraph):
     def __new__(cls, keep_graph=False):
         return super().__new__(cls, True)
 
+    def __init__(self, keep_graph=False):  # torch 2.11 takes keep_graph in __init__ (a call passes both the same)
+        try:
+            super().__init__(True)
+        except TypeError:
+            super().__init__()
+
     def capture_begin(self, *args, **kwargs):
         self._t = time.perf_counter()
         return super().capture_begin(*args, **kwargs)
@@ -58,6 +64,12 @@ class Kept(torch.cuda.CUDAGraph):
 
 torch.cuda.CUDAGraph = Kept
 torch.cuda.graphs.CUDAGraph = Kept
+x = torch.zeros(4, device="cuda")
+check = Kept()
+with torch.cuda.graph(check):
+    y = x + 1
+check.raw_cuda_graph()  # fails here, not after the engine, if the graph was not kept
+kept.clear()
 lines = []
 
 
@@ -258,6 +270,8 @@ def main() -> int:
         r = run(model, int(args.kv_gib * 2**30), env, log)
         runs.append(r)
         print(f"run {i + 1}:", json.dumps(summary(r) if "graphs" in r else r, indent=1)[:6000], flush=True)
+        if args.json:  # after every run: a run cut short leaves the ones before it
+            args.json.write_text(json.dumps(report))
         if "graphs" not in r:
             break
     ok = [r for r in runs if "graphs" in r]
