@@ -186,6 +186,7 @@ class LoadingDriver:
         self.loaded: list[bytes] = []
         self.asked: list[tuple[str, str]] = []  # (kernel, thread name)
         self.unloaded: list[int] = []
+        self.functions_loaded: list[tuple[int, str]] = []  # (function, thread name)
 
     def load_module(self, image: bytes | memoryview) -> int:
         self.loaded.append(bytes(image))
@@ -201,6 +202,9 @@ class LoadingDriver:
 
     def unload_module(self, module: int) -> None:
         self.unloaded.append(module)
+
+    def load_function(self, function: int) -> None:
+        self.functions_loaded.append((function, threading.current_thread().name))
 
     def current_context(self) -> int:
         return 7
@@ -238,6 +242,9 @@ def test_a_restore_maps_the_artifact_and_checks_each_image_where_it_loads_it(
     assert loader.functions(record.kernels, fetched.bundle.images, check=True) == {"gelu": 1000, "gemm": 1001}
     assert driver.loaded == [image] and (loader.images_loaded, loader.image_bytes) == (1, len(image))
     assert {thread.split("_")[0] for _, thread in driver.asked} == {"weightcache-images"}  # resolved ahead
+    # and each function loaded there too, so that no node add on the caller's thread waits for the driver's lazy load
+    assert sorted(f for f, _ in driver.functions_loaded) == [1000, 1001]
+    assert {thread.split("_")[0] for _, thread in driver.functions_loaded} == {"weightcache-images"}
     with pytest.raises(GraphRestoreError, match="has no kernel named nope"):
         loader.functions({"nope": digest}, fetched.bundle.images, check=True)
 

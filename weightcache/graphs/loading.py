@@ -4,9 +4,10 @@ A graph rebuilt in a new process needs a handle of each kernel it launches, and 
 (:mod:`~weightcache.graphs.cubins`), so the process loads the images the artifact carries itself and asks each
 module for its kernels. The loader does that once per image, and for an artifact's images ahead of time
 (:meth:`KernelLoader.preload`): on worker threads, each image is checked against its SHA-256, loaded
-(``cuModuleLoadData``) and asked for every kernel the graphs use (``cuModuleGetFunction``, where the driver's lazy
-loading loads each function), while the caller parses, checks and rebuilds; hashing and the driver's work run
-without the GIL. No byte of an image that does not match its SHA-256 reaches the driver.
+(``cuModuleLoadData``), asked for every kernel the graphs use (``cuModuleGetFunction``) and each such function
+loaded (``cuFuncLoad``: under the driver's lazy loading a function is otherwise loaded where it is first used,
+which on an H200 was one graph's node adds, 76-88 ms), while the caller parses, checks and rebuilds; hashing and
+the driver's work run without the GIL. No byte of an image that does not match its SHA-256 reaches the driver.
 
 Layer L3; imports no torch.
 """
@@ -38,6 +39,8 @@ class ModuleDriver(Protocol):
     def module_function(self, module: int, name: str) -> int | None: ...
 
     def unload_module(self, module: int) -> None: ...
+
+    def load_function(self, function: int) -> None: ...
 
     def current_context(self) -> int: ...
 
@@ -74,7 +77,11 @@ class KernelLoader:
         def load(digest: str, image: bytes | memoryview) -> tuple[int, dict[str, int | None]]:
             driver.make_current(context)
             module = self._load(digest, image, check=True)
-            return module, {name: driver.module_function(module, name) for name in sorted(wanted.get(digest, ()))}
+            resolved = {name: driver.module_function(module, name) for name in sorted(wanted.get(digest, ()))}
+            for function in resolved.values():
+                if function is not None:
+                    driver.load_function(function)
+            return module, resolved
 
         pool = ThreadPoolExecutor(max_workers=min(MAX_THREADS, len(todo)), thread_name_prefix="weightcache-images")
         self._loading.update({digest: pool.submit(load, digest, image) for digest, image in todo.items()})
