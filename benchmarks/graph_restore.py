@@ -10,7 +10,9 @@ checkpoint; a keeper holds its weights. Then, each a fresh process that attaches
 
 Each replays every graph on the same inputs and reports the SHA-256 of each output, the time of its graph phase
 (from the first graph asked for to the last one ready, synchronized) and of the whole process. The parent runs
-``record`` once, then ``plain`` and ``restore`` alternately ``--repeat`` times, and prints medians::
+``record`` once, then ``plain`` and ``restore`` alternately ``--repeat`` times, and prints medians. Each process
+also reports when each graph was asked for (``graph_at_ms``) and every pause of Python's garbage collector during
+the graph phase (``gc_ms``: generation, ms into the phase, duration), which a graph's time may hold::
 
     python benchmarks/graph_restore.py bench --layers 16 --sizes 1 2 4 8 16 32 64 128 --repeat 3 --json out.json
 
@@ -24,6 +26,7 @@ would). Each must capture instead of restoring.
 from __future__ import annotations
 
 import argparse
+import gc
 import hashlib
 import json
 import os
@@ -107,7 +110,25 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
     sizes = spec["sizes"]
     hidden = config["hidden"]
     torch.cuda.synchronize()
+    collections: list[list[float]] = []  # Python's garbage collector during the graph phase: [generation, at, ms]
+    collecting: list[float] = []
+
+    def collector(phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            collecting[:] = [time.perf_counter()]
+        elif collecting:
+            now = time.perf_counter()
+            collections.append(
+                [
+                    info["generation"],
+                    round((collecting[0] - graph_start) * 1e3, 2),
+                    round((now - collecting[0]) * 1e3, 2),
+                ]
+            )
+
     graph_start = time.perf_counter()
+    gc.callbacks.append(collector)
+    graph_at: list[float] = []  # when each graph was asked for, ms into the graph phase
     graphs: list[Any] = []
     inputs: list[torch.Tensor] = []
     cache = None
@@ -115,6 +136,7 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
         if role == "plain":
             pool = torch.cuda.graph_pool_handle()
             for b in sizes:
+                graph_at.append(round((time.perf_counter() - graph_start) * 1e3, 2))
                 x = torch.empty((b, hidden), dtype=torch.bfloat16, device="cuda")
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
@@ -140,12 +162,14 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
             if spec.get("variant") == "shift":
                 cache.empty((1024,), torch.bfloat16)
             for b in sizes:
+                graph_at.append(round((time.perf_counter() - graph_start) * 1e3, 2))
                 x = cache.empty((b, hidden), torch.bfloat16)
                 g = cache.graph(f"b{b}", lambda x=x: model(x))
                 graphs.append((g, g.outputs))
                 inputs.append(x)
         torch.cuda.synchronize()
         graph_s = time.perf_counter() - graph_start
+        gc.callbacks.remove(collector)
         published = cache.publish() if cache is not None and role == "record" else False
         digests = []
         for b, x, (g, outputs) in zip(sizes, inputs, graphs):
@@ -170,6 +194,8 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
         "recorded": [getattr(g, "recorded", False) for g, _ in graphs],
         "record_problems": [getattr(g, "record_problem", None) for g, _ in graphs],
         "graph_ms": [getattr(g, "seconds", 0.0) * 1e3 for g, _ in graphs],
+        "graph_at_ms": graph_at,
+        "gc_ms": collections,
         "cache_reason": cache.reason if cache is not None else None,
         "published": published,
         "home_ranges": len(cuda_vmm.home_ranges()),

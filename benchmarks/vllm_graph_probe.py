@@ -58,7 +58,9 @@ class Kept(torch.cuda.CUDAGraph):
 
     def capture_end(self):
         out = super().capture_end()
-        kept.append((self, time.perf_counter() - self._t))
+        captured = time.perf_counter()
+        self.instantiate()  # what capture_end does without keep_graph; timed apart
+        kept.append((self, captured - self._t, time.perf_counter() - captured))
         return out
 
 
@@ -105,29 +107,35 @@ except Exception as exc:
 segments = [(s["address"], s["total_size"], str(s.get("segment_pool_id")), s.get("segment_type"))
             for s in torch.cuda.memory_snapshot()]
 segments.sort()
-pools = {}
+pools = {"(0, 0)": "default"}  # torch's own pool; each private pool (a graph pool) named in address order
 for _, _, pool, _ in segments:
-    pools.setdefault(pool, f"pool{len(pools)}")
+    pools.setdefault(pool, f"private{len(pools)}")
 
 from weightcache.graphs import AddressRange, CudaGraphDriver, describe, pointers, rebuild
-from weightcache.errors import GraphRestoreError
 
 driver = CudaGraphDriver()
 ranges = [AddressRange(f"{pools[pool]}/{i}", address, size) for i, (address, size, pool, _) in enumerate(segments)]
 graphs = []
 described = []
 t = time.perf_counter()
-for i, (g, seconds) in enumerate(kept):
-    raw = g.raw_cuda_graph()
-    kinds = Counter(driver.node_kind(n) for n in driver.graph_nodes(raw))
-    entry = {"i": i, "capture_s": round(seconds, 5), "nodes": sum(kinds.values()), "kinds": dict(kinds)}
+for i, (g, seconds, instantiate) in enumerate(kept):
+    entry = {"i": i, "capture_s": round(seconds, 5), "instantiate_s": round(instantiate, 5)}
     try:
+        raw = g.raw_cuda_graph()
+        kinds = Counter(driver.node_kind(n) for n in driver.graph_nodes(raw))
+        entry.update(nodes=sum(kinds.values()), kinds=dict(kinds))
         description, functions = describe(driver, raw)
-    except GraphRestoreError as exc:
-        entry["error"] = str(exc)[:300]
+    except Exception as exc:  # one graph the describer cannot walk must not lose the run
+        entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
+        entry.setdefault("kinds", {})
         graphs.append(entry)
         continue
-    found, problems = pointers(description, ranges, driver.pointer_range)
+    try:
+        found, problems = pointers(description, ranges, driver.pointer_range)
+    except Exception as exc:
+        entry["error"] = f"pointers: {type(exc).__name__}: {exc}"[:300]
+        graphs.append(entry)
+        continue
     by_pool = Counter(p.range.split("/")[0] for p in found)
     entry.update(
         kernels=len(description.kernels()),
@@ -154,16 +162,17 @@ for description, functions in described:
         finally:
             driver.destroy_graph(graph)
         rebuilt += 1
-    except GraphRestoreError as exc:
+    except Exception as exc:
         failed += 1
-        first_failure = first_failure or str(exc)[:300]
+        first_failure = first_failure or f"{type(exc).__name__}: {exc}"[:300]
 t_rebuild = time.perf_counter() - t
 
 capture_log = [m for _, m in lines if re.search(r"[Gg]raph captur", m)]
 print("RESULT " + json.dumps({
     "runner": runner, "import_s": round(t_import, 2), "ready_s": round(t_ready, 2), "token_s": round(t_token, 2),
     "tokens": tokens, "capture_log": capture_log[-3:], "kept": len(kept),
-    "capture_sum_s": round(sum(s for _, s in kept), 3), "describe_s": round(t_describe, 3),
+    "capture_sum_s": round(sum(k[1] for k in kept), 3), "instantiate_sum_s": round(sum(k[2] for k in kept), 3),
+    "describe_s": round(t_describe, 3),
     "rebuild_instantiate_s": round(t_rebuild, 3), "rebuilt": rebuilt, "rebuild_failed": failed,
     "rebuild_first_failure": first_failure,
     "segments": segments, "pools": {v: k for k, v in pools.items()}, "graphs": graphs,
@@ -184,14 +193,22 @@ def write_config(path: Path) -> None:
 
 def run(model: Path, kv_bytes: int, env: dict[str, str], log: Path) -> dict[str, Any]:
     started = time.time()
-    proc = subprocess.run(
-        [sys.executable, "-c", CHILD, str(model), str(kv_bytes)],
-        capture_output=True,
-        text=True,
-        env=env,
-        check=False,
-        timeout=900,
-    )
+    try:
+        proc = subprocess.run(
+            [sys.executable, "-c", CHILD, str(model), str(kv_bytes)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+            timeout=900,
+        )
+    except subprocess.TimeoutExpired as exc:
+        tail = exc.stderr.decode(errors="replace") if isinstance(exc.stderr, bytes) else str(exc.stderr or "")
+        with log.open("a") as f:
+            f.write(
+                f"== run at {time.strftime('%FT%TZ', time.gmtime(started))}, timed out after 900 s\n{tail[-20000:]}"
+            )
+        return {"error": "timed out after 900 s", "tail": tail[-3000:], "wall_s": time.time() - started}
     with log.open("a") as f:
         f.write(f"== run at {time.strftime('%FT%TZ', time.gmtime(started))}, rc {proc.returncode}\n")
         f.write(proc.stderr[-20000:])
@@ -209,7 +226,11 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     sb = {tuple(s[:2]) for s in b["segments"]}
     ga, gb = a["graphs"], b["graphs"]
     same_desc = sum(1 for x, y in zip(ga, gb, strict=False) if x.get("digest") and x.get("digest") == y.get("digest"))
-    same_ptrs = sum(1 for x, y in zip(ga, gb, strict=False) if x.get("pointer_digest") == y.get("pointer_digest", 0))
+    same_ptrs = sum(
+        1
+        for x, y in zip(ga, gb, strict=False)
+        if x.get("pointer_digest") and x["pointer_digest"] == y.get("pointer_digest")
+    )
     return {
         "segments": [len(sa), len(sb)],
         "segments_same_place": len(sa & sb),
@@ -221,7 +242,8 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
 
 
 SUMMARY_KEYS = (
-    *("runner", "import_s", "ready_s", "token_s", "kept", "capture_sum_s", "describe_s"),
+    *("runner", "compile_cache", "import_s", "ready_s", "token_s", "kept", "capture_sum_s", "instantiate_sum_s"),
+    "describe_s",
     *("rebuild_instantiate_s", "rebuilt", "rebuild_failed", "capture_log", "tokens", "wall_s"),
 )
 
@@ -268,6 +290,7 @@ def main() -> int:
     report: dict[str, Any] = {"date": time.strftime("%F"), "runs": runs}
     for i in range(args.runs):
         r = run(model, int(args.kv_gib * 2**30), env, log)
+        r["compile_cache"] = "cold (this run fills it)" if i == 0 else "warm"  # compare warm runs (2 and 3)
         runs.append(r)
         print(f"run {i + 1}:", json.dumps(summary(r) if "graphs" in r else r, indent=1)[:6000], flush=True)
         if args.json:  # after every run: a run cut short leaves the ones before it

@@ -446,26 +446,6 @@ def test_a_call_ctypes_refuses_is_a_restore_error_so_the_graph_is_captured() -> 
         driver.set_function_attribute(1, "an attribute", 2)  # type: ignore[arg-type]
 
 
-def test_the_driver_loads_a_function_ahead_where_it_has_the_call() -> None:
-    """``load_function`` asks ``cuFuncLoad`` (CUDA 12.4+) for the handle, through ctypes; a driver without the call
-    leaves the load to the function's first use (nothing is raised)."""
-    import ctypes
-
-    seen: list[int] = []
-    lib = FakeLibcuda(0)
-    lib._functions["cuFuncLoad"] = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(lambda f: seen.append(f) or 0)
-    CudaGraphDriver(lib).load_function(0x7F0012345678)  # type: ignore[arg-type]
-    assert seen == [0x7F0012345678]
-
-    class Older(FakeLibcuda):
-        def __getattr__(self, name: str) -> Any:
-            if name == "cuFuncLoad":
-                raise AttributeError(name)
-            return super().__getattr__(name)
-
-    CudaGraphDriver(Older(0)).load_function(0x7F0012345678)  # type: ignore[arg-type]
-
-
 def test_a_description_that_is_no_object_is_an_error() -> None:
     with pytest.raises(GraphDescriptionError, match="the description must be an object"):
         GraphDescription.from_json([1, 2])

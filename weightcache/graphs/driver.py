@@ -243,9 +243,6 @@ class CudaGraphDriver:
                 "12.4 or later (module enumeration, edge data). Graphs are captured as usual"
             ) from None
         self._lib = lib
-        self._func_load = getattr(lib, "cuFuncLoad", None)  # CUDA 12.4+; optional (load_function)
-        if self._func_load is not None:
-            self._func_load.argtypes, self._func_load.restype = [_p], ctypes.c_int
 
     def _call(self, name: str, *args: Any) -> None:
         try:
@@ -424,12 +421,6 @@ class CudaGraphDriver:
 
     def set_function_attribute(self, function: int, attribute: int, value: int) -> None:
         self._call("cuFuncSetAttribute", _p(function), attribute, value)
-
-    def load_function(self, function: int) -> None:
-        """Have the driver load ``function`` now (``cuFuncLoad``, CUDA 12.4+) rather than where it is first used
-        (lazy loading). Only a matter of when: a driver without the call, or an error, leaves it to that first use."""
-        if self._func_load is not None:
-            self._func_load(_p(function))
 
     def unload_module(self, module: int) -> None:
         self._call("cuModuleUnload", _p(module))

@@ -4,10 +4,9 @@ A graph rebuilt in a new process needs a handle of each kernel it launches, and 
 (:mod:`~weightcache.graphs.cubins`), so the process loads the images the artifact carries itself and asks each
 module for its kernels. The loader does that once per image, and for an artifact's images ahead of time
 (:meth:`KernelLoader.preload`): on worker threads, each image is checked against its SHA-256, loaded
-(``cuModuleLoadData``), asked for every kernel the graphs use (``cuModuleGetFunction``) and each such function
-loaded (``cuFuncLoad``: under the driver's lazy loading a function is otherwise loaded where it is first used,
-which on an H200 was one graph's node adds, 76-88 ms), while the caller parses, checks and rebuilds; hashing and
-the driver's work run without the GIL. No byte of an image that does not match its SHA-256 reaches the driver.
+(``cuModuleLoadData``) and asked for every kernel the graphs use (``cuModuleGetFunction``, where the driver's lazy
+loading loads each function), while the caller parses, checks and rebuilds; hashing and the driver's work run
+without the GIL. No byte of an image that does not match its SHA-256 reaches the driver.
 
 Layer L3; imports no torch.
 """
@@ -40,8 +39,6 @@ class ModuleDriver(Protocol):
 
     def unload_module(self, module: int) -> None: ...
 
-    def load_function(self, function: int) -> None: ...
-
     def current_context(self) -> int: ...
 
     def make_current(self, context: int) -> None: ...
@@ -63,8 +60,9 @@ class KernelLoader:
     def preload(self, images: Mapping[str, bytes | memoryview], graphs: Iterable[GraphRecord]) -> None:
         """Start checking and loading every image of ``images`` (an artifact's, taken unchecked) on worker
         threads, each module asked for the kernels ``graphs`` use from it; :meth:`functions` waits for the ones
-        it needs. A preload that failed is not remembered: :meth:`functions` loads the caller's copy of that image
-        instead (a recorder's own image, after the artifact's did not match)."""
+        it needs. A preload that failed is not remembered (a module it had loaded is unloaded): :meth:`functions`
+        loads the caller's copy of that image instead (a recorder's own image, after the artifact's did not
+        match) and raises what that load raises."""
         todo = {d: image for d, image in images.items() if d not in self._modules and d not in self._loading}
         if not todo:
             return
@@ -77,11 +75,12 @@ class KernelLoader:
         def load(digest: str, image: bytes | memoryview) -> tuple[int, dict[str, int | None]]:
             driver.make_current(context)
             module = self._load(digest, image, check=True)
-            resolved = {name: driver.module_function(module, name) for name in sorted(wanted.get(digest, ()))}
-            for function in resolved.values():
-                if function is not None:
-                    driver.load_function(function)
-            return module, resolved
+            try:
+                names = sorted(wanted.get(digest, ()))
+                return module, {name: driver.module_function(module, name) for name in names}
+            except BaseException:  # the failed preload is not remembered (functions()): nothing else unloads it
+                driver.unload_module(module)
+                raise
 
         pool = ThreadPoolExecutor(max_workers=min(MAX_THREADS, len(todo)), thread_name_prefix="weightcache-images")
         self._loading.update({digest: pool.submit(load, digest, image) for digest, image in todo.items()})
@@ -103,7 +102,7 @@ class KernelLoader:
                 if loading is not None:
                     try:
                         module, resolved = loading.result()
-                    except GraphRestoreError:
+                    except Exception:
                         pass  # the preloaded copy failed: the caller's own copy below (a recorder's loads)
                     else:
                         self._functions.update({(digest, n): f for n, f in resolved.items()})
