@@ -27,8 +27,10 @@
 #                                 is left. Budget, from the fifth run (2026-12-04): the machine's start ~30 s,
 #                                 receive and install ~90 s; hashing 15 s, graphs 60 s; llama8b 1180 s (memory 256,
 #                                 kill 153, mismatch 167, race 85, AWQ 90, start 394); mixtral 346 s; the tests
-#                                 ~230 s (the first two) and ~320 s (the other two). All of it is more than one
-#                                 session's 30 minutes of device time: a lease runs some parts
+#                                 ~230 s (the first two) and ~320 s (the other two). The sixth run (no JIT caches
+#                                 carried): tests 555 s, graphs 85 s, race alone 136 s, vllm-graphs ~100 s a run
+#                                 (gpu_vllm.sh installed first). All of it is more than one session's 30 minutes of
+#                                 device time: a lease runs some parts
 #   gpu_sglang.sh poll SECONDS    wait until `plan` is done or SECONDS passed, copying /tmp/persist to $OUT every 15 s
 #                                 (a call cut at its limit still brings back the last copy); exits at once (3) on a
 #                                 machine where no plan ran: the last one was given back (30 s idle between calls)
