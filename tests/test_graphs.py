@@ -446,6 +446,60 @@ def test_a_call_ctypes_refuses_is_a_restore_error_so_the_graph_is_captured() -> 
         driver.set_function_attribute(1, "an attribute", 2)  # type: ignore[arg-type]
 
 
+def test_a_kernel_node_reaches_the_driver_as_its_description_says() -> None:
+    """``add_kernel_node`` through ctypes: the driver gets the function, geometry, shared memory, the argument bytes
+    as one buffer (``extra``: buffer pointer, buffer size, end) and each launch attribute, whatever the node's
+    launch form; an empty argument list is a buffer of size 0."""
+    import ctypes
+
+    from weightcache.graphs.driver import _KernelParams
+
+    lib = FakeLibcuda(0)
+    seen: list[dict[str, Any]] = []
+    attributes: list[tuple[int, int, bytes]] = []
+
+    def add(out: int, _graph: int, _deps: int, _count: int, params: int) -> int:
+        p = ctypes.cast(params, ctypes.POINTER(_KernelParams)).contents
+        extra = [p.extra[i] or 0 for i in range(5)]
+        assert (extra[0], extra[2], extra[4]) == (1, 2, 0)  # BUFFER_POINTER, BUFFER_SIZE, END
+        size = ctypes.cast(extra[3], ctypes.POINTER(ctypes.c_size_t)).contents.value
+        seen.append(
+            {
+                "func": p.func,
+                "grid": (p.gridDimX, p.gridDimY, p.gridDimZ),
+                "block": (p.blockDimX, p.blockDimY, p.blockDimZ),
+                "shared": p.sharedMemBytes,
+                "args": ctypes.string_at(extra[1], size),
+                "kernelParams": bool(p.kernelParams),
+            }
+        )
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = 0x1000 + len(seen)
+        return 0
+
+    def attribute(node: int, which: int, value: int) -> int:
+        attributes.append((node, which, ctypes.string_at(value, 64)))
+        return 0
+
+    c = ctypes.c_void_p
+    lib._functions["cuGraphAddKernelNode_v2"] = ctypes.CFUNCTYPE(ctypes.c_int, c, c, c, ctypes.c_size_t, c)(add)
+    lib._functions["cuGraphKernelNodeSetAttribute"] = ctypes.CFUNCTYPE(ctypes.c_int, c, ctypes.c_int, c)(attribute)
+    driver = CudaGraphDriver(lib)  # type: ignore[arg-type]
+    laid_out = KernelNode("k", (7, 2, 1), (128, 1, 1), 4096, bytes(range(24)), ((0, 8), (8, 8), (16, 8)), "params")
+    buffer = KernelNode("g", (1, 1, 1), (384, 1, 1), 0, b"\x01" * 1024, (), "buffer", ((4, b"\x02" * 64),))
+    empty = KernelNode("e", (1, 1, 1), (1, 1, 1), 0, b"")
+    calls = ((0x7F0000000010, laid_out), (0x20, buffer), (0x30, empty))
+    nodes = [driver.add_kernel_node(0xABC, f, n) for f, n in calls]
+    assert nodes == [0x1001, 0x1002, 0x1003]
+    assert seen == [
+        {"func": 0x7F0000000010, "grid": (7, 2, 1), "block": (128, 1, 1), "shared": 4096, "args": bytes(range(24))}
+        | {"kernelParams": False},
+        {"func": 0x20, "grid": (1, 1, 1), "block": (384, 1, 1), "shared": 0, "args": b"\x01" * 1024}
+        | {"kernelParams": False},
+        {"func": 0x30, "grid": (1, 1, 1), "block": (1, 1, 1), "shared": 0, "args": b"", "kernelParams": False},
+    ]
+    assert attributes == [(0x1002, 4, b"\x02" * 64)]
+
+
 def test_a_description_that_is_no_object_is_an_error() -> None:
     with pytest.raises(GraphDescriptionError, match="the description must be an object"):
         GraphDescription.from_json([1, 2])

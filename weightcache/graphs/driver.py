@@ -365,20 +365,15 @@ class CudaGraphDriver:
         self._lib.cuGraphDestroy(_p(graph))
 
     def add_kernel_node(self, graph: int, function: int, node: KernelNode) -> int:
-        # every node's arguments as one buffer (CU_LAUNCH_PARAM_BUFFER_POINTER), whichever way they were given:
-        # the bytes are what the kernel reads; the driver copies them into the node
-        blob = ctypes.create_string_buffer(node.args, max(len(node.args), 1))
-        size = ctypes.c_size_t(len(node.args))
-        extra = (_p * 5)(
-            _p(_PARAM_BUFFER), ctypes.cast(blob, _p), _p(_PARAM_SIZE), ctypes.cast(ctypes.pointer(size), _p),
-            _p(_PARAM_END),
-        )  # fmt: skip
-        p = _KernelParams()
-        p.func = function
-        p.gridDimX, p.gridDimY, p.gridDimZ = node.grid
-        p.blockDimX, p.blockDimY, p.blockDimZ = node.block
-        p.sharedMemBytes = node.shared_bytes
-        p.extra = ctypes.cast(extra, ctypes.POINTER(_p))
+        # every node's arguments as one buffer (CU_LAUNCH_PARAM_BUFFER_POINTER), whichever way they were given: the
+        # bytes are what the kernel reads, and the driver copies them into the node, so the description's own
+        # bytes are passed where they lie. A restore adds every node of every graph here: few ctypes objects per
+        # node (its Python cost, and what it feeds the garbage collector)
+        args = node.args
+        size = ctypes.c_size_t(len(args))
+        buffer = ctypes.cast(ctypes.c_char_p(args), _p).value  # the bytes' own storage (node.args outlives the call)
+        extra = (_p * 5)(_PARAM_BUFFER, buffer, _PARAM_SIZE, ctypes.addressof(size), _PARAM_END)
+        p = _KernelParams(function, *node.grid, *node.block, node.shared_bytes, None, extra)
         out = _p()
         self._call("cuGraphAddKernelNode_v2", ctypes.byref(out), _p(graph), None, 0, ctypes.byref(p))
         for attribute, value in node.attributes:
