@@ -462,6 +462,7 @@ def test_a_kernel_node_reaches_the_driver_as_its_description_says() -> None:
         p = ctypes.cast(params, ctypes.POINTER(_KernelParams)).contents
         extra = [p.extra[i] or 0 for i in range(5)]
         assert (extra[0], extra[2], extra[4]) == (1, 2, 0)  # BUFFER_POINTER, BUFFER_SIZE, END
+        assert not p.kern and not p.ctx  # the function is given as func: no kernel handle, no context
         size = ctypes.cast(extra[3], ctypes.POINTER(ctypes.c_size_t)).contents.value
         seen.append(
             {
