@@ -282,6 +282,12 @@ class Holder:
             raise AssertionError(f"holder died:\n{err[-4000:]}")
         return json.loads(line)
 
+    def leased_again(self, timeout: float = 10.0) -> bool:
+        """Wait until this holder sees its lease held again. The keeper counts a re-published lease as its publish
+        ends, the holder a moment later (when the republisher takes the connection), so a test that saw the
+        keeper's count must still wait for the holder's."""
+        return wait_until(lambda: self.compute()["leased"] is True, timeout)
+
     def close(self) -> None:
         if self.proc.poll() is None:
             assert self.proc.stdin

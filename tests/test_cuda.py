@@ -140,6 +140,7 @@ def test_restarted_keeper_gets_gpu_entries_back(checkpoint: Path, socket_dir: Pa
         assert wait_until(lambda: [e.leases for e in wc.Cache(socket_dir).entries()] == [1], timeout=15)
         third = run_worker("attach", {**spec, "mode": "client", "strict": True})
         assert third["source"] == "cache" and third["output"] == first["output"]
+        assert holder.leased_again()
         assert holder.compute() == {"output": first["output"], "leased": True}
     finally:
         holder.close()

@@ -83,6 +83,7 @@ def test_restarted_keeper_gets_entries_back_from_clients(checkpoint: Path, socke
             third = run_worker("attach", {**spec, "mode": "client", "strict": True})
             assert third["source"] == "cache" and third["output"] == publisher["output"]
             for h in holders:
+                assert h.leased_again()
                 assert h.compute() == {"output": publisher["output"], "leased": True}
         finally:
             for h in holders:
@@ -127,6 +128,7 @@ def test_a_stopped_keeper_is_not_respawned_but_a_new_one_gets_the_entries(checkp
         upgraded = start_keeper(socket_dir)
         try:
             assert wait_until(lambda: [e.leases for e in entries(socket_dir)] == [1], REPUBLISH_S)
+            assert holder.leased_again()
             assert holder.compute() == {"output": holder.info["output"], "leased": True}
         finally:
             holder.close()
