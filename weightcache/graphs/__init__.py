@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from .arena import Arena, ArenaDriver, CudaArenaDriver
 from .check import AddressRange, Pointer, pointers, restore_problems
-from .description import Edge, EmptyNode, GraphDescription, KernelNode, MemsetNode, Node
+from .description import Edge, EmptyNode, GraphDescription, KernelNode, MemcpyNode, MemsetNode, Node
 from .driver import CudaGraphDriver, GraphDriver
 from .record import describe, rebuild, resolve
 
@@ -44,6 +44,7 @@ __all__ = [
     "GraphDescription",
     "GraphDriver",
     "KernelNode",
+    "MemcpyNode",
     "MemsetNode",
     "Node",
     "Pointer",

@@ -35,8 +35,9 @@ from .description import GraphDescription
 from .json_fields import FieldReader
 
 MAGIC = b"WCGRAPH2"
-#: The format of the JSON header.
-FORMAT = 2
+#: The format of the artifact (its JSON header's ``format``, and part of its key): 3 since descriptions hold memcpy
+#: nodes (:data:`~weightcache.graphs.description.BINARY_FORMAT` 2); an artifact of another format is not read.
+FORMAT = 3
 #: Bytes before the header: the magic, the header's and the descriptions' lengths, their SHA-256.
 PREFIX = len(MAGIC) + 8 + 8 + 32
 #: Where the images start, and each image within them: at multiples of this many bytes from the blob's start (a

@@ -7,10 +7,10 @@ same virtual addresses in both processes (the weights' mappings, a reserved rang
 whether it did:
 
 - at record time, :func:`pointers` finds every word of the description that is an address (each 8-byte parameter
-  of a kernel, every aligned word of an argument buffer, each memset's destination) and says in which range it
-  lies; a word that the driver knows as device memory outside every range is a problem (that memory is not
-  reproduced: torch's caching allocator, a library's workspace, host memory mapped for the device), and such a
-  graph is never restored;
+  of a kernel, every aligned word of an argument buffer, the first and last byte a memset writes, the first and
+  last byte a memcpy reads and writes) and says in which range it lies; a word that the driver knows as device
+  memory outside every range is a problem (that memory is not reproduced: torch's caching allocator, a library's
+  workspace, host memory mapped for the device), and such a graph is never restored;
 - at restore time, :func:`restore_problems` checks that every range a pointer uses is at its recorded base with
   at least its recorded size, and, with a driver, that every pointer is mapped device memory inside it.
 
@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from .description import GraphDescription, KernelNode, MemsetNode
+from .description import GraphDescription, KernelNode, MemcpyNode, MemsetNode
 
 
 @attrs.frozen
@@ -42,14 +42,18 @@ class AddressRange:
 
 @attrs.frozen
 class Pointer:
-    """A word of a description that is an address: node :attr:`node`'s argument byte :attr:`offset` (-1: a memset's
-    destination) holds :attr:`value`, inside range :attr:`range`."""
+    """A word of a description that is an address: node :attr:`node`'s argument byte :attr:`offset` holds
+    :attr:`value`, inside range :attr:`range`; for a memset or memcpy node, :attr:`offset` is :data:`DESTINATION`
+    or :data:`SOURCE` and :attr:`value` the first or last byte it writes or reads there."""
 
     node: int
     offset: int
     value: int
     range: str
 
+
+#: :attr:`Pointer.offset` of a memset's or memcpy's destination, and of a memcpy's source.
+DESTINATION, SOURCE = -1, -2
 
 #: Words below this are never looked up as device addresses: CUDA places device memory above 4 GiB on 64-bit
 #: Linux, and a graph's argument bytes are mostly scalars (sizes, strides, flags) below it.
@@ -88,7 +92,7 @@ def _kernel_words(description: GraphDescription) -> tuple[np.ndarray, np.ndarray
 
 
 def _where(node: int, offset: int, what: str | None = None) -> str:
-    place = "its destination" if offset < 0 else f"argument byte {offset}"
+    place = {DESTINATION: "its destination", SOURCE: "its source"}.get(offset, f"argument byte {offset}")
     return f"node {node}{f' ({what[:80]})' if what else ''}, {place}"
 
 
@@ -100,10 +104,10 @@ def pointers(
     """Every address of ``description`` in ``ranges``, and the problems: an address the driver knows as device
     memory (``pointer_range``, e.g. :meth:`~weightcache.graphs.driver.GraphDriver.pointer_range`; each distinct
     word at or above :data:`LOWEST_ADDRESS` is asked once) outside every range, or a memset whose destination is
-    in none. Words that are no device address are not pointers (scalars; a scalar that equals an address inside a
-    range is treated as a pointer, which can only make a restore refuse). Without ``pointer_range`` (a restore,
-    which checks the pointers it finds with :func:`restore_problems`), words outside the ranges are not looked
-    up."""
+    in none (its first and last byte; a memcpy's on both sides). Words that are no device address are not
+    pointers (scalars; a scalar that equals an address inside a range is treated as a pointer, which can only make
+    a restore refuse). Without ``pointer_range`` (a restore, which checks the pointers it finds with
+    :func:`restore_problems`), words outside the ranges are not looked up."""
     found: list[Pointer] = []
     problems: list[str] = []
     known: dict[int, tuple[int, int] | None] = {}
@@ -122,12 +126,12 @@ def pointers(
             )
 
     for i, node in enumerate(description.nodes):
-        if isinstance(node, MemsetNode):
-            inside = next((r for r in ranges if r.holds(node.dst)), None)
+        for offset, address, what in _copy_ends(node):
+            inside = next((r for r in ranges if r.holds(address)), None)
             if inside is not None:
-                found.append(Pointer(i, -1, node.dst, inside.name))
+                found.append(Pointer(i, offset, address, inside.name))
             else:
-                outside(i, -1, node.dst, "memset")
+                outside(i, offset, address, what)
     nodes, offsets, values = _kernel_words(description)
     candidate = values >= LOWEST_ADDRESS
     nodes, offsets, values = nodes[candidate], offsets[candidate], values[candidate]
@@ -145,6 +149,23 @@ def pointers(
         outside(node, offset, value, kernel.function if isinstance(kernel, KernelNode) else "")
     found.sort(key=lambda p: (p.node, p.offset))
     return found, problems
+
+
+def _copy_ends(node: object) -> list[tuple[int, int, str]]:
+    """(offset, address, kind) of the first and last byte a memset writes, or a memcpy reads and writes."""
+    if isinstance(node, MemsetNode):
+        last = node.dst + max(node.height - 1, 0) * node.pitch + node.width * node.element_size - 1
+        return [(DESTINATION, node.dst, "memset"), (DESTINATION, max(last, node.dst), "memset")]
+    if isinstance(node, MemcpyNode):
+        ends = node.last_bytes()
+        src_last, dst_last = ends if ends is not None else (node.src, node.dst)
+        return [
+            (SOURCE, node.src, "memcpy"),
+            (SOURCE, src_last, "memcpy"),
+            (DESTINATION, node.dst, "memcpy"),
+            (DESTINATION, dst_last, "memcpy"),
+        ]
+    return []
 
 
 def restore_problems(
@@ -228,4 +249,13 @@ def extent_problems(
     return problems
 
 
-__all__ = ["AddressRange", "Pointer", "extent_problems", "extents", "pointers", "restore_problems"]
+__all__ = [
+    "DESTINATION",
+    "SOURCE",
+    "AddressRange",
+    "Pointer",
+    "extent_problems",
+    "extents",
+    "pointers",
+    "restore_problems",
+]

@@ -4,7 +4,9 @@ A :class:`GraphDescription` holds the graph's nodes in the driver's order and it
 node (:class:`KernelNode`) is its function's name, its grid, block and dynamic shared memory, its launch attributes
 and its argument bytes as the kernel reads them: either laid out parameter by parameter (``cuFuncGetParamInfo``'s
 offsets and sizes, for a node launched with ``kernelParams``) or as one buffer (a node launched with ``extra``, the
-form cuBLAS uses; its layout is unknown). A memset node is its destination and geometry; an empty node is nothing.
+form cuBLAS uses; its layout is unknown). A memset node is its destination and geometry; a memcpy node
+(:class:`MemcpyNode`, what a captured ``copy_`` between device tensors becomes) its source, destination and
+geometry, between device memory only; an empty node is nothing.
 Edges carry the driver's 8 bytes of edge data (ports and type: a programmatic dependent launch has some).
 
 Two serializations, each read back with every field checked, so a description from a file or the keeper is never
@@ -24,10 +26,10 @@ import numpy as np
 from .json_fields import FieldReader
 
 #: The format of :meth:`GraphDescription.to_json`.
-FORMAT = 1
+FORMAT = 2
 #: What :meth:`GraphDescription.to_binary` writes first, and its format.
 BINARY_MAGIC = b"WCGD"
-BINARY_FORMAT = 1
+BINARY_FORMAT = 2
 #: How a kernel node's arguments were given at capture: ``params`` (``kernelParams``, one pointer per parameter;
 #: :attr:`KernelNode.layout` holds their offsets and sizes) or ``buffer`` (``extra``: one argument buffer).
 LAUNCH_FORMS: tuple[Literal["params"], Literal["buffer"]] = ("params", "buffer")
@@ -111,12 +113,48 @@ class MemsetNode:
     height: int
 
 
+#: ``CUmemorytype`` values a memcpy node's side may have: device memory (``CU_MEMORYTYPE_DEVICE``) or a unified
+#: address (``CU_MEMORYTYPE_UNIFIED``, what ``cudaMemcpyDefault`` captures). Host memory and arrays are not
+#: described: no later process has them at the same address.
+MEMORY_TYPES = {2: "device", 4: "unified"}
+
+
+@attrs.frozen
+class MemcpyNode:
+    """A memcpy node (``CUDA_MEMCPY3D``) between device memory: ``depth`` slices of ``height`` rows of ``width``
+    bytes from :attr:`src` to :attr:`dst`. On each side rows are ``pitch`` bytes apart and slices ``pitch *
+    height`` bytes apart (that side's ``*_pitch`` and ``*_height``); :attr:`src` and :attr:`dst` are the first
+    bytes copied (the driver's base address with its X, Y and Z offsets folded in). ``src_type`` and ``dst_type``:
+    :data:`MEMORY_TYPES`."""
+
+    src: int
+    dst: int
+    width: int
+    height: int = 1
+    depth: int = 1
+    src_pitch: int = 0
+    src_height: int = 0
+    dst_pitch: int = 0
+    dst_height: int = 0
+    src_type: int = 2
+    dst_type: int = 2
+
+    def last_bytes(self) -> tuple[int, int] | None:
+        """The addresses of the last source byte and the last destination byte the copy touches; None for a copy
+        of nothing."""
+        if not (self.width and self.height and self.depth):
+            return None
+        src = self.src + (self.depth - 1) * self.src_pitch * self.src_height + (self.height - 1) * self.src_pitch
+        dst = self.dst + (self.depth - 1) * self.dst_pitch * self.dst_height + (self.height - 1) * self.dst_pitch
+        return src + self.width - 1, dst + self.width - 1
+
+
 @attrs.frozen
 class EmptyNode:
     """An empty node (a join point of the graph's dependencies)."""
 
 
-Node = KernelNode | MemsetNode | EmptyNode
+Node = KernelNode | MemsetNode | MemcpyNode | EmptyNode
 
 
 @attrs.frozen
@@ -160,6 +198,8 @@ class GraphDescription:
                 )
             elif isinstance(node, MemsetNode):
                 nodes.append({"kind": "memset", **{f: getattr(node, f) for f in _MEMSET_FIELDS}})
+            elif isinstance(node, MemcpyNode):
+                nodes.append({"kind": "memcpy", **{f: getattr(node, f) for f in _MEMCPY_FIELDS}})
             else:
                 nodes.append({"kind": "empty"})
         return {
@@ -194,6 +234,7 @@ class GraphDescription:
         table = np.zeros(len(self.nodes), dtype=_NODE)
         layout: list[tuple[int, int]] = []
         attributes: list[tuple[int, bytes]] = []
+        copies: list[list[int]] = []
         args: list[bytes] = []
         for i, node in enumerate(self.nodes):
             row = table[i]
@@ -208,6 +249,9 @@ class GraphDescription:
             elif isinstance(node, MemsetNode):
                 row["kind"] = _MEMSET
                 row["memset"] = [getattr(node, f) for f in _MEMSET_FIELDS]
+            elif isinstance(node, MemcpyNode):
+                row["kind"] = _MEMCPY
+                copies.append([getattr(node, f) for f in _MEMCPY_FIELDS])
             else:
                 row["kind"] = _EMPTY
         encoded = [n.encode() for n in names]
@@ -218,8 +262,10 @@ class GraphDescription:
         edges = np.zeros(len(self.edges), dtype=_EDGE)
         for j, e in enumerate(self.edges):
             edges[j] = (e.src, e.dst, np.frombuffer(e.data, dtype=np.uint8))
+        memcpy = np.array(copies, dtype="<u8").reshape(-1, len(_MEMCPY_FIELDS))
         counts = np.array(
-            [BINARY_FORMAT, len(self.nodes), len(layout), len(attributes), len(self.edges), len(names)], dtype="<u4"
+            [BINARY_FORMAT, len(self.nodes), len(layout), len(attributes), len(self.edges), len(names), len(copies)],
+            dtype="<u4",
         )
         lengths = np.array([len(n) for n in encoded], dtype="<u4")
         return b"".join(
@@ -230,6 +276,7 @@ class GraphDescription:
                 spans.tobytes(),
                 attrs_table.tobytes(),
                 edges.tobytes(),
+                memcpy.tobytes(),
                 lengths.tobytes(),
                 *encoded,
                 *args,
@@ -243,15 +290,18 @@ class GraphDescription:
         reader = _Tables(memoryview(data).cast("B"))
         if bytes(reader.take(len(BINARY_MAGIC), "the magic")) != BINARY_MAGIC:
             raise _fail("the binary description", f"one starting with {BINARY_MAGIC!r}", bytes(data[:4]))
-        version, n_nodes, n_spans, n_attributes, n_edges, n_names = (
-            int(v) for v in reader.array(np.dtype("<u4"), 6, "the counts")
-        )
+        version = int(reader.array(np.dtype("<u4"), 1, "the format")[0])
         if version != BINARY_FORMAT:
             raise _fail("format", str(BINARY_FORMAT), version)
+        n_nodes, n_spans, n_attributes, n_edges, n_names, n_copies = (
+            int(v) for v in reader.array(np.dtype("<u4"), 6, "the counts")
+        )
         table = reader.array(_NODE, n_nodes, "the node table")
         spans = reader.array(_SPAN, n_spans, "the layout table")
         attributes = reader.array(_ATTRIBUTE, n_attributes, "the attribute table")
         edges = reader.array(_EDGE, n_edges, "the edge table")
+        fields = len(_MEMCPY_FIELDS)
+        copies = reader.array(_COPY, n_copies * fields, "the memcpy table").reshape(n_copies, fields)
         lengths = reader.array(np.dtype("<u4"), n_names, "the name lengths").astype(np.int64)
         names = []
         for j, size in enumerate(lengths.tolist()):
@@ -264,12 +314,12 @@ class GraphDescription:
                 raise _fail(f"name {j}", "a kernel name", "")
         kinds = table["kind"]
         kernel = kinds == _KERNEL
-        _check_tables(table, kernel, spans, attributes, edges, n_names, reader.left())
+        _check_tables(table, kernel, spans, attributes, edges, copies, n_names, reader.left())
         args = reader.take(reader.left(), "the argument bytes")
-        return cls(_nodes(table, kernel, spans, attributes, names, args), _edges(edges))
+        return cls(_nodes(table, kernel, spans, attributes, copies, names, args), _edges(edges))
 
 
-_KERNEL, _MEMSET, _EMPTY = 0, 1, 2
+_KERNEL, _MEMSET, _EMPTY, _MEMCPY = 0, 1, 2, 3
 _NODE = np.dtype(
     [
         ("kind", "u1"),
@@ -288,6 +338,7 @@ _NODE = np.dtype(
 _SPAN = np.dtype([("offset", "<u4"), ("size", "<u4")])
 _ATTRIBUTE = np.dtype([("id", "<u4"), ("value", "u1", ATTRIBUTE_BYTES)])
 _EDGE = np.dtype([("src", "<u4"), ("dst", "<u4"), ("data", "u1", EDGE_BYTES)])
+_COPY = np.dtype("<u8")  # a memcpy node: its _MEMCPY_FIELDS in order, one row each
 
 
 class _Tables:
@@ -321,13 +372,20 @@ def _check_tables(
     spans: np.ndarray,
     attributes: np.ndarray,
     edges: np.ndarray,
+    copies: np.ndarray,
     n_names: int,
     arg_bytes: int,
 ) -> None:
     """Every count, index and span of the tables within what the description holds."""
     kinds = table["kind"]
-    if (bad := kinds > _EMPTY).any():
-        raise _fail(f"node {_first(bad)} kind", "kernel, memset or empty", int(kinds[_first(bad)]))
+    if (bad := kinds > _MEMCPY).any():
+        raise _fail(f"node {_first(bad)} kind", "kernel, memset, memcpy or empty", int(kinds[_first(bad)]))
+    if (listed := int((kinds == _MEMCPY).sum())) != len(copies):
+        raise _fail("the memcpy nodes", f"the {len(copies)} the memcpy table holds", listed)
+    types = copies[:, -2:]  # src_type, dst_type
+    if (bad := ~np.all(np.isin(types, list(MEMORY_TYPES)), axis=1)).any():
+        j = int(np.flatnonzero(kinds == _MEMCPY)[_first(bad)])
+        raise _fail(f"node {j} memory types", "device (2) or unified (4)", types[_first(bad)].tolist())
     if (bad := kernel & (table["form"] >= len(LAUNCH_FORMS))).any():
         raise _fail(f"node {_first(bad)} launched_with", " or ".join(LAUNCH_FORMS), int(table["form"][_first(bad)]))
     if (bad := kernel & (table["name"] >= n_names)).any():
@@ -361,6 +419,7 @@ def _nodes(
     kernel: np.ndarray,
     spans: np.ndarray,
     attributes: np.ndarray,
+    copies: np.ndarray,
     names: list[str],
     args: memoryview,
 ) -> tuple[Node, ...]:
@@ -381,6 +440,7 @@ def _nodes(
         strict=True,
     )
     nodes: list[Node] = []
+    copy_rows = iter(copies.tolist())
     a = s = t = 0
     for i, (kind, form, name, grid, block, shared, memset) in enumerate(rows):
         if kind == _KERNEL:
@@ -398,6 +458,8 @@ def _nodes(
             )
         elif kind == _MEMSET:
             nodes.append(MemsetNode(*memset))
+        elif kind == _MEMCPY:
+            nodes.append(MemcpyNode(*next(copy_rows)))
         else:
             nodes.append(EmptyNode())
         a, s, t = arg_ends[i], span_ends[i], attr_ends[i]
@@ -412,6 +474,7 @@ def _edges(edges: np.ndarray) -> tuple[Edge, ...]:
 
 
 _MEMSET_FIELDS = ("dst", "pitch", "value", "element_size", "width", "height")
+_MEMCPY_FIELDS = tuple(f.name for f in attrs.fields(MemcpyNode))
 
 
 def _node(raw: object, where: str) -> Node:
@@ -424,8 +487,15 @@ def _node(raw: object, where: str) -> Node:
         if element_size not in (1, 2, 4):
             raise _fail(f"{where} element_size", "1, 2 or 4", element_size)
         return MemsetNode(dst, pitch, value, element_size, width, height)
+    if kind == "memcpy":
+        f = _fields(raw, where, _MEMCPY_FIELDS)
+        values = {n: _int(f[n], f"{where} {n}") for n in _MEMCPY_FIELDS}
+        for side in ("src_type", "dst_type"):
+            if values[side] not in MEMORY_TYPES:
+                raise _fail(f"{where} {side}", "device (2) or unified (4)", values[side])
+        return MemcpyNode(**values)
     if kind != "kernel":
-        raise _fail(f"{where} kind", "kernel, memset or empty", kind)
+        raise _fail(f"{where} kind", "kernel, memset, memcpy or empty", kind)
     names = ("function", "grid", "block", "shared_bytes", "args", "layout", "launched_with", "attributes")
     f = _fields(raw, where, names)
     if not isinstance(f["function"], str) or not f["function"]:
@@ -469,10 +539,12 @@ __all__ = [
     "EDGE_BYTES",
     "FORMAT",
     "LAUNCH_FORMS",
+    "MEMORY_TYPES",
     "Edge",
     "EmptyNode",
     "GraphDescription",
     "KernelNode",
+    "MemcpyNode",
     "MemsetNode",
     "Node",
 ]

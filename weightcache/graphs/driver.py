@@ -21,7 +21,7 @@ import numpy as np
 
 from ..errors import GraphRestoreError
 from .bundle import IMAGE_ALIGNMENT
-from .description import ATTRIBUTE_BYTES, EDGE_BYTES, KernelNode, MemsetNode
+from .description import ATTRIBUTE_BYTES, EDGE_BYTES, MEMORY_TYPES, KernelNode, MemcpyNode, MemsetNode
 
 #: ``CUgraphNodeType`` values by name (the ones a graph of an engine can hold).
 NODE_KINDS = {
@@ -75,6 +75,11 @@ class GraphDriver(Protocol):
         """A memset node's parameters."""
         ...
 
+    def memcpy_node(self, node: int) -> MemcpyNode:
+        """A memcpy node's parameters; :class:`~weightcache.errors.GraphRestoreError` for a copy from or to host
+        memory or an array (no later process has them at the same address)."""
+        ...
+
     def graph_edges(self, graph: int) -> list[tuple[int, int, bytes]]:
         """Every edge: (from node, to node, its 8 bytes of edge data)."""
         ...
@@ -97,6 +102,10 @@ class GraphDriver(Protocol):
 
     def add_memset_node(self, graph: int, node: MemsetNode) -> int:
         """A memset node."""
+        ...
+
+    def add_memcpy_node(self, graph: int, node: MemcpyNode) -> int:
+        """A memcpy node."""
         ...
 
     def add_empty_node(self, graph: int) -> int:
@@ -191,6 +200,48 @@ class _MemsetParams(ctypes.Structure):
     ]
 
 
+class _Memcpy3D(ctypes.Structure):
+    """``CUDA_MEMCPY3D`` (``_v2``)."""
+
+    _fields_ = [
+        ("srcXInBytes", ctypes.c_size_t),
+        ("srcY", ctypes.c_size_t),
+        ("srcZ", ctypes.c_size_t),
+        ("srcLOD", ctypes.c_size_t),
+        ("srcMemoryType", ctypes.c_int),
+        ("srcHost", ctypes.c_void_p),
+        ("srcDevice", ctypes.c_uint64),
+        ("srcArray", ctypes.c_void_p),
+        ("reserved0", ctypes.c_void_p),
+        ("srcPitch", ctypes.c_size_t),
+        ("srcHeight", ctypes.c_size_t),
+        ("dstXInBytes", ctypes.c_size_t),
+        ("dstY", ctypes.c_size_t),
+        ("dstZ", ctypes.c_size_t),
+        ("dstLOD", ctypes.c_size_t),
+        ("dstMemoryType", ctypes.c_int),
+        ("dstHost", ctypes.c_void_p),
+        ("dstDevice", ctypes.c_uint64),
+        ("dstArray", ctypes.c_void_p),
+        ("reserved1", ctypes.c_void_p),
+        ("dstPitch", ctypes.c_size_t),
+        ("dstHeight", ctypes.c_size_t),
+        ("WidthInBytes", ctypes.c_size_t),
+        ("Height", ctypes.c_size_t),
+        ("Depth", ctypes.c_size_t),
+    ]
+
+
+#: ``CU_MEMORYTYPE_HOST`` and ``CU_MEMORYTYPE_ARRAY``, by name (for the error of a copy that is not described).
+_OTHER_MEMORY = {1: "host memory", 3: "an array"}
+
+
+def _first_byte(device: int, x: int, y: int, z: int, pitch: int, height: int) -> int:
+    """Where a side of a ``CUDA_MEMCPY3D`` starts: its base address with its X, Y and Z offsets (``cuMemcpy3D``:
+    ``device + (z * height + y) * pitch + x``)."""
+    return device + (z * height + y) * pitch + x
+
+
 _p = ctypes.c_void_p
 _pp = ctypes.POINTER(ctypes.c_void_p)
 _ps = ctypes.POINTER(ctypes.c_size_t)
@@ -201,6 +252,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuGraphKernelNodeGetAttribute": [_p, ctypes.c_int, ctypes.c_char_p],
     "cuGraphKernelNodeSetAttribute": [_p, ctypes.c_int, ctypes.c_char_p],
     "cuGraphMemsetNodeGetParams": [_p, ctypes.POINTER(_MemsetParams)],
+    "cuGraphMemcpyNodeGetParams": [_p, ctypes.POINTER(_Memcpy3D)],
     "cuGraphGetEdges_v2": [_p, ctypes.POINTER(_p), ctypes.POINTER(_p), ctypes.c_char_p, _ps],
     "cuFuncGetName": [ctypes.POINTER(ctypes.c_char_p), _p],
     "cuFuncGetParamInfo": [_p, ctypes.c_size_t, _ps, _ps],
@@ -212,6 +264,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuGraphDestroy": [_p],
     "cuGraphAddKernelNode_v2": [_pp, _p, _pp, ctypes.c_size_t, ctypes.POINTER(_KernelParams)],
     "cuGraphAddMemsetNode": [_pp, _p, _pp, ctypes.c_size_t, ctypes.POINTER(_MemsetParams), _p],
+    "cuGraphAddMemcpyNode": [_pp, _p, _pp, ctypes.c_size_t, ctypes.POINTER(_Memcpy3D), _p],
     "cuGraphAddEmptyNode": [ctypes.POINTER(_p), _p, ctypes.POINTER(_p), ctypes.c_size_t],
     "cuGraphAddDependencies_v2": [_p, ctypes.POINTER(_p), ctypes.POINTER(_p), ctypes.c_char_p, ctypes.c_size_t],
     "cuCtxGetCurrent": [ctypes.POINTER(_p)],
@@ -327,6 +380,32 @@ class CudaGraphDriver:
         self._call("cuGraphMemsetNodeGetParams", _p(node), ctypes.byref(m))
         return MemsetNode(m.dst, m.pitch, m.value, m.elementSize, m.width, m.height)
 
+    def memcpy_node(self, node: int) -> MemcpyNode:
+        m = _Memcpy3D()
+        self._call("cuGraphMemcpyNodeGetParams", _p(node), ctypes.byref(m))
+        for side, kind in (("source", m.srcMemoryType), ("destination", m.dstMemoryType)):
+            if kind not in MEMORY_TYPES:
+                what = _OTHER_MEMORY.get(kind, f"memory type {kind}")
+                raise GraphRestoreError(
+                    f"a memcpy node's {side} is {what}, which no later process has at the same address; this graph "
+                    "is captured as usual"
+                )
+        if m.srcLOD or m.dstLOD:
+            raise GraphRestoreError("a memcpy node has a level of detail (an array copy); this graph is captured")
+        return MemcpyNode(
+            src=_first_byte(m.srcDevice, m.srcXInBytes, m.srcY, m.srcZ, m.srcPitch, m.srcHeight),
+            dst=_first_byte(m.dstDevice, m.dstXInBytes, m.dstY, m.dstZ, m.dstPitch, m.dstHeight),
+            width=m.WidthInBytes,
+            height=m.Height,
+            depth=m.Depth,
+            src_pitch=m.srcPitch,
+            src_height=m.srcHeight,
+            dst_pitch=m.dstPitch,
+            dst_height=m.dstHeight,
+            src_type=m.srcMemoryType,
+            dst_type=m.dstMemoryType,
+        )
+
     def graph_edges(self, graph: int) -> list[tuple[int, int, bytes]]:
         # without an edge-data array the query fails with CUDA_ERROR_LOSSY_QUERY when any edge carries data
         count = ctypes.c_size_t(0)
@@ -385,6 +464,25 @@ class CudaGraphDriver:
         ctx, out = _p(), _p()
         self._call("cuCtxGetCurrent", ctypes.byref(ctx))
         self._call("cuGraphAddMemsetNode", ctypes.byref(out), _p(graph), None, 0, ctypes.byref(m), ctx)
+        return int(out.value or 0)
+
+    def add_memcpy_node(self, graph: int, node: MemcpyNode) -> int:
+        m = _Memcpy3D(
+            srcMemoryType=node.src_type,
+            srcDevice=node.src,
+            srcPitch=node.src_pitch,
+            srcHeight=node.src_height,
+            dstMemoryType=node.dst_type,
+            dstDevice=node.dst,
+            dstPitch=node.dst_pitch,
+            dstHeight=node.dst_height,
+            WidthInBytes=node.width,
+            Height=node.height,
+            Depth=node.depth,
+        )
+        ctx, out = _p(), _p()
+        self._call("cuCtxGetCurrent", ctypes.byref(ctx))
+        self._call("cuGraphAddMemcpyNode", ctypes.byref(out), _p(graph), None, 0, ctypes.byref(m), ctx)
         return int(out.value or 0)
 
     def add_empty_node(self, graph: int) -> int:

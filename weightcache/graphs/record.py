@@ -1,11 +1,11 @@
 """A captured CUDA graph walked into its description, and a graph built from a description node by node.
 
 :func:`describe` reads a graph through a :class:`~weightcache.graphs.driver.GraphDriver` (its nodes, each kernel
-node's function, geometry, argument bytes and launch attributes, each memset, the edges with their data) and
-returns the :class:`~weightcache.graphs.description.GraphDescription` and the function handle of each kernel name
-in this process. A node of a type the description cannot hold (a memcpy, a host callback, an event, a child
-graph, a conditional) makes the graph not describable: :class:`~weightcache.errors.GraphRestoreError` names it,
-and the caller keeps capturing that graph.
+node's function, geometry, argument bytes and launch attributes, each memset, each memcpy between device
+memory, the edges with their data) and returns the :class:`~weightcache.graphs.description.GraphDescription` and
+the function handle of each kernel name in this process. A node the description cannot hold (a memcpy from or to
+host memory or an array, a host callback, an event, a child graph, a conditional) makes the graph not
+describable: :class:`~weightcache.errors.GraphRestoreError` names it, and the caller keeps capturing that graph.
 
 :func:`rebuild` makes a new graph from a description and a function handle for each kernel name; the caller
 instantiates and launches it. :func:`resolve` finds those handles in a fresh process, from the handles it already
@@ -20,7 +20,7 @@ from __future__ import annotations
 from collections.abc import Iterable, Mapping
 
 from ..errors import GraphRestoreError
-from .description import Edge, EmptyNode, GraphDescription, KernelNode, MemsetNode, Node
+from .description import Edge, EmptyNode, GraphDescription, KernelNode, MemcpyNode, MemsetNode, Node
 from .driver import DEFAULT_DYNAMIC_SHARED, MAX_DYNAMIC_SHARED, NON_PORTABLE_CLUSTER, GraphDriver, RestoreDriver
 
 
@@ -46,12 +46,17 @@ def describe(driver: GraphDriver, graph: int) -> tuple[GraphDescription, dict[st
             nodes.append(node)
         elif kind == "memset":
             nodes.append(driver.memset_node(handle))
+        elif kind == "memcpy":
+            try:
+                nodes.append(driver.memcpy_node(handle))
+            except GraphRestoreError as exc:
+                raise GraphRestoreError(f"node {i}: {exc}") from None
         elif kind == "empty":
             nodes.append(EmptyNode())
         else:
             raise GraphRestoreError(
-                f"node {i} of the graph is a {kind} node, which a description does not hold (kernels, memsets and "
-                "empty nodes only); this graph is captured as usual"
+                f"node {i} of the graph is a {kind} node, which a description does not hold (kernels, memsets, "
+                "device-to-device memcpys and empty nodes only); this graph is captured as usual"
             )
     edges = []
     for src, dst, data in driver.graph_edges(graph):
@@ -80,6 +85,8 @@ def rebuild(driver: GraphDriver, description: GraphDescription, functions: Mappi
                 made.append(driver.add_kernel_node(graph, functions[node.function], node))
             elif isinstance(node, MemsetNode):
                 made.append(driver.add_memset_node(graph, node))
+            elif isinstance(node, MemcpyNode):
+                made.append(driver.add_memcpy_node(graph, node))
             else:
                 made.append(driver.add_empty_node(graph))
         driver.add_edges(graph, [(made[e.src], made[e.dst], e.data) for e in description.edges])
