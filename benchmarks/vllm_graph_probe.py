@@ -9,12 +9,17 @@ subclass that keeps each captured graph (``keep_graph=True``) and times its capt
 generated 8 greedy tokens, every kept graph is walked with weightcache's describer (``weightcache.graphs``): its
 node kinds, whether a description can hold it, how many of its argument words point into which of PyTorch's
 segments (``torch.cuda.memory_snapshot``: default pool or a private graph pool) and into device memory outside
-them, and digests of its description and of its pointer set. Then each describable graph is rebuilt from its
-description and instantiated (what a restore would do, without the address checks), timed.
+them, and digests of its description and of its pointer set. With ``--sites`` (the default) the allocator records
+where each allocation was made (``torch.cuda.memory._record_memory_history``, before vLLM is imported), and every
+block of PyTorch's memory a graph points into is listed once: its address, size, pool, whether it is still
+allocated, and the vLLM (or torch) lines that allocated it: the buffers a restore must have at the same addresses,
+and which code makes them. Then each describable graph is rebuilt from its description and instantiated (what a
+restore would do, without the address checks), timed.
 
 Across runs it answers: do two fresh warm starts place every segment at the same address (the caching allocator
 fed the same sequence)? Are the graphs' descriptions byte-identical? What does a restore cost beside vLLM's
-capture, and which nodes can a description not hold?
+capture, and which nodes can a description not hold? Which buffers outside the graph pool do the graphs read
+and write, who allocates them, and are they at the same address in every warm start?
 
     PYTHONPATH=$PWD python benchmarks/vllm_graph_probe.py --workdir /tmp/vgp --runs 3 --json out.json
 """
@@ -38,6 +43,8 @@ import hashlib, json, logging, os, re, sys, time
 from collections import Counter
 t0 = time.time()
 import torch
+if sys.argv[3] == "sites":  # where each block was allocated (python frames), before anything is allocated
+    torch.cuda.memory._record_memory_history(max_entries=200000, context="alloc", stacks="python")
 
 kept = []  # (graph, capture seconds)
 
@@ -104,9 +111,29 @@ try:
 except Exception as exc:
     runner = f"unknown ({exc!r})"[:200]
 
+snapshot = torch.cuda.memory_snapshot()
 segments = [(s["address"], s["total_size"], str(s.get("segment_pool_id")), s.get("segment_type"))
-            for s in torch.cuda.memory_snapshot()]
+            for s in snapshot]
 segments.sort()
+blocks = []
+for s in snapshot:  # each block's address: its own, else its segment's plus the sizes before it
+    at = s["address"]
+    for b in s.get("blocks", []):
+        at = b.get("address", at)
+        blocks.append((at, b["size"], b["state"], str(s.get("segment_pool_id")), b.get("frames") or []))
+        at += b["size"]
+blocks.sort(key=lambda b: b[0])
+block_starts = [b[0] for b in blocks]
+
+
+def site(frames):  # the first frames of vLLM's (else torch's) code on an allocation's stack, innermost first
+    mine = [f for f in frames if "/vllm/" in f.get("filename", "")] or [
+        f for f in frames if "/torch/" in f.get("filename", "")]
+    return [f"{f['filename'].split('site-packages/')[-1]}:{f.get('line')} {f.get('name')}" for f in mine[:4]]
+
+
+import bisect
+referenced = {}  # block address -> what it is and how many pointers of which graphs point into it
 pools = {"(0, 0)": "default"}  # torch's own pool; each private pool (a graph pool) named in address order
 for _, _, pool, _ in segments:
     pools.setdefault(pool, f"private{len(pools)}")
@@ -137,10 +164,26 @@ for i, (g, seconds, instantiate) in enumerate(kept):
         graphs.append(entry)
         continue
     by_pool = Counter(p.range.split("/")[0] for p in found)
+    states = Counter()
+    try:  # which block of PyTorch's each pointer lies in (a failure here must not lose the run)
+        for p in found:
+            j = bisect.bisect_right(block_starts, p.value) - 1
+            if j < 0 or p.value >= blocks[j][0] + blocks[j][1]:
+                states["no block"] += 1
+                continue
+            address, size, state, pool, frames = blocks[j]
+            states[f"{pools.get(pool, pool)}:{state}"] += 1
+            r = referenced.setdefault(address, {"address": address, "size": size, "state": state,
+                                                "pool": pools.get(pool, pool), "site": site(frames), "graphs": []})
+            if not r["graphs"] or r["graphs"][-1] != i:
+                r["graphs"].append(i)
+    except Exception as exc:
+        entry["block_error"] = f"{type(exc).__name__}: {exc}"[:300]
     entry.update(
         kernels=len(description.kernels()),
         pointers=len(found),
         by_pool=dict(by_pool),
+        by_block_state=dict(states),
         segments=len({p.range for p in found}),
         outside=len(problems),
         outside_sample=problems[:2],
@@ -176,6 +219,7 @@ print("RESULT " + json.dumps({
     "rebuild_instantiate_s": round(t_rebuild, 3), "rebuilt": rebuilt, "rebuild_failed": failed,
     "rebuild_first_failure": first_failure,
     "segments": segments, "pools": {v: k for k, v in pools.items()}, "graphs": graphs,
+    "blocks": sorted(referenced.values(), key=lambda r: r["address"]),
     "kv_cache_memory_bytes": kwargs.get("kv_cache_memory_bytes"),
 }), flush=True)
 os._exit(0)  # the engine's teardown is not measured
@@ -191,11 +235,11 @@ def write_config(path: Path) -> None:
     transformers.LlamaConfig(**LLAMA3_8B, torch_dtype="bfloat16").save_pretrained(path)
 
 
-def run(model: Path, kv_bytes: int, env: dict[str, str], log: Path) -> dict[str, Any]:
+def run(model: Path, kv_bytes: int, env: dict[str, str], log: Path, sites: bool) -> dict[str, Any]:
     started = time.time()
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", CHILD, str(model), str(kv_bytes)],
+            [sys.executable, "-c", CHILD, str(model), str(kv_bytes), "sites" if sites else "-"],
             capture_output=True,
             text=True,
             env=env,
@@ -231,7 +275,12 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
         for x, y in zip(ga, gb, strict=False)
         if x.get("pointer_digest") and x["pointer_digest"] == y.get("pointer_digest")
     )
+    # the non-pool blocks the graphs point into: at the same address, of the same size, made by the same code?
+    ba = {(x["address"], x["size"], tuple(x["site"])) for x in a.get("blocks", []) if x["pool"] == "default"}
+    bb = {(x["address"], x["size"], tuple(x["site"])) for x in b.get("blocks", []) if x["pool"] == "default"}
     return {
+        "default_blocks": [len(ba), len(bb)],
+        "default_blocks_same": len(ba & bb),
         "segments": [len(sa), len(sb)],
         "segments_same_place": len(sa & sb),
         "graphs": [len(ga), len(gb)],
@@ -263,8 +312,15 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
         "outside": sum(g.get("outside", 0) for g in graphs),
         "outside_sample": next((g["outside_sample"] for g in graphs if g.get("outside")), []),
         "by_pool": dict(sum((Counter(g.get("by_pool", {})) for g in graphs), Counter())),
+        "by_block_state": dict(sum((Counter(g.get("by_block_state", {})) for g in graphs), Counter())),
         "segments": len(r["segments"]),
         "pools": r["pools"],
+        # the blocks outside a graph pool that graphs point into, with the code that allocated each
+        "default_blocks": [
+            {k: x[k] for k in ("address", "size", "state", "site")} | {"graphs": len(x["graphs"])}
+            for x in r.get("blocks", [])
+            if x["pool"] == "default"
+        ][:60],
     }
 
 
@@ -274,6 +330,9 @@ def main() -> int:
     parser.add_argument("--runs", type=int, default=3)
     parser.add_argument("--kv-gib", type=float, default=16.0, help="kv_cache_memory_bytes, in GiB")
     parser.add_argument("--json", type=Path)
+    parser.add_argument(
+        "--no-sites", dest="sites", action="store_false", help="do not record where each block was allocated"
+    )
     args = parser.parse_args()
     model = args.workdir / "model"
     if not (model / "config.json").exists():
@@ -289,10 +348,10 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     report: dict[str, Any] = {"date": time.strftime("%F"), "runs": runs}
     for i in range(args.runs):
-        r = run(model, int(args.kv_gib * 2**30), env, log)
+        r = run(model, int(args.kv_gib * 2**30), env, log, args.sites)
         r["compile_cache"] = "cold (this run fills it)" if i == 0 else "warm"  # compare warm runs (2 and 3)
         runs.append(r)
-        print(f"run {i + 1}:", json.dumps(summary(r) if "graphs" in r else r, indent=1)[:6000], flush=True)
+        print(f"run {i + 1}:", json.dumps(summary(r) if "graphs" in r else r, indent=1)[:12000], flush=True)
         if args.json:  # after every run: a run cut short leaves the ones before it
             args.json.write_text(json.dumps(report))
         if "graphs" not in r:
