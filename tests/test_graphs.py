@@ -541,6 +541,43 @@ def test_a_kernel_node_reaches_the_driver_as_its_description_says() -> None:
     assert attributes == [(0x1002, 4, b"\x02" * 64)]
 
 
+def test_a_cooperative_kernel_node_gets_its_parameters_one_by_one() -> None:
+    """cuda.h: ``CUDA_ERROR_INVALID_VALUE`` if ``extra`` is used for a cooperative kernel. A laid-out node with the
+    cooperative attribute reaches the driver with ``kernelParams`` (one pointer per parameter into its bytes) and
+    no ``extra``; its attribute is set again after."""
+    import ctypes
+
+    from weightcache.graphs.driver import _KernelParams
+
+    lib = FakeLibcuda(0)
+    seen: list[tuple[bool, list[bytes]]] = []
+    attributes: list[int] = []
+
+    def add(out: int, _graph: int, _deps: int, _count: int, params: int) -> int:
+        p = ctypes.cast(params, ctypes.POINTER(_KernelParams)).contents
+        sizes = (8, 4, 8)
+        seen.append((bool(p.extra), [ctypes.string_at(p.kernelParams[i], n) for i, n in enumerate(sizes)]))
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = 0x3000
+        return 0
+
+    def attribute(_node: int, which: int, _value: int) -> int:
+        attributes.append(which)
+        return 0
+
+    c = ctypes.c_void_p
+    lib._functions["cuGraphAddKernelNode_v2"] = ctypes.CFUNCTYPE(ctypes.c_int, c, c, c, ctypes.c_size_t, c)(add)
+    lib._functions["cuGraphKernelNodeSetAttribute"] = ctypes.CFUNCTYPE(ctypes.c_int, c, ctypes.c_int, c)(attribute)
+    driver = CudaGraphDriver(lib)  # type: ignore[arg-type]
+    args = u64(0x7F00_0000_0000) + (7).to_bytes(4, "little") + bytes(4) + u64(0x7F00_0000_1000)
+    cooperative = (2, (1).to_bytes(4, "little") + bytes(60))
+    node = KernelNode(
+        "grid_sync", (132, 1, 1), (256, 1, 1), 0, args, ((0, 8), (8, 4), (16, 8)), "params", (cooperative,)
+    )
+    assert driver.add_kernel_node(0xABC, 0x40, node) == 0x3000
+    assert seen == [(False, [args[:8], args[8:12], args[16:24]])]
+    assert attributes == [2]
+
+
 def test_the_memcpy_structure_is_laid_out_as_cuda_h_says() -> None:
     """``CUDA_MEMCPY3D`` as ctypes lays it out: the offsets and size gcc gives for CUDA 13.0's ``cuda.h``
     (``offsetof``, x86-64), so that the driver reads each field where the structure puts it."""

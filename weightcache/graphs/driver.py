@@ -49,6 +49,8 @@ LAUNCH_ATTRIBUTES = (2, 4, 5, 8)
 MAX_DYNAMIC_SHARED, NON_PORTABLE_CLUSTER = 8, 14
 #: Dynamic shared memory a function may use without :data:`MAX_DYNAMIC_SHARED` (48 KiB).
 DEFAULT_DYNAMIC_SHARED = 48 << 10
+#: ``CU_LAUNCH_ATTRIBUTE_COOPERATIVE`` (stored only where it was set, i.e. nonzero).
+_COOPERATIVE = 2
 #: ``CU_LAUNCH_PARAM_END``, ``CU_LAUNCH_PARAM_BUFFER_POINTER``, ``CU_LAUNCH_PARAM_BUFFER_SIZE`` (``extra``'s keys).
 _PARAM_END, _PARAM_BUFFER, _PARAM_SIZE = 0, 1, 2
 #: ``CU_POINTER_ATTRIBUTE_RANGE_START_ADDR`` and ``CU_POINTER_ATTRIBUTE_RANGE_SIZE``.
@@ -444,15 +446,21 @@ class CudaGraphDriver:
         self._lib.cuGraphDestroy(_p(graph))
 
     def add_kernel_node(self, graph: int, function: int, node: KernelNode) -> int:
-        # every node's arguments as one buffer (CU_LAUNCH_PARAM_BUFFER_POINTER), whichever way they were given: the
-        # bytes are what the kernel reads, and the driver copies them into the node, so the description's own
-        # bytes are passed where they lie. A restore adds every node of every graph here: few ctypes objects per
-        # node (its Python cost, and what it feeds the garbage collector)
+        # every node's arguments as one buffer (CU_LAUNCH_PARAM_BUFFER_POINTER), whichever way they were given (but
+        # a cooperative kernel's, below): the bytes are what the kernel reads, and the driver copies them into the
+        # node, so the description's own bytes are passed where they lie. A restore adds every node of every graph
+        # here: few ctypes objects per node (its Python cost, and what it feeds the garbage collector)
         args = node.args
         size = ctypes.c_size_t(len(args))
         buffer = ctypes.cast(ctypes.c_char_p(args), _p).value  # the bytes' own storage (node.args outlives the call)
-        extra = (_p * 5)(_PARAM_BUFFER, buffer, _PARAM_SIZE, ctypes.addressof(size), _PARAM_END)
-        p = _KernelParams(function, *node.grid, *node.block, node.shared_bytes, None, extra)
+        if node.launched_with == "params" and any(a == _COOPERATIVE for a, _ in node.attributes):
+            # the driver refuses an argument buffer for a cooperative kernel (CUDA_ERROR_INVALID_VALUE, cuda.h):
+            # one pointer per parameter into the same bytes, as it was captured
+            params = (_p * max(len(node.layout), 1))(*[(buffer or 0) + offset for offset, _ in node.layout])
+            p = _KernelParams(function, *node.grid, *node.block, node.shared_bytes, params, None)
+        else:
+            extra = (_p * 5)(_PARAM_BUFFER, buffer, _PARAM_SIZE, ctypes.addressof(size), _PARAM_END)
+            p = _KernelParams(function, *node.grid, *node.block, node.shared_bytes, None, extra)
         out = _p()
         self._call("cuGraphAddKernelNode_v2", ctypes.byref(out), _p(graph), None, 0, ctypes.byref(p))
         for attribute, value in node.attributes:
