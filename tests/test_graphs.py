@@ -237,6 +237,16 @@ def test_every_address_is_found_and_one_outside_the_ranges_stops_the_restore() -
         POOL.base, POOL.base + 127, end - 128
     ]  # the last byte written, end + 63, lies in no range  # fmt: skip
     assert "node 0 (memcpy), its destination holds" in pointers(past, [POOL], lambda a: None)[1][0]
+    # slices: each side's last byte from its own pitch and height
+    sliced = GraphDescription((MemcpyNode(POOL.base, POOL.base + 0x10000, 16, 2, 3, 32, 4, 64, 5),))
+    assert [p.value - POOL.base for p in pointers(sliced, [POOL], driver.pointer_range)[0]] == [
+        0, 2 * 32 * 4 + 32 + 15, 0x10000, 0x10000 + 2 * 64 * 5 + 64 + 15,
+    ]  # fmt: skip
+    # a copy whose ends lie in two ranges with memory between them that neither reproduces
+    gap = POOL.base - (WEIGHTS.base + WEIGHTS.size)
+    spanning = GraphDescription((MemcpyNode(WEIGHTS.base + WEIGHTS.size - 8, POOL.base + (1 << 20), 16 + gap),))
+    found, problems = pointers(spanning, [POOL, WEIGHTS], driver.pointer_range)
+    assert problems and "its source runs from" in problems[0] and "range 'weights/0'" in problems[0]
 
 
 def test_a_range_elsewhere_smaller_or_unmapped_here_stops_the_restore() -> None:
@@ -320,6 +330,7 @@ def test_kernels_are_resolved_through_their_modules_and_a_missing_one_builds_not
         (lambda d: d["nodes"][4].update(dst_type=3), "node 4 dst_type"),
         (lambda d: d["nodes"][4].pop("depth"), "node 4"),
         (lambda d: d["nodes"][4].update(width=-1), "node 4 width"),
+        (lambda d: d["nodes"][4].update(height=2, src_pitch=64, dst_pitch=16384), "node 4 geometry"),
     ],
 )
 def test_a_malformed_description_is_an_error_naming_the_field(change: Any, field: str) -> None:
@@ -372,6 +383,7 @@ def _binary_tables(raw: bytearray, description: GraphDescription) -> dict[str, n
         (lambda raw, t: t["nodes"]["kind"].__setitem__(3, 3), "the memcpy nodes"),
         (lambda raw, t: t["copies"].__setitem__(9, 1), "node 4 memory types"),
         (lambda raw, t: t["copies"].__setitem__(10, 3), "node 4 memory types"),
+        (lambda raw, t: t["copies"].__setitem__(4, 2), "node 4 geometry"),  # depth 2, slices of height 0
         (lambda raw, t: t["counts"].__setitem__(1, 1 << 20), "the node table"),
         (lambda raw, t: t["nodes"]["kind"].__setitem__(3, 7), "node 3 kind"),
         (lambda raw, t: t["nodes"]["form"].__setitem__(1, 5), "node 1 launched_with"),
@@ -586,10 +598,12 @@ def test_the_memcpy_structure_is_laid_out_as_cuda_h_says() -> None:
     from weightcache.graphs.driver import _Memcpy3D
 
     cuda_h = {
-        "srcXInBytes": 0, "srcMemoryType": 32, "srcHost": 40, "srcDevice": 48, "srcArray": 56, "reserved0": 64,
-        "srcPitch": 72, "srcHeight": 80, "dstXInBytes": 88, "dstMemoryType": 120, "dstDevice": 136, "dstPitch": 160,
-        "dstHeight": 168, "WidthInBytes": 176, "Height": 184, "Depth": 192,
+        "srcXInBytes": 0, "srcY": 8, "srcZ": 16, "srcLOD": 24, "srcMemoryType": 32, "srcHost": 40, "srcDevice": 48,
+        "srcArray": 56, "reserved0": 64, "srcPitch": 72, "srcHeight": 80, "dstXInBytes": 88, "dstY": 96,
+        "dstZ": 104, "dstLOD": 112, "dstMemoryType": 120, "dstHost": 128, "dstDevice": 136, "dstArray": 144,
+        "reserved1": 152, "dstPitch": 160, "dstHeight": 168, "WidthInBytes": 176, "Height": 184, "Depth": 192,
     }  # fmt: skip
+    assert [name for name, _ in _Memcpy3D._fields_] == list(cuda_h)  # every field, in cuda.h's order
     assert {name: getattr(_Memcpy3D, name).offset for name in cuda_h} == cuda_h
     assert ctypes.sizeof(_Memcpy3D) == 200
 
@@ -613,17 +627,26 @@ def test_a_memcpy_node_is_read_with_its_offsets_folded_and_one_from_host_memory_
     c = ctypes.c_void_p
     lib._functions["cuGraphMemcpyNodeGetParams"] = ctypes.CFUNCTYPE(ctypes.c_int, c, c)(get)
     driver = CudaGraphDriver(lib)  # type: ignore[arg-type]
-    filled.update(srcMemoryType=2, srcDevice=0x7F00_0000_0000, srcXInBytes=16, srcY=2, srcZ=1, srcPitch=256,
-                  srcHeight=4, dstMemoryType=4, dstDevice=0x7E00_0000_0000, dstXInBytes=8, dstPitch=512,
-                  dstHeight=8, WidthInBytes=64, Height=3, Depth=2)  # fmt: skip
+    good = dict(srcMemoryType=2, srcDevice=0x7F00_0000_0000, srcXInBytes=16, srcY=2, srcZ=1, srcPitch=256,
+                srcHeight=4, dstMemoryType=4, dstDevice=0x7E00_0000_0000, dstXInBytes=8, dstY=3, dstZ=5,
+                dstPitch=512, dstHeight=8, WidthInBytes=64, Height=3, Depth=2)  # fmt: skip
+    filled.update(good)
     assert driver.memcpy_node(0x10) == MemcpyNode(
-        src=0x7F00_0000_0000 + (1 * 4 + 2) * 256 + 16, dst=0x7E00_0000_0000 + 8, width=64, height=3, depth=2,
-        src_pitch=256, src_height=4, dst_pitch=512, dst_height=8, src_type=2, dst_type=4,
+        src=0x7F00_0000_0000 + (1 * 4 + 2) * 256 + 16, dst=0x7E00_0000_0000 + (5 * 8 + 3) * 512 + 8, width=64,
+        height=3, depth=2, src_pitch=256, src_height=4, dst_pitch=512, dst_height=8, src_type=2, dst_type=4,
     )  # fmt: skip
-    refused = (("srcMemoryType", 1, "source is host memory"), ("dstMemoryType", 3, "destination is an array"))
-    for side, kind, what in refused:
-        filled.update(srcMemoryType=2, dstMemoryType=2)
-        filled[side] = kind
+    refused = (
+        ({"srcMemoryType": 1}, "source is host memory"),
+        ({"dstMemoryType": 3}, "destination is an array"),
+        ({"dstLOD": 1}, "level of detail"),
+        ({"srcPitch": 0}, "source has Y/Z offsets 2/1 with pitch 0"),
+        ({"dstHeight": 0}, "destination has Y/Z offsets 3/5 with pitch 512 and height 0"),
+        ({"dstPitch": 32}, "rows 64 bytes wide 256/32 bytes apart"),
+        ({"srcHeight": 2}, "slices of 3 rows 2/8 rows apart"),
+    )
+    for change, what in refused:
+        filled.clear()
+        filled.update(good | change)
         with pytest.raises(GraphRestoreError, match=what):
             driver.memcpy_node(0x10)
 

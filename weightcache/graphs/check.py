@@ -126,12 +126,18 @@ def pointers(
             )
 
     for i, node in enumerate(description.nodes):
-        for offset, address, what in _copy_ends(node):
-            inside = next((r for r in ranges if r.holds(address)), None)
-            if inside is not None:
-                found.append(Pointer(i, offset, address, inside.name))
-            else:
-                outside(i, offset, address, what)
+        for offset, first, last, what in _copy_ends(node):
+            where = [next((r for r in ranges if r.holds(a)), None) for a in (first, last)]
+            for address, inside in zip((first, last), where, strict=True):
+                if inside is not None:
+                    found.append(Pointer(i, offset, address, inside.name))
+                else:
+                    outside(i, offset, address, what)
+            if where[0] is not None and where[1] is not None and where[0].name != where[1].name:
+                problems.append(
+                    f"{_where(i, offset, what)} runs from {first:#x} in range {where[0].name!r} to {last:#x} in "
+                    f"range {where[1].name!r}: one copy or memset spans memory no single range reproduces"
+                )
     nodes, offsets, values = _kernel_words(description)
     candidate = values >= LOWEST_ADDRESS
     nodes, offsets, values = nodes[candidate], offsets[candidate], values[candidate]
@@ -151,20 +157,16 @@ def pointers(
     return found, problems
 
 
-def _copy_ends(node: object) -> list[tuple[int, int, str]]:
-    """(offset, address, kind) of the first and last byte a memset writes, or a memcpy reads and writes."""
+def _copy_ends(node: object) -> list[tuple[int, int, int, str]]:
+    """(offset, first byte, last byte, kind) of each side of a memset (what it writes) or a memcpy (what it reads,
+    what it writes)."""
     if isinstance(node, MemsetNode):
         last = node.dst + max(node.height - 1, 0) * node.pitch + node.width * node.element_size - 1
-        return [(DESTINATION, node.dst, "memset"), (DESTINATION, max(last, node.dst), "memset")]
+        return [(DESTINATION, node.dst, max(last, node.dst), "memset")]
     if isinstance(node, MemcpyNode):
         ends = node.last_bytes()
         src_last, dst_last = ends if ends is not None else (node.src, node.dst)
-        return [
-            (SOURCE, node.src, "memcpy"),
-            (SOURCE, src_last, "memcpy"),
-            (DESTINATION, node.dst, "memcpy"),
-            (DESTINATION, dst_last, "memcpy"),
-        ]
+        return [(SOURCE, node.src, src_last, "memcpy"), (DESTINATION, node.dst, dst_last, "memcpy")]
     return []
 
 

@@ -139,6 +139,17 @@ class MemcpyNode:
     src_type: int = 2
     dst_type: int = 2
 
+    def geometry_problem(self) -> str | None:
+        """Why this geometry is not one a description holds, or None: rows that overlap (``height > 1`` with a
+        side's pitch below the width) or slices that do (``depth > 1`` with a side's height below ``height``).
+        ``cuMemcpy3D`` checks pitches and heights only where they are given, so such a node would copy what its
+        fields do not say; it is captured instead."""
+        if self.height > 1 and min(self.src_pitch, self.dst_pitch) < self.width:
+            return f"rows {self.width} bytes wide {self.src_pitch}/{self.dst_pitch} bytes apart (source/destination)"
+        if self.depth > 1 and min(self.src_height, self.dst_height) < self.height:
+            return f"slices of {self.height} rows {self.src_height}/{self.dst_height} rows apart (source/destination)"
+        return None
+
     def last_bytes(self) -> tuple[int, int] | None:
         """The addresses of the last source byte and the last destination byte the copy touches; None for a copy
         of nothing."""
@@ -382,10 +393,17 @@ def _check_tables(
         raise _fail(f"node {_first(bad)} kind", "kernel, memset, memcpy or empty", int(kinds[_first(bad)]))
     if (listed := int((kinds == _MEMCPY).sum())) != len(copies):
         raise _fail("the memcpy nodes", f"the {len(copies)} the memcpy table holds", listed)
-    types = copies[:, -2:]  # src_type, dst_type
+    column = {name: copies[:, i] for i, name in enumerate(_MEMCPY_FIELDS)}
+    types = np.stack([column["src_type"], column["dst_type"]], axis=1)
     if (bad := ~np.all(np.isin(types, list(MEMORY_TYPES)), axis=1)).any():
         j = int(np.flatnonzero(kinds == _MEMCPY)[_first(bad)])
         raise _fail(f"node {j} memory types", "device (2) or unified (4)", types[_first(bad)].tolist())
+    width, height = column["width"], column["height"]
+    rows = (height > 1) & ((column["src_pitch"] < width) | (column["dst_pitch"] < width))
+    slices = (column["depth"] > 1) & ((column["src_height"] < height) | (column["dst_height"] < height))
+    if (bad := rows | slices).any():
+        j = int(np.flatnonzero(kinds == _MEMCPY)[_first(bad)])
+        raise _fail(f"node {j} geometry", "rows and slices that do not overlap", copies[_first(bad)].tolist())
     if (bad := kernel & (table["form"] >= len(LAUNCH_FORMS))).any():
         raise _fail(f"node {_first(bad)} launched_with", " or ".join(LAUNCH_FORMS), int(table["form"][_first(bad)]))
     if (bad := kernel & (table["name"] >= n_names)).any():
@@ -493,7 +511,10 @@ def _node(raw: object, where: str) -> Node:
         for side in ("src_type", "dst_type"):
             if values[side] not in MEMORY_TYPES:
                 raise _fail(f"{where} {side}", "device (2) or unified (4)", values[side])
-        return MemcpyNode(**values)
+        node = MemcpyNode(**values)
+        if (problem := node.geometry_problem()) is not None:
+            raise _fail(f"{where} geometry", "rows and slices that do not overlap", problem)
+        return node
     if kind != "kernel":
         raise _fail(f"{where} kind", "kernel, memset, memcpy or empty", kind)
     names = ("function", "grid", "block", "shared_bytes", "args", "layout", "launched_with", "attributes")

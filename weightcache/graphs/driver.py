@@ -79,7 +79,9 @@ class GraphDriver(Protocol):
 
     def memcpy_node(self, node: int) -> MemcpyNode:
         """A memcpy node's parameters; :class:`~weightcache.errors.GraphRestoreError` for a copy from or to host
-        memory or an array (no later process has them at the same address)."""
+        memory or an array (no later process has them at the same address), and for a geometry a description does
+        not hold (:meth:`~weightcache.graphs.description.MemcpyNode.geometry_problem`; an offset on an axis
+        whose pitch or height is 0)."""
         ...
 
     def graph_edges(self, graph: int) -> list[tuple[int, int, bytes]]:
@@ -394,7 +396,16 @@ class CudaGraphDriver:
                 )
         if m.srcLOD or m.dstLOD:
             raise GraphRestoreError("a memcpy node has a level of detail (an array copy); this graph is captured")
-        return MemcpyNode(
+        for side, (y, z, pitch, height) in (
+            ("source", (m.srcY, m.srcZ, m.srcPitch, m.srcHeight)),
+            ("destination", (m.dstY, m.dstZ, m.dstPitch, m.dstHeight)),
+        ):
+            if ((y or z) and not pitch) or (z and not height):  # cuMemcpy3D may read 0 as "not given"
+                raise GraphRestoreError(
+                    f"a memcpy node's {side} has Y/Z offsets {y}/{z} with pitch {pitch} and height {height}: where "
+                    "it starts is ambiguous; this graph is captured as usual"
+                )
+        described = MemcpyNode(
             src=_first_byte(m.srcDevice, m.srcXInBytes, m.srcY, m.srcZ, m.srcPitch, m.srcHeight),
             dst=_first_byte(m.dstDevice, m.dstXInBytes, m.dstY, m.dstZ, m.dstPitch, m.dstHeight),
             width=m.WidthInBytes,
@@ -407,6 +418,9 @@ class CudaGraphDriver:
             src_type=m.srcMemoryType,
             dst_type=m.dstMemoryType,
         )
+        if (problem := described.geometry_problem()) is not None:
+            raise GraphRestoreError(f"a memcpy node copies {problem}: overlapping rows or slices; captured as usual")
+        return described
 
     def graph_edges(self, graph: int) -> list[tuple[int, int, bytes]]:
         # without an edge-data array the query fails with CUDA_ERROR_LOSSY_QUERY when any edge carries data
