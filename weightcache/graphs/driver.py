@@ -278,6 +278,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuGraphExecDestroy": [_p],
     "cuModuleLoadData": [ctypes.POINTER(_p), _p],  # bytes, or a pointer into a mapped artifact (_address_of)
     "cuModuleGetFunction": [ctypes.POINTER(_p), _p, ctypes.c_char_p],
+    "cuModuleUnload": [_p],
     "cuFuncSetAttribute": [_p, ctypes.c_int, ctypes.c_int],
     "cuCtxSetCurrent": [_p],
 }  # fmt: skip
