@@ -21,6 +21,13 @@ would start at another arena offset; ``--variant home-taken`` reserves the weigh
 attaching, so that the weights land elsewhere; ``--variant driver-fault`` makes every kernel image load fail with
 an error that is no :class:`~weightcache.errors.GraphRestoreError` (as a binding that does not fit the driver
 would). Each must capture instead of restoring.
+
+``--external`` (every process of the run) makes the graphs also read and write memory of torch's own caching
+allocator, declared with ``GraphCache.external``: each graph adds a bias tensor to the model's output and copies
+the sum into an output tensor of its own (a memcpy node), both made with ``torch.full``/``torch.empty`` first
+thing in the process. Whether a restore can use them depends on torch's allocator giving a fresh process the same
+addresses for the same first allocations, which nothing promises: the checks decide (``restored``, ``reasons``).
+``--variant external-moved`` allocates 1 MiB more before them, so that they move: every graph must be captured.
 """
 
 from __future__ import annotations
@@ -93,6 +100,13 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
     torch.cuda.init()
     ckpt, socket_dir = spec["checkpoint"], spec["socket_dir"]
     config = json.loads((Path(ckpt) / "config.json").read_text())
+    externals: dict[str, torch.Tensor] = {}
+    if spec.get("external"):  # before anything else allocates from torch's allocator: the same calls in every role
+        if spec.get("variant") == "external-moved":
+            externals["pad"] = torch.empty(1 << 20, dtype=torch.uint8, device="cuda")
+        externals["bias"] = torch.full((config["hidden"],), 0.5, dtype=torch.bfloat16, device="cuda")
+        for b in spec["sizes"]:
+            externals[f"out{b}"] = torch.empty((b, config["hidden"]), dtype=torch.bfloat16, device="cuda")
     taken = 0
     if spec.get("variant") == "home-taken":
         [entry] = wc.Cache(socket_dir=socket_dir).entries()
@@ -132,6 +146,13 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
     graphs: list[Any] = []
     inputs: list[torch.Tensor] = []
     cache = None
+
+    def forward(b: int, x: torch.Tensor) -> torch.Tensor:
+        out = model(x)
+        if not externals:
+            return out
+        return externals[f"out{b}"].copy_(out + externals["bias"])  # an external input and output, a memcpy node
+
     with torch.no_grad():
         if role == "plain":
             pool = torch.cuda.graph_pool_handle()
@@ -141,11 +162,11 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
                 side = torch.cuda.Stream()
                 side.wait_stream(torch.cuda.current_stream())
                 with torch.cuda.stream(side):
-                    model(x)
+                    forward(b, x)
                 torch.cuda.current_stream().wait_stream(side)
                 g = torch.cuda.CUDAGraph()
                 with torch.cuda.graph(g, pool=pool):
-                    out = model(x)
+                    out = forward(b, x)
                 graphs.append((g, (out,)))
                 inputs.append(x)
         else:
@@ -161,10 +182,13 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
             )
             if spec.get("variant") == "shift":
                 cache.empty((1024,), torch.bfloat16)
+            for name, tensor in externals.items():
+                if name != "pad":
+                    cache.external(name, tensor)
             for b in sizes:
                 graph_at.append(round((time.perf_counter() - graph_start) * 1e3, 2))
                 x = cache.empty((b, hidden), torch.bfloat16)
-                g = cache.graph(f"b{b}", lambda x=x: model(x))
+                g = cache.graph(f"b{b}", lambda b=b, x=x: forward(b, x))
                 graphs.append((g, g.outputs))
                 inputs.append(x)
         torch.cuda.synchronize()
@@ -183,6 +207,7 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
     result = {
         "role": role,
         "variant": spec.get("variant"),
+        "external": {name: [t.data_ptr(), t.nbytes] for name, t in externals.items()},
         "imported_s": imported,
         "attach_s": attach_s,
         "weights": handle.source,
@@ -251,7 +276,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         capture_output=True,
         timeout=60,
     )
-    spec = {"checkpoint": str(ckpt), "socket_dir": str(socket_dir), "sizes": args.sizes}
+    spec = {"checkpoint": str(ckpt), "socket_dir": str(socket_dir), "sizes": args.sizes, "external": args.external}
     runs: list[dict[str, Any]] = []
     try:
         runs.append(run_child("record", spec))
@@ -274,6 +299,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "device": torch.cuda.get_device_name(0),
         "torch": torch.__version__,
         "layers": args.layers,
+        "external": args.external,
         "hidden": args.hidden,
         "inter": args.inter,
         "sizes": args.sizes,
@@ -300,7 +326,10 @@ def main() -> int:
     b.add_argument("--inter", type=int, default=5632)
     b.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     b.add_argument("--repeat", type=int, default=3)
-    b.add_argument("--variants", nargs="*", default=[], choices=["shift", "home-taken", "driver-fault"])
+    b.add_argument(
+        "--variants", nargs="*", default=[], choices=["shift", "home-taken", "driver-fault", "external-moved"]
+    )
+    b.add_argument("--external", action="store_true", help="graphs that read and write torch-allocated tensors too")
     b.add_argument("--json", type=Path)
     c = sub.add_parser("child")
     c.add_argument("role", choices=["record", "plain", "restore"])

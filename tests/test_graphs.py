@@ -237,6 +237,9 @@ def test_every_address_is_found_and_one_outside_the_ranges_stops_the_restore() -
         POOL.base, POOL.base + 127, end - 128
     ]  # the last byte written, end + 63, lies in no range  # fmt: skip
     assert "node 0 (memcpy), its destination holds" in pointers(past, [POOL], lambda a: None)[1][0]
+    # a memset's last byte: its rows pitch bytes apart, each width elements of element_size bytes
+    rows = GraphDescription((MemsetNode(POOL.base, 256, 0, 4, 16, 3),))
+    assert [p.value - POOL.base for p in pointers(rows, [POOL], driver.pointer_range)[0]] == [0, 2 * 256 + 64 - 1]
     # slices: each side's last byte from its own pitch and height
     sliced = GraphDescription((MemcpyNode(POOL.base, POOL.base + 0x10000, 16, 2, 3, 32, 4, 64, 5),))
     assert [p.value - POOL.base for p in pointers(sliced, [POOL], driver.pointer_range)[0]] == [
@@ -288,6 +291,35 @@ def test_a_restore_checks_each_range_to_the_farthest_pointer_the_graph_has_in_it
     driver.allocations[0] = (POOL.base, farthest - POOL.base)
     (problem,) = extent_problems([POOL, WEIGHTS], [POOL, WEIGHTS], reach, driver.pointer_range)
     assert f"range 'pool': {farthest:#x}" in problem and "not device memory mapped" in problem
+
+
+def test_a_tensor_of_another_allocator_is_checked_by_name_as_device_memory_in_one_allocation() -> None:
+    """A range that is part of someone else's allocation (``own_mapping=False``: a tensor of torch's caching
+    allocator, declared by name) holds pointers like any range; a restore needs it at the same base, its memory
+    device memory, and what a graph reaches in it one allocation. The same range taken as a mapping of its own
+    is refused: the driver reports the whole segment around it."""
+    driver = FakeDriver()  # torch's 2 MiB segment at ELSEWHERE holds the tensor at +0x1000, 64 KiB
+    tensor = AddressRange("external/kv", ELSEWHERE + 0x1000, 64 << 10, own_mapping=False)
+    reads = KernelNode("k", (1, 1, 1), (1, 1, 1), 0, u64(tensor.base + 0x80, POOL.base), ((0, 8), (8, 8)))
+    description = GraphDescription((reads,))
+    found, problems = pointers(description, [POOL, tensor], driver.pointer_range)
+    assert problems == [] and [p.range for p in found] == ["external/kv", "pool"]
+    assert restore_problems([POOL, tensor], [POOL, tensor], found, driver.pointer_range) == []
+    reach = extents(found, [POOL, tensor])
+    assert extent_problems([POOL, tensor], [POOL, tensor], reach, driver.pointer_range) == []
+    own = AddressRange("external/kv", tensor.base, tensor.size)
+    (problem,) = restore_problems([POOL, own], [POOL, own], found, driver.pointer_range)
+    assert "not device memory mapped inside range 'external/kv'" in problem
+    moved = AddressRange("external/kv", tensor.base + 0x2000, tensor.size, own_mapping=False)
+    (problem,) = extent_problems([POOL, tensor], [POOL, moved], reach, driver.pointer_range)
+    assert "range 'external/kv' was at" in problem
+    driver.allocations[2] = (ELSEWHERE, 0x1040)  # the tensor's start and its farthest pointer in two allocations
+    driver.allocations.append((ELSEWHERE + 0x1040, 1 << 20))
+    (problem,) = extent_problems([POOL, tensor], [POOL, tensor], reach, driver.pointer_range)
+    assert "lie in two allocations in this process" in problem
+    driver.allocations[2:] = []  # freed here: no device memory there at all
+    (problem,) = extent_problems([POOL, tensor], [POOL, tensor], reach, driver.pointer_range)
+    assert f"range 'external/kv': {tensor.base:#x}" in problem and "not device memory" in problem
 
 
 def test_kernels_are_resolved_through_their_modules_and_a_missing_one_builds_nothing() -> None:
@@ -384,6 +416,7 @@ def _binary_tables(raw: bytearray, description: GraphDescription) -> dict[str, n
         (lambda raw, t: t["copies"].__setitem__(9, 1), "node 4 memory types"),
         (lambda raw, t: t["copies"].__setitem__(10, 3), "node 4 memory types"),
         (lambda raw, t: t["copies"].__setitem__(4, 2), "node 4 geometry"),  # depth 2, slices of height 0
+        (lambda raw, t: t["copies"][3:8].__setitem__(slice(None), [2, 1, 16384, 0, 0]), "node 4 geometry"),
         (lambda raw, t: t["counts"].__setitem__(1, 1 << 20), "the node table"),
         (lambda raw, t: t["nodes"]["kind"].__setitem__(3, 7), "node 3 kind"),
         (lambda raw, t: t["nodes"]["form"].__setitem__(1, 5), "node 1 launched_with"),
@@ -588,6 +621,21 @@ def test_a_cooperative_kernel_node_gets_its_parameters_one_by_one() -> None:
     assert driver.add_kernel_node(0xABC, 0x40, node) == 0x3000
     assert seen == [(False, [args[:8], args[8:12], args[16:24]])]
     assert attributes == [2]
+    # given as one buffer at capture (its layout unknown), or without parameters: one buffer, as any other node
+    buffer = KernelNode("g", (1, 1, 1), (32, 1, 1), 0, args, (), "buffer", (cooperative,))
+    bare = KernelNode("n", (1, 1, 1), (32, 1, 1), 0, b"", (), "params", (cooperative,))
+    modes: list[bool] = []
+
+    def extra_only(out: int, _graph: int, _deps: int, _count: int, params: int) -> int:
+        p = ctypes.cast(params, ctypes.POINTER(_KernelParams)).contents
+        modes.append(bool(p.extra) and not p.kernelParams)
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = 0x3001
+        return 0
+
+    lib._functions["cuGraphAddKernelNode_v2"] = ctypes.CFUNCTYPE(ctypes.c_int, c, c, c, ctypes.c_size_t, c)(extra_only)
+    driver = CudaGraphDriver(lib)  # type: ignore[arg-type]
+    assert [driver.add_kernel_node(0xABC, 0x40, n) for n in (buffer, bare)] == [0x3001, 0x3001]
+    assert modes == [True, True]
 
 
 def test_the_memcpy_structure_is_laid_out_as_cuda_h_says() -> None:
@@ -649,6 +697,15 @@ def test_a_memcpy_node_is_read_with_its_offsets_folded_and_one_from_host_memory_
         filled.update(good | change)
         with pytest.raises(GraphRestoreError, match=what):
             driver.memcpy_node(0x10)
+    # a contiguous 2D or 3D copy (pitch == width, slice height == height) is described; slices of one row need a
+    # pitch too (cuMemcpy3D may read 0 as "not given", and step by the width)
+    filled.clear()
+    filled.update(good | {"srcPitch": 64, "dstPitch": 64, "srcHeight": 3, "dstHeight": 3, "dstY": 0, "dstZ": 0})
+    assert driver.memcpy_node(0x10).dst_pitch == 64
+    filled.clear()
+    filled.update(good | {"srcY": 0, "srcZ": 0, "srcPitch": 0, "Height": 1})
+    with pytest.raises(GraphRestoreError, match="rows 64 bytes wide 0/512 bytes apart"):
+        driver.memcpy_node(0x10)
 
 
 def test_a_memcpy_node_reaches_the_driver_as_its_description_says() -> None:

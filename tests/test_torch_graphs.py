@@ -84,7 +84,11 @@ def bundle() -> GraphBundle:
         {"gemm": digest, "gelu": digest},
         {"graphs": 0x200 + 1},
     )
-    ranges = (AddressRange("graphs", 0x6000_0000_0000, 64 << 30), AddressRange("weights/abc/0", 0x5000_0000_0000, 4096))
+    ranges = (
+        AddressRange("graphs", 0x6000_0000_0000, 64 << 30),
+        AddressRange("weights/abc/0", 0x5000_0000_0000, 4096),
+        AddressRange("external/kv", 0x7A00_0000_1000, 8192, own_mapping=False),  # a tensor of torch's allocator
+    )
     return GraphBundle(ranges, (record,), {digest: image})
 
 
@@ -165,6 +169,9 @@ def edit(change: Any) -> bytes:
         (lambda h, i: h["graphs"][0].update(description=[0, 1 << 40]), "graph 0 description"),
         (lambda h, i: h["graphs"][0].update(description=[0, 10]), "the counts"),
         (lambda h, i: h["ranges"][0].update(base=-1), "base"),
+        (lambda h, i: h["ranges"][2].update(own_mapping=0), "range 2 own_mapping"),
+        (lambda h, i: h["ranges"][2].pop("own_mapping"), "range 2"),
+        (lambda h, i: h["ranges"][1].update(name="graphs"), "ranges"),
         (lambda h, i: h["graphs"][0].update(name=""), "graph 0 name"),
         (lambda h, i: h["graphs"][0].update(reach={"pool": 1}), "graph 'b8' reach pool"),
         (lambda h, i: h["graphs"][0].update(reach={"graphs": 1 << 40}), "graph 'b8' reach graphs"),
@@ -319,10 +326,10 @@ def test_every_entry_has_one_home_and_its_segments_lie_back_to_back() -> None:
 # -- on a GPU: fresh processes ---------------------------------------------------------------------------------
 
 
-def bench_runs(*variants: str) -> dict[str, Any]:
+def bench_runs(*variants: str, external: bool = False) -> dict[str, Any]:
     graph_restore = benchmark("graph_restore")
     args = type("Args", (), {"layers": 2, "hidden": 1024, "inter": 2816, "sizes": [1, 8, 32], "repeat": 1,
-                             "variants": list(variants)})  # fmt: skip
+                             "variants": list(variants), "external": external})  # fmt: skip
     result: dict[str, Any] = graph_restore.bench(args)
     return result
 
@@ -343,6 +350,24 @@ def test_on_a_gpu_a_fresh_process_restores_every_graph_and_replays_bitwise_equal
     # a failure that is no GraphRestoreError (on 2026-12-04 a ctypes ArgumentError escaped GraphCache.graph): captured
     assert fault["restored"] == [False] * 3 and "RuntimeError: a kernel image load failed" in fault["reasons"][0]
     assert fault["digests"] == plain["digests"], fault
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_graphs_over_torch_allocated_tensors_are_restored_only_where_those_are_found_again() -> None:
+    """Graphs that also read a bias and write their result into an output made by torch's own allocator (declared
+    with ``GraphCache.external``; the copy is a memcpy node): a fresh process restores them when its tensors are at
+    the recording process's addresses, and captures them, saying which range moved, when they are not; the
+    outputs are the plain capture's either way."""
+    result = bench_runs("external-moved", external=True)
+    record, _plain, restore, moved = result["runs"]
+    assert record["published"] and record["recorded"] == [True] * 3, record
+    assert result["outputs_equal"], [r["digests"] for r in result["runs"]]
+    found_again = restore["external"] == record["external"]
+    assert restore["restored"] == [found_again] * 3, (restore, record["external"])
+    if not found_again:  # nothing promises the same addresses: then the check must say which range moved
+        assert "external/" in (restore["reasons"][0] or ""), restore
+    assert moved["external"]["bias"][0] != record["external"]["bias"][0], moved["external"]
+    assert moved["restored"] == [False] * 3 and "'external/bias' was at" in (moved["reasons"][0] or ""), moved
 
 
 class FakeCupti:

@@ -15,7 +15,9 @@ code can be had. A :class:`GraphCache` arranges both, for the graphs of one mode
   a pluggable allocator that bump-allocates in the arena), so the same calls in the same order get the same
   addresses in every process. Weights are reproducible where the keeper's segments are mapped at their home
   addresses (:func:`weightcache.segments.cuda_vmm.home_ranges`) or where :meth:`GraphCache.adopt` copied a
-  module's parameters into the arena.
+  module's parameters into the arena. A tensor made elsewhere (torch's own allocator, an engine's buffers) can be
+  declared by name with :meth:`GraphCache.external`: it is trusted only where a restoring process declares the
+  same name at the same address.
 - **Kernels.** From the first :func:`keep_kernel_images` (a GraphCache calls it too), CUPTI hands this process
   the image of every CUDA module loaded (:class:`~weightcache.graphs.cubins.CubinRecorder`); the artifact keeps
   the images that define the graphs' kernels, and a restore loads them itself. Call :func:`keep_kernel_images`
@@ -24,8 +26,9 @@ code can be had. A :class:`GraphCache` arranges both, for the graphs of one mode
 - **Checks.** Recording refuses a graph with any device address outside the reproduced ranges, a kernel whose
   image was not seen, or a graph rebuilt from the kept images that does not replay bitwise equal to the captured
   one (``verify``). A restore refuses, and captures instead, on another name or order of graphs, an arena pointer
-  elsewhere than recorded, a range that is missing, elsewhere or smaller, or a pointer that is not mapped device
-  memory in its range (:func:`~weightcache.graphs.check.restore_problems`). From the first refusal on, every
+  elsewhere than recorded, a range that is missing, elsewhere or smaller (an external tensor declared at another
+  address), or a pointer that is not mapped device memory in its range
+  (:func:`~weightcache.graphs.check.restore_problems`). From the first refusal on, every
   later graph of that GraphCache is captured (the arena's layout is this process's own from there) and
   :meth:`GraphCache.publish` replaces the artifact.
 
@@ -314,6 +317,7 @@ class GraphCache:
         self._recordable = True  # every graph so far recorded: later ones can be too
         self._record_problem: str | None = None  # why the first graph not recorded was not
         self._records: list[GraphRecord] = []
+        self._external: dict[str, tuple[AddressRange, torch.Tensor]] = {}  # name -> its range, the tensor kept
         self._images: dict[str, bytes | memoryview] = {}
         self._kernels: KernelLoader | None = None  # once there is a driver
         #: Seconds of the start-up steps: ``arena`` (range, pool, driver), ``artifact`` (asked of the keeper and
@@ -408,9 +412,11 @@ class GraphCache:
         return self._kernels.image_seconds if self._kernels is not None else 0.0
 
     def ranges(self) -> list[AddressRange]:
-        """The address ranges this process reproduces: the arena, and the weights mapped at their homes."""
+        """The address ranges this process reproduces: the arena, the weights mapped at their homes, and the
+        tensors declared with :meth:`external` (by name)."""
         homes = [AddressRange(name, base, size) for name, base, size in cuda_vmm.home_ranges()]
-        return ([self._arena.range()] if self._arena is not None else []) + homes
+        external = [r for _, (r, _) in sorted(self._external.items())]
+        return ([self._arena.range()] if self._arena is not None else []) + homes + external
 
     # -- static memory -----------------------------------------------------------------------------------------
 
@@ -427,6 +433,41 @@ class GraphCache:
         address = self._arena.allocate(nbytes)
         return self._at(address, dtype, tuple(shape), contiguous_stride(tuple(shape)))
 
+    def external(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        """Declare ``tensor``, made outside the arena (by torch's caching allocator, a library, an engine's own
+        buffers), as memory the graphs may read and write, under ``name``; returns it. The recording process
+        records where it lies (range ``external/<name>``); a restoring process must declare the same name, before
+        the graphs that use it, for a tensor at the same address and at least as large (a graph is captured
+        otherwise, saying so), and the driver must know its memory as one device allocation from its start to the
+        farthest byte a graph reaches. Nothing makes the address the same in both processes: that holds where the
+        process makes the same allocations in the same order (the checks find out; nothing else is trusted). The
+        GraphCache keeps the tensor alive until :meth:`close`. A tensor in the arena or a weights home needs no
+        declaration (ignored); without an arena (see :attr:`reason`), nothing is declared.
+
+        Raises :class:`~weightcache.errors.WeightCacheError` for a tensor on another device, of no bytes, or a
+        name declared before for another address or size."""
+        if not isinstance(name, str) or not name or "/" in name:
+            raise WeightCacheError(f"an external tensor's name must be a non-empty string without '/', not {name!r}")
+        if tensor.device.type != "cuda" or tensor.device.index != self.device:
+            raise WeightCacheError(
+                f"external tensor {name!r} is on {tensor.device}; this GraphCache's graphs run on cuda:{self.device}"
+            )
+        nbytes = extent_bytes(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size())
+        if nbytes <= 0:
+            raise WeightCacheError(f"external tensor {name!r} has no bytes: a graph cannot read it")
+        declared = AddressRange(f"external/{name}", tensor.data_ptr(), nbytes, own_mapping=False)
+        if self._arena is None or any(r.holds(declared.base) for r in self.ranges() if r.own_mapping):
+            return tensor
+        before = self._external.get(name)
+        if before is not None and before[0] != declared:
+            was = before[0]
+            raise WeightCacheError(
+                f"external tensor {name!r} was declared at {was.base:#x} ({was.size} bytes) and now at "
+                f"{declared.base:#x} ({declared.size} bytes): declare each tensor under a name of its own"
+            )
+        self._external[name] = (declared, tensor)
+        return tensor
+
     def adopt(self, module: torch.nn.Module) -> torch.nn.Module:
         """Copy ``module``'s parameters and buffers into the arena (in ``named_parameters``, then
         ``named_buffers`` order), so that a graph of it can be restored: for weights that do not come from the
@@ -438,10 +479,19 @@ class GraphCache:
                 tensor.data = copy
         return module
 
-    def _at(self, address: int, dtype: torch.dtype, shape: tuple[int, ...], stride: tuple[int, ...]) -> torch.Tensor:
+    def _at(
+        self,
+        address: int,
+        dtype: torch.dtype,
+        shape: tuple[int, ...],
+        stride: tuple[int, ...],
+        owner: object | None = None,
+    ) -> torch.Tensor:
+        """A tensor at ``address``, keeping ``owner`` (default: the arena) alive."""
         itemsize = torch.empty((), dtype=dtype).element_size()
         nbytes = extent_bytes(shape, stride, itemsize)
-        raw = torch.as_tensor(_Memory(address, max(nbytes, 1), self._arena), device=f"cuda:{self.device}")
+        memory = _Memory(address, max(nbytes, 1), self._arena if owner is None else owner)
+        raw = torch.as_tensor(memory, device=f"cuda:{self.device}")
         return raw[:nbytes].view(dtype).as_strided(shape, stride)
 
     # -- graphs ------------------------------------------------------------------------------------------------
@@ -537,12 +587,23 @@ class GraphCache:
         problems = []
         for i, o in enumerate(outputs):
             extent = extent_bytes(o.shape, o.stride, DTYPES[o.dtype].itemsize)
-            if not (arena.base <= o.address and o.address + extent <= arena.base + arena.used):
-                problems.append(f"output {i} at {o.address:#x} lies outside the arena's memory")
+            in_arena = arena.base <= o.address and o.address + extent <= arena.base + arena.used
+            if not in_arena and self._external_holding(o.address, extent) is None:
+                problems.append(f"output {i} at {o.address:#x} lies outside the arena's memory and external tensors")
         return problems
 
+    def _external_holding(self, address: int, nbytes: int) -> torch.Tensor | None:
+        """The external tensor whose bytes hold ``nbytes`` from ``address``, if one does."""
+        for declared, tensor in self._external.values():
+            if declared.base <= address and address + nbytes <= declared.base + declared.size:
+                return tensor
+        return None
+
     def _output(self, o: Output) -> torch.Tensor:
-        return self._at(o.address, TORCH_DTYPES[o.dtype], o.shape, o.stride)
+        """A restored graph's output: arena memory, or a view of the external tensor that holds it."""
+        extent = extent_bytes(o.shape, o.stride, DTYPES[o.dtype].itemsize)
+        owner = self._external_holding(o.address, extent)  # None: the arena (_output_problems checked it)
+        return self._at(o.address, TORCH_DTYPES[o.dtype], o.shape, o.stride, owner)
 
     def _kernel_functions(
         self, kernels: Mapping[str, str], images: Mapping[str, bytes | memoryview], *, check: bool
@@ -727,6 +788,7 @@ class GraphCache:
         if self._arena is not None:
             self._arena.close()
             self._arena = None
+        self._external.clear()
 
     def __enter__(self) -> GraphCache:
         return self

@@ -183,7 +183,9 @@ class GraphBundle:
         header = json.dumps(
             {
                 "format": FORMAT,
-                "ranges": [{"name": r.name, "base": r.base, "size": r.size} for r in self.ranges],
+                "ranges": [
+                    {"name": r.name, "base": r.base, "size": r.size, "own_mapping": r.own_mapping} for r in self.ranges
+                ],
                 "graphs": [g.to_json(span) for g, span in zip(self.graphs, spans, strict=True)],
                 "images": offsets,
             },
@@ -221,10 +223,13 @@ class GraphBundle:
             raise _fail("format", str(FORMAT), top["format"])
         ranges = []
         for i, raw in enumerate(_list(top["ranges"], "ranges")):
-            r = _object(raw, f"range {i}", ("name", "base", "size"))
-            ranges.append(
-                AddressRange(_str(r["name"], f"range {i} name"), _int(r["base"], "base"), _int(r["size"], "size"))
-            )
+            r = _object(raw, f"range {i}", ("name", "base", "size", "own_mapping"))
+            if not isinstance(r["own_mapping"], bool):
+                raise _fail(f"range {i} own_mapping", "true or false", r["own_mapping"])
+            name = _str(r["name"], f"range {i} name")
+            ranges.append(AddressRange(name, _int(r["base"], "base"), _int(r["size"], "size"), r["own_mapping"]))
+        if len({r.name for r in ranges}) != len(ranges):
+            raise _fail("ranges", "ranges of distinct names", sorted(r.name for r in ranges))
         descriptions = view[body + length : body + length + tables]
         data = view[min(_aligned(body + length + tables), len(view)) :]
         images: dict[str, bytes | memoryview] = {}

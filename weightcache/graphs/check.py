@@ -3,8 +3,9 @@
 A description's argument bytes hold device addresses: of the weights, the inputs, the activations and
 workspaces, the graph's own pool. A graph rebuilt in another process is valid only if every one of them points at
 the same data there. The restore gets that by placing memory in :class:`AddressRange` s that it reproduces at the
-same virtual addresses in both processes (the weights' mappings, a reserved range for the rest); these checks say
-whether it did:
+same virtual addresses in both processes (the weights' mappings, a reserved range for the rest), or that the
+caller names and finds at the same address again (a tensor of its own, :attr:`AddressRange.own_mapping` False);
+these checks say whether it did:
 
 - at record time, :func:`pointers` finds every word of the description that is an address (each 8-byte parameter
   of a kernel, every aligned word of an argument buffer, the first and last byte a memset writes, the first and
@@ -30,11 +31,15 @@ from .description import GraphDescription, KernelNode, MemcpyNode, MemsetNode
 @attrs.frozen
 class AddressRange:
     """A range of virtual addresses a restore reproduces: :attr:`name` (e.g. ``weights/0``, ``pool``), its base
-    and size."""
+    and size. :attr:`own_mapping`: the range is a mapping of its own (the arena, a weights segment), so every
+    address checked in it must lie in device memory mapped inside it; False for a part of someone else's
+    allocation (a tensor of torch's caching allocator, named by its owner), where an address checked must be
+    device memory, and everything a graph reaches in it one allocation."""
 
     name: str
     base: int
     size: int
+    own_mapping: bool = True
 
     def holds(self, address: int) -> bool:
         return self.base <= address < self.base + self.size
@@ -127,16 +132,18 @@ def pointers(
 
     for i, node in enumerate(description.nodes):
         for offset, first, last, what in _copy_ends(node):
-            where = [next((r for r in ranges if r.holds(a)), None) for a in (first, last)]
-            for address, inside in zip((first, last), where, strict=True):
+            ends = (first, last) if last != first else (first,)
+            where = [next((r for r in ranges if r.holds(a)), None) for a in ends]
+            for address, inside in zip(ends, where, strict=True):
                 if inside is not None:
                     found.append(Pointer(i, offset, address, inside.name))
                 else:
                     outside(i, offset, address, what)
-            if where[0] is not None and where[1] is not None and where[0].name != where[1].name:
+            start, end = where[0], where[-1]
+            if start is not None and end is not None and start.name != end.name:
                 problems.append(
-                    f"{_where(i, offset, what)} runs from {first:#x} in range {where[0].name!r} to {last:#x} in "
-                    f"range {where[1].name!r}: one copy or memset spans memory no single range reproduces"
+                    f"{_where(i, offset, what)} runs from {first:#x} in range {start.name!r} to {last:#x} in "
+                    f"range {end.name!r}: one copy or memset spans memory no single range reproduces"
                 )
     nodes, offsets, values = _kernel_words(description)
     candidate = values >= LOWEST_ADDRESS
@@ -161,8 +168,10 @@ def _copy_ends(node: object) -> list[tuple[int, int, int, str]]:
     """(offset, first byte, last byte, kind) of each side of a memset (what it writes) or a memcpy (what it reads,
     what it writes)."""
     if isinstance(node, MemsetNode):
-        last = node.dst + max(node.height - 1, 0) * node.pitch + node.width * node.element_size - 1
-        return [(DESTINATION, node.dst, max(last, node.dst), "memset")]
+        if not (node.width and node.height):
+            return [(DESTINATION, node.dst, node.dst, "memset")]
+        last = node.dst + (node.height - 1) * node.pitch + node.width * node.element_size - 1
+        return [(DESTINATION, node.dst, last, "memset")]
     if isinstance(node, MemcpyNode):
         ends = node.last_bytes()
         src_last, dst_last = ends if ends is not None else (node.src, node.dst)
@@ -200,16 +209,22 @@ def restore_problems(
     for p in found:
         if p.value not in known:
             known[p.value] = pointer_range(p.value)
-        allocation = known[p.value]
-        inside = now[p.range]
-        if allocation is None or not (
-            inside.holds(allocation[0]) and allocation[0] + allocation[1] <= inside.base + inside.size
-        ):
+        if not _mapped(known[p.value], now[p.range]):
             problems.append(
                 f"{_where(p.node, p.offset)} points at {p.value:#x}, which is not device memory mapped "
                 f"inside range {p.range!r} in this process"
             )
     return problems
+
+
+def _mapped(allocation: tuple[int, int] | None, inside: AddressRange) -> bool:
+    """Whether the allocation the driver reports for an address of ``inside`` is what the range needs: any device
+    memory for a part of someone else's allocation, a mapping within the range for a range of its own."""
+    if allocation is None:
+        return False
+    return not inside.own_mapping or (
+        inside.holds(allocation[0]) and allocation[0] + allocation[1] <= inside.base + inside.size
+    )
 
 
 def extents(found: Sequence[Pointer], ranges: Sequence[AddressRange]) -> dict[str, int]:
@@ -230,24 +245,29 @@ def extent_problems(
 ) -> list[str]:
     """:func:`restore_problems` by range instead of by pointer: every range a graph's pointers use (``reach``,
     from :func:`extents`) is here, at its recorded base, at least as large, and mapped device memory inside it from
-    its base to the farthest pointer. A range is one mapping (a weights segment; the arena, mapped from its base
-    on), so that covers every pointer recorded in it, at one driver query per end instead of one per pointer."""
+    its base to the farthest pointer. A range of its own is one mapping (a weights segment; the arena, mapped from
+    its base on), and a part of someone else's allocation must lie in one allocation from its base to the farthest
+    pointer, so that covers every pointer recorded in it, at one driver query per end instead of one per pointer."""
     problems = restore_problems(recorded, current, [Pointer(-1, -1, 0, name) for name in reach])
     if problems:
         return problems
     now = {r.name: r for r in current}
     for name, extent in sorted(reach.items()):
         inside = now[name]
-        for address in (inside.base, inside.base + extent - 1):
-            allocation = pointer_range(address)
-            if allocation is None or not (
-                inside.holds(allocation[0]) and allocation[0] + allocation[1] <= inside.base + inside.size
-            ):
+        ends = [(address, pointer_range(address)) for address in (inside.base, inside.base + extent - 1)]
+        for address, allocation in ends:
+            if not _mapped(allocation, inside):
                 problems.append(
                     f"range {name!r}: {address:#x}, which a pointer of the graph reaches, is not device memory "
                     "mapped inside the range in this process"
                 )
                 break
+        else:
+            if not inside.own_mapping and ends[0][1] != ends[1][1]:
+                problems.append(
+                    f"range {name!r}: {inside.base:#x} and {inside.base + extent - 1:#x}, which pointers of the "
+                    "graph reach, lie in two allocations in this process, not one"
+                )
     return problems
 
 

@@ -140,11 +140,12 @@ class MemcpyNode:
     dst_type: int = 2
 
     def geometry_problem(self) -> str | None:
-        """Why this geometry is not one a description holds, or None: rows that overlap (``height > 1`` with a
-        side's pitch below the width) or slices that do (``depth > 1`` with a side's height below ``height``).
+        """Why this geometry is not one a description holds, or None: rows that overlap (more than one row or
+        slice with a side's pitch below the width) or slices that do (``depth > 1`` with a side's height below
+        ``height``).
         ``cuMemcpy3D`` checks pitches and heights only where they are given, so such a node would copy what its
         fields do not say; it is captured instead."""
-        if self.height > 1 and min(self.src_pitch, self.dst_pitch) < self.width:
+        if (self.height > 1 or self.depth > 1) and min(self.src_pitch, self.dst_pitch) < self.width:
             return f"rows {self.width} bytes wide {self.src_pitch}/{self.dst_pitch} bytes apart (source/destination)"
         if self.depth > 1 and min(self.src_height, self.dst_height) < self.height:
             return f"slices of {self.height} rows {self.src_height}/{self.dst_height} rows apart (source/destination)"
@@ -399,7 +400,7 @@ def _check_tables(
         j = int(np.flatnonzero(kinds == _MEMCPY)[_first(bad)])
         raise _fail(f"node {j} memory types", "device (2) or unified (4)", types[_first(bad)].tolist())
     width, height = column["width"], column["height"]
-    rows = (height > 1) & ((column["src_pitch"] < width) | (column["dst_pitch"] < width))
+    rows = ((height > 1) | (column["depth"] > 1)) & ((column["src_pitch"] < width) | (column["dst_pitch"] < width))
     slices = (column["depth"] > 1) & ((column["src_height"] < height) | (column["dst_height"] < height))
     if (bad := rows | slices).any():
         j = int(np.flatnonzero(kinds == _MEMCPY)[_first(bad)])

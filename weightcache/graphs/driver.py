@@ -468,10 +468,11 @@ class CudaGraphDriver:
         args = node.args
         size = ctypes.c_size_t(len(args))
         buffer = ctypes.cast(ctypes.c_char_p(args), _p).value  # the bytes' own storage (node.args outlives the call)
-        if node.launched_with == "params" and any(a == _COOPERATIVE for a, _ in node.attributes):
-            # the driver refuses an argument buffer for a cooperative kernel (CUDA_ERROR_INVALID_VALUE, cuda.h):
-            # one pointer per parameter into the same bytes, as it was captured
-            params = (_p * max(len(node.layout), 1))(*[(buffer or 0) + offset for offset, _ in node.layout])
+        if node.layout and node.launched_with == "params" and any(a == _COOPERATIVE for a, _ in node.attributes):
+            # cuda.h: CUDA_ERROR_INVALID_VALUE "if extra is used for a cooperative kernel" (documented for the add;
+            # the attribute is set after it, and whether the driver checks then is not known): one pointer per
+            # parameter into the same bytes, as it was captured, which is valid for every kernel
+            params = (_p * len(node.layout))(*[(buffer or 0) + offset for offset, _ in node.layout])
             p = _KernelParams(function, *node.grid, *node.block, node.shared_bytes, params, None)
         else:
             extra = (_p * 5)(_PARAM_BUFFER, buffer, _PARAM_SIZE, ctypes.addressof(size), _PARAM_END)
