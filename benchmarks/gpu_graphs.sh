@@ -27,6 +27,6 @@ regress)
     timeout 450 python3 -m pytest -p no:cacheprovider -m cuda -q "$@" tests/test_cuda.py tests/test_cuda_memory.py \
         2>&1 | tee "$out/cuda-tests.log" ;;
 bench)
-    timeout 550 python3 benchmarks/graph_restore.py bench "$@" 2>&1 | tee "$out/graphs-bench.log" ;;
+    timeout 550 python3 benchmarks/graph_restore.py bench "$@" 2>&1 | tee -a "$out/graphs-bench.log" ;;
 *) echo "unknown command $cmd" >&2; exit 2 ;;
 esac

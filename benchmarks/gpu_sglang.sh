@@ -138,6 +138,8 @@ plan)
             step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh test
             step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh bench --repeat 3 --variants shift home-taken \
                 --json "$persist/graphs/graph-restore.json"
+            step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh bench --repeat 2 --external \
+                --variants external-moved --json "$persist/graphs/graph-restore-external.json"
             ;;
         llama8b)
             step env OUT=$persist/llama8b bash "$0" bench --shape llama8b --repeat 3 --no-awq-reference \
@@ -151,8 +153,11 @@ plan)
             step env OUT=$persist/race bash "$0" bench --shape llama8b --repeat 1 --scenarios race
             ;;
         mixtral) step env OUT=$persist/mixtral bash "$0" bench --shape mixtral --scenarios start --repeat 3 ;;
-        vllm-graphs)  # issue 31: vLLM's graphs over fresh processes (benchmarks/gpu_vllm.sh, installed beforehand)
-            step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe ;;
+        vllm-graphs)  # issue 31: vLLM's graphs over fresh processes (benchmarks/gpu_vllm.sh, installed beforehand);
+            # then with vLLM's graph pool in a GraphCache's arena and the pointers' coverage
+            step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe --runs 3
+            step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe --runs 2 --arena \
+                --json "$persist/vllm-graphs/vllm-graph-probe-arena.json" ;;
         tests) step env OUT=$persist/tests bash "$0" test ;;  # the auto/daemon/client tests run first (file order)
         *) echo "== unknown part $part (hashing, graphs, llama8b, race, mixtral, tests, vllm-graphs)" ;;
         esac

@@ -16,6 +16,12 @@ allocated, and the vLLM (or torch) lines that allocated it: the buffers a restor
 and which code makes them. Then each describable graph is rebuilt from its description and instantiated (what a
 restore would do, without the address checks), timed.
 
+With ``--arena``, vLLM's graph pool is a ``wc.GraphCache``'s (its arena, set as vLLM's global graph pool before the
+engine starts), and after the engine served, the model's parameters and every CUDA tensor the model runner reaches
+(by attribute path) are declared to it with ``GraphCache.external``: each graph's pointers are then counted by what
+would hold them in a weightcache restore (the arena, the weights, a runner tensor by name) and what nothing holds
+(with the block and the code that allocated it): how far the GraphCache route covers vLLM's graphs.
+
 Across runs it answers: do two fresh warm starts place every segment at the same address (the caching allocator
 fed the same sequence)? Are the graphs' descriptions byte-identical? What does a restore cost beside vLLM's
 capture, and which nodes can a description not hold? Which buffers outside the graph pool do the graphs read
@@ -91,6 +97,16 @@ from vllm import LLM, SamplingParams
 
 logging.getLogger("vllm").addHandler(Lines())
 t_import = time.time() - t0
+arena = None
+if sys.argv[4] == "arena":  # vLLM's graph pool served from a GraphCache's arena, before the engine exists
+    from vllm.platforms import current_platform
+    from weightcache.torch_graphs import GraphCache
+
+    arena = GraphCache("0" * 64, {"probe": "vllm"}, device="cuda:0", socket_dir=os.environ["WC_PROBE_SOCKETS"],
+                       verify=False)
+    assert arena.pool is not None, arena.reason
+    platform_cls = type(current_platform)
+    platform_cls._global_graph_pool = arena.pool
 kwargs = dict(model=sys.argv[1], load_format="dummy", skip_tokenizer_init=True, max_model_len=4096, seed=0,
               gpu_memory_utilization=0.85, kv_cache_memory_bytes=int(sys.argv[2]))
 try:
@@ -194,6 +210,80 @@ for i, (g, seconds, instantiate) in enumerate(kept):
     described.append((description, functions))
 t_describe = time.perf_counter() - t
 
+coverage = None
+if arena is not None:  # would weightcache's ranges hold every pointer: the arena, the weights, the runner's tensors?
+    from torch import nn
+
+    coverage = {"declared": Counter(), "declare_errors": [], "by_kind": Counter(), "outside": 0,
+                "outside_sample": [], "uncovered_blocks": {}, "runner_used": Counter(), "runner_bases": {}}
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    runner = worker.model_runner
+    model = getattr(runner, "model", None)
+
+    def declare(name, t):
+        try:
+            arena.external(name.replace("/", "|"), t)
+            coverage["declared"][name[:2]] += 1
+        except Exception as exc:
+            coverage["declare_errors"].append(f"{name[:80]}: {exc}"[:200])
+
+    if isinstance(model, nn.Module):  # the weights (weightcache maps its own at their homes; these are dummy)
+        for n, t in [*model.named_parameters(), *model.named_buffers()]:
+            if t.is_cuda and t.numel():
+                declare(f"w.{n}", t)
+    seen = set()
+
+    def walk(obj, path, depth):  # every CUDA tensor the runner reaches, named by its attribute path
+        if id(obj) in seen or depth > 6:
+            return
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.is_cuda and obj.numel():
+                declare(f"r.{path}", obj)
+            return
+        if isinstance(obj, nn.Module):
+            return
+        if isinstance(obj, dict):
+            items = list(obj.items())
+        elif isinstance(obj, (list, tuple)):
+            items = list(enumerate(obj))
+        elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("vllm", "torch", "flashinfer"):
+            items = list(vars(obj).items())
+        else:
+            return
+        for k, v in items[:4096]:
+            walk(v, f"{path}.{k}" if path else str(k), depth + 1)
+
+    walk(runner, "", 0)
+    covered = arena.ranges() + ranges  # then torch's own segments: what the arena and the names do not cover
+    arena_name = covered[0].name
+    for description, _ in described:
+        found, problems = pointers(description, covered, driver.pointer_range)
+        coverage["outside"] += len(problems)
+        coverage["outside_sample"] = (coverage["outside_sample"] + problems[:1])[:3]
+        for p in found:
+            if p.range == arena_name:
+                kind = "arena"
+            elif p.range.startswith("external/w."):
+                kind = "weights"
+            elif p.range.startswith("external/r."):
+                kind = "runner"
+                coverage["runner_used"][p.range[len("external/r."):][:100]] += 1
+            else:
+                kind = "uncovered:" + p.range.split("/")[0]
+                j = bisect.bisect_right(block_starts, p.value) - 1
+                if j >= 0 and p.value < blocks[j][0] + blocks[j][1]:
+                    b = blocks[j]
+                    u = coverage["uncovered_blocks"].setdefault(
+                        b[0], {"address": b[0], "size": b[1], "state": b[2], "site": site(b[4]), "pointers": 0})
+                    u["pointers"] += 1
+            coverage["by_kind"][kind] += 1
+    for r in arena.ranges():
+        if r.name.startswith("external/r."):
+            coverage["runner_bases"][r.name[len("external/r."):][:100]] = [r.base, r.size]
+    coverage["uncovered_blocks"] = sorted(coverage["uncovered_blocks"].values(), key=lambda u: -u["pointers"])[:40]
+    coverage["runner_used"] = dict(coverage["runner_used"].most_common(60))
+
 rebuilt = failed = 0
 first_failure = None
 t = time.perf_counter()
@@ -220,6 +310,7 @@ print("RESULT " + json.dumps({
     "rebuild_first_failure": first_failure,
     "segments": segments, "pools": {v: k for k, v in pools.items()}, "graphs": graphs,
     "blocks": sorted(referenced.values(), key=lambda r: r["address"]),
+    "coverage": coverage,
     "kv_cache_memory_bytes": kwargs.get("kv_cache_memory_bytes"),
 }), flush=True)
 os._exit(0)  # the engine's teardown is not measured
@@ -235,11 +326,19 @@ def write_config(path: Path) -> None:
     transformers.LlamaConfig(**LLAMA3_8B, torch_dtype="bfloat16").save_pretrained(path)
 
 
-def run(model: Path, kv_bytes: int, env: dict[str, str], log: Path, sites: bool) -> dict[str, Any]:
+def run(model: Path, kv_bytes: int, env: dict[str, str], log: Path, sites: bool, arena: bool) -> dict[str, Any]:
     started = time.time()
     try:
         proc = subprocess.run(
-            [sys.executable, "-c", CHILD, str(model), str(kv_bytes), "sites" if sites else "-"],
+            [
+                sys.executable,
+                "-c",
+                CHILD,
+                str(model),
+                str(kv_bytes),
+                "sites" if sites else "-",
+                "arena" if arena else "-",
+            ],
             capture_output=True,
             text=True,
             env=env,
@@ -278,7 +377,11 @@ def compare(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
     # the non-pool blocks the graphs point into: at the same address, of the same size, made by the same code?
     ba = {(x["address"], x["size"], tuple(x["site"])) for x in a.get("blocks", []) if x["pool"] == "default"}
     bb = {(x["address"], x["size"], tuple(x["site"])) for x in b.get("blocks", []) if x["pool"] == "default"}
+    # with --arena: the runner's tensors the graphs use, at the same address in both runs?
+    ra = (a.get("coverage") or {}).get("runner_bases", {})
+    rb = (b.get("coverage") or {}).get("runner_bases", {})
     return {
+        "runner_tensors_same_place": [sum(1 for k, v in ra.items() if rb.get(k) == v), len(ra), len(rb)],
         "default_blocks": [len(ba), len(bb)],
         "default_blocks_same": len(ba & bb),
         "segments": [len(sa), len(sb)],
@@ -321,6 +424,7 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
             for x in r.get("blocks", [])
             if x["pool"] == "default"
         ][:60],
+        "coverage": {k: v for k, v in (r.get("coverage") or {}).items() if k != "runner_bases"} or None,
     }
 
 
@@ -333,6 +437,7 @@ def main() -> int:
     parser.add_argument(
         "--no-sites", dest="sites", action="store_false", help="do not record where each block was allocated"
     )
+    parser.add_argument("--arena", action="store_true", help="vLLM's graph pool from a GraphCache; pointer coverage")
     args = parser.parse_args()
     model = args.workdir / "model"
     if not (model / "config.json").exists():
@@ -342,13 +447,14 @@ def main() -> int:
         VLLM_ENABLE_V1_MULTIPROCESSING="0",
         VLLM_CACHE_ROOT=str(args.workdir / "vllm-cache"),
         VLLM_USE_FLASHINFER_SAMPLER="0",
+        WC_PROBE_SOCKETS=str(args.workdir / "no-keeper"),  # the GraphCache of --arena finds no artifact there
     )
     env.pop("PYTHONDONTWRITEBYTECODE", None)
     log = (args.json or args.workdir / "probe.json").with_suffix(".log")
     runs: list[dict[str, Any]] = []
     report: dict[str, Any] = {"date": time.strftime("%F"), "runs": runs}
     for i in range(args.runs):
-        r = run(model, int(args.kv_gib * 2**30), env, log, args.sites)
+        r = run(model, int(args.kv_gib * 2**30), env, log, args.sites, args.arena)
         r["compile_cache"] = "cold (this run fills it)" if i == 0 else "warm"  # compare warm runs (2 and 3)
         runs.append(r)
         print(f"run {i + 1}:", json.dumps(summary(r) if "graphs" in r else r, indent=1)[:12000], flush=True)

@@ -396,6 +396,14 @@ class GraphCache:
             self._kernels.preload(self._bundle.images, self._bundle.graphs)
 
     @property
+    def pool(self) -> Any:
+        """The handle of the graphs' memory pool (``torch.cuda.MemPool.id``), served from the arena: what an
+        engine that captures graphs itself passes as ``torch.cuda.graph(..., pool=...)`` so that their memory lies
+        in the arena too; None without an arena (see :attr:`reason`). Graphs captured so are not recorded by this
+        GraphCache: :meth:`graph` records."""
+        return self._pool.id if self._pool is not None else None
+
+    @property
     def images_loaded(self) -> int:
         """Kernel images this GraphCache loaded (each once)."""
         return self._kernels.images_loaded if self._kernels is not None else 0
