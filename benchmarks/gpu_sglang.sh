@@ -29,7 +29,8 @@
 #                                 kill 153, mismatch 167, race 85, AWQ 90, start 394); mixtral 346 s; the tests
 #                                 ~230 s (the first two) and ~320 s (the other two). The sixth run (no JIT caches
 #                                 carried): tests 555 s, graphs 85 s, race alone 136 s, vllm-graphs ~100 s a run
-#                                 (gpu_vllm.sh installed first). All of it is more than one session's 30 minutes of
+#                                 (gpu_vllm.sh installed first; from 2026-12-05 graphs adds the --external bench,
+#                                 ~60 s more, and vllm-graphs runs 3 + 2 runs). All of it is more than one session's 30 minutes of
 #                                 device time: a lease runs some parts
 #   gpu_sglang.sh poll SECONDS    wait until `plan` is done or SECONDS passed, copying /tmp/persist to $OUT every 15 s
 #                                 (a call cut at its limit still brings back the last copy); exits at once (3) on a
