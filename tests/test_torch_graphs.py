@@ -362,9 +362,14 @@ def test_on_a_gpu_graphs_over_torch_allocated_tensors_are_restored_only_where_th
     record, _plain, restore, moved = result["runs"]
     assert record["published"] and record["recorded"] == [True] * 3, record
     assert result["outputs_equal"], [r["digests"] for r in result["runs"]]
-    found_again = restore["external"] == record["external"]
-    assert restore["restored"] == [found_again] * 3, (restore, record["external"])
-    if not found_again:  # nothing promises the same addresses: then the check must say which range moved
+    # nothing promises the same addresses: a graph is restored exactly when the tensors it uses are where the
+    # recording process had them (and every graph before it was restored: the first capture ends restoring)
+    expected, restoring = [], True
+    for b in (1, 8, 32):
+        restoring = restoring and all(restore["external"][n] == record["external"][n] for n in ("bias", f"out{b}"))
+        expected.append(restoring)
+    assert restore["restored"] == expected, (restore, record["external"])
+    if not expected[0]:  # then the check must say which range moved
         assert "external/" in (restore["reasons"][0] or ""), restore
     assert moved["external"]["bias"][0] != record["external"]["bias"][0], moved["external"]
     assert moved["restored"] == [False] * 3 and "'external/bias' was at" in (moved["reasons"][0] or ""), moved
