@@ -807,6 +807,109 @@ def test_on_a_gpu_a_graph_rebuilt_from_its_json_description_replays_bitwise_equa
     assert result["equal"] and result["copied"] and result["memcpys"] == 1 and result["kernels"] >= 3, result
 
 
+GPU_COOPERATIVE = r"""
+import ctypes, json, sys
+import torch
+from weightcache.errors import GraphRestoreError
+from weightcache.graphs import CudaGraphDriver, KernelNode, GraphDescription, describe, rebuild
+
+lib = ctypes.CDLL("libcuda.so.1")
+torch.zeros(1, device="cuda")  # torch's context, current on this thread
+ptx = open(sys.argv[1], "rb").read() + b"\0"
+module, fn = ctypes.c_void_p(), ctypes.c_void_p()
+assert lib.cuModuleLoadData(ctypes.byref(module), ptx) == 0, "the PTX did not load"
+assert lib.cuModuleGetFunction(ctypes.byref(fn), module, b"coop_sum") == 0
+blocks, n = 64, 1 << 20
+x = torch.rand(n, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+partial, out = torch.zeros(blocks, device="cuda"), torch.zeros(1, device="cuda")
+args = [ctypes.c_void_p(x.data_ptr()), ctypes.c_void_p(partial.data_ptr()), ctypes.c_void_p(out.data_ptr()),
+        ctypes.c_int(n), ctypes.c_float(2.0)]
+params = (ctypes.c_void_p * 5)(*[ctypes.cast(ctypes.pointer(a), ctypes.c_void_p) for a in args])
+stream = torch.cuda.Stream()
+launch = lambda: lib.cuLaunchCooperativeKernel(fn, blocks, 1, 1, 256, 1, 1, 0, ctypes.c_void_p(stream.cuda_stream),
+                                               params)
+torch.cuda.synchronize()  # x is written on torch's stream, the kernel runs on `stream`
+assert launch() == 0
+stream.synchronize()
+eager = out.clone()
+g = torch.cuda.CUDAGraph(keep_graph=True)
+with torch.cuda.graph(g, stream=stream):
+    captured_rc = launch()
+g.instantiate()
+driver = CudaGraphDriver()
+description, functions = describe(driver, g.raw_cuda_graph())
+kernels = [node for node in description.nodes if isinstance(node, KernelNode)]
+out.zero_()
+g.replay()
+torch.cuda.synchronize()
+replayed = out.clone()
+
+
+def run(desc):
+    graph = rebuild(driver, desc, functions)
+    try:
+        executable = driver.instantiate(graph)
+    finally:
+        driver.destroy_graph(graph)
+    out.zero_()
+    torch.cuda.synchronize()
+    driver.launch(executable, stream.cuda_stream)
+    stream.synchronize()
+    driver.destroy_executable(executable)
+    return out.clone()
+
+
+if sys.argv[2] == "params":
+    rebuilt_equal, buffer_result = bool(torch.equal(run(description), eager)), None
+else:  # the same node given as one argument buffer (``extra``): what the driver does with it, for the record
+    as_buffer = GraphDescription(tuple(KernelNode(k.function, k.grid, k.block, k.shared_bytes, k.args, (), "buffer",
+                                                  k.attributes) for k in kernels), ())
+    rebuilt_equal = None
+    try:
+        buffer_result = "equal" if torch.equal(run(as_buffer), eager) else "different"
+    except GraphRestoreError as exc:
+        buffer_result = str(exc)
+print(json.dumps({"captured_rc": captured_rc, "kernels": len(kernels), "forms": [k.launched_with for k in kernels],
+                  "attributes": [[a for a, _ in k.attributes] for k in kernels],
+                  "replayed_equal": bool(torch.equal(replayed, eager)),
+                  "rebuilt_equal": rebuilt_equal, "buffer_form": buffer_result}))
+"""
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_a_cooperative_kernel_node_is_rebuilt_and_replays_bitwise_equal() -> None:
+    """A kernel that synchronizes its whole grid (tests/data/coop_sum.cu, ``grid.sync()``), launched cooperatively
+    under stream capture: its node carries the cooperative attribute, is described with its parameters laid out, and
+    the graph rebuilt from the description (``kernelParams``, as ``add_kernel_node`` gives a cooperative node)
+    computes the same bytes as the eager launch. What the driver says to the same node as one argument buffer is
+    printed, not asserted, from a process of its own (cuda.h documents a refusal for the add, the attribute comes
+    after it, and a grid.sync() without a cooperative launch may fault or hang)."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    ptx = str(Path(__file__).parent / "data" / "coop_sum.ptx")
+    out = subprocess.run(
+        [sys.executable, "-c", GPU_COOPERATIVE, ptx, "params"], capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stderr[-4000:]
+    result = json.loads(out.stdout.splitlines()[-1])
+    print(result)
+    assert result["captured_rc"] == 0 and result["kernels"] == 1 and result["forms"] == ["params"], result
+    assert 2 in result["attributes"][0], result  # CU_LAUNCH_ATTRIBUTE_COOPERATIVE
+    assert result["replayed_equal"] and result["rebuilt_equal"], result
+    try:
+        other = subprocess.run(
+            [sys.executable, "-c", GPU_COOPERATIVE, ptx, "buffer"], capture_output=True, text=True, timeout=60
+        )
+        said = (
+            other.stdout.splitlines()[-1] if other.returncode == 0 else f"rc {other.returncode}: {other.stderr[-300:]}"
+        )
+    except subprocess.TimeoutExpired:
+        said = "timed out after 60 s"
+    print("the cooperative node given as one argument buffer:", said)
+
+
 class FakeVmm:
     """cuMemAddressReserve and friends as bookkeeping: a hint is honoured unless the range is ``taken``."""
 
