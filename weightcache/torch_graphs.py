@@ -422,9 +422,12 @@ class GraphCache:
     def ranges(self) -> list[AddressRange]:
         """The address ranges this process reproduces: the arena, the weights mapped at their homes, and the
         tensors declared with :meth:`external` (by name)."""
+        return self._own_ranges() + [r for _, (r, _) in sorted(self._external.items())]
+
+    def _own_ranges(self) -> list[AddressRange]:
+        """The arena and the weights' homes: the ranges that are mappings of their own."""
         homes = [AddressRange(name, base, size) for name, base, size in cuda_vmm.home_ranges()]
-        external = [r for _, (r, _) in sorted(self._external.items())]
-        return ([self._arena.range()] if self._arena is not None else []) + homes + external
+        return ([self._arena.range()] if self._arena is not None else []) + homes
 
     # -- static memory -----------------------------------------------------------------------------------------
 
@@ -464,7 +467,7 @@ class GraphCache:
         if nbytes <= 0:
             raise WeightCacheError(f"external tensor {name!r} has no bytes: a graph cannot read it")
         declared = AddressRange(f"external/{name}", tensor.data_ptr(), nbytes, own_mapping=False)
-        if self._arena is None or any(r.holds(declared.base) for r in self.ranges() if r.own_mapping):
+        if self._arena is None or any(r.holds(declared.base) for r in self._own_ranges()):
             return tensor
         before = self._external.get(name)
         if before is not None and before[0] != declared:
