@@ -20,7 +20,8 @@ the graph phase (``gc_ms``: generation, ms into the phase, duration), which a gr
 would start at another arena offset; ``--variant home-taken`` reserves the weights' home address range before
 attaching, so that the weights land elsewhere; ``--variant driver-fault`` makes every kernel image load fail with
 an error that is no :class:`~weightcache.errors.GraphRestoreError` (as a binding that does not fit the driver
-would). Each must capture instead of restoring.
+would); ``--variant foreign`` captures a graph of its own with ``GraphCache.pool`` before the others (an
+engine's capture in the arena). Each must capture instead of restoring.
 
 ``--external`` (every process of the run) makes the graphs also read and write memory of torch's own caching
 allocator, declared with ``GraphCache.external``: each graph adds a bias tensor to the model's output and copies
@@ -146,6 +147,7 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
     graphs: list[Any] = []
     inputs: list[torch.Tensor] = []
     cache = None
+    foreign: list[Any] = []  # --variant foreign: a graph captured through the pool, and its memory
 
     def forward(b: int, x: torch.Tensor) -> torch.Tensor:
         out = model(x)
@@ -185,6 +187,10 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
             for name, tensor in externals.items():
                 if name != "pad":
                     cache.external(name, tensor)
+            if spec.get("variant") == "foreign":  # a capture of someone else's in the arena, through the pool
+                foreign.append(torch.cuda.CUDAGraph())
+                with torch.cuda.graph(foreign[0], pool=cache.pool):
+                    foreign.append(torch.ones(1 << 20, device="cuda"))
             for b in sizes:
                 graph_at.append(round((time.perf_counter() - graph_start) * 1e3, 2))
                 x = cache.empty((b, hidden), torch.bfloat16)
@@ -276,6 +282,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         capture_output=True,
         timeout=60,
     )
+    if "external-moved" in args.variants and not args.external:
+        raise SystemExit("--variants external-moved moves the tensors of --external: give --external too")
     spec = {"checkpoint": str(ckpt), "socket_dir": str(socket_dir), "sizes": args.sizes, "external": args.external}
     runs: list[dict[str, Any]] = []
     try:
@@ -327,7 +335,10 @@ def main() -> int:
     b.add_argument("--sizes", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64, 128])
     b.add_argument("--repeat", type=int, default=3)
     b.add_argument(
-        "--variants", nargs="*", default=[], choices=["shift", "home-taken", "driver-fault", "external-moved"]
+        "--variants",
+        nargs="*",
+        default=[],
+        choices=["shift", "home-taken", "driver-fault", "external-moved", "foreign"],
     )
     b.add_argument("--external", action="store_true", help="graphs that read and write torch-allocated tensors too")
     b.add_argument("--json", type=Path)

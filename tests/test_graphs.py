@@ -317,6 +317,15 @@ def test_a_tensor_of_another_allocator_is_checked_by_name_as_device_memory_in_on
     driver.allocations.append((ELSEWHERE + 0x1040, 1 << 20))
     (problem,) = extent_problems([POOL, tensor], [POOL, tensor], reach, driver.pointer_range)
     assert "lie in two allocations in this process" in problem
+    # every recorded byte, not only as far as a pointer reaches (a kernel is given the first byte and reads on)
+    driver.allocations[2:] = [(ELSEWHERE, 0x1000 + 0x100), (ELSEWHERE + 0x1100, 1 << 20)]
+    assert reach["external/kv"] < 0x100  # its pointer lies in the first allocation
+    (problem,) = extent_problems([POOL, tensor], [POOL, tensor], reach, driver.pointer_range)
+    assert f"its last {tensor.base + tensor.size - 1:#x}" in problem and "two allocations" in problem
+    driver.allocations[2:] = [(ELSEWHERE, 2 << 20)]
+    # the same name as a mapping of its own here: another kind of range, refused
+    (problem,) = extent_problems([POOL, tensor], [POOL, own], reach, driver.pointer_range)
+    assert "was part of another allocation when the graph was recorded and is a mapping of its own here" in problem
     driver.allocations[2:] = []  # freed here: no device memory there at all
     (problem,) = extent_problems([POOL, tensor], [POOL, tensor], reach, driver.pointer_range)
     assert f"range 'external/kv': {tensor.base:#x}" in problem and "not device memory" in problem

@@ -336,8 +336,8 @@ def bench_runs(*variants: str, external: bool = False) -> dict[str, Any]:
 
 @pytest.mark.cuda
 def test_on_a_gpu_a_fresh_process_restores_every_graph_and_replays_bitwise_equal_to_a_capture() -> None:
-    result = bench_runs("shift", "home-taken", "driver-fault")
-    record, plain, restore, shift, taken, fault = result["runs"]
+    result = bench_runs("shift", "home-taken", "driver-fault", "foreign")
+    record, plain, restore, shift, taken, fault, foreign = result["runs"]
     assert record["published"] and record["weights"] == "cache" and record["home_ranges"] >= 1, record
     assert not any(record["restored"]) and record["recorded"] == [True] * 3, record
     assert restore["restored"] == [True] * 3, restore
@@ -350,6 +350,9 @@ def test_on_a_gpu_a_fresh_process_restores_every_graph_and_replays_bitwise_equal
     # a failure that is no GraphRestoreError (on 2026-12-04 a ctypes ArgumentError escaped GraphCache.graph): captured
     assert fault["restored"] == [False] * 3 and "RuntimeError: a kernel image load failed" in fault["reasons"][0]
     assert fault["digests"] == plain["digests"], fault
+    # a capture of someone else's through GraphCache.pool put memory in the arena: nothing more is restored
+    assert foreign["restored"] == [False] * 3 and "outside GraphCache.graph" in (foreign["reasons"][0] or ""), foreign
+    assert foreign["digests"] == plain["digests"], foreign
 
 
 @pytest.mark.cuda

@@ -123,6 +123,7 @@ class CudaGraph:
         torch_graph: torch.cuda.CUDAGraph | None = None,
         executable: int = 0,
         driver: CudaGraphDriver | None = None,
+        keep: tuple[torch.Tensor, ...] = (),
     ) -> None:
         self.name = name
         self.outputs = outputs
@@ -136,6 +137,7 @@ class CudaGraph:
         self._graph = torch_graph
         self._executable = executable
         self._driver = driver
+        self._keep = keep  # the external tensors it may read and write: alive while it can replay
 
     def replay(self) -> None:
         """Launch the graph on torch's current stream."""
@@ -147,11 +149,13 @@ class CudaGraph:
             raise GraphRestoreError(f"graph {self.name!r} was closed")
 
     def close(self) -> None:
-        """Free the executable graph (the outputs stay valid while the GraphCache is open)."""
+        """Free the executable graph (outputs in the arena stay valid while the GraphCache is open; outputs in an
+        external tensor, as long as that tensor)."""
         if self._driver is not None and self._executable:
             self._driver.destroy_executable(self._executable)
             self._executable = 0
         self._graph = None
+        self._keep = ()
 
     def __repr__(self) -> str:
         how = "restored" if self.restored else "captured"
@@ -318,6 +322,9 @@ class GraphCache:
         self._record_problem: str | None = None  # why the first graph not recorded was not
         self._records: list[GraphRecord] = []
         self._external: dict[str, tuple[AddressRange, torch.Tensor]] = {}  # name -> its range, the tensor kept
+        self._also_kept: list[torch.Tensor] = []  # tensors declared again under a name, for the same memory
+        self._capturing = False  # inside this GraphCache's own capture: the pool's allocations are its own
+        self._foreign = False  # the pool served an allocation outside graph(): the arena's layout is not recorded
         self._images: dict[str, bytes | memoryview] = {}
         self._kernels: KernelLoader | None = None  # once there is a driver
         #: Seconds of the start-up steps: ``arena`` (range, pool, driver), ``artifact`` (asked of the keeper and
@@ -367,6 +374,8 @@ class GraphCache:
     def _allocate(self, size: int, _device: int, _stream: int | None) -> int:
         try:
             assert self._arena is not None
+            if not self._capturing:  # someone else's capture with `pool`: no later graph can be restored here
+                self._foreign = True
             return self._arena.allocate(size)
         except Exception as exc:
             log.error("weightcache: the graph arena could not serve %d bytes: %s", size, exc)
@@ -399,9 +408,10 @@ class GraphCache:
     def pool(self) -> Any:
         """The handle of the graphs' memory pool (``torch.cuda.MemPool.id``), served from the arena: what an
         engine that captures graphs itself passes as ``torch.cuda.graph(..., pool=...)`` so that their memory lies
-        in the arena too; None without an arena (see :attr:`reason`). Graphs captured so are not recorded by this
-        GraphCache: :meth:`graph` records."""
-        return self._pool.id if self._pool is not None else None
+        in the arena too; None without an arena (see :attr:`reason`) and after :meth:`close`. Graphs captured so
+        are not recorded by this GraphCache (:meth:`graph` records), and from the first allocation such a capture
+        makes in the arena on, this GraphCache restores no more graphs (the arena's layout is this process's own)."""
+        return self._pool.id if self._pool is not None and self._arena is not None else None
 
     @property
     def images_loaded(self) -> int:
@@ -452,7 +462,8 @@ class GraphCache:
         otherwise, saying so), and the driver must know its memory as one device allocation from its start to the
         farthest byte a graph reaches. Nothing makes the address the same in both processes: that holds where the
         process makes the same allocations in the same order (the checks find out; nothing else is trusted). The
-        GraphCache keeps the tensor alive until :meth:`close`. A tensor in the arena or a weights home needs no
+        GraphCache keeps the tensor's memory alive until :meth:`close`, and each graph that may use it until that
+        graph is closed. A tensor in the arena or a weights home needs no
         declaration (ignored); without an arena (see :attr:`reason`), nothing is declared.
 
         Raises :class:`~weightcache.errors.WeightCacheError` for a tensor on another device, of no bytes, or a
@@ -476,7 +487,10 @@ class GraphCache:
                 f"external tensor {name!r} was declared at {was.base:#x} ({was.size} bytes) and now at "
                 f"{declared.base:#x} ({declared.size} bytes): declare each tensor under a name of its own"
             )
-        self._external[name] = (declared, tensor)
+        if before is not None:  # the same memory again, perhaps through another tensor: keep both owners
+            self._also_kept.append(tensor.detach())
+        else:
+            self._external[name] = (declared, tensor.detach())  # its storage, whatever the caller does to `tensor`
         return tensor
 
     def adopt(self, module: torch.nn.Module) -> torch.nn.Module:
@@ -510,8 +524,8 @@ class GraphCache:
     def graph(self, name: str, fn: Callable[[], object], *, warmup: int = 1) -> CudaGraph:
         """The graph of ``fn()``: restored from the artifact when this is the next graph it recorded and every
         check passes, else captured (after ``warmup`` eager calls on a side stream, as torch recommends) and
-        recorded for :meth:`publish`. ``fn`` must read only static memory (:meth:`empty`, the weights) and
-        return its result tensor(s)."""
+        recorded for :meth:`publish`. ``fn`` must read only static memory (:meth:`empty`, the weights, tensors
+        declared with :meth:`external`) and return its result tensor(s)."""
         started = time.perf_counter()
         with torch.cuda.device(self.device):
             restored = self._restore(name, started)
@@ -537,6 +551,12 @@ class GraphCache:
             return self.reason or "no artifact"
         if self._diverged:
             return f"restoring stopped at an earlier graph ({self.reason})"
+        if self._foreign:
+            return self._refuse(
+                name,
+                "the graph pool served allocations outside GraphCache.graph (a capture with GraphCache.pool): the "
+                "arena's layout is this process's own from there",
+            )
         if self._next >= len(bundle.graphs):
             return f"the artifact holds {len(bundle.graphs)} graph(s), this is graph {self._next + 1}"
         record = bundle.graphs[self._next]
@@ -578,8 +598,9 @@ class GraphCache:
         self._records.append(record)
         self._images.update({d: bundle.images[d] for d in record.kernels.values()})
         seconds = time.perf_counter() - started
+        keep = tuple(t for r, t in self._external.values() if r.name in record.reach)
         restored = CudaGraph(
-            name, outputs, restored=True, reason=None, seconds=seconds, executable=executable, driver=driver
+            name, outputs, restored=True, reason=None, seconds=seconds, executable=executable, driver=driver, keep=keep
         )
         restored.phases = phases
         return restored
@@ -637,8 +658,12 @@ class GraphCache:
         start = self._arena.used if self._arena is not None else 0
         pool = self._pool.id if self._pool is not None else None
         stream = getattr(self, "_stream", None)
-        with torch.cuda.graph(graph, pool=pool, stream=stream):
-            outputs = _flatten(fn())
+        self._capturing = True
+        try:
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                outputs = _flatten(fn())
+        finally:
+            self._capturing = False
         if recording:
             graph.instantiate()
         self._captured += 1
@@ -662,6 +687,7 @@ class GraphCache:
             recorded=problem is None,
             record_problem=problem,
             torch_graph=graph,
+            keep=tuple(t for _, t in self._external.values()),
         )
 
     def _record(
@@ -800,6 +826,7 @@ class GraphCache:
             self._arena.close()
             self._arena = None
         self._external.clear()
+        self._also_kept.clear()
 
     def __enter__(self) -> GraphCache:
         return self

@@ -13,7 +13,9 @@ these checks say whether it did:
   memory outside every range is a problem (that memory is not reproduced: torch's caching allocator, a library's
   workspace, host memory mapped for the device), and such a graph is never restored;
 - at restore time, :func:`restore_problems` checks that every range a pointer uses is at its recorded base with
-  at least its recorded size, and, with a driver, that every pointer is mapped device memory inside it.
+  at least its recorded size and of the same kind, and, with a driver, that every pointer is mapped device memory
+  inside it (for a part of another allocation: device memory, and :func:`extent_problems` checks that its whole
+  recorded size lies in one allocation).
 
 Any problem means the graph is captured as usual; each is a sentence naming the node, the byte and the address.
 """
@@ -203,6 +205,12 @@ def restore_problems(
                 f"range {name!r} was at {before.base:#x} ({before.size} bytes) when the graph was recorded and is at "
                 f"{after.base:#x} ({after.size} bytes) here"
             )
+        elif after.own_mapping != before.own_mapping:
+            kind = {True: "a mapping of its own", False: "part of another allocation"}
+            problems.append(
+                f"range {name!r} was {kind[before.own_mapping]} when the graph was recorded and is "
+                f"{kind[after.own_mapping]} here"
+            )
     if problems or pointer_range is None:
         return problems
     known: dict[int, tuple[int, int] | None] = {}
@@ -246,15 +254,20 @@ def extent_problems(
     """:func:`restore_problems` by range instead of by pointer: every range a graph's pointers use (``reach``,
     from :func:`extents`) is here, at its recorded base, at least as large, and mapped device memory inside it from
     its base to the farthest pointer. A range of its own is one mapping (a weights segment; the arena, mapped from
-    its base on), and a part of someone else's allocation must lie in one allocation from its base to the farthest
-    pointer, so that covers every pointer recorded in it, at one driver query per end instead of one per pointer."""
+    its base on), and a part of someone else's allocation must lie in one allocation from its base to the end of
+    its recorded size, so that covers every pointer recorded in it, at one driver query per end instead of one per
+    pointer."""
     problems = restore_problems(recorded, current, [Pointer(-1, -1, 0, name) for name in reach])
     if problems:
         return problems
     now = {r.name: r for r in current}
+    was = {r.name: r for r in recorded}
     for name, extent in sorted(reach.items()):
         inside = now[name]
-        ends = [(address, pointer_range(address)) for address in (inside.base, inside.base + extent - 1)]
+        # a part of another allocation: all of what was recorded, not only as far as a pointer reaches (a kernel
+        # is handed a tensor's first byte and reads on from there)
+        last = inside.base + (extent if inside.own_mapping else max(extent, was[name].size)) - 1
+        ends = [(address, pointer_range(address)) for address in (inside.base, last)]
         for address, allocation in ends:
             if not _mapped(allocation, inside):
                 problems.append(
@@ -265,8 +278,8 @@ def extent_problems(
         else:
             if not inside.own_mapping and ends[0][1] != ends[1][1]:
                 problems.append(
-                    f"range {name!r}: {inside.base:#x} and {inside.base + extent - 1:#x}, which pointers of the "
-                    "graph reach, lie in two allocations in this process, not one"
+                    f"range {name!r}: its first byte {inside.base:#x} and its last {last:#x} lie in two "
+                    "allocations in this process, not one"
                 )
     return problems
 
