@@ -273,6 +273,8 @@ def run_child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def bench(args: argparse.Namespace) -> dict[str, Any]:
+    if "external-moved" in args.variants and not args.external:
+        raise SystemExit("--variants external-moved moves the tensors of --external: give --external too")
     work = Path(tempfile.mkdtemp(prefix="wc-graphs-"))
     ckpt, socket_dir = work / "ckpt", work / "sock"
     write_checkpoint(ckpt, args.layers, args.hidden, args.inter)
@@ -282,8 +284,6 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         capture_output=True,
         timeout=60,
     )
-    if "external-moved" in args.variants and not args.external:
-        raise SystemExit("--variants external-moved moves the tensors of --external: give --external too")
     spec = {"checkpoint": str(ckpt), "socket_dir": str(socket_dir), "sizes": args.sizes, "external": args.external}
     runs: list[dict[str, Any]] = []
     try:
