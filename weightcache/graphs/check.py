@@ -36,7 +36,7 @@ class AddressRange:
     and size. :attr:`own_mapping`: the range is a mapping of its own (the arena, a weights segment), so every
     address checked in it must lie in device memory mapped inside it; False for a part of someone else's
     allocation (a tensor of torch's caching allocator, named by its owner), where an address checked must be
-    device memory, and everything a graph reaches in it one allocation."""
+    device memory, and all of the range's recorded bytes one allocation."""
 
     name: str
     base: int
