@@ -394,17 +394,12 @@ def _check_tables(
         raise _fail(f"node {_first(bad)} kind", "kernel, memset, memcpy or empty", int(kinds[_first(bad)]))
     if (listed := int((kinds == _MEMCPY).sum())) != len(copies):
         raise _fail("the memcpy nodes", f"the {len(copies)} the memcpy table holds", listed)
-    column = {name: copies[:, i] for i, name in enumerate(_MEMCPY_FIELDS)}
-    types = np.stack([column["src_type"], column["dst_type"]], axis=1)
-    if (bad := ~np.all(np.isin(types, list(MEMORY_TYPES)), axis=1)).any():
-        j = int(np.flatnonzero(kinds == _MEMCPY)[_first(bad)])
-        raise _fail(f"node {j} memory types", "device (2) or unified (4)", types[_first(bad)].tolist())
-    width, height = column["width"], column["height"]
-    rows = ((height > 1) | (column["depth"] > 1)) & ((column["src_pitch"] < width) | (column["dst_pitch"] < width))
-    slices = (column["depth"] > 1) & ((column["src_height"] < height) | (column["dst_height"] < height))
-    if (bad := rows | slices).any():
-        j = int(np.flatnonzero(kinds == _MEMCPY)[_first(bad)])
-        raise _fail(f"node {j} geometry", "rows and slices that do not overlap", copies[_first(bad)].tolist())
+    for j, row in zip(np.flatnonzero(kinds == _MEMCPY).tolist(), copies.tolist(), strict=True):  # few: one a graph
+        node = MemcpyNode(*row)
+        if node.src_type not in MEMORY_TYPES or node.dst_type not in MEMORY_TYPES:
+            raise _fail(f"node {j} memory types", "device (2) or unified (4)", [node.src_type, node.dst_type])
+        if (problem := node.geometry_problem()) is not None:
+            raise _fail(f"node {j} geometry", "rows and slices that do not overlap", problem)
     if (bad := kernel & (table["form"] >= len(LAUNCH_FORMS))).any():
         raise _fail(f"node {_first(bad)} launched_with", " or ".join(LAUNCH_FORMS), int(table["form"][_first(bad)]))
     if (bad := kernel & (table["name"] >= n_names)).any():

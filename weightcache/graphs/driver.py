@@ -485,8 +485,8 @@ class CudaGraphDriver:
 
     def add_memset_node(self, graph: int, node: MemsetNode) -> int:
         m = _MemsetParams(node.dst, node.pitch, node.value, node.element_size, node.width, node.height)
-        ctx, out = _p(), _p()
-        self._call("cuCtxGetCurrent", ctypes.byref(ctx))
+        out = _p()
+        ctx = _p(self.current_context())
         self._call("cuGraphAddMemsetNode", ctypes.byref(out), _p(graph), None, 0, ctypes.byref(m), ctx)
         return int(out.value or 0)
 
@@ -504,8 +504,8 @@ class CudaGraphDriver:
             Height=node.height,
             Depth=node.depth,
         )
-        ctx, out = _p(), _p()
-        self._call("cuCtxGetCurrent", ctypes.byref(ctx))
+        out = _p()
+        ctx = _p(self.current_context())
         self._call("cuGraphAddMemcpyNode", ctypes.byref(out), _p(graph), None, 0, ctypes.byref(m), ctx)
         return int(out.value or 0)
 
