@@ -142,13 +142,20 @@ blocks.sort(key=lambda b: b[0])
 block_starts = [b[0] for b in blocks]
 
 
+import bisect
+
+
+def block_of(address):  # the block of PyTorch's memory that holds `address`, or None
+    j = bisect.bisect_right(block_starts, address) - 1
+    return blocks[j] if j >= 0 and address < blocks[j][0] + blocks[j][1] else None
+
+
 def site(frames):  # the first frames of vLLM's (else torch's) code on an allocation's stack, innermost first
     mine = [f for f in frames if "/vllm/" in f.get("filename", "")] or [
         f for f in frames if "/torch/" in f.get("filename", "")]
     return [f"{f['filename'].split('site-packages/')[-1]}:{f.get('line')} {f.get('name')}" for f in mine[:4]]
 
 
-import bisect
 referenced = {}  # block address -> what it is and how many pointers of which graphs point into it
 pools = {"(0, 0)": "default"}  # torch's own pool; each private pool (a graph pool) named in address order
 for _, _, pool, _ in segments:
@@ -183,11 +190,11 @@ for i, (g, seconds, instantiate) in enumerate(kept):
     states = Counter()
     try:  # which block of PyTorch's each pointer lies in (a failure here must not lose the run)
         for p in found:
-            j = bisect.bisect_right(block_starts, p.value) - 1
-            if j < 0 or p.value >= blocks[j][0] + blocks[j][1]:
+            block = block_of(p.value)
+            if block is None:
                 states["no block"] += 1
                 continue
-            address, size, state, pool, frames = blocks[j]
+            address, size, state, pool, frames = block
             states[f"{pools.get(pool, pool)}:{state}"] += 1
             r = referenced.setdefault(address, {"address": address, "size": size, "state": state,
                                                 "pool": pools.get(pool, pool), "site": site(frames), "graphs": []})
@@ -271,9 +278,8 @@ if arena is not None:  # would weightcache's ranges hold every pointer: the aren
                 coverage["runner_used"][p.range[len("external/r."):][:100]] += 1
             else:
                 kind = "uncovered:" + p.range.split("/")[0]
-                j = bisect.bisect_right(block_starts, p.value) - 1
-                if j >= 0 and p.value < blocks[j][0] + blocks[j][1]:
-                    b = blocks[j]
+                b = block_of(p.value)
+                if b is not None:
                     u = coverage["uncovered_blocks"].setdefault(
                         b[0], {"address": b[0], "size": b[1], "state": b[2], "site": site(b[4]), "pointers": 0})
                     u["pointers"] += 1
