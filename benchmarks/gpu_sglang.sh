@@ -15,7 +15,7 @@
 #                                 its logs go to /tmp/persist ($PERSIST)
 #   gpu_sglang.sh jit FILE        unpack the JIT caches a `llama8b` part brought back into $HOME (before `detach`)
 #   gpu_sglang.sh plan [PARTS]    issue 30's GPU measurement, the PARTS named (default: hashing graphs llama8b
-#                                 mixtral tests; also: race, vllm-graphs), in order, `clean` after each: the tests of GPU
+#                                 mixtral tests; also: race, graphs-large, vllm-graphs), in order, `clean` after each: the tests of GPU
 #                                 hashing (~30 s; the plan stops if they fail: every miss publishes through it);
 #                                 issue 31's graph tests and benchmark (benchmarks/gpu_graphs.sh, ~1.5 min);
 #                                 the side-by-side benchmark on the Llama-3-8B shape (every scenario in one run,
@@ -30,7 +30,8 @@
 #                                 ~230 s (the first two) and ~320 s (the other two). The sixth run (no JIT caches
 #                                 carried): tests 555 s, graphs 85 s, race alone 136 s, vllm-graphs ~100 s a run
 #                                 (gpu_vllm.sh installed first; from 2026-12-05 graphs adds the --external bench,
-#                                 ~60 s more, and vllm-graphs runs 3 + 2 runs). All of it is more than one session's 30 minutes of
+#                                 ~60 s more, and vllm-graphs runs 3 + 2 runs; graphs-large: 51 graphs of
+#                                 32 layers, not yet timed). All of it is more than one session's 30 minutes of
 #                                 device time: a lease runs some parts
 #   gpu_sglang.sh poll SECONDS    wait until `plan` is done or SECONDS passed, copying /tmp/persist to $OUT every 15 s
 #                                 (a call cut at its limit still brings back the last copy); exits at once (3) on a
@@ -142,6 +143,10 @@ plan)
             step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh bench --repeat 2 --external \
                 --variants external-moved --json "$persist/graphs/graph-restore-external.json"
             ;;
+        graphs-large)  # issue 31's <= 10 % goal at vLLM's 51 capture sizes (1, 2, 4, 8-248 by 8, 256-512 by 16), 32 layers
+            step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh bench --repeat 3 --layers 32 \
+                --sizes 1 2 4 $(seq 8 8 248) $(seq 256 16 512) --json "$persist/graphs/graph-restore-51.json"
+            ;;
         llama8b)
             step env OUT=$persist/llama8b bash "$0" bench --shape llama8b --repeat 3 --no-awq-reference \
                 --scenarios memory,kill,mismatch,race,awq,start
@@ -160,7 +165,7 @@ plan)
             step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe --runs 2 --arena \
                 --json "$persist/vllm-graphs/vllm-graph-probe-arena.json" ;;
         tests) step env OUT=$persist/tests bash "$0" test ;;  # the auto/daemon/client tests run first (file order)
-        *) echo "== unknown part $part (hashing, graphs, llama8b, race, mixtral, tests, vllm-graphs)" ;;
+        *) echo "== unknown part $part (hashing, graphs, graphs-large, llama8b, race, mixtral, tests, vllm-graphs)" ;;
         esac
     done
     touch "$persist.done"

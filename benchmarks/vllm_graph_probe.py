@@ -14,7 +14,11 @@ where each allocation was made (``torch.cuda.memory._record_memory_history``, be
 block of PyTorch's memory a graph points into is listed once: its address, size, pool, whether it is still
 allocated, and the vLLM (or torch) lines that allocated it: the buffers a restore must have at the same addresses,
 and which code makes them. Then each describable graph is rebuilt from its description and instantiated (what a
-restore would do, without the address checks), timed.
+restore would do, without the address checks), timed. Last (``--no-replay`` leaves it out), each graph vLLM keeps
+(its Model Runner V2's FULL graphs, whose output is the manager's ``hidden_states``, and the first 600 entries of
+its ``CUDAGraphWrapper`` pieces, whose output is the entry's) is replayed twice (the same bytes, or it is not
+compared), its output filled with NaN (-1), and the graph rebuilt from its description launched in its place: are
+the bytes the same? (A line of its own after the result: a fault there loses only this part.)
 
 With ``--arena``, vLLM's graph pool is a ``wc.GraphCache``'s (its arena, set as vLLM's global graph pool before the
 engine starts), and after the engine served, the model's parameters and every CUDA tensor the model runner reaches
@@ -167,6 +171,7 @@ driver = CudaGraphDriver()
 ranges = [AddressRange(f"{pools[pool]}/{i}", address, size) for i, (address, size, pool, _) in enumerate(segments)]
 graphs = []
 described = []
+described_at = {}  # index in `kept` -> (description, functions)
 t = time.perf_counter()
 for i, (g, seconds, instantiate) in enumerate(kept):
     entry = {"i": i, "capture_s": round(seconds, 5), "instantiate_s": round(instantiate, 5)}
@@ -215,6 +220,7 @@ for i, (g, seconds, instantiate) in enumerate(kept):
     )
     graphs.append(entry)
     described.append((description, functions))
+    described_at[i] = (description, functions)
 t_describe = time.perf_counter() - t
 
 coverage = None
@@ -224,8 +230,8 @@ if arena is not None:  # would weightcache's ranges hold every pointer: the aren
     coverage = {"declared": Counter(), "declare_errors": [], "by_kind": Counter(), "outside": 0,
                 "outside_sample": [], "uncovered_blocks": {}, "runner_used": Counter(), "runner_bases": {}}
     worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
-    runner = worker.model_runner
-    model = getattr(runner, "model", None)
+    model_runner = worker.model_runner
+    model = getattr(model_runner, "model", None)
 
     def declare(name, t):
         try:
@@ -261,7 +267,7 @@ if arena is not None:  # would weightcache's ranges hold every pointer: the aren
         for k, v in items[:4096]:
             walk(v, f"{path}.{k}" if path else str(k), depth + 1)
 
-    walk(runner, "", 0)
+    walk(model_runner, "", 0)
     covered = arena.ranges() + ranges  # then torch's own segments: what the arena and the names do not cover
     arena_name = covered[0].name
     for description, _ in described:
@@ -319,6 +325,85 @@ print("RESULT " + json.dumps({
     "coverage": coverage,
     "kv_cache_memory_bytes": kwargs.get("kv_cache_memory_bytes"),
 }), flush=True)
+if sys.argv[5] == "replay":  # each graph vLLM keeps, replayed, then rebuilt from its description: the same bytes?
+    # (after RESULT: a fault here, a bad rebuild, loses only this part)
+    replay = {"FULL": Counter(), "PIECEWISE": Counter(), "first_difference": None, "seconds": 0.0}
+    kept_at = {id(g): i for i, (g, _, _) in enumerate(kept)}
+    started = time.perf_counter()
+
+    def tensors(out):  # an output's tensors (a tensor, or nested lists and tuples of them)
+        if isinstance(out, torch.Tensor):
+            return [out]
+        if isinstance(out, (list, tuple)):
+            return [t for x in out for t in tensors(x)]
+        return []
+
+    def bytes_of(out):
+        return [t.detach().clone().contiguous().view(-1).view(torch.uint8) for t in tensors(out)]
+
+    def same(a, b):
+        return len(a) == len(b) and all(torch.equal(x, y) for x, y in zip(a, b))
+
+    def check(kind, graph, output, name):
+        counts = replay[kind]
+        i = kept_at.get(id(graph))
+        if i is None or i not in described_at:
+            counts["not described" if i is not None else "not kept"] += 1
+            return
+        graph.replay()
+        torch.cuda.synchronize()
+        first = bytes_of(output())
+        graph.replay()
+        torch.cuda.synchronize()
+        if not first or not same(first, bytes_of(output())):
+            counts["no output" if not first else "two replays differ"] += 1
+            return
+        description, functions = described_at[i]
+        built = rebuild(driver, description, functions)
+        try:
+            rebuilt = driver.instantiate(built)
+        finally:
+            driver.destroy_graph(built)
+        try:
+            for t in tensors(output()):  # what the rebuilt graph must write again
+                t.fill_(float("nan") if t.is_floating_point() else -1)
+            driver.launch(rebuilt, torch.cuda.current_stream().cuda_stream)
+            torch.cuda.synchronize()
+            if same(first, bytes_of(output())):
+                counts["bitwise equal"] += 1
+            else:
+                counts["differs"] += 1
+                replay["first_difference"] = replay["first_difference"] or f"{kind} {name} (graph {i})"
+        finally:
+            driver.destroy_executable(rebuilt)
+
+    worker = llm.llm_engine.engine_core.engine_core.model_executor.driver_worker.worker
+    manager = getattr(worker.model_runner, "cudagraph_manager", None)
+    full = dict(getattr(manager, "graphs", None) or {})
+    for desc, graph in full.items():  # Model Runner V2: FULL graphs write into the manager's hidden_states
+        n = desc.num_tokens
+        try:
+            check("FULL", graph, lambda n=n: manager.hidden_states[:n], repr(desc)[:120])
+        except Exception as exc:
+            replay["FULL"][f"error: {type(exc).__name__}: {exc}"[:160]] += 1
+    from vllm.compilation.cuda_graph import CUDAGraphWrapper
+
+    checked = 0
+    for wrapper in list(CUDAGraphWrapper._all_instances):  # PIECEWISE pieces (and V1's FULL wrapper)
+        kind = str(getattr(wrapper, "runtime_mode", "PIECEWISE")).split(".")[-1]
+        replay.setdefault(kind, Counter())
+        for bd, entry in list(wrapper.concrete_cudagraph_entries.items()):
+            if entry.cudagraph is None or checked >= 600:
+                continue
+            checked += 1
+            try:
+                check(kind, entry.cudagraph, lambda e=entry: e.output, repr(bd)[:120])
+            except Exception as exc:
+                replay[kind][f"error: {type(exc).__name__}: {exc}"[:160]] += 1
+    replay["seconds"] = round(time.perf_counter() - started, 2)
+    replay = {k: (dict(v) if isinstance(v, Counter) else v) for k, v in replay.items()}
+    print("REPLAY " + json.dumps(replay), flush=True)
+
 os._exit(0)  # the engine's teardown is not measured
 """
 
@@ -332,7 +417,9 @@ def write_config(path: Path) -> None:
     transformers.LlamaConfig(**LLAMA3_8B, torch_dtype="bfloat16").save_pretrained(path)
 
 
-def run(model: Path, kv_bytes: int, env: dict[str, str], log: Path, sites: bool, arena: bool) -> dict[str, Any]:
+def run(
+    model: Path, kv_bytes: int, env: dict[str, str], log: Path, sites: bool, arena: bool, replay: bool
+) -> dict[str, Any]:
     started = time.time()
     try:
         proc = subprocess.run(
@@ -344,6 +431,7 @@ def run(model: Path, kv_bytes: int, env: dict[str, str], log: Path, sites: bool,
                 str(kv_bytes),
                 "sites" if sites else "-",
                 "arena" if arena else "-",
+                "replay" if replay else "-",
             ],
             capture_output=True,
             text=True,
@@ -365,6 +453,9 @@ def run(model: Path, kv_bytes: int, env: dict[str, str], log: Path, sites: bool,
     if result is None:
         return {"error": f"rc {proc.returncode}", "tail": proc.stderr[-3000:], "wall_s": time.time() - started}
     out: dict[str, Any] = json.loads(result)
+    replayed = next((line[7:] for line in proc.stdout.splitlines() if line.startswith("REPLAY ")), None)
+    if replay:  # the replay check ran after RESULT; no line: it failed the process (the log has why)
+        out["replay"] = json.loads(replayed) if replayed else {"error": f"no REPLAY line, rc {proc.returncode}"}
     out["wall_s"] = round(time.time() - started, 2)
     return out
 
@@ -431,6 +522,7 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
             if x["pool"] == "default"
         ][:60],
         "coverage": {k: v for k, v in (r.get("coverage") or {}).items() if k != "runner_bases"} or None,
+        "replay": r.get("replay"),
     }
 
 
@@ -444,6 +536,12 @@ def main() -> int:
         "--no-sites", dest="sites", action="store_false", help="do not record where each block was allocated"
     )
     parser.add_argument("--arena", action="store_true", help="vLLM's graph pool from a GraphCache; pointer coverage")
+    parser.add_argument(
+        "--no-replay",
+        dest="replay",
+        action="store_false",
+        help="do not replay each graph against its rebuild from the description (bitwise comparison)",
+    )
     args = parser.parse_args()
     model = args.workdir / "model"
     if not (model / "config.json").exists():
@@ -460,7 +558,7 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     report: dict[str, Any] = {"date": time.strftime("%F"), "runs": runs}
     for i in range(args.runs):
-        r = run(model, int(args.kv_gib * 2**30), env, log, args.sites, args.arena)
+        r = run(model, int(args.kv_gib * 2**30), env, log, args.sites, args.arena, args.replay)
         r["compile_cache"] = "cold (this run fills it)" if i == 0 else "warm"  # compare warm runs (2 and 3)
         runs.append(r)
         print(f"run {i + 1}:", json.dumps(summary(r) if "graphs" in r else r, indent=1)[:12000], flush=True)
