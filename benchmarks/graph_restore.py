@@ -6,7 +6,9 @@ checkpoint; a keeper holds its weights. Then, each a fresh process that attaches
 - ``record``: keeps kernel images, captures one graph per batch size through a GraphCache and publishes them;
 - ``plain``: captures the same graphs the usual way (a warm-up call on a side stream, then ``torch.cuda.graph``),
   into torch's own pool: the baseline;
-- ``restore``: the same calls through a GraphCache, which rebuilds each graph from the keeper's artifact.
+- ``restore``: the same calls through a GraphCache, which rebuilds each graph from the keeper's artifact (built
+  ahead on worker threads from the moment the artifact is loaded, taken once each graph's checks passed); with
+  ``--serial``, also a restore that builds each graph when asked for (``build_ahead=False``), in every repeat.
 
 Each replays every graph on the same inputs and reports the SHA-256 of each output, the time of its graph phase
 (from the first graph asked for to the last one ready, synchronized) and of the whole process. The parent runs
@@ -180,7 +182,11 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
 
                 setattr(CudaGraphDriver, "load_module", fault)  # noqa: B010 (a method replaced, for this process only)
             cache = GraphCache(
-                handle, {"benchmark": "graph_restore", **config, "sizes": sizes}, device="cuda:0", socket_dir=socket_dir
+                handle,
+                {"benchmark": "graph_restore", **config, "sizes": sizes},
+                device="cuda:0",
+                socket_dir=socket_dir,
+                build_ahead=spec.get("variant") != "serial",
             )
             if spec.get("variant") == "shift":
                 cache.empty((1024,), torch.bfloat16)
@@ -291,6 +297,8 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         for _ in range(args.repeat):
             runs.append(run_child("plain", spec))
             runs.append(run_child("restore", spec))
+            if args.serial:  # each graph built when asked for, after its checks, alternating with the others
+                runs.append(run_child("restore", {**spec, "variant": "serial"}))
         for variant in args.variants:
             runs.append(run_child("restore", {**spec, "variant": variant}))
     finally:
@@ -301,6 +309,7 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         )
     plain = [r for r in runs if r["role"] == "plain"]
     restore = [r for r in runs if r["role"] == "restore" and not r["variant"]]
+    serial = [r for r in runs if r["role"] == "restore" and r["variant"] == "serial"]
     reference = runs[0]["digests"]
     summary = {
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -314,9 +323,10 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         "record_graph_s": runs[0]["graph_s"],
         "plain_graph_s_median": statistics.median(r["graph_s"] for r in plain) if plain else None,
         "restore_graph_s_median": statistics.median(r["graph_s"] for r in restore) if restore else None,
+        "restore_serial_graph_s_median": statistics.median(r["graph_s"] for r in serial) if serial else None,
         "plain_total_s_median": statistics.median(r["total_s"] for r in plain) if plain else None,
         "restore_total_s_median": statistics.median(r["total_s"] for r in restore) if restore else None,
-        "all_restored": all(all(r["restored"]) for r in restore),
+        "all_restored": all(all(r["restored"]) for r in restore + serial),
         "outputs_equal": all(r["digests"] == reference for r in runs),
         "runs": runs,
     }
@@ -341,6 +351,11 @@ def main() -> int:
         choices=["shift", "home-taken", "driver-fault", "external-moved", "foreign"],
     )
     b.add_argument("--external", action="store_true", help="graphs that read and write torch-allocated tensors too")
+    b.add_argument(
+        "--serial",
+        action="store_true",
+        help="also a restore that builds each graph when asked for (GraphCache(build_ahead=False)), every repeat",
+    )
     b.add_argument("--json", type=Path)
     c = sub.add_parser("child")
     c.add_argument("role", choices=["record", "plain", "restore"])

@@ -14,9 +14,11 @@ import mmap
 import struct
 import subprocess
 import threading
+import time
 from pathlib import Path
 from typing import Any
 
+import attrs
 import pytest
 from conftest import benchmark
 
@@ -28,6 +30,7 @@ from weightcache.graphs.check import AddressRange
 from weightcache.graphs.cubins import kernel_names
 from weightcache.graphs.description import Edge, EmptyNode, GraphDescription, KernelNode, MemsetNode
 from weightcache.graphs.loading import KernelLoader
+from weightcache.graphs.prebuild import Prebuilder
 from weightcache.segments.cuda_vmm import HOME_BASE, HOME_RESERVE, HOME_SLOT, HOME_SLOTS, home_addresses
 
 
@@ -242,6 +245,164 @@ def test_a_preload_that_fails_after_its_module_loaded_unloads_it_and_a_later_cal
     assert (loader.images_loaded, loader.image_bytes) == (1, len(image))
     loader.close()
     assert driver.unloaded == [1, 2]
+
+
+class BuildingDriver(LoadingDriver):
+    """A LoadingDriver that also builds graphs: each graph a list of what was added to it, each executable the
+    graph it was instantiated from; ``gate`` (when set) holds every instantiation until it is opened."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lock = threading.Lock()
+        self.graphs: dict[int, list[str]] = {}
+        self.executables: dict[int, list[str]] = {}
+        self.destroyed: list[int] = []
+        self.threads: set[str] = set()
+        self.gate: threading.Event | None = None
+        self.held = threading.Semaphore(0)  # released by each instantiation the gate holds
+        self._next = 100
+
+    def _id(self) -> int:
+        with self.lock:
+            self._next += 1
+            return self._next
+
+    def create_graph(self) -> int:
+        graph = self._id()
+        self.graphs[graph] = []
+        return graph
+
+    def add_kernel_node(self, graph: int, function: int, node: KernelNode) -> int:
+        self.graphs[graph].append(f"kernel {function}")
+        return self._id()
+
+    def add_memset_node(self, graph: int, node: MemsetNode) -> int:
+        self.graphs[graph].append(f"memset {node.dst:#x}")
+        return self._id()
+
+    def add_empty_node(self, graph: int) -> int:
+        self.graphs[graph].append("empty")
+        return self._id()
+
+    def add_edges(self, graph: int, edges: Any) -> None:
+        self.graphs[graph].append(f"{len(edges)} edges")
+
+    def set_function_attribute(self, function: int, attribute: int, value: int) -> None:
+        pass
+
+    def instantiate(self, graph: int) -> int:
+        self.threads.add(threading.current_thread().name.split("_")[0])
+        if self.gate is not None:
+            self.held.release()
+            assert self.gate.wait(10)
+        executable = self._id()
+        with self.lock:
+            self.executables[executable] = list(self.graphs[graph])
+        return executable
+
+    def destroy_graph(self, graph: int) -> None:
+        pass
+
+    def destroy_executable(self, executable: int) -> None:
+        with self.lock:
+            self.destroyed.append(executable)
+
+
+def records(count: int) -> tuple[GraphBundle, tuple[GraphRecord, ...]]:
+    """bundle() with its one graph recorded ``count`` times, each under its own name."""
+    b = bundle()
+    [record] = b.graphs
+    return b, tuple(attrs.evolve(record, name=f"b{i}") for i in range(count))
+
+
+def test_graphs_are_built_ahead_on_worker_threads_and_each_one_not_taken_is_destroyed() -> None:
+    """A Prebuilder builds every record (its kernels loaded and checked, each node added, instantiated) on worker
+    threads, in order; take() hands over one executable once; close() destroys every one not taken."""
+    b, graphs = records(6)
+    driver = BuildingDriver()
+    loader = KernelLoader(driver)
+    ahead = Prebuilder(driver, loader, graphs, b.images, threads=3)
+    built = [ahead.take(i) for i in (0, 1, 2)]
+    assert all(
+        driver.executables[x.executable] == ["kernel 1001", "kernel 1000", "memset 0x600000000000", "empty", "2 edges"]
+        for x in built
+    )
+    assert all(set(x.phases) == {"kernels", "rebuild", "instantiate"} for x in built)
+    assert driver.threads == {"weightcache-graphs"} and driver.loaded == [b.images[graphs[0].kernels["gemm"]]]
+    with pytest.raises(IndexError, match="no graph 1 to take"):
+        ahead.take(1)
+    ahead.close()
+    taken = {x.executable for x in built}
+    assert len(driver.executables) == 6 and sorted(driver.destroyed) == sorted(set(driver.executables) - taken)
+    with pytest.raises(RuntimeError, match="closed"):
+        ahead.take(3)
+    loader.close()
+
+
+def test_a_build_that_fails_is_raised_where_its_graph_is_taken_and_the_others_still_build() -> None:
+    """A graph whose kernel image does not match its SHA-256 fails its build; take() raises that error for it
+    alone, the graphs after it are built as usual."""
+    b, graphs = records(3)
+    [digest] = b.images
+    changed = dict(b.images)
+    image = bytes(b.images[digest])
+    changed[digest] = image[:-1] + bytes([image[-1] ^ 1])
+    other = attrs.evolve(graphs[1], kernels={"gemm": "ab" * 32})  # an image the artifact does not hold
+    driver = BuildingDriver()
+    loader = KernelLoader(driver)
+    ahead = Prebuilder(driver, loader, (graphs[0], other, graphs[2]), b.images)
+    assert ahead.take(0).executable in driver.executables
+    with pytest.raises(KeyError):
+        ahead.take(1)
+    assert ahead.take(2).executable in driver.executables
+    ahead.close()
+    refusing = Prebuilder(driver, KernelLoader(driver), graphs[:1], changed)
+    with pytest.raises(GraphRestoreError, match="does not match its SHA-256"):
+        refusing.take(0)
+    refusing.close()
+    loader.close()
+
+
+def test_closing_while_graphs_build_leaves_no_executable_behind() -> None:
+    """close() while builds are running: builds not started are cancelled, running ones finish and are destroyed;
+    every executable the driver made is destroyed."""
+    b, graphs = records(8)
+    driver = BuildingDriver()
+    driver.gate = threading.Event()
+    loader = KernelLoader(driver)
+    ahead = Prebuilder(driver, loader, graphs, b.images, threads=2)
+    assert driver.held.acquire(timeout=10) and driver.held.acquire(timeout=10)  # two builds at the gate
+    threading.Timer(0.2, driver.gate.set).start()
+    ahead.close()
+    assert len(driver.executables) == 2  # the six not started were cancelled
+    assert sorted(driver.destroyed) == sorted(driver.executables)
+    loader.close()
+
+
+def test_kernel_functions_asked_from_several_threads_load_each_image_once() -> None:
+    """KernelLoader.functions from several threads at once (graphs built ahead, the caller): one load per image."""
+    b = bundle()
+    [record] = b.graphs
+
+    class Slow(LoadingDriver):
+        def load_module(self, image: bytes | memoryview) -> int:
+            time.sleep(0.05)  # a load takes a while: a second caller arrives meanwhile
+            return super().load_module(image)
+
+    driver = Slow()
+    loader = KernelLoader(driver)
+    results: list[dict[str, int]] = []
+    threads = [
+        threading.Thread(target=lambda: results.append(loader.functions(record.kernels, b.images, check=True)))
+        for _ in range(4)
+    ]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert results == [{"gelu": 1000, "gemm": 1001}] * 4 and len(driver.loaded) == 1
+    loader.close()
+    assert driver.unloaded == [1]
 
 
 def test_a_restore_maps_the_artifact_and_checks_each_image_where_it_loads_it(

@@ -62,6 +62,7 @@ from .graphs.cubins import CubinRecorder, keep_kernel_images
 from .graphs.description import GraphDescription
 from .graphs.driver import CudaGraphDriver
 from .graphs.loading import KernelLoader
+from .graphs.prebuild import Prebuilder, Prebuilt
 from .graphs.record import describe, prepare, rebuild
 from .handle import Handle
 from .manifest import extent_bytes
@@ -286,6 +287,9 @@ class GraphCache:
         verify: replay each graph rebuilt from the kept kernel images beside the captured one before recording
             it, and record it only if both give the same bytes (the graphs' functions must not depend on what
             a replay leaves behind).
+        build_ahead: build every graph of a loaded artifact on worker threads as soon as it is loaded
+            (:class:`~weightcache.graphs.prebuild.Prebuilder`), each taken only once its checks passed; False:
+            each graph is built when asked for, after its checks.
 
     Never raises for the cache's sake: where something cannot work (no cuda-bindings, the arena's base taken,
     CUPTI missing, no keeper), graphs are captured as usual and :attr:`reason` says why.
@@ -302,11 +306,13 @@ class GraphCache:
         arena_bytes: int = DEFAULT_ARENA_BYTES,
         base: int = DEFAULT_BASE,
         verify: bool = True,
+        build_ahead: bool = True,
     ) -> None:
         fingerprint = weights.fingerprint if isinstance(weights, Handle) else weights
         self.weights = weights_digest(fingerprint)
         self.device = _device_index(device)
         self.verify = verify
+        self.build_ahead = build_ahead
         self.key: ArtifactKey | None = None
         #: Why graphs are captured rather than restored (None while restoring works); the last such reason.
         self.reason: str | None = None
@@ -327,6 +333,7 @@ class GraphCache:
         self._foreign = False  # the pool served an allocation outside graph(): the arena's layout is not recorded
         self._images: dict[str, bytes | memoryview] = {}
         self._kernels: KernelLoader | None = None  # once there is a driver
+        self._prebuilt: Prebuilder | None = None  # the artifact's graphs, built ahead on worker threads
         #: Seconds of the start-up steps: ``arena`` (range, pool, driver), ``artifact`` (asked of the keeper and
         #: mapped), ``parse`` (checked).
         self.phases: dict[str, float] = {}
@@ -401,8 +408,12 @@ class GraphCache:
             return
         self._bundle, self._replace = fetched.bundle, fetched.sha256
         self.phases.update(fetched.phases)
-        if self._kernels is not None:  # checked, loaded and asked for their kernels on worker threads
+        if self._kernels is not None and self._driver is not None:
+            # on worker threads: the images checked, loaded and asked for their kernels; then (build_ahead) each
+            # graph built and instantiated, in order, for _restore to take once its checks passed
             self._kernels.preload(self._bundle.images, self._bundle.graphs)
+            if self.build_ahead:
+                self._prebuilt = Prebuilder(self._driver, self._kernels, self._bundle.graphs, self._bundle.images)
 
     @property
     def pool(self) -> Any:
@@ -541,8 +552,15 @@ class GraphCache:
             self._arena.rewind_to(record.start)
         self.reason = f"graph {name!r} is captured: {why}"
         self._diverged = True
+        self._stop_prebuilding()
         log.warning("weightcache: %s", self.reason)
         return why
+
+    def _stop_prebuilding(self) -> None:
+        """No graph built ahead will be taken: destroy them (waiting for the builds running)."""
+        if self._prebuilt is not None:
+            self._prebuilt.close()
+            self._prebuilt = None
 
     def _restore(self, name: str, started: float) -> CudaGraph | str:
         """The graph rebuilt from the artifact, or why it is not."""
@@ -577,16 +595,22 @@ class GraphCache:
             if problems:
                 return self._refuse(name, f"{len(problems)} address check(s) failed, e.g. {problems[0]}", record)
             phases["checks"] = time.perf_counter() - started
-            functions = self._kernel_functions(record.kernels, bundle.images, check=True)
-            prepare(driver, record.description, functions)
-            phases["kernels"] = time.perf_counter() - started - sum(phases.values())
-            graph = rebuild(driver, record.description, functions)
-            phases["rebuild"] = time.perf_counter() - started - sum(phases.values())
-            try:
-                executable = driver.instantiate(graph)
-            finally:
-                driver.destroy_graph(graph)
-            phases["instantiate"] = time.perf_counter() - started - sum(phases.values())
+            built = self._take_prebuilt(name)
+            if built is not None:  # built ahead (the same steps as below, on a worker thread)
+                executable = built.executable
+                phases["wait"] = time.perf_counter() - started - phases["checks"]
+                phases.update({f"ahead_{step}": seconds for step, seconds in built.phases.items()})
+            else:
+                functions = self._kernel_functions(record.kernels, bundle.images, check=True)
+                prepare(driver, record.description, functions)
+                phases["kernels"] = time.perf_counter() - started - sum(phases.values())
+                graph = rebuild(driver, record.description, functions)
+                phases["rebuild"] = time.perf_counter() - started - sum(phases.values())
+                try:
+                    executable = driver.instantiate(graph)
+                finally:
+                    driver.destroy_graph(graph)
+                phases["instantiate"] = time.perf_counter() - started - sum(phases.values())
             outputs = tuple(self._output(o) for o in record.outputs)
         except Exception as exc:  # never raises for the cache's sake: whatever failed, the graph is captured
             self._discard(executable)
@@ -604,6 +628,17 @@ class GraphCache:
         )
         restored.phases = phases
         return restored
+
+    def _take_prebuilt(self, name: str) -> Prebuilt | None:
+        """The next graph as built ahead; None where there is none, or its build failed: then it is built again
+        here, now that its memory is mapped (a memset or copy node may need that), and fails here if it must."""
+        if self._prebuilt is None:
+            return None
+        try:
+            return self._prebuilt.take(self._next)
+        except Exception as exc:
+            log.debug("weightcache: graph %r was not built ahead (%s: %s); built now", name, type(exc).__name__, exc)
+            return None
 
     def _discard(self, executable: int | None) -> None:
         """Destroy an executable graph a failed restore or check made (no error of its own escapes)."""
@@ -817,6 +852,7 @@ class GraphCache:
         outputs, adopted parameters) must not be used after this."""
         for g in self.graphs:
             g.close()
+        self._stop_prebuilding()  # before the modules their functions come from are unloaded
         self._recorder = None  # the process's recorder stays subscribed (CUPTI allows one subscriber)
         if self._kernels is not None or self._arena is not None:
             torch.cuda.synchronize(self.device)

@@ -14,6 +14,7 @@ Layer L3; imports no torch.
 from __future__ import annotations
 
 import logging
+import threading
 import time
 from collections.abc import Iterable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
@@ -52,6 +53,7 @@ class KernelLoader:
         self._modules: dict[str, int] = {}
         self._functions: dict[tuple[str, str], int | None] = {}
         self._loading: dict[str, Future[tuple[int, dict[str, int | None]]]] = {}
+        self._lock = threading.Lock()  # functions() from several threads (graphs built ahead, the caller)
         #: Images loaded (each once), their bytes, and the seconds callers of :meth:`functions` waited for them.
         self.images_loaded = 0
         self.image_bytes = 0
@@ -92,7 +94,14 @@ class KernelLoader:
         """Each kernel of ``kernels`` (name -> SHA-256 of its image) -> its function handle, from this process's
         own load of its image in ``images``: preloaded, loaded earlier, or loaded now (``check``: the image
         checked against its SHA-256 first; an artifact's images are taken unchecked, a recorder's are this
-        process's own). :class:`GraphRestoreError` if an image does not match or has no kernel of that name."""
+        process's own). :class:`GraphRestoreError` if an image does not match or has no kernel of that name.
+        Thread-safe."""
+        with self._lock:
+            return self._functions_of(kernels, images, check=check)
+
+    def _functions_of(
+        self, kernels: Mapping[str, str], images: Mapping[str, bytes | memoryview], *, check: bool
+    ) -> dict[str, int]:
         found = {}
         for name, digest in kernels.items():
             module = self._modules.get(digest)
@@ -123,6 +132,10 @@ class KernelLoader:
     def close(self) -> None:
         """Unload every module loaded here, preloaded ones too (waiting for loads still running); a graph that uses
         their functions must be destroyed first. Errors of the driver are logged, not raised."""
+        with self._lock:
+            self._close()
+
+    def _close(self) -> None:
         modules = list(self._modules.values())
         for loading in self._loading.values():
             try:

@@ -1,0 +1,132 @@
+"""Executable graphs built ahead from an artifact's records: :class:`Prebuilder`.
+
+A restore checks a graph's addresses when the graph is asked for, and only then may the graph run. Building it
+(its kernels' functions, ``prepare``, ``rebuild``, ``cuGraphInstantiate``) does not depend on those checks: a
+graph rebuilt from its record is the same executable graph whether it is built before or after them, since the
+checks decide only whether it may be used. So a :class:`Prebuilder` builds every graph of an artifact on worker
+threads as soon as the artifact is loaded, in recorded order, while the caller sets up its memory and asks for
+graph after graph; the caller takes a graph's executable only once that graph's checks passed
+(:meth:`Prebuilder.take`), and every executable not taken is destroyed (:meth:`Prebuilder.close`). A build that
+fails is raised by :meth:`Prebuilder.take`, as the same steps would raise in the caller's thread. The driver's
+calls release the GIL, so instantiations run beside each other and beside the caller.
+
+Layer L3; imports no torch.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections.abc import Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Protocol
+
+from .bundle import GraphRecord
+from .driver import RestoreDriver
+from .loading import KernelLoader
+from .record import prepare, rebuild
+
+log = logging.getLogger("weightcache.graphs")
+
+#: Worker threads that build an artifact's graphs.
+BUILD_THREADS = 4
+
+
+class BuildDriver(RestoreDriver, Protocol):
+    """A :class:`~weightcache.graphs.driver.RestoreDriver` that can make a context current on a worker thread
+    (:class:`~weightcache.graphs.driver.CudaGraphDriver` can)."""
+
+    def current_context(self) -> int: ...
+
+    def make_current(self, context: int) -> None: ...
+
+
+class Prebuilt:
+    """One graph built ahead: its executable graph (the taker owns it) and the seconds of each step on the
+    worker thread (``kernels``, ``rebuild``, ``instantiate``)."""
+
+    __slots__ = ("executable", "phases")
+
+    def __init__(self, executable: int, phases: dict[str, float]) -> None:
+        self.executable = executable
+        self.phases = phases
+
+
+class Prebuilder:
+    """Every graph of ``records`` built on worker threads, in order, each kernel's function from ``kernels``
+    (which loads ``images``, checked against their SHA-256); started at construction."""
+
+    def __init__(
+        self,
+        driver: BuildDriver,
+        kernels: KernelLoader,
+        records: Sequence[GraphRecord],
+        images: Mapping[str, bytes | memoryview],
+        threads: int = BUILD_THREADS,
+    ) -> None:
+        self._driver = driver
+        self._lock = threading.Lock()
+        self._closed = False
+        context = driver.current_context()
+
+        def build(record: GraphRecord) -> Prebuilt:
+            began = time.perf_counter()
+            driver.make_current(context)
+            functions = kernels.functions(record.kernels, images, check=True)
+            prepare(driver, record.description, functions)
+            phases = {"kernels": time.perf_counter() - began}
+            graph = rebuild(driver, record.description, functions)
+            phases["rebuild"] = time.perf_counter() - began - phases["kernels"]
+            try:
+                executable = driver.instantiate(graph)
+            finally:
+                driver.destroy_graph(graph)
+            phases["instantiate"] = time.perf_counter() - began - phases["kernels"] - phases["rebuild"]
+            with self._lock:
+                if self._closed:  # closed while this one was building: nobody will take it
+                    driver.destroy_executable(executable)
+                    raise RuntimeError("the prebuilder was closed")
+            return Prebuilt(executable, phases)
+
+        self._futures: list[Future[Prebuilt] | None] = []
+        if records:
+            pool = ThreadPoolExecutor(
+                max_workers=max(1, min(threads, len(records))), thread_name_prefix="weightcache-graphs"
+            )
+            self._futures = [pool.submit(build, record) for record in records]
+            pool.shutdown(wait=False)
+
+    def take(self, index: int) -> Prebuilt:
+        """The graph of record ``index``, waiting for its build; the caller owns its executable from here. Raises
+        what its build raised (a :class:`~weightcache.errors.GraphRestoreError` for a kernel image that does not
+        match or a driver call that failed), :class:`IndexError` for an index taken before or out of range, and
+        :class:`RuntimeError` after :meth:`close`."""
+        if self._closed:
+            raise RuntimeError("the prebuilder was closed")
+        future = self._futures[index] if 0 <= index < len(self._futures) else None
+        if future is None:
+            raise IndexError(f"no graph {index} to take (taken before, or the artifact has {len(self._futures)})")
+        self._futures[index] = None
+        return future.result()
+
+    def close(self) -> None:
+        """Destroy every executable built and not taken; builds not started are cancelled, running ones are waited
+        for. Errors of the builds and of the driver are logged, not raised."""
+        with self._lock:
+            self._closed = True
+        running = [f for f in self._futures if f is not None and not f.cancel()]  # all cancelled before any wait
+        for future in running:
+            try:
+                built = future.result()
+            except Exception as exc:  # a build that failed (or saw the close) holds nothing
+                log.debug("weightcache: a graph built ahead was not used: %s", exc)
+                continue
+            try:
+                self._driver.destroy_executable(built.executable)
+            except Exception as exc:
+                log.warning("weightcache: an executable graph built ahead could not be destroyed: %s", exc)
+        self._futures = []
+
+
+__all__ = ["BUILD_THREADS", "BuildDriver", "Prebuilder", "Prebuilt"]
