@@ -144,7 +144,7 @@ plan)
                 --variants external-moved --json "$persist/graphs/graph-restore-external.json"
             ;;
         graphs-large)  # issue 31's <= 10 % goal at vLLM's 51 capture sizes (1, 2, 4, 8-248 by 8, 256-512 by 16), 32 layers
-            step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh bench --repeat 3 --layers 32 \
+            step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh bench --repeat 3 --layers 32 --serial \
                 --sizes 1 2 4 $(seq 8 8 248) $(seq 256 16 512) --json "$persist/graphs/graph-restore-51.json"
             ;;
         llama8b)
