@@ -138,7 +138,7 @@ plan)
             ;;
         graphs)  # issue 31's graph restore (no SGLang needed; ~25 s of tests, ~1 min of benchmark)
             step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh test
-            step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh bench --repeat 3 --variants shift home-taken \
+            step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh bench --repeat 3 --serial --variants shift home-taken \
                 --json "$persist/graphs/graph-restore.json"
             step env OUT=$persist/graphs bash benchmarks/gpu_graphs.sh bench --repeat 2 --external \
                 --variants external-moved --json "$persist/graphs/graph-restore-external.json"

@@ -289,7 +289,9 @@ class GraphCache:
             a replay leaves behind).
         build_ahead: build every graph of a loaded artifact on worker threads as soon as it is loaded
             (:class:`~weightcache.graphs.prebuild.Prebuilder`), each taken only once its checks passed; False:
-            each graph is built when asked for, after its checks.
+            each graph is built when asked for, after its checks. Either way the artifact's kernel images load on
+            worker threads: a capture of the process's own in CUDA's global mode while they run may fail (see
+            docs/architecture.md, "Graphs built ahead").
 
     Never raises for the cache's sake: where something cannot work (no cuda-bindings, the arena's base taken,
     CUPTI missing, no keeper), graphs are captured as usual and :attr:`reason` says why.
