@@ -558,8 +558,10 @@ def main() -> int:
     runs: list[dict[str, Any]] = []
     report: dict[str, Any] = {"date": time.strftime("%F"), "runs": runs}
     for i in range(args.runs):
+        cache = args.workdir / "vllm-cache"
+        cold = not cache.exists() or not any(cache.iterdir())  # compare warm runs (an earlier call may have filled it)
         r = run(model, int(args.kv_gib * 2**30), env, log, args.sites, args.arena, args.replay)
-        r["compile_cache"] = "cold (this run fills it)" if i == 0 else "warm"  # compare warm runs (2 and 3)
+        r["compile_cache"] = "cold (this run fills it)" if cold else "warm"
         runs.append(r)
         print(f"run {i + 1}:", json.dumps(summary(r) if "graphs" in r else r, indent=1)[:12000], flush=True)
         if args.json:  # after every run: a run cut short leaves the ones before it
