@@ -8,7 +8,7 @@ from __future__ import annotations
 import itertools
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
@@ -18,6 +18,7 @@ from weightcache.errors import GraphDescriptionError, GraphRestoreError
 from weightcache.graphs import (
     AddressRange,
     CudaGraphDriver,
+    Edge,
     EmptyNode,
     GraphDescription,
     KernelNode,
@@ -30,6 +31,7 @@ from weightcache.graphs import (
     restore_problems,
 )
 from weightcache.graphs.check import extent_problems, extents
+from weightcache.graphs.record import add_each
 
 POOL = AddressRange("pool", 0x7F00_0000_0000, 1 << 30)
 WEIGHTS = AddressRange("weights/0", 0x7E00_0000_0000, 1 << 28)
@@ -126,6 +128,9 @@ class FakeDriver:
 
     def destroy_graph(self, graph: int) -> None:
         self.destroyed.append(graph)
+
+    def add_description(self, graph: int, description: GraphDescription, functions: Mapping[str, int]) -> None:
+        add_each(self, graph, description, functions)  # type: ignore[arg-type]
 
 
 def u64(*values: int) -> bytes:
@@ -593,6 +598,146 @@ def test_a_kernel_node_reaches_the_driver_as_its_description_says() -> None:
         {"func": 0x30, "grid": (1, 1, 1), "block": (1, 1, 1), "shared": 0, "args": b"", "kernelParams": False},
     ]
     assert attributes == [(0x1002, 4, b"\x02" * 64)]
+
+
+class RecordingLibcuda(FakeLibcuda):
+    """FakeLibcuda whose graph-building calls record what reached them, decoded from the structures ctypes passed:
+    kernel nodes (function, geometry, shared memory, argument bytes and how they were given), their attributes,
+    memsets, memcpys, empty nodes and edges (from, to, data). Node handles count up from 0x5000."""
+
+    def __init__(self) -> None:
+        import ctypes
+
+        from weightcache.graphs.driver import _KernelParams, _Memcpy3D, _MemsetParams
+
+        super().__init__(0)
+        self.calls: list[tuple[Any, ...]] = []
+        c, p = ctypes.c_void_p, ctypes.POINTER(ctypes.c_void_p)
+
+        def made(out: int) -> int:
+            handle = 0x5000 + len(self.calls)
+            ctypes.cast(out, p)[0] = handle
+            return 0
+
+        def kernel(out: int, _graph: int, _deps: int, _count: int, params: int) -> int:
+            k = ctypes.cast(params, ctypes.POINTER(_KernelParams)).contents
+            geometry = (k.func, (k.gridDimX, k.gridDimY, k.gridDimZ), (k.blockDimX, k.blockDimY, k.blockDimZ))
+            if k.extra:
+                extra = [k.extra[i] or 0 for i in range(5)]
+                assert (extra[0], extra[2], extra[4]) == (1, 2, 0) and not k.kernelParams
+                size = ctypes.cast(extra[3], ctypes.POINTER(ctypes.c_size_t)).contents.value
+                given = ("extra", ctypes.string_at(extra[1], size))
+            else:
+                given = ("kernelParams", ctypes.string_at(k.kernelParams[0], 8))
+            self.calls.append(("kernel", *geometry, k.sharedMemBytes, *given, k.kern, k.ctx))
+            return made(out)
+
+        def attribute(node: int, which: int, value: int) -> int:
+            self.calls.append(("attribute", node, which, ctypes.string_at(value, 64)))
+            return 0
+
+        def memset(out: int, _graph: int, _deps: int, _count: int, params: int, _ctx: int) -> int:
+            m = ctypes.cast(params, ctypes.POINTER(_MemsetParams)).contents
+            self.calls.append(("memset", m.dst, m.pitch, m.value, m.elementSize, m.width, m.height))
+            return made(out)
+
+        def memcpy(out: int, _graph: int, _deps: int, _count: int, params: int, _ctx: int) -> int:
+            m = ctypes.cast(params, ctypes.POINTER(_Memcpy3D)).contents
+            self.calls.append(("memcpy", m.srcDevice, m.dstDevice, m.WidthInBytes, m.Height, m.Depth))
+            return made(out)
+
+        def empty(out: int, _graph: int, _deps: int, _count: int) -> int:
+            self.calls.append(("empty",))
+            return made(out)
+
+        def edges(_graph: int, src: int, dst: int, data: int, count: int) -> int:
+            a, b = ctypes.cast(src, p), ctypes.cast(dst, p)
+            pairs = [(a[i], b[i]) for i in range(count)]
+            self.calls.append(("edges", pairs, ctypes.string_at(data, 8 * count)))
+            return 0
+
+        z = ctypes.c_size_t
+        self._functions["cuGraphAddKernelNode_v2"] = ctypes.CFUNCTYPE(ctypes.c_int, c, c, c, z, c)(kernel)
+        self._functions["cuGraphKernelNodeSetAttribute"] = ctypes.CFUNCTYPE(ctypes.c_int, c, ctypes.c_int, c)(attribute)
+        self._functions["cuGraphAddMemsetNode"] = ctypes.CFUNCTYPE(ctypes.c_int, c, c, c, z, c, c)(memset)
+        self._functions["cuGraphAddMemcpyNode"] = ctypes.CFUNCTYPE(ctypes.c_int, c, c, c, z, c, c)(memcpy)
+        self._functions["cuGraphAddEmptyNode"] = ctypes.CFUNCTYPE(ctypes.c_int, c, c, c, z)(empty)
+        self._functions["cuGraphAddDependencies_v2"] = ctypes.CFUNCTYPE(ctypes.c_int, c, c, c, c, z)(edges)
+
+
+def test_a_graph_built_from_its_tables_reaches_the_driver_as_one_built_node_by_node() -> None:
+    """CudaGraphDriver.add_description (every kernel node's parameters made as arrays from the binary tables, one
+    driver call a node) gives the driver exactly what adding each node through add_kernel_node and the other
+    methods gives it: functions, geometry, shared memory, argument bytes (a buffer; a laid-out cooperative node
+    parameter by parameter), attributes, memsets, memcpys, empty nodes, edges with their data; for a description
+    read from its bytes (tables, no node values made) and for one made of node values."""
+    fake = FakeDriver()
+    graph, functions = mlp_graph(fake)
+    description, _ = describe(fake, graph)
+    cooperative = KernelNode(
+        "grid_sync", (132, 1, 1), (256, 1, 1), 0, u64(POOL.base, 7), ((0, 8), (8, 8)), "params",
+        ((2, (1).to_bytes(4, "little") + bytes(60)),),
+    )  # fmt: skip
+    empty_args = KernelNode("noargs", (1, 1, 1), (32, 1, 1), 0, b"")
+    nodes = (*description.nodes, cooperative, empty_args, description.nodes[1])
+    edges = (*description.edges, Edge(4, 5), Edge(5, 6, bytes([1] + [0] * 7)), Edge(6, 7))
+    whole = GraphDescription(nodes, edges)
+    functions = {**functions, "grid_sync": 0x77, "noargs": 0x78}
+    read = GraphDescription.from_binary(memoryview(whole.to_binary()))
+
+    def built(how: str, d: GraphDescription) -> list[tuple[Any, ...]]:
+        lib = RecordingLibcuda()
+        driver = CudaGraphDriver(lib)  # type: ignore[arg-type]
+        if how == "tables":
+            driver.add_description(0xABC, d, functions)
+        else:
+            add_each(driver, 0xABC, d, functions)
+        return lib.calls
+
+    one_by_one = built("nodes", whole)
+    assert [c[0] for c in one_by_one] == [
+        "memset", "kernel", "attribute", "kernel", "empty", "memcpy", "kernel", "attribute", "kernel", "kernel",
+        "attribute", "edges",
+    ]  # fmt: skip
+    assert one_by_one[6][5] == "kernelParams" and one_by_one[8][5:7] == ("extra", b"")
+    assert built("tables", read) == one_by_one
+    assert read._nodes is None  # no node value was made on the way
+    assert built("tables", whole) == one_by_one
+
+
+def test_prepare_gives_each_function_the_shared_memory_and_cluster_size_its_nodes_ask_for() -> None:
+    """A function loaded from a kept image has the default limits: prepare sets the largest dynamic shared memory
+    any of its nodes asks for, where that is above 48 KiB, and allows a non-portable cluster (more than 8 blocks)
+    where a node asks for one; nothing else. The same from node values and from the binary tables."""
+    from weightcache.graphs.driver import MAX_DYNAMIC_SHARED, NON_PORTABLE_CLUSTER
+    from weightcache.graphs.record import prepare
+
+    def cluster(x: int, y: int, z: int) -> tuple[int, bytes]:
+        return 4, b"".join(v.to_bytes(4, "little") for v in (x, y, z)) + bytes(52)
+
+    def node(name: str, shared: int, *attributes: tuple[int, bytes]) -> KernelNode:
+        return KernelNode(name, (1, 1, 1), (128, 1, 1), shared, u64(1), ((0, 8),), "params", attributes)
+
+    nodes = (
+        node("gemm", 200_704), node("gemm", 100_000), node("small", 48 << 10),
+        node("big_cluster", 0, cluster(4, 2, 2)), node("portable", 0, cluster(8, 1, 1)),
+        MemsetNode(POOL.base, 0, 0, 4, 16, 1), node("both", 65_536, cluster(16, 1, 1)),
+    )  # fmt: skip
+    handles = {"gemm": 1, "small": 2, "big_cluster": 3, "portable": 4, "both": 5}
+
+    class Attributes:
+        def __init__(self) -> None:
+            self.set: list[tuple[int, int, int]] = []
+
+        def set_function_attribute(self, function: int, attribute: int, value: int) -> None:
+            self.set.append((function, attribute, value))
+
+    expected = [(1, MAX_DYNAMIC_SHARED, 200_704), (5, MAX_DYNAMIC_SHARED, 65_536), (3, NON_PORTABLE_CLUSTER, 1),
+                (5, NON_PORTABLE_CLUSTER, 1)]  # fmt: skip
+    for description in (GraphDescription(nodes), GraphDescription.from_binary(GraphDescription(nodes).to_binary())):
+        driver = Attributes()
+        prepare(driver, description, handles)  # type: ignore[arg-type]
+        assert sorted(driver.set, key=lambda c: (c[1], c[0])) == expected
 
 
 def test_a_cooperative_kernel_node_gets_its_parameters_one_by_one() -> None:

@@ -15,6 +15,7 @@ import struct
 import subprocess
 import threading
 import time
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +32,7 @@ from weightcache.graphs.cubins import kernel_names
 from weightcache.graphs.description import Edge, EmptyNode, GraphDescription, KernelNode, MemsetNode
 from weightcache.graphs.loading import KernelLoader
 from weightcache.graphs.prebuild import Prebuilder
+from weightcache.graphs.record import add_each
 from weightcache.segments.cuda_vmm import HOME_BASE, HOME_RESERVE, HOME_SLOT, HOME_SLOTS, home_addresses
 
 
@@ -290,6 +292,9 @@ class BuildingDriver(LoadingDriver):
     def set_function_attribute(self, function: int, attribute: int, value: int) -> None:
         pass
 
+    def add_description(self, graph: int, description: GraphDescription, functions: Mapping[str, int]) -> None:
+        add_each(self, graph, description, functions)  # type: ignore[arg-type]
+
     def instantiate(self, graph: int) -> int:
         self.threads.add(threading.current_thread().name.split("_")[0])
         if self.gate is not None:
@@ -333,7 +338,8 @@ def test_graphs_are_built_ahead_on_worker_threads_and_each_one_not_taken_is_dest
         ahead.take(1)
     ahead.close()
     taken = {x.executable for x in built}
-    assert len(driver.executables) == 6 and sorted(driver.destroyed) == sorted(set(driver.executables) - taken)
+    assert 3 <= len(driver.executables) <= 6  # those not started by close() were cancelled
+    assert sorted(driver.destroyed) == sorted(set(driver.executables) - taken)
     with pytest.raises(RuntimeError, match="closed"):
         ahead.take(3)
     loader.close()

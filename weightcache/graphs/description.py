@@ -179,15 +179,67 @@ class Edge:
     data: bytes = bytes(EDGE_BYTES)
 
 
-@attrs.frozen
 class GraphDescription:
-    """A graph's nodes (in the driver's order) and edges; see the module's text."""
+    """A graph's nodes (in the driver's order) and edges; see the module's text. Read from its binary form
+    (:meth:`from_binary`), it holds the checked tables (:attr:`tables`) and makes the node and edge values only
+    when :attr:`nodes` or :attr:`edges` is first asked for: a restore builds graphs from the tables
+    (:meth:`~weightcache.graphs.driver.CudaGraphDriver.add_nodes`) and never needs them. Immutable; equal where the
+    nodes and edges are."""
 
-    nodes: tuple[Node, ...]
-    edges: tuple[Edge, ...] = ()
+    __slots__ = ("_edges", "_nodes", "_tables")
+
+    def __init__(self, nodes: tuple[Node, ...], edges: tuple[Edge, ...] = ()) -> None:
+        self._nodes: tuple[Node, ...] | None = tuple(nodes)
+        self._edges: tuple[Edge, ...] | None = tuple(edges)
+        self._tables: DescriptionTables | None = None
+
+    @classmethod
+    def _of(cls, tables: DescriptionTables) -> GraphDescription:
+        made = cls.__new__(cls)
+        made._nodes = made._edges = None
+        made._tables = tables
+        return made
+
+    @property
+    def nodes(self) -> tuple[Node, ...]:
+        """The nodes, in the driver's order."""
+        if self._nodes is None:
+            assert self._tables is not None
+            self._nodes = self._tables.nodes()
+        return self._nodes
+
+    @property
+    def edges(self) -> tuple[Edge, ...]:
+        """The edges, by node index."""
+        if self._edges is None:
+            assert self._tables is not None
+            self._edges = _edges(self._tables.edges)
+        return self._edges
+
+    @property
+    def tables(self) -> DescriptionTables:
+        """The description as checked tables (those it was read from, or made from its nodes once)."""
+        if self._tables is None:
+            self._tables = DescriptionTables.read(self.to_binary())
+        return self._tables
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, GraphDescription):
+            return NotImplemented
+        if self._tables is not None and other._tables is not None and self._tables.data == other._tables.data:
+            return True
+        return self.nodes == other.nodes and self.edges == other.edges
+
+    def __hash__(self) -> int:
+        return hash((self.nodes, self.edges))
+
+    def __repr__(self) -> str:
+        return f"GraphDescription(nodes={self.nodes!r}, edges={self.edges!r})"
 
     def kernels(self) -> set[str]:
         """The names of the kernels the graph launches."""
+        if self._nodes is None and self._tables is not None:
+            return self._tables.kernels()
         return {n.function for n in self.nodes if isinstance(n, KernelNode)}
 
     def to_json(self) -> dict[str, Any]:
@@ -241,7 +293,10 @@ class GraphDescription:
 
     def to_binary(self) -> bytes:
         """The description as tables (:data:`BINARY_MAGIC`, counts, then the node, layout, attribute, edge and
-        name tables and the argument bytes); :meth:`from_binary` reads them back."""
+        name tables and the argument bytes); :meth:`from_binary` reads them back. A description read from such
+        bytes gives those bytes back."""
+        if self._tables is not None:
+            return bytes(self._tables.data)
         names: dict[str, int] = {}
         table = np.zeros(len(self.nodes), dtype=_NODE)
         layout: list[tuple[int, int]] = []
@@ -297,9 +352,59 @@ class GraphDescription:
 
     @classmethod
     def from_binary(cls, data: bytes | memoryview) -> GraphDescription:
-        """The description :meth:`to_binary` wrote, every field and length checked (as arrays);
-        :class:`GraphDescriptionError` otherwise."""
-        reader = _Tables(memoryview(data).cast("B"))
+        """The description :meth:`to_binary` wrote, every field and length checked (as arrays; the node values
+        are made when first asked for); :class:`GraphDescriptionError` otherwise."""
+        return cls._of(DescriptionTables.read(data))
+
+
+class DescriptionTables:
+    """A binary description's tables, every count, index and span checked (:meth:`read`): what a restore builds a
+    graph from without making a Python value per node. ``table`` holds a row per node (``kind``, ``form``,
+    ``name`` index, ``grid``, ``block``, ``shared``, and counts of ``args`` bytes, ``layout`` spans and
+    ``attributes``; a memset's fields); ``spans``, ``attributes``, ``edges`` and ``copies`` the other tables;
+    ``names`` the kernel names; ``args`` every kernel's argument bytes one after the other, ``arg_starts`` where
+    each node's begin (and ``span_starts``, ``attribute_starts`` likewise). ``data``: the bytes read (a view of
+    them: of an artifact's mapping, in a restore)."""
+
+    __slots__ = (
+        "arg_starts",
+        "args",
+        "attribute_starts",
+        "attributes",
+        "copies",
+        "data",
+        "edges",
+        "kernel",
+        "names",
+        "span_starts",
+        "spans",
+        "table",
+    )
+
+    def __init__(
+        self,
+        data: memoryview,
+        table: np.ndarray,
+        spans: np.ndarray,
+        attributes: np.ndarray,
+        edges: np.ndarray,
+        copies: np.ndarray,
+        names: list[str],
+        args: memoryview,
+    ) -> None:
+        self.data, self.table, self.spans, self.attributes = data, table, spans, attributes
+        self.edges, self.copies, self.names, self.args = edges, copies, names, args
+        self.kernel = table["kind"] == _KERNEL
+        self.arg_starts = _starts(table["args"])
+        self.span_starts = _starts(table["layout"])
+        self.attribute_starts = _starts(table["attributes"])
+
+    @classmethod
+    def read(cls, data: bytes | memoryview) -> DescriptionTables:
+        """The tables of a binary description (:meth:`GraphDescription.to_binary`), every field and length
+        checked; :class:`GraphDescriptionError` otherwise."""
+        view = memoryview(data).cast("B")
+        reader = _Tables(view)
         if bytes(reader.take(len(BINARY_MAGIC), "the magic")) != BINARY_MAGIC:
             raise _fail("the binary description", f"one starting with {BINARY_MAGIC!r}", bytes(data[:4]))
         version = int(reader.array(np.dtype("<u4"), 1, "the format")[0])
@@ -328,7 +433,46 @@ class GraphDescription:
         kernel = kinds == _KERNEL
         _check_tables(table, kernel, spans, attributes, edges, copies, n_names, reader.left())
         args = reader.take(reader.left(), "the argument bytes")
-        return cls(_nodes(table, kernel, spans, attributes, copies, names, args), _edges(edges))
+        return cls(view, table, spans, attributes, edges, copies, names, args)
+
+    def kernels(self) -> set[str]:
+        """The names of the kernels the graph launches."""
+        return {self.names[i] for i in np.unique(self.table["name"][self.kernel]).tolist()}
+
+    def node(self, i: int) -> Node:
+        """Node ``i`` as a value."""
+        row = self.table[i]
+        kind = int(row["kind"])
+        if kind == _MEMSET:
+            return MemsetNode(*row["memset"].tolist())
+        if kind == _MEMCPY:
+            return MemcpyNode(*self.copies[int((self.table["kind"][:i] == _MEMCPY).sum())].tolist())
+        if kind == _EMPTY:
+            return EmptyNode()
+        a, s, t = int(self.arg_starts[i]), int(self.span_starts[i]), int(self.attribute_starts[i])
+        grid, block = row["grid"].tolist(), row["block"].tolist()
+        spans = self.spans[s : s + int(row["layout"])]
+        attributes = self.attributes[t : t + int(row["attributes"])]
+        return KernelNode(
+            function=self.names[int(row["name"])],
+            grid=(grid[0], grid[1], grid[2]),
+            block=(block[0], block[1], block[2]),
+            shared_bytes=int(row["shared"]),
+            args=bytes(self.args[a : a + int(row["args"])]),
+            layout=tuple(zip(spans["offset"].tolist(), spans["size"].tolist(), strict=True)),
+            launched_with=LAUNCH_FORMS[int(row["form"])],
+            attributes=tuple(zip(attributes["id"].tolist(), [v.tobytes() for v in attributes["value"]], strict=True)),
+        )
+
+    def nodes(self) -> tuple[Node, ...]:
+        """Every node as a value."""
+        return _nodes(self.table, self.kernel, self.spans, self.attributes, self.copies, self.names, self.args)
+
+
+def _starts(counts: np.ndarray) -> np.ndarray:
+    """Where each row's entries begin in a table of rows' entries one after the other (``int64``)."""
+    ends = np.cumsum(counts, dtype=np.int64)
+    return ends - counts.astype(np.int64)
 
 
 _KERNEL, _MEMSET, _EMPTY, _MEMCPY = 0, 1, 2, 3

@@ -14,14 +14,24 @@ description replayed bitwise equal. Every method needs the graph's context curre
 from __future__ import annotations
 
 import ctypes
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
 import numpy as np
 
 from ..errors import GraphRestoreError
 from .bundle import IMAGE_ALIGNMENT
-from .description import ATTRIBUTE_BYTES, EDGE_BYTES, MEMORY_TYPES, KernelNode, MemcpyNode, MemsetNode
+from .description import (
+    ATTRIBUTE_BYTES,
+    EDGE_BYTES,
+    LAUNCH_FORMS,
+    MEMORY_TYPES,
+    EmptyNode,
+    GraphDescription,
+    KernelNode,
+    MemcpyNode,
+    MemsetNode,
+)
 
 #: ``CUgraphNodeType`` values by name (the ones a graph of an engine can hold).
 NODE_KINDS = {
@@ -120,6 +130,13 @@ class GraphDriver(Protocol):
         """Dependencies between nodes of ``graph``, with their edge data."""
         ...
 
+    def add_description(self, graph: int, description: GraphDescription, functions: Mapping[str, int]) -> None:
+        """Every node of ``description`` (in its order; each kernel launching ``functions[name]``) and every edge
+        added to the empty ``graph``. :func:`~weightcache.graphs.record.add_each` does it call by call, through
+        the methods above; :class:`CudaGraphDriver` from the description's tables, without a Python value per
+        node."""
+        ...
+
     def destroy_graph(self, graph: int) -> None:
         """Free a graph this driver created (errors ignored)."""
         ...
@@ -189,6 +206,26 @@ class _KernelParams(ctypes.Structure):
         ("kern", ctypes.c_void_p),
         ("ctx", ctypes.c_void_p),
     ]
+
+
+#: :class:`_KernelParams` as a numpy record, at the same offsets: many nodes' parameters made at once.
+_KERNEL_PARAMS = np.dtype(
+    {
+        "names": ["func", "grid", "block", "shared", "params", "extra", "kern", "ctx"],
+        "formats": ["<u8", ("<u4", 3), ("<u4", 3), "<u4", "<u8", "<u8", "<u8", "<u8"],
+        "offsets": [
+            _KernelParams.func.offset,
+            _KernelParams.gridDimX.offset,
+            _KernelParams.blockDimX.offset,
+            _KernelParams.sharedMemBytes.offset,
+            _KernelParams.kernelParams.offset,
+            _KernelParams.extra.offset,
+            _KernelParams.kern.offset,
+            _KernelParams.ctx.offset,
+        ],
+        "itemsize": ctypes.sizeof(_KernelParams),
+    }
+)
 
 
 class _MemsetParams(ctypes.Structure):
@@ -301,6 +338,10 @@ class CudaGraphDriver:
                 "12.4 or later (module enumeration, edge data). Graphs are captured as usual"
             ) from None
         self._lib = lib
+        # cuGraphAddKernelNode_v2 again, taking the parameters' address as a plain integer (add_description)
+        self._add_kernel_at = ctypes.CFUNCTYPE(ctypes.c_int, _pp, _p, _pp, ctypes.c_size_t, _p)(
+            ctypes.cast(lib.cuGraphAddKernelNode_v2, _p).value or 0
+        )
 
     def _call(self, name: str, *args: Any) -> None:
         try:
@@ -308,9 +349,12 @@ class CudaGraphDriver:
         except ctypes.ArgumentError as exc:  # a binding that does not fit: the graph is captured, the engine starts
             raise GraphRestoreError(f"{name} could not be called: ctypes refused its arguments ({exc})") from None
         if code != 0:
-            text = ctypes.c_char_p()
-            known = self._lib.cuGetErrorName(code, ctypes.byref(text)) == 0 and text.value
-            raise GraphRestoreError(f"{name} failed: {text.value.decode() if known and text.value else code}")
+            raise self._failed(name, code)
+
+    def _failed(self, name: str, code: int) -> GraphRestoreError:
+        text = ctypes.c_char_p()
+        known = self._lib.cuGetErrorName(code, ctypes.byref(text)) == 0 and text.value
+        return GraphRestoreError(f"{name} failed: {text.value.decode() if known and text.value else code}")
 
     def graph_nodes(self, graph: int) -> list[int]:
         count = ctypes.c_size_t(0)
@@ -551,6 +595,70 @@ class CudaGraphDriver:
     def make_current(self, context: int) -> None:
         """Make ``context`` current on this thread (for module loads on a worker thread)."""
         self._call("cuCtxSetCurrent", _p(context))
+
+    def add_description(self, graph: int, description: GraphDescription, functions: Mapping[str, int]) -> None:
+        # From the tables: every kernel node's CUDA_KERNEL_NODE_PARAMS_v2 and its `extra` (argument buffer pointer
+        # into the description's own bytes, its size, end) made as arrays, then one driver call a node with the
+        # parameters' address; the edges in one call. A laid-out cooperative node (kernelParams, see
+        # add_kernel_node), a memset, a memcpy and an empty node go through the methods one node at a time.
+        t = description.tables
+        n = len(t.table)
+        fast = t.kernel.copy()
+        owner = np.repeat(np.arange(n), t.table["attributes"].astype(np.intp))
+        cooperative = np.zeros(n, dtype=bool)
+        cooperative[owner[t.attributes["id"] == _COOPERATIVE]] = True
+        fast &= ~(cooperative & (t.table["form"] == LAUNCH_FORMS.index("params")) & (t.table["layout"] > 0))
+        rows = np.flatnonzero(fast)
+        selected = t.table[rows]
+        handles = np.array([functions.get(name, 0) for name in t.names], dtype=np.uint64)
+        params = np.zeros(len(rows), dtype=_KERNEL_PARAMS)
+        params["func"] = handles[selected["name"].astype(np.intp)]
+        params["grid"], params["block"], params["shared"] = selected["grid"], selected["block"], selected["shared"]
+        args = np.frombuffer(t.args, dtype=np.uint8)  # the bytes where they lie (the driver copies them)
+        sizes = selected["args"].astype(np.uint64)  # size_t, read through a pointer
+        extra = np.empty((len(rows), 5), dtype=np.uint64)
+        extra[:, 0], extra[:, 2], extra[:, 4] = _PARAM_BUFFER, _PARAM_SIZE, _PARAM_END
+        extra[:, 1] = args.ctypes.data + t.arg_starts[rows].astype(np.uint64)
+        extra[:, 3] = sizes.ctypes.data + 8 * np.arange(len(rows), dtype=np.uint64)
+        params["extra"] = extra.ctypes.data + extra.strides[0] * np.arange(len(rows), dtype=np.uint64)
+        slot = np.full(n, -1, dtype=np.int64)
+        slot[rows] = np.arange(len(rows))
+        add, at, size = self._add_kernel_at, params.ctypes.data, params.itemsize
+        out = _p()
+        where, g = ctypes.byref(out), _p(graph)
+        made: list[int] = []
+        for i, (j, attributes) in enumerate(zip(slot.tolist(), t.table["attributes"].tolist(), strict=True)):
+            if j < 0:  # one node at a time
+                node = t.node(i)
+                if isinstance(node, KernelNode):
+                    made.append(self.add_kernel_node(graph, functions[node.function], node))
+                elif isinstance(node, MemsetNode):
+                    made.append(self.add_memset_node(graph, node))
+                elif isinstance(node, MemcpyNode):
+                    made.append(self.add_memcpy_node(graph, node))
+                else:
+                    assert isinstance(node, EmptyNode)
+                    made.append(self.add_empty_node(graph))
+                continue
+            code = add(where, g, None, 0, at + size * j)
+            if code != 0:
+                raise self._failed("cuGraphAddKernelNode_v2", code)
+            if attributes:
+                first = int(t.attribute_starts[i])
+                for k in range(first, first + attributes):
+                    value = t.attributes[k]
+                    self._call("cuGraphKernelNodeSetAttribute", out, int(value["id"]), value["value"].tobytes())
+            made.append(int(out.value or 0))
+        if len(t.edges):
+            nodes = np.array(made, dtype=np.uint64)
+            src = np.ascontiguousarray(nodes[t.edges["src"].astype(np.intp)])
+            dst = np.ascontiguousarray(nodes[t.edges["dst"].astype(np.intp)])
+            data = np.ascontiguousarray(t.edges["data"]).tobytes()
+            pointers = ctypes.POINTER(_p)
+            self._call(
+                "cuGraphAddDependencies_v2", g, src.ctypes.data_as(pointers), dst.ctypes.data_as(pointers), data,
+                len(t.edges),
+            )  # fmt: skip
 
     def add_edges(self, graph: int, edges: Sequence[tuple[int, int, bytes]]) -> None:
         if not edges:

@@ -19,6 +19,8 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Mapping
 
+import numpy as np
+
 from ..errors import GraphRestoreError
 from .description import Edge, EmptyNode, GraphDescription, KernelNode, MemcpyNode, MemsetNode, Node
 from .driver import DEFAULT_DYNAMIC_SHARED, MAX_DYNAMIC_SHARED, NON_PORTABLE_CLUSTER, GraphDriver, RestoreDriver
@@ -79,21 +81,27 @@ def rebuild(driver: GraphDriver, description: GraphDescription, functions: Mappi
         )
     graph = driver.create_graph()
     try:
-        made: list[int] = []
-        for node in description.nodes:
-            if isinstance(node, KernelNode):
-                made.append(driver.add_kernel_node(graph, functions[node.function], node))
-            elif isinstance(node, MemsetNode):
-                made.append(driver.add_memset_node(graph, node))
-            elif isinstance(node, MemcpyNode):
-                made.append(driver.add_memcpy_node(graph, node))
-            else:
-                made.append(driver.add_empty_node(graph))
-        driver.add_edges(graph, [(made[e.src], made[e.dst], e.data) for e in description.edges])
+        driver.add_description(graph, description, functions)
     except BaseException:
         driver.destroy_graph(graph)
         raise
     return graph
+
+
+def add_each(driver: GraphDriver, graph: int, description: GraphDescription, functions: Mapping[str, int]) -> None:
+    """:meth:`~weightcache.graphs.driver.GraphDriver.add_description` one call at a time: each node through the
+    driver's ``add_*_node`` method, then the edges (for a driver that has nothing faster)."""
+    made: list[int] = []
+    for node in description.nodes:
+        if isinstance(node, KernelNode):
+            made.append(driver.add_kernel_node(graph, functions[node.function], node))
+        elif isinstance(node, MemsetNode):
+            made.append(driver.add_memset_node(graph, node))
+        elif isinstance(node, MemcpyNode):
+            made.append(driver.add_memcpy_node(graph, node))
+        else:
+            made.append(driver.add_empty_node(graph))
+    driver.add_edges(graph, [(made[e.src], made[e.dst], e.data) for e in description.edges])
 
 
 def resolve(driver: GraphDriver, wanted: Iterable[str], known: Iterable[int]) -> dict[str, int]:
@@ -124,21 +132,22 @@ def prepare(driver: RestoreDriver, description: GraphDescription, functions: Map
     dynamic shared memory than the default (cuBLAS's Hopper GEMMs ask for ~200 KiB), non-portable cluster sizes.
     A function loaded from a kept image (:mod:`~weightcache.graphs.cubins`) has neither, and a node asking for
     them is refused (``CUDA_ERROR_INVALID_VALUE``, seen on an H200)."""
-    shared: dict[str, int] = {}
-    clusters: set[str] = set()
-    for node in description.nodes:
-        if not isinstance(node, KernelNode):
-            continue
-        shared[node.function] = max(shared.get(node.function, 0), node.shared_bytes)
-        for attribute, value in node.attributes:
-            x, y, z = (int.from_bytes(value[i : i + 4], "little") for i in (0, 4, 8))
-            if attribute == _CLUSTER_DIMENSION and x * y * z > _PORTABLE_CLUSTER:
-                clusters.add(node.function)
-    for name, size in shared.items():
-        if size > DEFAULT_DYNAMIC_SHARED:
-            driver.set_function_attribute(functions[name], MAX_DYNAMIC_SHARED, size)
-    for name in clusters:
-        driver.set_function_attribute(functions[name], NON_PORTABLE_CLUSTER, 1)
+    t = description.tables
+    kernel = t.kernel
+    if not kernel.any():
+        return
+    names = t.table["name"][kernel].astype(np.intp)
+    shared = np.zeros(len(t.names), dtype=np.int64)
+    np.maximum.at(shared, names, t.table["shared"][kernel].astype(np.int64))
+    for i in np.flatnonzero(shared > DEFAULT_DYNAMIC_SHARED).tolist():
+        driver.set_function_attribute(functions[t.names[i]], MAX_DYNAMIC_SHARED, int(shared[i]))
+    owner = np.repeat(np.arange(len(t.table)), t.table["attributes"].astype(np.intp))
+    cluster = t.attributes["id"] == _CLUSTER_DIMENSION
+    if cluster.any():
+        dims = t.attributes["value"][cluster][:, :12].copy().view("<u4").astype(np.int64)
+        large = dims.prod(axis=1) > _PORTABLE_CLUSTER
+        for i in np.unique(t.table["name"][owner[cluster][large]]).tolist():
+            driver.set_function_attribute(functions[t.names[i]], NON_PORTABLE_CLUSTER, 1)
 
 
-__all__ = ["describe", "prepare", "rebuild", "resolve"]
+__all__ = ["add_each", "describe", "prepare", "rebuild", "resolve"]
