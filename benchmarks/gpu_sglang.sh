@@ -30,7 +30,7 @@
 #                                 ~230 s (the first two) and ~320 s (the other two). The sixth run (no JIT caches
 #                                 carried): tests 555 s, graphs 85 s, race alone 136 s, vllm-graphs ~100 s a run
 #                                 (gpu_vllm.sh installed first; from 2026-12-05 graphs adds the --external bench,
-#                                 ~60 s more, and vllm-graphs runs 2 + 2 runs; graphs-large: 51 graphs of
+#                                 ~60 s more, and vllm-graphs runs 1 (cold) + 2 runs (warm, arena); graphs-large: 51 graphs of
 #                                 32 layers, not yet timed). All of it is more than one session's 30 minutes of
 #                                 device time: a lease runs some parts
 #   gpu_sglang.sh poll SECONDS    wait until `plan` is done or SECONDS passed, copying /tmp/persist to $OUT every 15 s
@@ -161,7 +161,7 @@ plan)
         mixtral) step env OUT=$persist/mixtral bash "$0" bench --shape mixtral --scenarios start --repeat 3 ;;
         vllm-graphs)  # issue 31: vLLM's graphs over fresh processes (benchmarks/gpu_vllm.sh, installed beforehand);
             # then with vLLM's graph pool in a GraphCache's arena and the pointers' coverage
-            step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe --runs 2
+            step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe --runs 1
             step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe --runs 2 --arena \
                 --json "$persist/vllm-graphs/vllm-graph-probe-arena.json" ;;
         tests) step env OUT=$persist/tests bash "$0" test ;;  # the auto/daemon/client tests run first (file order)
