@@ -286,6 +286,10 @@ class BuildingDriver(LoadingDriver):
         self.graphs[graph].append("empty")
         return self._id()
 
+    def add_memcpy_node(self, graph: int, node: Any) -> int:
+        self.graphs[graph].append(f"memcpy {node.dst:#x}")
+        return self._id()
+
     def add_edges(self, graph: int, edges: Any) -> None:
         self.graphs[graph].append(f"{len(edges)} edges")
 
@@ -596,3 +600,89 @@ def test_the_recorder_keeps_each_module_loaded_except_those_a_restore_loads_itse
     cupti.callback(None, 3, 6, None)  # nothing to read: ignored, never an exception into the driver
     cupti.callback(None, 1, 307, 12345)  # another domain and callback
     assert recorder.counts() == (1, 1)
+
+
+def test_graphs_built_side_by_side_never_lower_each_others_shared_memory_limit() -> None:
+    """cuFuncSetAttribute(MAX_DYNAMIC_SHARED) is per function, not per graph. Two graphs of one kernel asking for
+    200 KB and 100 KB, prepared on two workers before either adds its nodes (a driver that checks the limit when a
+    node is added): each function gets the largest need of the artifact's graphs, so both build (found by a
+    review: the second prepare lowered the limit and the first graph was refused; seen failing before the fix)."""
+    from weightcache.graphs.driver import MAX_DYNAMIC_SHARED
+    from weightcache.graphs.record import prepare, rebuild
+
+    b = bundle()
+    [record] = b.graphs
+
+    def with_shared(name: str, shared: int) -> GraphRecord:
+        nodes = tuple(
+            attrs.evolve(n, shared_bytes=shared) if isinstance(n, KernelNode) and n.function == "gemm" else n
+            for n in record.description.nodes
+        )
+        return attrs.evolve(record, name=name, description=GraphDescription(nodes, record.description.edges))
+
+    graphs = (with_shared("big", 200_000), with_shared("small", 100_000))
+    both_prepared = threading.Barrier(2)
+    big_set = threading.Event()
+
+    class Limits(BuildingDriver):
+        def __init__(self) -> None:
+            super().__init__()
+            self.limit: dict[int, int] = {}
+
+        def set_function_attribute(self, function: int, attribute: int, value: int) -> None:
+            if attribute == MAX_DYNAMIC_SHARED:
+                if value == 100_000:
+                    assert big_set.wait(10)
+                self.limit[function] = value
+                if value == 200_000:
+                    big_set.set()
+
+        def create_graph(self) -> int:
+            if threading.current_thread().name.startswith("weightcache-graphs"):
+                both_prepared.wait(10)
+            return super().create_graph()
+
+        def add_kernel_node(self, graph: int, function: int, node: KernelNode) -> int:
+            if node.shared_bytes > self.limit.get(function, 48 << 10):
+                raise GraphRestoreError("cuGraphAddKernelNode_v2 failed: CUDA_ERROR_INVALID_VALUE")
+            return super().add_kernel_node(graph, function, node)
+
+    serial = Limits()
+    loader = KernelLoader(serial)
+    for g in graphs:  # one after the other, as build_ahead=False does: both build
+        functions = loader.functions(g.kernels, b.images, check=True)
+        prepare(serial, g.description, functions)
+        serial.instantiate(rebuild(serial, g.description, functions))
+    loader.close()
+
+    driver = Limits()
+    loader = KernelLoader(driver)
+    ahead = Prebuilder(driver, loader, graphs, b.images, threads=2)
+    try:
+        assert ahead.take(0).executable in driver.executables and ahead.take(1).executable in driver.executables
+    finally:
+        ahead.close()
+        loader.close()
+
+
+def test_a_graph_that_copies_through_a_unified_address_is_not_built_ahead() -> None:
+    """The driver reads a unified address's memory type off what is mapped there when the node is added, which
+    for a graph built ahead may not be mapped yet: such a graph is left to the caller (take() says so), the others
+    are built."""
+    from weightcache.graphs.description import MemcpyNode
+
+    b, graphs = records(2)
+    copy = MemcpyNode(0x6000_0000_0000, 0x6000_0000_1000, 256, src_type=4)
+    unified = attrs.evolve(
+        graphs[1],
+        description=GraphDescription((*graphs[1].description.nodes, copy), graphs[1].description.edges),
+    )
+    driver = BuildingDriver()
+    loader = KernelLoader(driver)
+    ahead = Prebuilder(driver, loader, (graphs[0], unified), b.images)
+    assert ahead.take(0).executable in driver.executables
+    with pytest.raises(LookupError, match="graph 1 copies through a unified address: it is not built ahead"):
+        ahead.take(1)
+    assert len(driver.executables) == 1
+    ahead.close()
+    loader.close()

@@ -63,7 +63,7 @@ from .graphs.description import GraphDescription
 from .graphs.driver import CudaGraphDriver
 from .graphs.loading import KernelLoader
 from .graphs.prebuild import Prebuilder, Prebuilt
-from .graphs.record import describe, prepare, rebuild
+from .graphs.record import describe, prepare, rebuild, shared_needs
 from .handle import Handle
 from .manifest import extent_bytes
 from .pipeline import SWITCH_ENV, switched_off
@@ -336,6 +336,7 @@ class GraphCache:
         self._images: dict[str, bytes | memoryview] = {}
         self._kernels: KernelLoader | None = None  # once there is a driver
         self._prebuilt: Prebuilder | None = None  # the artifact's graphs, built ahead on worker threads
+        self._shared: dict[str, int] = {}  # each kernel's largest dynamic shared memory over the artifact's graphs
         #: Seconds of the start-up steps: ``arena`` (range, pool, driver), ``artifact`` (asked of the keeper and
         #: mapped), ``parse`` (checked).
         self.phases: dict[str, float] = {}
@@ -410,12 +411,18 @@ class GraphCache:
             return
         self._bundle, self._replace = fetched.bundle, fetched.sha256
         self.phases.update(fetched.phases)
+        # each kernel's largest shared memory over the artifact's graphs: prepared side by side (built ahead, and
+        # a graph built in this thread meanwhile), none may lower another's
+        self._shared = shared_needs(r.description for r in self._bundle.graphs)
         if self._kernels is not None and self._driver is not None:
             # on worker threads: the images checked, loaded and asked for their kernels; then (build_ahead) each
             # graph built and instantiated, in order, for _restore to take once its checks passed
-            self._kernels.preload(self._bundle.images, self._bundle.graphs)
-            if self.build_ahead:
-                self._prebuilt = Prebuilder(self._driver, self._kernels, self._bundle.graphs, self._bundle.images)
+            try:
+                self._kernels.preload(self._bundle.images, self._bundle.graphs)
+                if self.build_ahead:
+                    self._prebuilt = Prebuilder(self._driver, self._kernels, self._bundle.graphs, self._bundle.images)
+            except Exception as exc:  # threads that cannot start, a driver call: each graph is built when asked for
+                log.warning("weightcache: the graphs are not loaded ahead (%s: %s)", type(exc).__name__, exc)
 
     @property
     def pool(self) -> Any:
@@ -604,7 +611,7 @@ class GraphCache:
                 phases.update({f"ahead_{step}": seconds for step, seconds in built.phases.items()})
             else:
                 functions = self._kernel_functions(record.kernels, bundle.images, check=True)
-                prepare(driver, record.description, functions)
+                prepare(driver, record.description, functions, self._shared)
                 phases["kernels"] = time.perf_counter() - started - sum(phases.values())
                 graph = rebuild(driver, record.description, functions)
                 phases["rebuild"] = time.perf_counter() - started - sum(phases.values())
@@ -781,7 +788,7 @@ class GraphCache:
         executable: int | None = None
         try:
             functions = self._kernel_functions(kernels, images, check=False)
-            prepare(driver, description, functions)
+            prepare(driver, description, functions, self._shared)
             rebuilt = rebuild(driver, description, functions)
             try:
                 executable = driver.instantiate(rebuilt)

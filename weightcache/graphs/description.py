@@ -439,6 +439,11 @@ class DescriptionTables:
         """The names of the kernels the graph launches."""
         return {self.names[i] for i in np.unique(self.table["name"][self.kernel]).tolist()}
 
+    def copy_memory_types(self) -> set[int]:
+        """The memory types (:data:`MEMORY_TYPES`) of every memcpy node's sides."""
+        fields = [_MEMCPY_FIELDS.index("src_type"), _MEMCPY_FIELDS.index("dst_type")]
+        return set(self.copies[:, fields].reshape(-1).tolist())
+
     def node(self, i: int) -> Node:
         """Node ``i`` as a value."""
         row = self.table[i]

@@ -25,12 +25,19 @@ from typing import Protocol
 from .bundle import GraphRecord
 from .driver import RestoreDriver
 from .loading import KernelLoader
-from .record import prepare, rebuild
+from .record import prepare, rebuild, shared_needs
 
 log = logging.getLogger("weightcache.graphs")
 
 #: Worker threads that build an artifact's graphs.
 BUILD_THREADS = 4
+#: ``CU_MEMORYTYPE_UNIFIED``: a memcpy side whose memory type the driver reads off the address.
+UNIFIED = 4
+
+
+def unified_copy(record: GraphRecord) -> bool:
+    """Whether ``record``'s graph has a memcpy node with a side of :data:`UNIFIED` memory type."""
+    return UNIFIED in record.description.tables.copy_memory_types()
 
 
 class BuildDriver(RestoreDriver, Protocol):
@@ -55,7 +62,11 @@ class Prebuilt:
 
 class Prebuilder:
     """Every graph of ``records`` built on worker threads, in order, each kernel's function from ``kernels``
-    (which loads ``images``, checked against their SHA-256); started at construction."""
+    (which loads ``images``, checked against their SHA-256); started at construction. Each function's limits are
+    set for the largest need of any of the records (:attr:`shared`: graphs prepared side by side must not lower
+    each other's), and a graph with a copy through a unified address (:data:`UNIFIED`) is not built ahead: the
+    driver tells such an address's memory type by what is mapped there when the node is added, which may not be
+    yet; :meth:`take` says so and the caller builds it once its memory is mapped."""
 
     def __init__(
         self,
@@ -66,6 +77,8 @@ class Prebuilder:
         threads: int = BUILD_THREADS,
     ) -> None:
         self._driver = driver
+        #: Each kernel's largest dynamic shared memory over the records (pass it to ``prepare`` elsewhere too).
+        self.shared = shared_needs(r.description for r in records)
         self._lock = threading.Lock()
         self._closed = False
         context = driver.current_context()
@@ -74,7 +87,7 @@ class Prebuilder:
             began = time.perf_counter()
             driver.make_current(context)
             functions = kernels.functions(record.kernels, images, check=True)
-            prepare(driver, record.description, functions)
+            prepare(driver, record.description, functions, self.shared)
             phases = {"kernels": time.perf_counter() - began}
             graph = rebuild(driver, record.description, functions)
             phases["rebuild"] = time.perf_counter() - began - phases["kernels"]
@@ -90,20 +103,27 @@ class Prebuilder:
             return Prebuilt(executable, phases)
 
         self._futures: list[Future[Prebuilt] | None] = []
+        self._skipped = [unified_copy(record) for record in records]
         if records:
             pool = ThreadPoolExecutor(
                 max_workers=max(1, min(threads, len(records))), thread_name_prefix="weightcache-graphs"
             )
-            self._futures = [pool.submit(build, record) for record in records]
+            self._futures = [
+                None if skipped else pool.submit(build, record)
+                for record, skipped in zip(records, self._skipped, strict=True)
+            ]
             pool.shutdown(wait=False)
 
     def take(self, index: int) -> Prebuilt:
         """The graph of record ``index``, waiting for its build; the caller owns its executable from here. Raises
         what its build raised (a :class:`~weightcache.errors.GraphRestoreError` for a kernel image that does not
-        match or a driver call that failed), :class:`IndexError` for an index taken before or out of range, and
-        :class:`RuntimeError` after :meth:`close`."""
+        match or a driver call that failed), :class:`LookupError` for a graph not built ahead (:data:`UNIFIED`),
+        :class:`IndexError` for an index taken before or out of range, and :class:`RuntimeError` after
+        :meth:`close`."""
         if self._closed:
             raise RuntimeError("the prebuilder was closed")
+        if 0 <= index < len(self._skipped) and self._skipped[index]:
+            raise LookupError(f"graph {index} copies through a unified address: it is not built ahead")
         future = self._futures[index] if 0 <= index < len(self._futures) else None
         if future is None:
             raise IndexError(f"no graph {index} to take (taken before, or the artifact has {len(self._futures)})")
@@ -129,4 +149,4 @@ class Prebuilder:
         self._futures = []
 
 
-__all__ = ["BUILD_THREADS", "BuildDriver", "Prebuilder", "Prebuilt"]
+__all__ = ["BUILD_THREADS", "UNIFIED", "BuildDriver", "Prebuilder", "Prebuilt", "unified_copy"]

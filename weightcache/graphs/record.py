@@ -127,20 +127,46 @@ def resolve(driver: GraphDriver, wanted: Iterable[str], known: Iterable[int]) ->
 _CLUSTER_DIMENSION, _PORTABLE_CLUSTER = 4, 8
 
 
-def prepare(driver: RestoreDriver, description: GraphDescription, functions: Mapping[str, int]) -> None:
+def shared_needs(descriptions: Iterable[GraphDescription]) -> dict[str, int]:
+    """The largest dynamic shared memory any node of ``descriptions`` asks of each kernel (by name): what
+    :func:`prepare` is given where graphs of one artifact are prepared and built side by side (graphs built
+    ahead), since the limit is per function, not per graph, and one graph's smaller need must not undo another's
+    larger one."""
+    needs: dict[str, int] = {}
+    for description in descriptions:
+        t = description.tables
+        if not t.kernel.any():
+            continue
+        shared = np.zeros(len(t.names), dtype=np.int64)
+        np.maximum.at(shared, t.table["name"][t.kernel].astype(np.intp), t.table["shared"][t.kernel].astype(np.int64))
+        for i, size in enumerate(shared.tolist()):
+            needs[t.names[i]] = max(needs.get(t.names[i], 0), size)
+    return needs
+
+
+def prepare(
+    driver: RestoreDriver,
+    description: GraphDescription,
+    functions: Mapping[str, int],
+    shared: Mapping[str, int] | None = None,
+) -> None:
     """Set on each function what its nodes need of it that a library sets on its own copy before launching: more
     dynamic shared memory than the default (cuBLAS's Hopper GEMMs ask for ~200 KiB), non-portable cluster sizes.
     A function loaded from a kept image (:mod:`~weightcache.graphs.cubins`) has neither, and a node asking for
-    them is refused (``CUDA_ERROR_INVALID_VALUE``, seen on an H200)."""
+    them is refused (``CUDA_ERROR_INVALID_VALUE``, seen on an H200). ``shared``: each kernel's need over every
+    graph that may be built at the same time (:func:`shared_needs`); a kernel's limit is set to the larger of that
+    and this graph's own, so that it is never lowered under another graph being built."""
     t = description.tables
     kernel = t.kernel
     if not kernel.any():
         return
     names = t.table["name"][kernel].astype(np.intp)
-    shared = np.zeros(len(t.names), dtype=np.int64)
-    np.maximum.at(shared, names, t.table["shared"][kernel].astype(np.int64))
-    for i in np.flatnonzero(shared > DEFAULT_DYNAMIC_SHARED).tolist():
-        driver.set_function_attribute(functions[t.names[i]], MAX_DYNAMIC_SHARED, int(shared[i]))
+    needs = np.zeros(len(t.names), dtype=np.int64)
+    np.maximum.at(needs, names, t.table["shared"][kernel].astype(np.int64))
+    if shared is not None:  # every name of the table is a kernel's (to_binary lists no other)
+        needs = np.maximum(needs, np.array([shared.get(name, 0) for name in t.names], dtype=np.int64))
+    for i in np.flatnonzero(needs > DEFAULT_DYNAMIC_SHARED).tolist():
+        driver.set_function_attribute(functions[t.names[i]], MAX_DYNAMIC_SHARED, int(needs[i]))
     owner = np.repeat(np.arange(len(t.table)), t.table["attributes"].astype(np.intp))
     cluster = t.attributes["id"] == _CLUSTER_DIMENSION
     if cluster.any():
@@ -150,4 +176,4 @@ def prepare(driver: RestoreDriver, description: GraphDescription, functions: Map
             driver.set_function_attribute(functions[t.names[i]], NON_PORTABLE_CLUSTER, 1)
 
 
-__all__ = ["add_each", "describe", "prepare", "rebuild", "resolve"]
+__all__ = ["add_each", "describe", "prepare", "rebuild", "resolve", "shared_needs"]
