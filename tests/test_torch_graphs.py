@@ -500,7 +500,7 @@ def test_every_entry_has_one_home_and_its_segments_lie_back_to_back() -> None:
 def bench_runs(*variants: str, external: bool = False) -> dict[str, Any]:
     graph_restore = benchmark("graph_restore")
     args = type("Args", (), {"layers": 2, "hidden": 1024, "inter": 2816, "sizes": [1, 8, 32], "repeat": 1,
-                             "variants": list(variants), "external": external})  # fmt: skip
+                             "variants": list(variants), "external": external, "serial": False})  # fmt: skip
     result: dict[str, Any] = graph_restore.bench(args)
     return result
 
