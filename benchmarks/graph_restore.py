@@ -31,6 +31,10 @@ the sum into an output tensor of its own (a memcpy node), both made with ``torch
 thing in the process. Whether a restore can use them depends on torch's allocator giving a fresh process the same
 addresses for the same first allocations, which nothing promises: the checks decide (``restored``, ``reasons``).
 ``--variant external-moved`` allocates 1 MiB more before them, so that they move: every graph must be captured.
+
+``--engine`` (every process of the run) captures the graphs as an engine that runs its own capture loop does:
+``GraphCache.restore`` for each graph, and where it returns None a warm-up and ``torch.cuda.graph`` into
+``GraphCache.pool`` inside ``GraphCache.capturing``, recorded with ``capture.record``.
 """
 
 from __future__ import annotations
@@ -200,8 +204,11 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
             for b in sizes:
                 graph_at.append(round((time.perf_counter() - graph_start) * 1e3, 2))
                 x = cache.empty((b, hidden), torch.bfloat16)
-                g = cache.graph(f"b{b}", lambda b=b, x=x: forward(b, x))
-                graphs.append((g, g.outputs))
+                if spec.get("engine"):  # captured by the caller, as an engine captures its own graphs
+                    graphs.append(engine_graph(cache, f"b{b}", lambda b=b, x=x: forward(b, x)))
+                else:
+                    g = cache.graph(f"b{b}", lambda b=b, x=x: forward(b, x))
+                    graphs.append((g, g.outputs))
                 inputs.append(x)
         torch.cuda.synchronize()
         graph_s = time.perf_counter() - graph_start
@@ -248,6 +255,39 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
     return result
 
 
+class EngineGraph:
+    """A graph the caller captured itself through ``GraphCache.capturing`` (``--engine``), reported as a
+    ``CudaGraph`` is."""
+
+    def __init__(self, graph: Any, capture: Any, seconds: float, reason: str | None) -> None:
+        self.graph, self.restored, self.seconds, self.reason = graph, False, seconds, reason
+        self.recorded, self.record_problem = capture.recorded, capture.problem
+
+    def replay(self) -> None:
+        self.graph.replay()
+
+
+def engine_graph(cache: Any, name: str, fn: Any) -> tuple[Any, tuple[torch.Tensor, ...]]:
+    """``--engine``: the graph restored with ``GraphCache.restore``, else captured as an engine captures one (a
+    warm-up on a side stream, then ``torch.cuda.graph`` into ``GraphCache.pool`` with ``keep_graph=True`` inside
+    ``GraphCache.capturing``) and recorded with ``capture.record``."""
+    started = time.perf_counter()
+    restored = cache.restore(name)
+    if restored is not None:
+        return restored, restored.outputs
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    with cache.capturing(name) as capture:
+        with torch.cuda.graph(graph, pool=cache.pool):
+            out = fn()
+        capture.record(graph, (out,))
+    return EngineGraph(graph, capture, time.perf_counter() - started, cache.reason), (out,)
+
+
 def probe_va() -> dict[str, Any]:
     """Which reservation sizes the driver places at the address asked for (a fresh process, torch's context)."""
     from weightcache.segments import cuda_import
@@ -290,7 +330,13 @@ def bench(args: argparse.Namespace) -> dict[str, Any]:
         capture_output=True,
         timeout=60,
     )
-    spec = {"checkpoint": str(ckpt), "socket_dir": str(socket_dir), "sizes": args.sizes, "external": args.external}
+    spec = {
+        "checkpoint": str(ckpt),
+        "socket_dir": str(socket_dir),
+        "sizes": args.sizes,
+        "external": args.external,
+        "engine": args.engine,
+    }
     runs: list[dict[str, Any]] = []
     try:
         runs.append(run_child("record", spec))
@@ -351,6 +397,11 @@ def main() -> int:
         choices=["shift", "home-taken", "driver-fault", "external-moved", "foreign"],
     )
     b.add_argument("--external", action="store_true", help="graphs that read and write torch-allocated tensors too")
+    b.add_argument(
+        "--engine",
+        action="store_true",
+        help="the graphs captured by the caller (GraphCache.capturing, .restore), as an engine captures its own",
+    )
     b.add_argument(
         "--serial",
         action="store_true",

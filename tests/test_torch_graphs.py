@@ -497,10 +497,11 @@ def test_every_entry_has_one_home_and_its_segments_lie_back_to_back() -> None:
 # -- on a GPU: fresh processes ---------------------------------------------------------------------------------
 
 
-def bench_runs(*variants: str, external: bool = False) -> dict[str, Any]:
+def bench_runs(*variants: str, external: bool = False, engine: bool = False) -> dict[str, Any]:
     graph_restore = benchmark("graph_restore")
     args = type("Args", (), {"layers": 2, "hidden": 1024, "inter": 2816, "sizes": [1, 8, 32], "repeat": 1,
-                             "variants": list(variants), "external": external, "serial": False})  # fmt: skip
+                             "variants": list(variants), "external": external, "serial": False,
+                             "engine": engine})  # fmt: skip
     result: dict[str, Any] = graph_restore.bench(args)
     return result
 
@@ -524,6 +525,20 @@ def test_on_a_gpu_a_fresh_process_restores_every_graph_and_replays_bitwise_equal
     # a capture of someone else's through GraphCache.pool put memory in the arena: nothing more is restored
     assert foreign["restored"] == [False] * 3 and "outside GraphCache.graph" in (foreign["reasons"][0] or ""), foreign
     assert foreign["digests"] == plain["digests"], foreign
+
+
+@pytest.mark.cuda
+def test_on_a_gpu_graphs_an_engine_captures_itself_are_recorded_and_restored_in_a_fresh_process() -> None:
+    """GraphCache.capturing and .restore, as an engine with its own capture loop uses them: the record process
+    captures each graph into GraphCache.pool and records it; a fresh process restores all three, bitwise equal to
+    a plain capture; one whose graphs' memory would start elsewhere in the arena captures them, saying why."""
+    result = bench_runs("shift", engine=True)
+    record, plain, restore, shift = result["runs"]
+    assert record["published"] and record["recorded"] == [True] * 3 and not any(record["restored"]), record
+    assert restore["restored"] == [True] * 3, restore
+    assert restore["digests"] == plain["digests"] == record["digests"], [r["digests"] for r in result["runs"]]
+    assert shift["restored"] == [False] * 3 and "arena offset" in (shift["reasons"][0] or ""), shift
+    assert shift["digests"] == plain["digests"], shift
 
 
 @pytest.mark.cuda

@@ -39,12 +39,13 @@ is captured and nothing is published. Layer L3.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import hashlib
 import logging
 import os
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
 import attrs
@@ -268,6 +269,35 @@ def fetch_bundle(cache: Cache, weights: str, key: ArtifactKey) -> FetchedBundle 
         return BundleMiss(str(exc), ours)
     phases = {"artifact": read - began, "parse": time.perf_counter() - read}
     return FetchedBundle(bundle, ours, len(blob), phases)
+
+
+class EngineCapture:
+    """One graph an engine captures itself, inside :meth:`GraphCache.capturing`: :meth:`record` it after the
+    capture."""
+
+    def __init__(self, cache: GraphCache, name: str, start: int) -> None:
+        self._cache = cache
+        self.name = name
+        self._start = start
+        #: Whether :meth:`record` recorded the graph for :meth:`GraphCache.publish`, and why not where it did not.
+        self.recorded = False
+        self.problem: str | None = "record() was not called"
+        self._done = False
+
+    def record(self, graph: torch.cuda.CUDAGraph, outputs: Sequence[torch.Tensor]) -> bool:
+        """Record ``graph`` (captured into :attr:`GraphCache.pool` with ``keep_graph=True``), whose results are
+        ``outputs``, for :meth:`GraphCache.publish`; whether it was (:attr:`problem` says why not: a graph captured
+        without ``keep_graph``, a pointer outside the reproduced ranges, a kernel whose image was not kept, an
+        earlier graph not recorded). Never raises for the cache's sake; once per capture."""
+        cache = self._cache
+        if self._done:
+            raise WeightCacheError(f"graph {self.name!r} was recorded once already: one record() per capture")
+        self._done = True
+        recording = cache._recordable and cache._arena is not None and cache._driver is not None
+        with torch.cuda.device(cache.device):
+            self.problem = cache._after_capture(self.name, graph, tuple(outputs), self._start, recording)
+        self.recorded = self.problem is None
+        return self.recorded
 
 
 class GraphCache:
@@ -554,6 +584,40 @@ class GraphCache:
         self.graphs.append(restored)
         return restored
 
+    # -- graphs an engine captures itself -----------------------------------------------------------------------
+
+    def restore(self, name: str) -> CudaGraph | None:
+        """For an engine that captures its graphs itself (vLLM's, SGLang's own loops): the next graph the
+        artifact recorded, restored, where its name is ``name`` and every check of :meth:`graph` passes; None where
+        it is not restored (:attr:`reason` says why; from the first refusal on no later graph is restored), and
+        the engine captures it as usual, through :meth:`capturing`. The engine replays the returned graph
+        (:meth:`CudaGraph.replay`) and reads its outputs (:attr:`CudaGraph.outputs`), as with :meth:`graph`."""
+        started = time.perf_counter()
+        with torch.cuda.device(self.device):
+            restored = self._restore(name, started)
+        if isinstance(restored, str):
+            self.reason = self.reason or restored
+            return None
+        self.graphs.append(restored)
+        return restored
+
+    @contextlib.contextmanager
+    def capturing(self, name: str) -> Iterator[EngineCapture]:
+        """For an engine that captures its graphs itself: around its capture of graph ``name`` (after its warm-up
+        runs, which must not allocate from :attr:`pool`), into :attr:`pool`, with a
+        ``torch.cuda.CUDAGraph(keep_graph=True)``; then ``capture.record(graph, outputs)`` (inside the block)
+        records it for :meth:`publish` as :meth:`graph` records its own: the pool's allocations in the block are
+        this graph's memory, and its order among the graphs is the order of these blocks and :meth:`graph`
+        calls. A graph not recorded (see :attr:`EngineCapture.problem`) still runs; later ones are not recorded."""
+        arena = self._arena
+        start = arena.used if arena is not None else 0
+        capture = EngineCapture(self, name, start)
+        self._capturing = True
+        try:
+            yield capture
+        finally:
+            self._capturing = False
+
     def _refuse(self, name: str, why: str, record: GraphRecord | None = None) -> str:
         """Capture ``name`` instead of restoring it: log why, restore nothing more. ``record``: the graph's record
         whose memory the arena was moved past: moved back, so that the capture gets the recorded addresses."""
@@ -708,20 +772,7 @@ class GraphCache:
                 outputs = _flatten(fn())
         finally:
             self._capturing = False
-        if recording:
-            graph.instantiate()
-        self._captured += 1
-        problem: str | None = "an earlier graph was not recorded"
-        if recording:
-            try:
-                problem = self._record(name, graph, outputs, start)
-            except Exception as exc:  # never raises for the cache's sake: the graph is captured, not recorded
-                log.debug("weightcache: graph %r: recording failed", name, exc_info=True)
-                problem = f"recording it failed ({type(exc).__name__}: {exc})"
-        if problem is not None and recording:
-            self._recordable = False
-            self._record_problem = self._record_problem or f"graph {name!r}: {problem}"
-            log.warning("weightcache: graph %r is captured but not recorded: %s", name, problem)
+        problem = self._after_capture(name, graph, outputs, start, recording)
         return CudaGraph(
             name,
             outputs,
@@ -733,6 +784,27 @@ class GraphCache:
             torch_graph=graph,
             keep=tuple(t for _, t in self._external.values()),
         )
+
+    def _after_capture(
+        self, name: str, graph: torch.cuda.CUDAGraph, outputs: tuple[torch.Tensor, ...], start: int, recording: bool
+    ) -> str | None:
+        """After a capture (this GraphCache's own, or an engine's in :meth:`capturing`): count it, record it if
+        ``recording``; None, or why it is not recorded (from the first such graph on, no later one is)."""
+        self._captured += 1
+        if not recording:
+            return "an earlier graph was not recorded"
+        problem: str | None
+        try:
+            graph.instantiate()  # kept (keep_graph=True): instantiated here, as capture_end does for other graphs
+            problem = self._record(name, graph, outputs, start)
+        except Exception as exc:  # never raises for the cache's sake: the graph is captured, not recorded
+            log.debug("weightcache: graph %r: recording failed", name, exc_info=True)
+            problem = f"recording it failed ({type(exc).__name__}: {exc})"
+        if problem is not None:
+            self._recordable = False
+            self._record_problem = self._record_problem or f"graph {name!r}: {problem}"
+            log.warning("weightcache: graph %r is captured but not recorded: %s", name, problem)
+        return problem
 
     def _record(
         self, name: str, graph: torch.cuda.CUDAGraph, outputs: tuple[torch.Tensor, ...], start: int
@@ -884,4 +956,12 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().view(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
 
-__all__ = ["DEFAULT_ARENA_BYTES", "KIND", "CudaGraph", "GraphCache", "graphs_key", "keep_kernel_images"]
+__all__ = [
+    "EngineCapture",
+    "DEFAULT_ARENA_BYTES",
+    "KIND",
+    "CudaGraph",
+    "GraphCache",
+    "graphs_key",
+    "keep_kernel_images",
+]
