@@ -701,3 +701,27 @@ def test_a_graph_that_copies_through_a_unified_address_is_not_built_ahead() -> N
     assert len(driver.executables) == 1
     ahead.close()
     loader.close()
+
+
+def test_settle_waits_for_every_image_still_loading_and_keeps_what_they_loaded() -> None:
+    """KernelLoader.settle (a GraphCache's first refusal, before the engine's own captures in CUDA's global mode):
+    returns once no preload runs; what they loaded is used afterwards, not loaded again."""
+    b = bundle()
+    [record] = b.graphs
+    release = threading.Event()
+
+    class Held(LoadingDriver):
+        def load_module(self, image: bytes | memoryview) -> int:
+            assert release.wait(10)
+            return super().load_module(image)
+
+    driver = Held()
+    loader = KernelLoader(driver)
+    loader.preload(b.images, b.graphs)
+    threading.Timer(0.2, release.set).start()
+    began = time.perf_counter()
+    loader.settle()
+    assert time.perf_counter() - began >= 0.15 and len(driver.loaded) == 1
+    assert loader.functions(record.kernels, b.images, check=True) == {"gelu": 1000, "gemm": 1001}
+    assert len(driver.loaded) == 1
+    loader.close()

@@ -32,6 +32,10 @@ code can be had. A :class:`GraphCache` arranges both, for the graphs of one mode
   later graph of that GraphCache is captured (the arena's layout is this process's own from there) and
   :meth:`GraphCache.publish` replaces the artifact.
 
+An engine that runs its own capture loop (vLLM, SGLang) asks :meth:`GraphCache.restore` for each graph in its
+order and, where that gives None, captures it itself into :attr:`GraphCache.pool` inside
+:meth:`GraphCache.capturing`, then records it with :meth:`EngineCapture.record`.
+
 The artifact (kind ``cuda.graphs``) is keyed by the weights and the caller's key plus torch, CUDA, the driver, the
 GPU and the arena; it is code, so only this uid's own artifacts are loaded. ``WEIGHTCACHE_MODE=off``: every graph
 is captured and nothing is published. Layer L3.
@@ -284,20 +288,35 @@ class EngineCapture:
         self.problem: str | None = "record() was not called"
         self._done = False
 
-    def record(self, graph: torch.cuda.CUDAGraph, outputs: Sequence[torch.Tensor]) -> bool:
+    def record(self, graph: torch.cuda.CUDAGraph, outputs: object) -> bool:
         """Record ``graph`` (captured into :attr:`GraphCache.pool` with ``keep_graph=True``), whose results are
-        ``outputs``, for :meth:`GraphCache.publish`; whether it was (:attr:`problem` says why not: a graph captured
-        without ``keep_graph``, a pointer outside the reproduced ranges, a kernel whose image was not kept, an
-        earlier graph not recorded). Never raises for the cache's sake; once per capture."""
+        ``outputs`` (a tensor, or tuples and lists of them), for :meth:`GraphCache.publish`; whether it was
+        (:attr:`problem` says why not: a graph captured without ``keep_graph``, a pointer outside the reproduced
+        ranges, a kernel whose image was not kept, an earlier graph not recorded). Never raises for the cache's
+        sake; once per capture (:class:`~weightcache.errors.WeightCacheError` for a second call)."""
         cache = self._cache
         if self._done:
             raise WeightCacheError(f"graph {self.name!r} was recorded once already: one record() per capture")
         self._done = True
         recording = cache._recordable and cache._arena is not None and cache._driver is not None
         with torch.cuda.device(cache.device):
-            self.problem = cache._after_capture(self.name, graph, tuple(outputs), self._start, recording)
+            problem: str | None = None
+            if recording:
+                try:
+                    graph.instantiate()  # kept (keep_graph=True): instantiated here, as capture_end does for others
+                except Exception as exc:  # e.g. captured without keep_graph=True: it runs, it is not recorded
+                    problem = f"it cannot be recorded ({type(exc).__name__}: {exc}); capture it with keep_graph=True"
+            self.problem = cache._after_capture(self.name, graph, _flatten(outputs), self._start, recording, problem)
         self.recorded = self.problem is None
         return self.recorded
+
+    def _abandoned(self) -> None:
+        """The capturing block ended without :meth:`record`: the artifact would lack this graph, so nothing later
+        is recorded either."""
+        if not self._done:
+            self._done = True
+            self.problem = "record() was not called in its capturing block"
+            self._cache._after_capture(self.name, None, (), self._start, True, self.problem)
 
 
 class GraphCache:
@@ -361,8 +380,8 @@ class GraphCache:
         self._records: list[GraphRecord] = []
         self._external: dict[str, tuple[AddressRange, torch.Tensor]] = {}  # name -> its range, the tensor kept
         self._also_kept: list[torch.Tensor] = []  # tensors declared again under a name, for the same memory
-        self._capturing = False  # inside this GraphCache's own capture: the pool's allocations are its own
-        self._foreign = False  # the pool served an allocation outside graph(): the arena's layout is not recorded
+        self._capturing = False  # inside graph()'s capture or a capturing() block: the pool's allocations are its own
+        self._foreign = False  # the pool served an allocation outside those: the arena's layout is not recorded
         self._images: dict[str, bytes | memoryview] = {}
         self._kernels: KernelLoader | None = None  # once there is a driver
         self._prebuilt: Prebuilder | None = None  # the artifact's graphs, built ahead on worker threads
@@ -416,6 +435,7 @@ class GraphCache:
             assert self._arena is not None
             if not self._capturing:  # someone else's capture with `pool`: no later graph can be restored here
                 self._foreign = True
+                self._recordable = False  # a later process could not restore past it: record nothing after
             return self._arena.allocate(size)
         except Exception as exc:
             log.error("weightcache: the graph arena could not serve %d bytes: %s", size, exc)
@@ -458,9 +478,10 @@ class GraphCache:
     def pool(self) -> Any:
         """The handle of the graphs' memory pool (``torch.cuda.MemPool.id``), served from the arena: what an
         engine that captures graphs itself passes as ``torch.cuda.graph(..., pool=...)`` so that their memory lies
-        in the arena too; None without an arena (see :attr:`reason`) and after :meth:`close`. Graphs captured so
-        are not recorded by this GraphCache (:meth:`graph` records), and from the first allocation such a capture
-        makes in the arena on, this GraphCache restores no more graphs (the arena's layout is this process's own)."""
+        in the arena too; None without an arena (see :attr:`reason`) and after :meth:`close`. Inside
+        :meth:`capturing` such a capture is the graph's own (recorded with :meth:`EngineCapture.record`); from the
+        first allocation a capture makes here outside it (or outside :meth:`graph`) on, this GraphCache restores
+        and records no more graphs (the arena's layout is this process's own)."""
         return self._pool.id if self._pool is not None and self._arena is not None else None
 
     @property
@@ -596,7 +617,7 @@ class GraphCache:
         with torch.cuda.device(self.device):
             restored = self._restore(name, started)
         if isinstance(restored, str):
-            self.reason = self.reason or restored
+            self.reason = restored  # this graph's: why it is captured (the last such reason, as documented)
             return None
         self.graphs.append(restored)
         return restored
@@ -617,6 +638,7 @@ class GraphCache:
             yield capture
         finally:
             self._capturing = False
+            capture._abandoned()
 
     def _refuse(self, name: str, why: str, record: GraphRecord | None = None) -> str:
         """Capture ``name`` instead of restoring it: log why, restore nothing more. ``record``: the graph's record
@@ -630,10 +652,13 @@ class GraphCache:
         return why
 
     def _stop_prebuilding(self) -> None:
-        """No graph built ahead will be taken: destroy them (waiting for the builds running)."""
+        """No graph built ahead will be taken: destroy them (waiting for the builds running), and wait for the
+        images still loading, so that no worker thread calls the driver during the captures that follow."""
         if self._prebuilt is not None:
             self._prebuilt.close()
             self._prebuilt = None
+        if self._kernels is not None:
+            self._kernels.settle()
 
     def _restore(self, name: str, started: float) -> CudaGraph | str:
         """The graph rebuilt from the artifact, or why it is not."""
@@ -645,8 +670,8 @@ class GraphCache:
         if self._foreign:
             return self._refuse(
                 name,
-                "the graph pool served allocations outside GraphCache.graph (a capture with GraphCache.pool): the "
-                "arena's layout is this process's own from there",
+                "the graph pool served allocations outside GraphCache.graph and GraphCache.capturing (a capture with "
+                "GraphCache.pool): the arena's layout is this process's own from there",
             )
         if self._next >= len(bundle.graphs):
             return f"the artifact holds {len(bundle.graphs)} graph(s), this is graph {self._next + 1}"
@@ -772,6 +797,8 @@ class GraphCache:
                 outputs = _flatten(fn())
         finally:
             self._capturing = False
+        if recording:
+            graph.instantiate()
         problem = self._after_capture(name, graph, outputs, start, recording)
         return CudaGraph(
             name,
@@ -786,20 +813,27 @@ class GraphCache:
         )
 
     def _after_capture(
-        self, name: str, graph: torch.cuda.CUDAGraph, outputs: tuple[torch.Tensor, ...], start: int, recording: bool
+        self,
+        name: str,
+        graph: torch.cuda.CUDAGraph | None,
+        outputs: tuple[torch.Tensor, ...],
+        start: int,
+        recording: bool,
+        problem: str | None = None,
     ) -> str | None:
-        """After a capture (this GraphCache's own, or an engine's in :meth:`capturing`): count it, record it if
-        ``recording``; None, or why it is not recorded (from the first such graph on, no later one is)."""
+        """After a capture (this GraphCache's own, instantiated; or an engine's in :meth:`capturing`): count it,
+        record it if ``recording`` and there is no ``problem`` already; None, or why it is not recorded (from the
+        first such graph on, no later one is)."""
         self._captured += 1
         if not recording:
             return "an earlier graph was not recorded"
-        problem: str | None
-        try:
-            graph.instantiate()  # kept (keep_graph=True): instantiated here, as capture_end does for other graphs
-            problem = self._record(name, graph, outputs, start)
-        except Exception as exc:  # never raises for the cache's sake: the graph is captured, not recorded
-            log.debug("weightcache: graph %r: recording failed", name, exc_info=True)
-            problem = f"recording it failed ({type(exc).__name__}: {exc})"
+        if problem is None:
+            try:
+                assert graph is not None
+                problem = self._record(name, graph, outputs, start)
+            except Exception as exc:  # never raises for the cache's sake: the graph is captured, not recorded
+                log.debug("weightcache: graph %r: recording failed", name, exc_info=True)
+                problem = f"recording it failed ({type(exc).__name__}: {exc})"
         if problem is not None:
             self._recordable = False
             self._record_problem = self._record_problem or f"graph {name!r}: {problem}"

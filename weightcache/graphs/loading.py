@@ -129,6 +129,15 @@ class KernelLoader:
             found[name] = function
         return found
 
+    def settle(self) -> None:
+        """Wait for every preload still running (their results are kept for :meth:`functions`): after it, no worker
+        thread of this loader calls the driver, so the process may capture in CUDA's global mode."""
+        for loading in list(self._loading.values()):
+            try:
+                loading.result()
+            except Exception:  # a failed preload is not remembered; functions() reports it where it matters
+                pass
+
     def close(self) -> None:
         """Unload every module loaded here, preloaded ones too (waiting for loads still running); a graph that uses
         their functions must be destroyed first. Errors of the driver are logged, not raised."""
