@@ -31,6 +31,7 @@ from .description import (
     KernelNode,
     MemcpyNode,
     MemsetNode,
+    Node,
 )
 
 #: ``CUgraphNodeType`` values by name (the ones a graph of an engine can hold).
@@ -140,6 +141,19 @@ class GraphDriver(Protocol):
     def destroy_graph(self, graph: int) -> None:
         """Free a graph this driver created (errors ignored)."""
         ...
+
+
+def add_node(driver: GraphDriver, graph: int, node: Node, functions: Mapping[str, int]) -> int:
+    """``node`` added to ``graph`` through the driver's method for its kind (a kernel launching
+    ``functions[name]``); its handle."""
+    if isinstance(node, KernelNode):
+        return driver.add_kernel_node(graph, functions[node.function], node)
+    if isinstance(node, MemsetNode):
+        return driver.add_memset_node(graph, node)
+    if isinstance(node, MemcpyNode):
+        return driver.add_memcpy_node(graph, node)
+    assert isinstance(node, EmptyNode)
+    return driver.add_empty_node(graph)
 
 
 class RestoreDriver(GraphDriver, Protocol):
@@ -629,16 +643,7 @@ class CudaGraphDriver:
         made: list[int] = []
         for i, (j, attributes) in enumerate(zip(slot.tolist(), t.table["attributes"].tolist(), strict=True)):
             if j < 0:  # one node at a time
-                node = t.node(i)
-                if isinstance(node, KernelNode):
-                    made.append(self.add_kernel_node(graph, functions[node.function], node))
-                elif isinstance(node, MemsetNode):
-                    made.append(self.add_memset_node(graph, node))
-                elif isinstance(node, MemcpyNode):
-                    made.append(self.add_memcpy_node(graph, node))
-                else:
-                    assert isinstance(node, EmptyNode)
-                    made.append(self.add_empty_node(graph))
+                made.append(add_node(self, graph, t.node(i), functions))
                 continue
             code = add(where, g, None, 0, at + size * j)
             if code != 0:
@@ -679,4 +684,5 @@ __all__ = [
     "CudaGraphDriver",
     "GraphDriver",
     "RestoreDriver",
+    "add_node",
 ]

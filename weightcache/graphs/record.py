@@ -22,8 +22,15 @@ from collections.abc import Iterable, Mapping
 import numpy as np
 
 from ..errors import GraphRestoreError
-from .description import Edge, EmptyNode, GraphDescription, KernelNode, MemcpyNode, MemsetNode, Node
-from .driver import DEFAULT_DYNAMIC_SHARED, MAX_DYNAMIC_SHARED, NON_PORTABLE_CLUSTER, GraphDriver, RestoreDriver
+from .description import Edge, EmptyNode, GraphDescription, Node
+from .driver import (
+    DEFAULT_DYNAMIC_SHARED,
+    MAX_DYNAMIC_SHARED,
+    NON_PORTABLE_CLUSTER,
+    GraphDriver,
+    RestoreDriver,
+    add_node,
+)
 
 
 def describe(driver: GraphDriver, graph: int) -> tuple[GraphDescription, dict[str, int]]:
@@ -91,16 +98,7 @@ def rebuild(driver: GraphDriver, description: GraphDescription, functions: Mappi
 def add_each(driver: GraphDriver, graph: int, description: GraphDescription, functions: Mapping[str, int]) -> None:
     """:meth:`~weightcache.graphs.driver.GraphDriver.add_description` one call at a time: each node through the
     driver's ``add_*_node`` method, then the edges (for a driver that has nothing faster)."""
-    made: list[int] = []
-    for node in description.nodes:
-        if isinstance(node, KernelNode):
-            made.append(driver.add_kernel_node(graph, functions[node.function], node))
-        elif isinstance(node, MemsetNode):
-            made.append(driver.add_memset_node(graph, node))
-        elif isinstance(node, MemcpyNode):
-            made.append(driver.add_memcpy_node(graph, node))
-        else:
-            made.append(driver.add_empty_node(graph))
+    made = [add_node(driver, graph, node, functions) for node in description.nodes]
     driver.add_edges(graph, [(made[e.src], made[e.dst], e.data) for e in description.edges])
 
 
