@@ -67,7 +67,7 @@ from .graphs.cubins import CubinRecorder, keep_kernel_images
 from .graphs.description import GraphDescription
 from .graphs.driver import CudaGraphDriver
 from .graphs.loading import KernelLoader
-from .graphs.prebuild import Prebuilder, Prebuilt
+from .graphs.prebuild import Prebuilder, Prebuilt, build
 from .graphs.record import describe, prepare, rebuild, shared_needs
 from .handle import Handle
 from .manifest import extent_bytes
@@ -470,7 +470,9 @@ class GraphCache:
             try:
                 self._kernels.preload(self._bundle.images, self._bundle.graphs)
                 if self.build_ahead:
-                    self._prebuilt = Prebuilder(self._driver, self._kernels, self._bundle.graphs, self._bundle.images)
+                    self._prebuilt = Prebuilder(
+                        self._driver, self._kernels, self._bundle.graphs, self._bundle.images, shared=self._shared
+                    )
             except Exception as exc:  # threads that cannot start, a driver call: each graph is built when asked for
                 log.warning("weightcache: the graphs are not loaded ahead (%s: %s)", type(exc).__name__, exc)
 
@@ -699,16 +701,10 @@ class GraphCache:
                 phases["wait"] = time.perf_counter() - started - phases["checks"]
                 phases.update({f"ahead_{step}": seconds for step, seconds in built.phases.items()})
             else:
-                functions = self._kernel_functions(record.kernels, bundle.images, check=True)
-                prepare(driver, record.description, functions, self._shared)
-                phases["kernels"] = time.perf_counter() - started - sum(phases.values())
-                graph = rebuild(driver, record.description, functions)
-                phases["rebuild"] = time.perf_counter() - started - sum(phases.values())
-                try:
-                    executable = driver.instantiate(graph)
-                finally:
-                    driver.destroy_graph(graph)
-                phases["instantiate"] = time.perf_counter() - started - sum(phases.values())
+                assert self._kernels is not None
+                built = build(driver, self._kernels, record, bundle.images, self._shared)
+                executable = built.executable
+                phases.update(built.phases)
             outputs = tuple(self._output(o) for o in record.outputs)
         except Exception as exc:  # never raises for the cache's sake: whatever failed, the graph is captured
             self._discard(executable)

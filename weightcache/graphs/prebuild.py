@@ -60,6 +60,30 @@ class Prebuilt:
         self.phases = phases
 
 
+def build(
+    driver: RestoreDriver,
+    kernels: KernelLoader,
+    record: GraphRecord,
+    images: Mapping[str, bytes | memoryview],
+    shared: Mapping[str, int],
+) -> Prebuilt:
+    """``record``'s graph built and instantiated in this thread: its kernels' functions from ``kernels`` (images
+    checked against their SHA-256), ``prepare`` (with ``shared``, :func:`~weightcache.graphs.record.shared_needs`
+    of every graph that may be built meanwhile), rebuild, ``cuGraphInstantiate``; the seconds of each step."""
+    began = time.perf_counter()
+    functions = kernels.functions(record.kernels, images, check=True)
+    prepare(driver, record.description, functions, shared)
+    phases = {"kernels": time.perf_counter() - began}
+    graph = rebuild(driver, record.description, functions)
+    phases["rebuild"] = time.perf_counter() - began - phases["kernels"]
+    try:
+        executable = driver.instantiate(graph)
+    finally:
+        driver.destroy_graph(graph)
+    phases["instantiate"] = time.perf_counter() - began - phases["kernels"] - phases["rebuild"]
+    return Prebuilt(executable, phases)
+
+
 class Prebuilder:
     """Every graph of ``records`` built on worker threads, in order, each kernel's function from ``kernels``
     (which loads ``images``, checked against their SHA-256); started at construction. Each function's limits are
@@ -75,32 +99,23 @@ class Prebuilder:
         records: Sequence[GraphRecord],
         images: Mapping[str, bytes | memoryview],
         threads: int = BUILD_THREADS,
+        shared: Mapping[str, int] | None = None,
     ) -> None:
         self._driver = driver
-        #: Each kernel's largest dynamic shared memory over the records (pass it to ``prepare`` elsewhere too).
-        self.shared = shared_needs(r.description for r in records)
+        #: Each kernel's largest dynamic shared memory over the records (``shared``, else computed here).
+        self.shared = shared if shared is not None else shared_needs(r.description for r in records)
         self._lock = threading.Lock()
         self._closed = False
         context = driver.current_context()
 
-        def build(record: GraphRecord) -> Prebuilt:
-            began = time.perf_counter()
+        def ahead(record: GraphRecord) -> Prebuilt:
             driver.make_current(context)
-            functions = kernels.functions(record.kernels, images, check=True)
-            prepare(driver, record.description, functions, self.shared)
-            phases = {"kernels": time.perf_counter() - began}
-            graph = rebuild(driver, record.description, functions)
-            phases["rebuild"] = time.perf_counter() - began - phases["kernels"]
-            try:
-                executable = driver.instantiate(graph)
-            finally:
-                driver.destroy_graph(graph)
-            phases["instantiate"] = time.perf_counter() - began - phases["kernels"] - phases["rebuild"]
+            built = build(driver, kernels, record, images, self.shared)
             with self._lock:
                 if self._closed:  # closed while this one was building: nobody will take it
-                    driver.destroy_executable(executable)
+                    driver.destroy_executable(built.executable)
                     raise RuntimeError("the prebuilder was closed")
-            return Prebuilt(executable, phases)
+            return built
 
         self._futures: list[Future[Prebuilt] | None] = []
         self._skipped = [unified_copy(record) for record in records]
@@ -109,7 +124,7 @@ class Prebuilder:
                 max_workers=max(1, min(threads, len(records))), thread_name_prefix="weightcache-graphs"
             )
             self._futures = [
-                None if skipped else pool.submit(build, record)
+                None if skipped else pool.submit(ahead, record)
                 for record, skipped in zip(records, self._skipped, strict=True)
             ]
             pool.shutdown(wait=False)
@@ -149,4 +164,4 @@ class Prebuilder:
         self._futures = []
 
 
-__all__ = ["BUILD_THREADS", "UNIFIED", "BuildDriver", "Prebuilder", "Prebuilt", "unified_copy"]
+__all__ = ["BUILD_THREADS", "UNIFIED", "BuildDriver", "Prebuilder", "Prebuilt", "build", "unified_copy"]
