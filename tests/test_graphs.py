@@ -9,6 +9,7 @@ import itertools
 import json
 import os
 from collections.abc import Mapping, Sequence
+from struct import pack as struct_pack
 from typing import Any
 
 import numpy as np
@@ -279,6 +280,32 @@ def test_a_range_elsewhere_smaller_or_unmapped_here_stops_the_restore() -> None:
     assert problems[0].startswith("node 0, its destination points at")
 
 
+def test_a_pointer_inside_a_structure_parameter_is_found_like_any_other() -> None:
+    """A laid-out kernel's parameter larger than 8 bytes can hold pointers: TensorIterator's elementwise kernels get
+    their operands as one ``Array<char*, N>`` parameter (``out + bias``: 24 bytes). Each 8-aligned word inside one
+    parameter is scanned (on the H100, 2026-12-05, only 8-byte parameters were: a bias that had moved was not seen
+    and the restore was refused only for the output a memcpy wrote); words across two small parameters are not."""
+    driver = FakeDriver()
+    bias = AddressRange("external/bias", ELSEWHERE + 0x1000, 4096, own_mapping=False)
+    # int n at 0, a 4-byte functor at 4, the operands (out, in, bias) at 8..31; a 16-byte struct at 32 whose
+    # pointer sits at its second word; two 4-byte ints at 48 and 52 that together read as an address in the pool
+    args = (struct_pack("<iI", 64, 0) + u64(POOL.base + 0x100, POOL.base, bias.base) + u64(7, bias.base + 0x10)
+            + struct_pack("<II", (POOL.base + 0x200) & 0xFFFFFFFF, (POOL.base + 0x200) >> 32))  # fmt: skip
+    layout = ((0, 4), (4, 4), (8, 24), (32, 16), (48, 4), (52, 4))
+    node = KernelNode("vectorized_elementwise_kernel", (1, 1, 1), (128, 1, 1), 0, args, layout)
+    found, problems = pointers(GraphDescription((node,)), [POOL, bias], driver.pointer_range)
+    assert problems == []
+    assert [(p.offset, p.range) for p in found] == [
+        (8, "pool"), (16, "pool"), (24, "external/bias"), (40, "external/bias"),
+    ]  # fmt: skip
+    offsets, values = node.words()
+    assert offsets.tolist() == [8, 16, 24, 32, 40] and values.tolist()[2] == bias.base
+    moved = AddressRange(bias.name, bias.base + 0x2000, bias.size, own_mapping=False)
+    reach = extents(found, [POOL, bias])
+    (problem,) = extent_problems([POOL, bias], [POOL, moved], reach, driver.pointer_range)
+    assert "range 'external/bias' was at" in problem
+
+
 def test_a_restore_checks_each_range_to_the_farthest_pointer_the_graph_has_in_it() -> None:
     driver = FakeDriver()
     graph, _ = mlp_graph(driver)
@@ -535,6 +562,40 @@ def test_the_driver_loads_an_image_from_bytes_from_a_mapping_and_from_a_copy() -
     unaligned = memoryview(b"a" + image)[1:]
     assert [driver.load_module(x) for x in (image, aligned, unaligned)] == [42, 42, 42]
     assert lib.images == [image, image, image]
+
+
+def test_a_graph_without_edges_is_described_without_a_second_query() -> None:
+    """A graph of one node has no edges: the count query answers 0, and the driver refuses the second query with
+    arrays of room for 0 edges (CUDA_ERROR_INVALID_VALUE from cuGraphGetEdges_v2, H100, driver 580.159.04,
+    2026-12-05: the cooperative-kernel test failed there); with edges both queries are made and give them."""
+    import ctypes
+
+    lib = FakeLibcuda(0)
+    edges: list[tuple[int, int]] = []
+    queries: list[bool] = []
+
+    def get_edges(graph: int, src: int, dst: int, data: int, count: int) -> int:
+        counted = ctypes.cast(count, ctypes.POINTER(ctypes.c_size_t))
+        queries.append(bool(src))
+        if not src:
+            counted[0] = len(edges)
+            return 0
+        if counted[0] == 0:
+            return 1  # CUDA_ERROR_INVALID_VALUE
+        for i, (a, b) in enumerate(edges):
+            ctypes.cast(src, ctypes.POINTER(ctypes.c_void_p))[i] = a
+            ctypes.cast(dst, ctypes.POINTER(ctypes.c_void_p))[i] = b
+            ctypes.memmove(data + 8 * i, bytes([i + 1]) * 8, 8)
+        return 0
+
+    c = ctypes.c_void_p
+    lib._functions["cuGraphGetEdges_v2"] = ctypes.CFUNCTYPE(ctypes.c_int, c, c, c, c, c)(get_edges)
+    driver = CudaGraphDriver(lib)  # type: ignore[arg-type]
+    assert driver.graph_edges(0xABC) == [] and queries == [False]
+    edges[:] = [(0x10, 0x20), (0x20, 0x30)]
+    queries.clear()
+    assert driver.graph_edges(0xABC) == [(0x10, 0x20, b"\x01" * 8), (0x20, 0x30, b"\x02" * 8)]
+    assert queries == [False, True]
 
 
 def test_a_call_ctypes_refuses_is_a_restore_error_so_the_graph_is_captured() -> None:

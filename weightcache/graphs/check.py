@@ -7,8 +7,9 @@ same virtual addresses in both processes (the weights' mappings, a reserved rang
 caller names and finds at the same address again (a tensor of its own, :attr:`AddressRange.own_mapping` False);
 these checks say whether it did:
 
-- at record time, :func:`pointers` finds every word of the description that is an address (each 8-byte parameter
-  of a kernel, every aligned word of an argument buffer, the first and last byte a memset writes, the first and
+- at record time, :func:`pointers` finds every word of the description that is an address (each aligned 8-byte
+  word inside one parameter of a kernel, structures passed by value included, every aligned word of an argument
+  buffer, the first and last byte a memset writes, the first and
   last byte a memcpy reads and writes) and says in which range it lies; a word that the driver knows as device
   memory outside every range is a problem (that memory is not reproduced: torch's caching allocator, a library's
   workspace, host memory mapped for the device), and such a graph is never restored;
@@ -27,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from .description import GraphDescription, KernelNode, MemcpyNode, MemsetNode
+from .description import GraphDescription, KernelNode, MemcpyNode, MemsetNode, pointer_words
 
 
 @attrs.frozen
@@ -84,7 +85,7 @@ def _kernel_words(description: GraphDescription) -> tuple[np.ndarray, np.ndarray
         ids.append(i)
         counts.append(n)
         if node.launched_with == "params":
-            laid_out.append((at, n, [o // 8 for o, size in node.layout if size == 8 and o % 8 == 0]))
+            laid_out.append((at, n, pointer_words(node.layout)))
         at += n
     words = np.frombuffer(b"".join(blobs), dtype="<u8")
     sizes = np.array(counts, dtype=np.intp)
@@ -92,7 +93,7 @@ def _kernel_words(description: GraphDescription) -> tuple[np.ndarray, np.ndarray
     nodes = np.repeat(np.array(ids, dtype=np.intp), sizes)
     offsets = (np.arange(at, dtype=np.intp) - np.repeat(firsts, sizes)) * 8
     keep = np.ones(at, dtype=bool)
-    for first, n, chosen in laid_out:  # a laid-out node: only its 8-byte, 8-aligned parameters
+    for first, n, chosen in laid_out:  # a laid-out node: only the aligned words inside one parameter
         keep[first : first + n] = False
         keep[[first + c for c in chosen]] = True
     return nodes[keep], offsets[keep], words[keep]

@@ -18,6 +18,7 @@ holds, since a restore reads thousands of nodes and JSON cost it ~60 us each). A
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Literal
 
 import attrs
@@ -91,13 +92,22 @@ class KernelNode:
 
     def words(self) -> tuple[np.ndarray, np.ndarray]:
         """Byte offsets and values (``uint64`` arrays) of every argument that could be a device pointer: each
-        8-byte, 8-aligned parameter of a laid-out node; every 8-aligned 8-byte word of an argument buffer (its
-        layout is unknown). Arrays, because a restore scans every word of every node of every graph."""
+        8-aligned 8-byte word inside one parameter of a laid-out node (:func:`pointer_words`); every 8-aligned
+        8-byte word of an argument buffer (its layout is unknown). Arrays, because a restore scans every word of
+        every node of every graph."""
         every = np.frombuffer(self.args, dtype="<u8", count=len(self.args) // 8)
         if self.launched_with == "params":
-            offsets = np.array([o for o, s in self.layout if s == 8 and o % 8 == 0], dtype=np.uint64)
-            return offsets, every[(offsets // 8).astype(np.intp)]
+            offsets = np.array(pointer_words(self.layout), dtype=np.intp) * 8
+            return offsets.astype(np.uint64), every[offsets // 8]
         return np.arange(len(every), dtype=np.uint64) * 8, every
+
+
+def pointer_words(layout: Sequence[tuple[int, int]]) -> list[int]:
+    """The index (byte offset / 8) of each 8-aligned 8-byte word that lies inside one parameter of ``layout``
+    (offset, size): an 8-byte parameter, and every aligned word of a larger one (a structure passed by value, such
+    as TensorIterator's ``Array<char*, N>`` of operand pointers). A word across two smaller parameters is no
+    pointer: the compiler aligns a pointer, inside a structure too, to 8 bytes."""
+    return [w for offset, size in layout for w in range((offset + 7) // 8, (offset + size) // 8)]
 
 
 @attrs.frozen
@@ -713,4 +723,5 @@ __all__ = [
     "MemcpyNode",
     "MemsetNode",
     "Node",
+    "pointer_words",
 ]

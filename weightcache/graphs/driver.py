@@ -485,7 +485,9 @@ class CudaGraphDriver:
         # without an edge-data array the query fails with CUDA_ERROR_LOSSY_QUERY when any edge carries data
         count = ctypes.c_size_t(0)
         self._call("cuGraphGetEdges_v2", _p(graph), None, None, None, ctypes.byref(count))
-        n = max(count.value, 1)
+        n = count.value
+        if n == 0:  # asked again with room for no edge, the driver answers CUDA_ERROR_INVALID_VALUE
+            return []
         src, dst, data = (_p * n)(), (_p * n)(), ctypes.create_string_buffer(EDGE_BYTES * n)
         self._call("cuGraphGetEdges_v2", _p(graph), src, dst, data, ctypes.byref(count))
         raw = data.raw
