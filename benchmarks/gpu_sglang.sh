@@ -15,7 +15,7 @@
 #                                 its logs go to /tmp/persist ($PERSIST)
 #   gpu_sglang.sh jit FILE        unpack the JIT caches a `llama8b` part brought back into $HOME (before `detach`)
 #   gpu_sglang.sh plan [PARTS]    issue 30's GPU measurement, the PARTS named (default: hashing graphs llama8b
-#                                 mixtral tests; also: race, graphs-large, vllm-graphs), in order, `clean` after each: the tests of GPU
+#                                 mixtral tests; also: race, graphs-large, vllm-graphs, vllm-probe), in order, `clean` after each: the tests of GPU
 #                                 hashing (~30 s; the plan stops if they fail: every miss publishes through it);
 #                                 issue 31's graph tests and benchmark (benchmarks/gpu_graphs.sh, ~1.5 min);
 #                                 the side-by-side benchmark on the Llama-3-8B shape (every scenario in one run,
@@ -164,8 +164,10 @@ plan)
             step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe --runs 1
             step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe --runs 2 --arena \
                 --json "$persist/vllm-graphs/vllm-graph-probe-arena.json" ;;
+        vllm-probe)  # issue 31: one vLLM start, its graphs described and each replay checked against its rebuild
+            step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe --runs 1 ;;
         tests) step env OUT=$persist/tests bash "$0" test ;;  # the auto/daemon/client tests run first (file order)
-        *) echo "== unknown part $part (hashing, graphs, graphs-large, llama8b, race, mixtral, tests, vllm-graphs)" ;;
+        *) echo "== unknown part $part (hashing, graphs, graphs-large, llama8b, race, mixtral, tests, vllm-graphs, vllm-probe)" ;;
         esac
     done
     touch "$persist.done"

@@ -365,8 +365,9 @@ if sys.argv[5] == "replay":  # each graph vLLM keeps, replayed, then rebuilt fro
         finally:
             driver.destroy_graph(built)
         try:
-            for t in tensors(output()):  # what the rebuilt graph must write again
-                t.fill_(float("nan") if t.is_floating_point() else -1)
+            with torch.inference_mode():  # vLLM's outputs are inference tensors: written to only in this mode
+                for t in tensors(output()):  # what the rebuilt graph must write again
+                    t.fill_(float("nan") if t.is_floating_point() else -1)
             driver.launch(rebuilt, torch.cuda.current_stream().cuda_stream)
             torch.cuda.synchronize()
             if same(first, bytes_of(output())):

@@ -336,7 +336,7 @@ class GraphCache:
         verify: replay each graph rebuilt from the kept kernel images beside the captured one before recording
             it, and record it only if both give the same bytes (the graphs' functions must not depend on what
             a replay leaves behind).
-        build_ahead: build every graph of a loaded artifact on worker threads as soon as it is loaded
+        build_ahead: build every graph of a loaded artifact on a worker thread as soon as it is loaded
             (:class:`~weightcache.graphs.prebuild.Prebuilder`), each taken only once its checks passed; False:
             each graph is built when asked for, after its checks. Either way the artifact's kernel images load on
             worker threads: a capture of the process's own in CUDA's global mode while they run may fail (see
@@ -384,7 +384,7 @@ class GraphCache:
         self._foreign = False  # the pool served an allocation outside those: the arena's layout is not recorded
         self._images: dict[str, bytes | memoryview] = {}
         self._kernels: KernelLoader | None = None  # once there is a driver
-        self._prebuilt: Prebuilder | None = None  # the artifact's graphs, built ahead on worker threads
+        self._prebuilt: Prebuilder | None = None  # the artifact's graphs, built ahead on a worker thread
         self._shared: dict[str, int] = {}  # each kernel's largest dynamic shared memory over the artifact's graphs
         #: Seconds of the start-up steps: ``arena`` (range, pool, driver), ``artifact`` (asked of the keeper and
         #: mapped), ``parse`` (checked).

@@ -3,12 +3,14 @@
 A restore checks a graph's addresses when the graph is asked for, and only then may the graph run. Building it
 (its kernels' functions, ``prepare``, ``rebuild``, ``cuGraphInstantiate``) does not depend on those checks: a
 graph rebuilt from its record is the same executable graph whether it is built before or after them, since the
-checks decide only whether it may be used. So a :class:`Prebuilder` builds every graph of an artifact on worker
-threads as soon as the artifact is loaded, in recorded order, while the caller sets up its memory and asks for
+checks decide only whether it may be used. So a :class:`Prebuilder` builds every graph of an artifact on a worker
+thread as soon as the artifact is loaded, in recorded order, while the caller sets up its memory and asks for
 graph after graph; the caller takes a graph's executable only once that graph's checks passed
 (:meth:`Prebuilder.take`), and every executable not taken is destroyed (:meth:`Prebuilder.close`). A build that
-fails is raised by :meth:`Prebuilder.take`, as the same steps would raise in the caller's thread. The driver's
-calls release the GIL, so instantiations run beside each other and beside the caller.
+fails is raised by :meth:`Prebuilder.take`, as the same steps would raise in the caller's thread. One thread
+(:data:`BUILD_THREADS`): builds side by side do not overlap, they wait on each other (H100, 2026-12-05: with four
+threads a 240-node graph's nodes took 31-127 ms to add instead of 3 ms in one thread, and the graphs were ready
+later than built one after another; docs/benchmarks.md).
 
 Layer L3; imports no torch.
 """
@@ -29,8 +31,9 @@ from .record import prepare, rebuild, shared_needs
 
 log = logging.getLogger("weightcache.graphs")
 
-#: Worker threads that build an artifact's graphs.
-BUILD_THREADS = 4
+#: Worker threads that build an artifact's graphs: one, since the driver's graph calls on several threads wait on
+#: each other (measured on an H100: four threads built 8 and 51 graphs later than the caller alone did).
+BUILD_THREADS = 1
 #: ``CU_MEMORYTYPE_UNIFIED``: a memcpy side whose memory type the driver reads off the address.
 UNIFIED = 4
 
@@ -85,7 +88,7 @@ def build(
 
 
 class Prebuilder:
-    """Every graph of ``records`` built on worker threads, in order, each kernel's function from ``kernels``
+    """Every graph of ``records`` built on ``threads`` worker threads, in order, each kernel's function from ``kernels``
     (which loads ``images``, checked against their SHA-256); started at construction. Each function's limits are
     set for the largest need of any of the records (:attr:`shared`: graphs prepared side by side must not lower
     each other's), and a graph with a copy through a unified address (:data:`UNIFIED`) is not built ahead: the
