@@ -83,6 +83,13 @@ class Kept(torch.cuda.CUDAGraph):
 
 torch.cuda.CUDAGraph = Kept
 torch.cuda.graphs.CUDAGraph = Kept
+try:  # every module the engine loads, kept, and which image each module came from (before the first kernel)
+    from weightcache.graphs.cubins import keep_kernel_images
+
+    recorder = keep_kernel_images()
+except Exception as exc:
+    print("no kernel images kept:", exc, file=sys.stderr)
+    recorder = None
 x = torch.zeros(4, device="cuda")
 check = Kept()
 with torch.cuda.graph(check):
@@ -168,6 +175,12 @@ for _, _, pool, _ in segments:
 from weightcache.graphs import AddressRange, CudaGraphDriver, describe, pointers, rebuild
 
 driver = CudaGraphDriver()
+
+
+def image_of(name, function):  # two functions of one name in a graph: told apart by their modules' images
+    return recorder.image_for(name, driver.function_module(function)) if recorder is not None else None
+
+
 ranges = [AddressRange(f"{pools[pool]}/{i}", address, size) for i, (address, size, pool, _) in enumerate(segments)]
 graphs = []
 described = []
@@ -179,7 +192,8 @@ for i, (g, seconds, instantiate) in enumerate(kept):
         raw = g.raw_cuda_graph()
         kinds = Counter(driver.node_kind(n) for n in driver.graph_nodes(raw))
         entry.update(nodes=sum(kinds.values()), kinds=dict(kinds))
-        description, functions = describe(driver, raw)
+        description, functions = describe(driver, raw, image_of)
+        entry["qualified"] = sum(1 for k in description.kernels() if "@" in k)
     except Exception as exc:  # one graph the describer cannot walk must not lose the run
         entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
         entry.setdefault("kinds", {})
@@ -509,6 +523,8 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
     return {k: r[k] for k in SUMMARY_KEYS} | {
         "node_kinds": dict(kinds),
         "not_describable": dict(errors),
+        # graphs that launch two functions of one name, told apart by their images (describe's image_of)
+        "graphs_with_qualified_kernels": sum(1 for g in graphs if g.get("qualified")),
         "pointers": sum(g.get("pointers", 0) for g in graphs),
         "outside": sum(g.get("outside", 0) for g in graphs),
         "outside_sample": next((g["outside_sample"] for g in graphs if g.get("outside")), []),

@@ -99,6 +99,9 @@ class FakeDriver:
     def module_functions(self, function: int) -> dict[str, int]:
         return dict(self.modules[function])
 
+    def function_module(self, function: int) -> int:
+        return id(self.modules[function])
+
     def create_graph(self) -> int:
         graph = next(self._ids)
         self.graphs[graph], self.edges[graph] = [], []
@@ -197,13 +200,38 @@ def test_a_node_a_description_cannot_hold_keeps_the_graph_captured() -> None:
         describe(driver, graph)
 
 
-def test_two_functions_of_one_name_cannot_be_described() -> None:
+def test_two_functions_of_one_name_are_told_apart_by_their_images_or_not_described() -> None:
+    """torch.compile's Triton modules name their kernels alike (vLLM's FULL graphs, H100, 2026-12-05: 51 of 51 not
+    describable, "two functions are named triton_red_fused_fused_add_rms_norm_0"). With the image of each handle
+    known, each such node names its kernel qualified by its image's SHA-256 (a kernel of a name no other function
+    shares keeps its plain name); with one unknown, the graph is not described."""
+    from weightcache.graphs.description import kernel_image, kernel_name
+
     driver = FakeDriver()
-    (a,), (b,) = driver.function("k"), driver.function("k")
-    node = KernelNode("k", (1, 1, 1), (1, 1, 1), 0, b"")
-    graph = driver.new_graph([("kernel", (a, node)), ("kernel", (b, node))], [])
-    with pytest.raises(GraphRestoreError, match="two functions are named k"):
+    (a,), (b,), (c,) = driver.function("k"), driver.function("k"), driver.function("other")
+    node, other = KernelNode("k", (1, 1, 1), (1, 1, 1), 0, b""), KernelNode("other", (1, 1, 1), (1, 1, 1), 0, b"")
+    graph = driver.new_graph([("kernel", (a, node)), ("kernel", (c, other)), ("kernel", (b, node))], [])
+    with pytest.raises(GraphRestoreError, match="2 different functions are named k in this graph"):
         describe(driver, graph)
+    images = {a: "a" * 64, b: "b" * 64}
+    with pytest.raises(GraphRestoreError, match="the image that defines each is not known"):
+        describe(driver, graph, lambda name, handle: images.get(handle) if handle == a else None)
+    asked: list[tuple[str, int]] = []
+
+    def image_of(name: str, handle: int) -> str | None:
+        asked.append((name, handle))
+        return images.get(handle)
+
+    description, functions = describe(driver, graph, image_of)
+    names = [n.function for n in description.nodes if isinstance(n, KernelNode)]
+    assert names == ["k@" + "a" * 64, "other", "k@" + "b" * 64]
+    assert functions == {names[0]: a, "other": c, names[2]: b}
+    assert sorted(asked) == sorted([("k", a), ("k", b)])  # only the names several functions share
+    assert [kernel_name(n) for n in names] == ["k", "other", "k"]
+    assert [kernel_image(n) for n in names] == ["a" * 64, None, "b" * 64]
+    # one image loaded twice (two handles of the same code): one name serves both
+    description, functions = describe(driver, graph, lambda name, handle: "a" * 64)
+    assert functions["k@" + "a" * 64] in (a, b) and len(functions) == 2
 
 
 def test_every_address_is_found_and_one_outside_the_ranges_stops_the_restore() -> None:

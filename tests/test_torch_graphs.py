@@ -168,6 +168,7 @@ def edit(change: Any) -> bytes:
         (lambda h, i: deep_header(), "the header"),
         (lambda h, i: h["graphs"][0]["kernels"].pop("gelu"), "graph 0 kernels"),
         (lambda h, i: h["graphs"][0]["kernels"].update(gemm="f" * 64), "graph 'b8' kernels"),
+        (lambda h, i: h["graphs"][0]["kernels"].update({"x@" + "a" * 64: "e" * 64}), "graph 0 kernels x@aaa"),
         (lambda h, i: h["graphs"][0].update(end=0, start=5), "graph 0 end"),
         (lambda h, i: h["graphs"][0]["outputs"][0].update(dtype="complex512"), "graph 0 output 0 dtype"),
         (lambda h, i: h["graphs"][0]["outputs"][0].update(stride=[1]), "graph 0 output 0 shape and stride"),
@@ -247,6 +248,31 @@ def test_a_preload_that_fails_after_its_module_loaded_unloads_it_and_a_later_cal
     assert (loader.images_loaded, loader.image_bytes) == (1, len(image))
     loader.close()
     assert driver.unloaded == [1, 2]
+
+
+def test_kernels_of_one_name_in_two_images_round_trip_and_load_each_from_its_own_image() -> None:
+    """A graph that launches two functions of one name (qualified by their images' SHA-256): the artifact keeps
+    both names and both images, and a restore (preloaded and not) asks each image for the plain name."""
+    from weightcache.graphs.description import qualified
+
+    first, second = elf([("triton_k_0", 2, 1)]), elf([("triton_k_0", 2, 1), ("pad", 2, 1)])
+    a, b = hashlib.sha256(first).hexdigest(), hashlib.sha256(second).hexdigest()
+    one, two = qualified("triton_k_0", a), qualified("triton_k_0", b)
+    nodes = (KernelNode(one, (1, 1, 1), (32, 1, 1), 0, b""), KernelNode(two, (2, 1, 1), (32, 1, 1), 0, b""))
+    record = GraphRecord("b1", 0, 4096, GraphDescription(nodes, (Edge(0, 1),)), (), {one: a, two: b}, {})
+    original = GraphBundle((AddressRange("graphs", 0x6000_0000_0000, 64 << 30),), (record,), {a: first, b: second})
+    back = GraphBundle.from_bytes(original.to_bytes())
+    assert back == original and back.graphs[0].kernels == {one: a, two: b}
+    for preload in (False, True):
+        driver = LoadingDriver()
+        loader = KernelLoader(driver)
+        if preload:
+            loader.preload(back.images, back.graphs)
+        functions = loader.functions(back.graphs[0].kernels, back.images, check=True)
+        loaded = {bytes(image): i + 1 for i, image in enumerate(driver.loaded)}
+        assert functions == {one: 1000 * loaded[first], two: 1000 * loaded[second] + 1}
+        assert {name for name, _ in driver.asked} == {"triton_k_0"}
+        loader.close()
 
 
 class BuildingDriver(LoadingDriver):
@@ -604,7 +630,8 @@ def test_the_recorder_keeps_each_module_loaded_except_those_a_restore_loads_itse
 
     cupti = FakeCupti()
     recorder = CubinRecorder(lib=cupti)  # type: ignore[arg-type]
-    assert cupti.enabled == [(3, 6)]  # the resource domain's module-loaded callback
+    # the resource domain's module-loaded callback; the driver's module loads and unloads
+    assert cupti.enabled == [(3, 6), (1, 18), (1, 19), (1, 20), (1, 21), (1, 22)] and recorder.follows_modules
     gemm = elf([("gemm_kernel", 2, 1)])
     load_module(cupti, gemm)
     assert recorder.image_of("gemm_kernel") == hashlib.sha256(gemm).hexdigest()
@@ -615,6 +642,69 @@ def test_the_recorder_keeps_each_module_loaded_except_those_a_restore_loads_itse
     cupti.callback(None, 3, 6, None)  # nothing to read: ignored, never an exception into the driver
     cupti.callback(None, 1, 307, 12345)  # another domain and callback
     assert recorder.counts() == (1, 1)
+
+
+def driver_load(
+    cupti: FakeCupti, image: bytes, module: int, *, cbid: int = 19, report: bool = True, result: int = 0
+) -> None:
+    """What CUPTI reports of a ``cuModuleLoadData``-like driver call (``cbid``): the call's entry, the module-loaded
+    callback with the image (``report``), the exit with ``result`` and, on success, the module handle written."""
+    import ctypes
+
+    from weightcache.graphs.cubins import _CallbackData
+
+    buffer = ctypes.create_string_buffer(image, len(image))
+    out = ctypes.c_void_p(0)
+    params = (ctypes.c_void_p * 2)(ctypes.addressof(out), ctypes.addressof(buffer))
+    code = ctypes.c_int(result)
+    enter = _CallbackData(0, None, ctypes.addressof(params), None)
+    cupti.callback(None, 1, cbid, ctypes.addressof(enter))
+    if report:
+        load_module(cupti, image)
+    if result == 0:
+        out.value = module
+    leave = _CallbackData(1, None, ctypes.addressof(params), ctypes.addressof(code))
+    cupti.callback(None, 1, cbid, ctypes.addressof(leave))
+
+
+def test_the_recorder_knows_which_image_each_module_was_loaded_from() -> None:
+    """Two images that define a kernel of one name (torch.compile's Triton modules both name theirs
+    ``triton_red_fused_..._0``): by name alone neither is the image of a function; by the function's module each
+    is. A cubin loaded from memory that CUPTI's module callback does not report is read off the call's image
+    pointer; a failed load maps nothing; an unloaded module's handle is forgotten (the driver may reuse it)."""
+    import ctypes
+
+    from weightcache.graphs.cubins import CubinRecorder, _CallbackData, loading_kept_images
+
+    cupti = FakeCupti()
+    recorder = CubinRecorder(lib=cupti)  # type: ignore[arg-type]
+    first, second = elf([("triton_k_0", 2, 1)]), elf([("triton_k_0", 2, 1), ("other", 2, 1)])
+    a, b = hashlib.sha256(first).hexdigest(), hashlib.sha256(second).hexdigest()
+    driver_load(cupti, first, 0x1111)
+    driver_load(cupti, second, 0x2222, cbid=20)  # cuModuleLoadDataEx
+    assert recorder.images_defining("triton_k_0") == 2 and recorder.image_of("triton_k_0") is None
+    assert recorder.image_for("triton_k_0", 0x1111) == a and recorder.image_for("triton_k_0", 0x2222) == b
+    assert recorder.image_for("triton_k_0", 0x3333) is None and recorder.image_for("triton_k_0", None) is None
+    assert recorder.image_for("other", 0x3333) == b  # one image defines it: by name
+    assert recorder.image_for("other", 0x1111) == b  # that module's image does not define it: by name too
+
+    unreported = elf([("direct", 2, 1)])
+    driver_load(cupti, unreported, 0x4444, report=False)
+    digest = hashlib.sha256(unreported).hexdigest()
+    assert recorder.image_for("direct", 0x4444) == digest and recorder.image(digest) == unreported
+
+    driver_load(cupti, elf([("failed", 2, 1)]), 0x5555, result=300)  # CUDA_ERROR_INVALID_SOURCE
+    assert recorder.image_for("failed", 0x5555) is not None  # the image was reported, by name
+    driver_load(cupti, elf([("failed", 2, 1), ("x", 2, 1)]), 0x5555, result=300)
+    assert recorder.image_for("failed", 0x5555) is None  # two images of that name, and no module of it known
+
+    unload = (ctypes.c_void_p * 1)(0x1111)
+    entry = _CallbackData(0, None, ctypes.addressof(unload), None)
+    cupti.callback(None, 1, 22, ctypes.addressof(entry))
+    assert recorder.image_for("triton_k_0", 0x1111) is None and recorder.image_for("triton_k_0", 0x2222) == b
+    with loading_kept_images():  # a restore's own loads are neither kept nor followed
+        driver_load(cupti, elf([("mine", 2, 1)]), 0x6666)
+    assert recorder.image_for("mine", 0x6666) is None
 
 
 def test_graphs_built_side_by_side_never_lower_each_others_shared_memory_limit() -> None:

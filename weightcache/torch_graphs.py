@@ -64,7 +64,7 @@ from .graphs.arena import DEFAULT_BASE, Arena, CudaArenaDriver
 from .graphs.bundle import FORMAT, GraphBundle, GraphRecord, Output
 from .graphs.check import AddressRange, extent_problems, extents, pointers
 from .graphs.cubins import CubinRecorder, keep_kernel_images
-from .graphs.description import GraphDescription
+from .graphs.description import GraphDescription, kernel_image
 from .graphs.driver import CudaGraphDriver
 from .graphs.loading import KernelLoader
 from .graphs.prebuild import Prebuilder, Prebuilt, build
@@ -844,8 +844,15 @@ class GraphCache:
         assert arena is not None and driver is not None
         if recorder is None:
             return self.reason or "kernel images cannot be kept here"
+
+        def image_of(name: str, function: int) -> str | None:
+            try:
+                return recorder.image_for(name, driver.function_module(function))
+            except GraphRestoreError:
+                return recorder.image_of(name)
+
         try:
-            description, _ = describe(driver, graph.raw_cuda_graph())
+            description, functions = describe(driver, graph.raw_cuda_graph(), image_of)
         except GraphRestoreError as exc:
             return str(exc)
         ranges = self.ranges()
@@ -854,8 +861,13 @@ class GraphCache:
             return f"{len(problems)} address(es) outside the reproduced ranges, e.g. {problems[0]}"
         kernels: dict[str, str] = {}
         for kernel in sorted(description.kernels()):
-            digest = recorder.image_of(kernel)
+            digest = kernel_image(kernel) or image_of(kernel, functions[kernel])
             if digest is None:
+                if recorder.images_defining(kernel) > 1:
+                    return (
+                        f"{recorder.images_defining(kernel)} kept kernel images define {kernel[:120]} and the load of "
+                        "this function's module was not seen, so which one it runs is not known"
+                    )
                 return (
                     f"the module of kernel {kernel[:120]} was loaded before this GraphCache kept modules (make the "
                     "GraphCache before the model's first kernel runs)"

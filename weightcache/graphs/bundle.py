@@ -31,7 +31,7 @@ import attrs
 
 from ..dtypes import DTYPES
 from .check import AddressRange
-from .description import GraphDescription
+from .description import GraphDescription, kernel_image
 from .json_fields import FieldReader
 
 MAGIC = b"WCGRAPH2"
@@ -98,7 +98,8 @@ class GraphRecord:
             a restore reproduces exactly that).
         description: its nodes and edges.
         outputs: the tensors it returns, in order.
-        kernels: kernel name -> SHA-256 of the image that defines it.
+        kernels: each kernel of the description (its name, or its
+            :func:`~weightcache.graphs.description.qualified` name) -> SHA-256 of the image that defines it.
         reach: range name -> how far into that range its pointers reach (:func:`~weightcache.graphs.check.extents`).
     """
 
@@ -144,6 +145,9 @@ class GraphRecord:
         missing = sorted(description.kernels() - set(kernels))
         if missing:
             raise _fail(f"{where} kernels", "an image for every kernel of the graph", f"none for {missing[0][:80]}")
+        other = next((k for k, v in sorted(kernels.items()) if kernel_image(k) not in (None, v)), None)
+        if other is not None:
+            raise _fail(f"{where} kernels {other[:80]}", "the image its qualified name holds", kernels[other])
         outputs = tuple(Output.from_json(o, f"{where} output {i}") for i, o in enumerate(_list(f["outputs"], where)))
         reach = f["reach"]
         if not isinstance(reach, Mapping) or not all(isinstance(k, str) for k in reach):

@@ -13,7 +13,9 @@ beside the captured graph before it records it, and records it only if the two g
 
 - :func:`kernel_names`: the kernels an image defines (its ELF symbol table; no GPU needed).
 - :class:`CubinRecorder`: CUPTI's module-loaded callback, through ``ctypes`` on ``libcupti``; every image loaded
-  while it is subscribed, by SHA-256, and which image defines each kernel name.
+  while it is subscribed, by SHA-256, which images define each kernel name, and which image each module handle
+  was loaded from (CUPTI's callbacks on the driver's module loads: where two modules define a kernel of one name,
+  as torch.compile's Triton modules do, a function's module says which image is its own).
 
 Layer L3; imports no torch.
 """
@@ -84,11 +86,58 @@ class _ModuleData(ctypes.Structure):
     _fields_ = [("module_id", ctypes.c_uint32), ("cubin_size", ctypes.c_size_t), ("cubin", ctypes.c_void_p)]
 
 
+class _CallbackData(ctypes.Structure):
+    """The first fields of ``CUpti_CallbackData`` (a driver call's callback): the site (0 on entry, 1 on exit), the
+    function's name, a pointer to its parameters' structure and, on exit, to its ``CUresult``."""
+
+    _fields_ = [
+        ("site", ctypes.c_uint32),
+        ("function_name", ctypes.c_void_p),
+        ("params", ctypes.c_void_p),
+        ("result", ctypes.c_void_p),
+    ]
+
+
 #: ``CUPTI_CB_DOMAIN_RESOURCE`` and ``CUPTI_CBID_RESOURCE_MODULE_LOADED``.
 _DOMAIN_RESOURCE, _MODULE_LOADED = 3, 6
+#: ``CUPTI_CB_DOMAIN_DRIVER_API``; ``CUPTI_DRIVER_TRACE_CBID_`` of ``cuModuleLoad``, ``cuModuleLoadData``,
+#: ``cuModuleLoadDataEx`` and ``cuModuleLoadFatBinary`` (each one's parameters start with ``CUmodule *module``;
+#: the two ``Data`` ones' next is the image), and of ``cuModuleUnload`` (``CUmodule hmod``). cupti_driver_cbid.h.
+_DOMAIN_DRIVER = 1
+_MODULE_LOADS = (18, 19, 20, 21)
+_LOADS_FROM_MEMORY = (19, 20)
+_MODULE_UNLOAD = 22
+_ENTER, _EXIT = 0, 1
+#: The largest image read off a ``cuModuleLoadData`` pointer whose load CUPTI's module callback did not report.
+_MAX_ELF = 1 << 30
 #: Set on a thread while it loads images it got from an artifact (:func:`loading_kept_images`): those loads are
 #: not kept again (a restore loads tens of MB; the graphs a process captures use its libraries' own modules).
 _own = threading.local()
+#: A thread's driver module loads under way: the digests of the images CUPTI reported during each.
+_loads = threading.local()
+
+
+def _elf_size(address: int) -> int | None:
+    """The length of the 64-bit little-endian ELF file at ``address`` (a cubin handed to ``cuModuleLoadData``):
+    the end of its farthest table, section or segment; None for anything else."""
+    header = ctypes.string_at(address, 64)
+    if header[:4] != _ELF_MAGIC or header[4] != 2 or header[5] != 1:
+        return None
+    phoff, shoff = struct.unpack_from("<QQ", header, 0x20)
+    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", header, 0x36)
+    end = max(64, phoff + phnum * phentsize, shoff + shnum * shentsize)
+    if end > _MAX_ELF or (shnum and shentsize < 64) or (phnum and phentsize < 56):
+        return None
+    sections = ctypes.string_at(address + shoff, shnum * shentsize) if shnum else b""
+    for i in range(shnum):
+        kind, _flags, _addr, offset, size = struct.unpack_from("<IQQQQ", sections, i * shentsize + 4)
+        if kind != 8:  # SHT_NOBITS takes no room in the file
+            end = max(end, offset + size)
+    segments = ctypes.string_at(address + phoff, phnum * phentsize) if phnum else b""
+    for i in range(phnum):
+        offset, _vaddr, _paddr, filesz = struct.unpack_from("<QQQQ", segments, i * phentsize + 8)
+        end = max(end, offset + filesz)
+    return end if end <= _MAX_ELF else None
 
 
 @contextlib.contextmanager
@@ -138,7 +187,9 @@ class CubinRecorder:
     def __init__(self, lib: ctypes.CDLL | None = None) -> None:
         self._lib = lib if lib is not None else load_cupti()
         self._images: dict[str, bytes] = {}
-        self._kernels: dict[str, str] = {}
+        self._names: dict[str, frozenset[str]] = {}  # image -> the kernels it defines
+        self._kernels: dict[str, list[str]] = {}  # kernel name -> the images that define it, in load order
+        self._modules: dict[int, str] = {}  # module handle -> the image it was loaded from
         self._lock = threading.Lock()
         self._callback = _CALLBACK(self._loaded)  # kept alive: CUPTI holds the raw pointer
         self._subscriber = ctypes.c_void_p()
@@ -156,10 +207,25 @@ class CubinRecorder:
         if code != 0:
             self.close()
             raise GraphRestoreError(f"cuptiEnableCallback(module loaded) failed with CUptiResult {code}")
+        #: Whether the driver's module loads are followed (which module holds which image); without, a kernel
+        #: name two kept images define cannot be told apart, and a graph that uses it is not recorded.
+        self.follows_modules = True
+        for cbid in (*_MODULE_LOADS, _MODULE_UNLOAD):
+            code = enable(1, self._subscriber, _DOMAIN_DRIVER, cbid)
+            if code != 0:
+                log.info("weightcache: CUPTI does not follow the driver's module loads (CUptiResult %s)", code)
+                self.follows_modules = False
+                break
 
     def _loaded(self, _userdata: int | None, domain: int, cbid: int, data: int | None) -> None:
         try:
-            if domain != _DOMAIN_RESOURCE or cbid != _MODULE_LOADED or not data or getattr(_own, "active", False):
+            if not data or getattr(_own, "active", False):
+                return
+            if domain == _DOMAIN_DRIVER:
+                if cbid in _MODULE_LOADS or cbid == _MODULE_UNLOAD:
+                    self._driver_call(cbid, _CallbackData.from_address(data))
+                return
+            if domain != _DOMAIN_RESOURCE or cbid != _MODULE_LOADED:
                 return
             resource = _ResourceData.from_address(data)
             if not resource.descriptor:
@@ -167,18 +233,52 @@ class CubinRecorder:
             module = _ModuleData.from_address(resource.descriptor)
             if not module.cubin or not module.cubin_size:
                 return
-            self.add(ctypes.string_at(module.cubin, module.cubin_size))
+            digest = self.add(ctypes.string_at(module.cubin, module.cubin_size))
+            pending = getattr(_loads, "stack", None)
+            if pending:  # inside a driver module load on this thread: that load's module holds this image
+                pending[-1].append(digest)
         except Exception:  # never raise into the driver's module load
             log.debug("weightcache: a module-loaded callback failed", exc_info=True)
+
+    def _driver_call(self, cbid: int, call: _CallbackData) -> None:
+        """A driver module load's entry and exit (its module -> the image CUPTI reported meanwhile, or, for a cubin
+        loaded from memory that it did not report, the cubin itself), or a module's unload."""
+        params = ctypes.cast(call.params, ctypes.POINTER(ctypes.c_void_p)) if call.params else None
+        if cbid == _MODULE_UNLOAD:
+            if call.site == _ENTER and params is not None and params[0]:
+                with self._lock:
+                    self._modules.pop(params[0], None)
+            return
+        stack = _loads.__dict__.setdefault("stack", [])
+        if call.site == _ENTER:
+            stack.append([])
+            return
+        if call.site != _EXIT or not stack:
+            return
+        reported = stack.pop()
+        if params is None or not params[0] or not call.result or ctypes.c_int.from_address(call.result).value != 0:
+            return  # the load failed: no module
+        module = ctypes.c_void_p.from_address(params[0]).value
+        if not module:
+            return
+        if not reported and cbid in _LOADS_FROM_MEMORY and params[1]:
+            size = _elf_size(params[1])
+            if size is not None:
+                reported.append(self.add(ctypes.string_at(params[1], size)))
+        if len(set(reported)) == 1:
+            with self._lock:
+                self._modules[module] = reported[0]
 
     def add(self, image: bytes) -> str:
         """Keep ``image`` (also for images obtained otherwise); its SHA-256."""
         digest = hashlib.sha256(image).hexdigest()
-        names = kernel_names(image)
+        names = frozenset(kernel_names(image))
         with self._lock:
-            self._images.setdefault(digest, image)
-            for name in names:
-                self._kernels.setdefault(name, digest)
+            if digest not in self._images:
+                self._images[digest] = image
+                self._names[digest] = names
+                for name in names:
+                    self._kernels.setdefault(name, []).append(digest)
         return digest
 
     def counts(self) -> tuple[int, int]:
@@ -187,9 +287,26 @@ class CubinRecorder:
             return len(self._images), len(self._kernels)
 
     def image_of(self, kernel: str) -> str | None:
-        """The SHA-256 of the kept image that defines ``kernel``, or None."""
+        """The SHA-256 of the one kept image that defines ``kernel``; None where none does or several do (then
+        :meth:`image_for` tells by the function's module)."""
         with self._lock:
-            return self._kernels.get(kernel)
+            found = self._kernels.get(kernel, ())
+            return found[0] if len(found) == 1 else None
+
+    def images_defining(self, kernel: str) -> int:
+        """How many kept images define ``kernel``."""
+        with self._lock:
+            return len(self._kernels.get(kernel, ()))
+
+    def image_for(self, kernel: str, module: int | None) -> str | None:
+        """The SHA-256 of the kept image that defines ``kernel`` for a function of ``module`` (its handle,
+        ``cuFuncGetModule``): the image that module was loaded from where its load was seen and the image defines
+        the name; else :meth:`image_of`."""
+        with self._lock:
+            digest = self._modules.get(module) if module else None
+            if digest is not None and kernel in self._names[digest]:
+                return digest
+        return self.image_of(kernel)
 
     def image(self, digest: str) -> bytes:
         with self._lock:

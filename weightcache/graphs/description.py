@@ -70,7 +70,9 @@ class KernelNode:
     """One kernel launch of the graph.
 
     Attributes:
-        function: the kernel's (mangled) name, as ``cuFuncGetName`` gives it.
+        function: the kernel's (mangled) name, as ``cuFuncGetName`` gives it; ``name@<SHA-256 of its image>``
+            (:func:`qualified`) where the graph launches two different functions of that name (modules that name
+            their kernels alike: each of torch.compile's Triton modules starts at ``..._0``).
         grid, block: the launch's grid and block dimensions.
         shared_bytes: its dynamic shared memory.
         args: its argument bytes as the kernel reads them.
@@ -100,6 +102,26 @@ class KernelNode:
             offsets = np.array(pointer_words(self.layout), dtype=np.intp) * 8
             return offsets.astype(np.uint64), every[offsets // 8]
         return np.arange(len(every), dtype=np.uint64) * 8, every
+
+
+#: Between a kernel's name and the SHA-256 of its image in a qualified :attr:`KernelNode.function` (a mangled name,
+#: a Triton or CUDA C name never holds it).
+IMAGE_MARK = "@"
+
+
+def qualified(name: str, digest: str) -> str:
+    """``name`` as the kernel of that name in the image whose SHA-256 is ``digest``."""
+    return f"{name}{IMAGE_MARK}{digest}"
+
+
+def kernel_name(function: str) -> str:
+    """The name a module knows a :attr:`KernelNode.function` by (a :func:`qualified` one without its image)."""
+    return function.partition(IMAGE_MARK)[0]
+
+
+def kernel_image(function: str) -> str | None:
+    """The SHA-256 of the image a :func:`qualified` :attr:`KernelNode.function` names; None for a plain name."""
+    return function.partition(IMAGE_MARK)[2] or None
 
 
 def pointer_words(layout: Sequence[tuple[int, int]]) -> list[int]:
@@ -714,6 +736,7 @@ __all__ = [
     "BINARY_MAGIC",
     "EDGE_BYTES",
     "FORMAT",
+    "IMAGE_MARK",
     "LAUNCH_FORMS",
     "MEMORY_TYPES",
     "Edge",
@@ -723,5 +746,8 @@ __all__ = [
     "MemcpyNode",
     "MemsetNode",
     "Node",
+    "kernel_image",
+    "kernel_name",
     "pointer_words",
+    "qualified",
 ]

@@ -107,6 +107,10 @@ class GraphDriver(Protocol):
         """Every function of the module that holds ``function``, by name."""
         ...
 
+    def function_module(self, function: int) -> int:
+        """The handle of the module that holds ``function`` (``cuFuncGetModule``)."""
+        ...
+
     def create_graph(self) -> int:
         """A new, empty graph."""
         ...
@@ -502,6 +506,11 @@ class CudaGraphDriver:
         if self._lib.cuPointerGetAttribute(ctypes.byref(size), _RANGE_SIZE, address) != 0:
             return None
         return int(start.value), int(size.value)
+
+    def function_module(self, function: int) -> int:
+        module = _p()
+        self._call("cuFuncGetModule", ctypes.byref(module), _p(function))
+        return int(module.value or 0)
 
     def module_functions(self, function: int) -> dict[str, int]:
         module, count = _p(), ctypes.c_uint()

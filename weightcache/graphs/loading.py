@@ -23,6 +23,7 @@ from typing import Protocol
 from ..errors import GraphRestoreError
 from .bundle import GraphRecord, image_matches
 from .cubins import loading_kept_images
+from .description import kernel_name
 
 log = logging.getLogger("weightcache.graphs")
 
@@ -79,7 +80,7 @@ class KernelLoader:
             module = self._load(digest, image, check=True)
             try:
                 names = sorted(wanted.get(digest, ()))
-                return module, {name: driver.module_function(module, name) for name in names}
+                return module, {name: driver.module_function(module, kernel_name(name)) for name in names}
             except BaseException:  # the failed preload is not remembered (functions()): nothing else unloads it
                 driver.unload_module(module)
                 raise
@@ -91,7 +92,8 @@ class KernelLoader:
     def functions(
         self, kernels: Mapping[str, str], images: Mapping[str, bytes | memoryview], *, check: bool
     ) -> dict[str, int]:
-        """Each kernel of ``kernels`` (name -> SHA-256 of its image) -> its function handle, from this process's
+        """Each kernel of ``kernels`` (its name or qualified name -> SHA-256 of its image) -> its function handle
+        (the image's function of that name, :func:`~weightcache.graphs.description.kernel_name`), from this process's
         own load of its image in ``images``: preloaded, loaded earlier, or loaded now (``check``: the image
         checked against its SHA-256 first; an artifact's images are taken unchecked, a recorder's are this
         process's own). :class:`GraphRestoreError` if an image does not match or has no kernel of that name.
@@ -122,10 +124,10 @@ class KernelLoader:
                 self.image_bytes += len(images[digest])
                 self.image_seconds += time.perf_counter() - began
             if (digest, name) not in self._functions:
-                self._functions[(digest, name)] = self._driver.module_function(module, name)
+                self._functions[(digest, name)] = self._driver.module_function(module, kernel_name(name))
             function = self._functions[(digest, name)]
             if function is None:
-                raise GraphRestoreError(f"the kept image {digest[:12]} has no kernel named {name[:120]}")
+                raise GraphRestoreError(f"the kept image {digest[:12]} has no kernel named {kernel_name(name)[:120]}")
             found[name] = function
         return found
 

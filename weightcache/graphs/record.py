@@ -17,12 +17,13 @@ once (e.g. a forward per GEMM shape) to learn its handle.
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
+import attrs
 import numpy as np
 
 from ..errors import GraphRestoreError
-from .description import Edge, EmptyNode, GraphDescription, Node
+from .description import IMAGE_MARK, Edge, EmptyNode, GraphDescription, KernelNode, Node, qualified
 from .driver import (
     DEFAULT_DYNAMIC_SHARED,
     MAX_DYNAMIC_SHARED,
@@ -33,25 +34,30 @@ from .driver import (
 )
 
 
-def describe(driver: GraphDriver, graph: int) -> tuple[GraphDescription, dict[str, int]]:
+def describe(
+    driver: GraphDriver, graph: int, image_of: Callable[[str, int], str | None] | None = None
+) -> tuple[GraphDescription, dict[str, int]]:
     """``graph``'s description, and the function handle of each kernel it names (in this process).
 
-    Raises :class:`~weightcache.errors.GraphRestoreError` for a node the description cannot hold, or two kernels of
-    one name with different handles (a name must identify one function for :func:`rebuild`)."""
+    A kernel is named by its name, except where the graph launches two different functions of one name (two
+    modules that name their kernels alike): each of those is :func:`~weightcache.graphs.description.qualified` by
+    the SHA-256 of the image that defines it, which ``image_of(name, handle)`` gives (the recorder of this
+    process's modules knows which module each was loaded into). Raises :class:`~weightcache.errors.GraphRestoreError`
+    for a node the description cannot hold, or for two functions of one name whose images ``image_of`` cannot
+    tell apart (none given, or one unknown)."""
     handles = driver.graph_nodes(graph)
     index = {handle: i for i, handle in enumerate(handles)}
     nodes: list[Node] = []
-    functions: dict[str, int] = {}
+    kernels: dict[int, tuple[int, KernelNode]] = {}  # node index -> (function handle, node)
+    named: dict[str, set[int]] = {}  # kernel name -> the function handles of that name
     for i, handle in enumerate(handles):
         kind = driver.node_kind(handle)
         if kind == "kernel":
             function, node = driver.kernel_node(handle)
-            known = functions.setdefault(node.function, function)
-            if known != function:
-                raise GraphRestoreError(
-                    f"node {i}: two functions are named {node.function[:120]} in this process; a description "
-                    "names a kernel by its name, so this graph cannot be described (capture it as usual)"
-                )
+            if IMAGE_MARK in node.function:
+                raise GraphRestoreError(f"node {i}: the kernel name {node.function[:120]} holds {IMAGE_MARK!r}")
+            kernels[i] = function, node
+            named.setdefault(node.function, set()).add(function)
             nodes.append(node)
         elif kind == "memset":
             nodes.append(driver.memset_node(handle))
@@ -67,12 +73,38 @@ def describe(driver: GraphDriver, graph: int) -> tuple[GraphDescription, dict[st
                 f"node {i} of the graph is a {kind} node, which a description does not hold (kernels, memsets, "
                 "device-to-device memcpys and empty nodes only); this graph is captured as usual"
             )
+    functions: dict[str, int] = {}
+    keys = _keys(named, image_of)
+    for i, (function, node) in kernels.items():
+        key = keys.get((node.function, function), node.function)
+        if key != node.function:
+            nodes[i] = attrs.evolve(node, function=key)
+        functions[key] = function
     edges = []
     for src, dst, data in driver.graph_edges(graph):
         if src not in index or dst not in index:
             raise GraphRestoreError("the driver reported an edge between nodes the graph does not list")
         edges.append(Edge(index[src], index[dst], data))
     return GraphDescription(tuple(nodes), tuple(edges)), functions
+
+
+def _keys(
+    named: Mapping[str, set[int]], image_of: Callable[[str, int], str | None] | None
+) -> dict[tuple[str, int], str]:
+    """(name, handle) -> its qualified name, for each name that several function handles share."""
+    keys: dict[tuple[str, int], str] = {}
+    for name, handles in sorted(named.items()):
+        if len(handles) < 2:
+            continue
+        images = {h: image_of(name, h) if image_of is not None else None for h in handles}
+        if None in images.values():  # (two handles of one image are the same code: one key serves both)
+            raise GraphRestoreError(
+                f"{len(handles)} different functions are named {name[:120]} in this graph and the image that defines "
+                "each is not known (its module was loaded before kernel images were kept, or not through the "
+                "driver's module API); this graph cannot be described and is captured as usual"
+            )
+        keys.update({(name, h): qualified(name, d) for h, d in images.items() if d is not None})
+    return keys
 
 
 def rebuild(driver: GraphDriver, description: GraphDescription, functions: Mapping[str, int]) -> int:
