@@ -249,6 +249,7 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
         "images_loaded": [cache.images_loaded, cache.image_bytes, round(cache.image_seconds * 1e3, 1)]
         if cache
         else None,
+        "image_steps_ms": {k: round(v * 1e3, 1) for k, v in cache.image_steps.items()} if cache else None,
         "start_phases_ms": {k: round(v * 1e3, 1) for k, v in cache.phases.items()} if cache else None,
     }
     handle.close()

@@ -272,6 +272,9 @@ def test_kernels_of_one_name_in_two_images_round_trip_and_load_each_from_its_own
         loaded = {bytes(image): i + 1 for i, image in enumerate(driver.loaded)}
         assert functions == {one: 1000 * loaded[first], two: 1000 * loaded[second] + 1}
         assert {name for name, _ in driver.asked} == {"triton_k_0"}
+        steps = loader.image_steps  # where the images' time went: each step timed, the span only for a preload
+        assert set(steps) == {"check", "load", "functions"} | ({"span"} if preload else set())
+        assert all(v >= 0 for v in steps.values())
         loader.close()
 
 

@@ -502,6 +502,13 @@ class GraphCache:
         beside the caller)."""
         return self._kernels.image_seconds if self._kernels is not None else 0.0
 
+    @property
+    def image_steps(self) -> dict[str, float]:
+        """Seconds the loads of those images spent checking (``check``), loading (``load``) and asking for their
+        kernels (``functions``), summed over images that load side by side, and ``span``: from the artifact's
+        load to the last image loaded."""
+        return dict(self._kernels.image_steps) if self._kernels is not None else {}
+
     def ranges(self) -> list[AddressRange]:
         """The address ranges this process reproduces: the arena, the weights mapped at their homes, and the
         tensors declared with :meth:`external` (by name)."""

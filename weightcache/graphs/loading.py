@@ -59,6 +59,13 @@ class KernelLoader:
         self.images_loaded = 0
         self.image_bytes = 0
         self.image_seconds = 0.0
+        #: Seconds spent in each step of loading images, summed over images (loaded side by side, so the sum can
+        #: exceed the wall time): ``check`` (SHA-256), ``load`` (``cuModuleLoadData``), ``functions``
+        #: (``cuModuleGetFunction`` of the kernels asked for, where lazy loading loads each); and ``span``, from
+        #: the first :meth:`preload` to its last image loaded.
+        self.image_steps: dict[str, float] = {}
+        self._steps_lock = threading.Lock()
+        self._preload_began: float | None = None
 
     def preload(self, images: Mapping[str, bytes | memoryview], graphs: Iterable[GraphRecord]) -> None:
         """Start checking and loading every image of ``images`` (an artifact's, taken unchecked) on worker
@@ -75,12 +82,18 @@ class KernelLoader:
                 wanted.setdefault(digest, set()).add(name)
         driver, context = self._driver, self._driver.current_context()
 
+        if self._preload_began is None:
+            self._preload_began = time.perf_counter()
+
         def load(digest: str, image: bytes | memoryview) -> tuple[int, dict[str, int | None]]:
             driver.make_current(context)
             module = self._load(digest, image, check=True)
             try:
+                began = time.perf_counter()
                 names = sorted(wanted.get(digest, ()))
-                return module, {name: driver.module_function(module, kernel_name(name)) for name in names}
+                found = {name: driver.module_function(module, kernel_name(name)) for name in names}
+                self._count("functions", began)
+                return module, found
             except BaseException:  # the failed preload is not remembered (functions()): nothing else unloads it
                 driver.unload_module(module)
                 raise
@@ -124,7 +137,9 @@ class KernelLoader:
                 self.image_bytes += len(images[digest])
                 self.image_seconds += time.perf_counter() - began
             if (digest, name) not in self._functions:
+                began = time.perf_counter()
                 self._functions[(digest, name)] = self._driver.module_function(module, kernel_name(name))
+                self._count("functions", began)
             function = self._functions[(digest, name)]
             if function is None:
                 raise GraphRestoreError(f"the kept image {digest[:12]} has no kernel named {kernel_name(name)[:120]}")
@@ -162,11 +177,25 @@ class KernelLoader:
             except Exception as exc:
                 log.warning("weightcache: a kernel module could not be unloaded: %s", exc)
 
+    def _count(self, step: str, began: float) -> None:
+        """Add the seconds since ``began`` to ``step`` of :attr:`image_steps`, and move the preload's span on."""
+        now = time.perf_counter()
+        with self._steps_lock:
+            self.image_steps[step] = self.image_steps.get(step, 0.0) + now - began
+            if self._preload_began is not None:
+                self.image_steps["span"] = now - self._preload_began
+
     def _load(self, digest: str, image: bytes | memoryview, *, check: bool) -> int:
+        began = time.perf_counter()
         if check and not image_matches(digest, image):
             raise GraphRestoreError(f"the artifact's kernel image {digest[:12]} does not match its SHA-256")
+        if check:
+            self._count("check", began)
+        began = time.perf_counter()
         with loading_kept_images():  # a recorder in this process does not keep what we load ourselves
-            return self._driver.load_module(image)
+            module = self._driver.load_module(image)
+        self._count("load", began)
+        return module
 
 
 __all__ = ["MAX_THREADS", "KernelLoader", "ModuleDriver"]
