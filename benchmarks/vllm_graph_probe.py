@@ -178,7 +178,9 @@ driver = CudaGraphDriver()
 
 
 def image_of(name, function):  # two functions of one name in a graph: told apart by their modules' images
-    return recorder.image_for(name, driver.function_module(function)) if recorder is not None else None
+    if recorder is None:
+        return None
+    return recorder.image_for(name, driver.function_module(function), by_name=False)
 
 
 ranges = [AddressRange(f"{pools[pool]}/{i}", address, size) for i, (address, size, pool, _) in enumerate(segments)]

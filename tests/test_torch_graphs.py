@@ -633,8 +633,9 @@ def test_the_recorder_keeps_each_module_loaded_except_those_a_restore_loads_itse
 
     cupti = FakeCupti()
     recorder = CubinRecorder(lib=cupti)  # type: ignore[arg-type]
-    # the resource domain's module-loaded callback; the driver's module loads and unloads
-    assert cupti.enabled == [(3, 6), (1, 18), (1, 19), (1, 20), (1, 21), (1, 22)] and recorder.follows_modules
+    # the resource domain's module-loaded callback
+    # and the driver's module loads, unloads and a context's teardown (which takes its modules)
+    assert cupti.enabled == [(3, 6), (1, 18), (1, 19), (1, 20), (1, 21), (1, 22), (3, 2)] and recorder.follows_modules
     gemm = elf([("gemm_kernel", 2, 1)])
     load_module(cupti, gemm)
     assert recorder.image_of("gemm_kernel") == hashlib.sha256(gemm).hexdigest()
@@ -677,7 +678,7 @@ def test_the_recorder_knows_which_image_each_module_was_loaded_from() -> None:
     pointer; a failed load maps nothing; an unloaded module's handle is forgotten (the driver may reuse it)."""
     import ctypes
 
-    from weightcache.graphs.cubins import CubinRecorder, _CallbackData, loading_kept_images
+    from weightcache.graphs.cubins import CubinRecorder, _CallbackData, _ResourceData, loading_kept_images
 
     cupti = FakeCupti()
     recorder = CubinRecorder(lib=cupti)  # type: ignore[arg-type]
@@ -688,8 +689,9 @@ def test_the_recorder_knows_which_image_each_module_was_loaded_from() -> None:
     assert recorder.images_defining("triton_k_0") == 2 and recorder.image_of("triton_k_0") is None
     assert recorder.image_for("triton_k_0", 0x1111) == a and recorder.image_for("triton_k_0", 0x2222) == b
     assert recorder.image_for("triton_k_0", 0x3333) is None and recorder.image_for("triton_k_0", None) is None
-    assert recorder.image_for("other", 0x3333) == b  # one image defines it: by name
-    assert recorder.image_for("other", 0x1111) == b  # that module's image does not define it: by name too
+    assert recorder.image_for("other", 0x3333) == b  # a module not seen: by name, one image defines it
+    assert recorder.image_for("other", 0x3333, by_name=False) is None  # (for two functions of one name: never)
+    assert recorder.image_for("other", 0x1111) is None  # a module seen, whose image does not define it
 
     unreported = elf([("direct", 2, 1)])
     driver_load(cupti, unreported, 0x4444, report=False)
@@ -708,6 +710,56 @@ def test_the_recorder_knows_which_image_each_module_was_loaded_from() -> None:
     with loading_kept_images():  # a restore's own loads are neither kept nor followed
         driver_load(cupti, elf([("mine", 2, 1)]), 0x6666)
     assert recorder.image_for("mine", 0x6666) is None
+    # a context torn down takes its modules: their handles may be given again
+    teardown = _ResourceData(None, None, None)
+    cupti.callback(None, 3, 2, ctypes.addressof(teardown))
+    assert recorder.image_for("triton_k_0", 0x2222) is None and recorder.image_for("direct", 0x4444) == digest
+
+
+def test_two_functions_of_one_name_one_of_them_in_a_module_not_seen_are_not_described() -> None:
+    """Found by a review: function a's module loaded before the recorder (its image never kept), b's seen loading
+    image B. By name, "the one kept image of that name" is B for both, and the rebuilt graph would run b's kernel
+    at a's node; a name several functions share is told apart by seen modules only."""
+    from test_graphs import FakeDriver
+
+    from weightcache.graphs.cubins import CubinRecorder
+    from weightcache.graphs.record import describe
+
+    cupti = FakeCupti()
+    recorder = CubinRecorder(lib=cupti)  # type: ignore[arg-type]
+    driver_load(cupti, elf([("triton_k_0", 2, 1)]), 0x2222)
+    driver = FakeDriver()
+    (a,), (b,) = driver.function("triton_k_0"), driver.function("triton_k_0")
+    modules = {a: 0x1111, b: 0x2222}
+    node = KernelNode("triton_k_0", (1, 1, 1), (1, 1, 1), 0, b"")
+    graph = driver.new_graph([("kernel", (a, node)), ("kernel", (b, node))], [])
+    with pytest.raises(GraphRestoreError, match="the image that defines each is not known"):
+        describe(driver, graph, lambda n, h: recorder.image_for(n, modules[h], by_name=False))
+
+
+def test_module_loads_are_followed_all_or_nothing() -> None:
+    """Found by a review: CUPTI refusing to follow cuModuleUnload after it followed the loads left the loads mapped
+    with nothing to forget a handle the driver gives again. Now the callbacks enabled are disabled again, and no
+    module is mapped: a function's image is known by its name only."""
+    from weightcache.graphs.cubins import CubinRecorder
+
+    cupti = FakeCupti()
+    enable = cupti.cuptiEnableCallback
+    calls: list[tuple[int, int, int]] = []
+
+    def refusing(on: int, subscriber: Any, domain: int, cbid: int) -> int:
+        calls.append((on, domain, cbid))
+        return 1 if (domain, cbid) == (1, 22) else enable(on, subscriber, domain, cbid)
+
+    cupti.cuptiEnableCallback = refusing
+    recorder = CubinRecorder(lib=cupti)  # type: ignore[arg-type]
+    assert not recorder.follows_modules
+    assert [c for c in calls if c[0] == 0] == [(0, 1, 18), (0, 1, 19), (0, 1, 20), (0, 1, 21)]
+    first = elf([("triton_k_0", 2, 1)])
+    driver_load(cupti, first, 0x1111)
+    driver_load(cupti, elf([("triton_k_0", 2, 1), ("pad", 2, 1)]), 0x2222)
+    assert recorder.image_for("triton_k_0", 0x1111) is None  # two images of that name, no module followed
+    assert recorder.image_for("pad", 0x1111) is not None  # one image of that name: by name
 
 
 def test_graphs_built_side_by_side_never_lower_each_others_shared_memory_limit() -> None:

@@ -852,11 +852,14 @@ class GraphCache:
         if recorder is None:
             return self.reason or "kernel images cannot be kept here"
 
-        def image_of(name: str, function: int) -> str | None:
+        def image_of(name: str, function: int, by_name: bool = False) -> str | None:
+            """``function``'s image: its module's where that load was seen, else (``by_name``) the one kept image
+            of that name (a name several functions of the graph share is told apart by seen modules only)."""
             try:
-                return recorder.image_for(name, driver.function_module(function))
+                module: int | None = driver.function_module(function)
             except GraphRestoreError:
-                return recorder.image_of(name)
+                module = None
+            return recorder.image_for(name, module, by_name=by_name)
 
         try:
             description, functions = describe(driver, graph.raw_cuda_graph(), image_of)
@@ -868,12 +871,13 @@ class GraphCache:
             return f"{len(problems)} address(es) outside the reproduced ranges, e.g. {problems[0]}"
         kernels: dict[str, str] = {}
         for kernel in sorted(description.kernels()):
-            digest = kernel_image(kernel) or image_of(kernel, functions[kernel])
+            digest = kernel_image(kernel) or image_of(kernel, functions[kernel], by_name=True)
             if digest is None:
-                if recorder.images_defining(kernel) > 1:
+                if recorder.images_defining(kernel) > 0:
                     return (
-                        f"{recorder.images_defining(kernel)} kept kernel images define {kernel[:120]} and the load of "
-                        "this function's module was not seen, so which one it runs is not known"
+                        f"{recorder.images_defining(kernel)} kept kernel image(s) define {kernel[:120]}, and the load "
+                        "of this function's module was not seen or its image does not define it, so which one it "
+                        "runs is not known"
                     )
                 return (
                     f"the module of kernel {kernel[:120]} was loaded before this GraphCache kept modules (make the "

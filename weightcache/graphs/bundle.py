@@ -35,9 +35,12 @@ from .description import GraphDescription, kernel_image
 from .json_fields import FieldReader
 
 MAGIC = b"WCGRAPH2"
-#: The format of the artifact (its JSON header's ``format``, and part of its key): 3 since descriptions hold memcpy
-#: nodes (:data:`~weightcache.graphs.description.BINARY_FORMAT` 2); an artifact of another format is not read.
-FORMAT = 3
+#: The format of the artifact (its JSON header's ``format``, and part of its key); an artifact of another format is
+#: not read. 3 when descriptions came to hold memcpy nodes (:data:`~weightcache.graphs.description.BINARY_FORMAT`
+#: 2); 4 since 2026-12-05: a record's ``reach`` covers the pointers inside a kernel's structure parameters (a
+#: format-3 artifact's may leave out a range a graph reads, which its restore would then not check), and kernels
+#: may be named ``name@<SHA-256>``.
+FORMAT = 4
 #: Bytes before the header: the magic, the header's and the descriptions' lengths, their SHA-256.
 PREFIX = len(MAGIC) + 8 + 8 + 32
 #: Where the images start, and each image within them: at multiples of this many bytes from the blob's start (a

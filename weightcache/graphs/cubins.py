@@ -98,8 +98,9 @@ class _CallbackData(ctypes.Structure):
     ]
 
 
-#: ``CUPTI_CB_DOMAIN_RESOURCE`` and ``CUPTI_CBID_RESOURCE_MODULE_LOADED``.
-_DOMAIN_RESOURCE, _MODULE_LOADED = 3, 6
+#: ``CUPTI_CB_DOMAIN_RESOURCE``, ``CUPTI_CBID_RESOURCE_MODULE_LOADED`` and ``_CONTEXT_DESTROY_STARTING`` (its
+#: modules go with a context: their handles may be given again).
+_DOMAIN_RESOURCE, _MODULE_LOADED, _CONTEXT_DESTROY = 3, 6, 2
 #: ``CUPTI_CB_DOMAIN_DRIVER_API``; ``CUPTI_DRIVER_TRACE_CBID_`` of ``cuModuleLoad``, ``cuModuleLoadData``,
 #: ``cuModuleLoadDataEx`` and ``cuModuleLoadFatBinary`` (each one's parameters start with ``CUmodule *module``;
 #: the two ``Data`` ones' next is the image), and of ``cuModuleUnload`` (``CUmodule hmod``). cupti_driver_cbid.h.
@@ -120,8 +121,10 @@ _loads = threading.local()
 def _elf_size(address: int) -> int | None:
     """The length of the 64-bit little-endian ELF file at ``address`` (a cubin handed to ``cuModuleLoadData``):
     the end of its farthest table, section or segment; None for anything else."""
+    if ctypes.string_at(address, 4) != _ELF_MAGIC:  # (a PTX text may be shorter than an ELF header)
+        return None
     header = ctypes.string_at(address, 64)
-    if header[:4] != _ELF_MAGIC or header[4] != 2 or header[5] != 1:
+    if header[4] != 2 or header[5] != 1:
         return None
     phoff, shoff = struct.unpack_from("<QQ", header, 0x20)
     phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", header, 0x36)
@@ -190,6 +193,7 @@ class CubinRecorder:
         self._names: dict[str, frozenset[str]] = {}  # image -> the kernels it defines
         self._kernels: dict[str, list[str]] = {}  # kernel name -> the images that define it, in load order
         self._modules: dict[int, str] = {}  # module handle -> the image it was loaded from
+        self.follows_modules = False  # (below, once CUPTI follows them)
         self._lock = threading.Lock()
         self._callback = _CALLBACK(self._loaded)  # kept alive: CUPTI holds the raw pointer
         self._subscriber = ctypes.c_void_p()
@@ -207,14 +211,21 @@ class CubinRecorder:
         if code != 0:
             self.close()
             raise GraphRestoreError(f"cuptiEnableCallback(module loaded) failed with CUptiResult {code}")
-        #: Whether the driver's module loads are followed (which module holds which image); without, a kernel
-        #: name two kept images define cannot be told apart, and a graph that uses it is not recorded.
+        #: Whether the driver's module loads, unloads and context teardowns are followed (which module holds which
+        #: image); without, a function's image is known only by its name (:meth:`image_for`), and two functions
+        #: of one name in one graph make it not describable.
         self.follows_modules = True
-        for cbid in (*_MODULE_LOADS, _MODULE_UNLOAD):
-            code = enable(1, self._subscriber, _DOMAIN_DRIVER, cbid)
-            if code != 0:
+        follow = [
+            *((_DOMAIN_DRIVER, c) for c in (*_MODULE_LOADS, _MODULE_UNLOAD)),
+            (_DOMAIN_RESOURCE, _CONTEXT_DESTROY),
+        ]
+        for at, (domain, cbid) in enumerate(follow):
+            code = enable(1, self._subscriber, domain, cbid)
+            if code != 0:  # all or nothing: loads followed without their unloads would map handles given again
                 log.info("weightcache: CUPTI does not follow the driver's module loads (CUptiResult %s)", code)
                 self.follows_modules = False
+                for undo in follow[:at]:
+                    enable(0, self._subscriber, *undo)
                 break
 
     def _loaded(self, _userdata: int | None, domain: int, cbid: int, data: int | None) -> None:
@@ -222,8 +233,12 @@ class CubinRecorder:
             if not data or getattr(_own, "active", False):
                 return
             if domain == _DOMAIN_DRIVER:
-                if cbid in _MODULE_LOADS or cbid == _MODULE_UNLOAD:
+                if self.follows_modules and (cbid in _MODULE_LOADS or cbid == _MODULE_UNLOAD):
                     self._driver_call(cbid, _CallbackData.from_address(data))
+                return
+            if domain == _DOMAIN_RESOURCE and cbid == _CONTEXT_DESTROY:
+                with self._lock:  # every module of that context goes (one context a process, as torch makes it)
+                    self._modules.clear()
                 return
             if domain != _DOMAIN_RESOURCE or cbid != _MODULE_LOADED:
                 return
@@ -298,15 +313,18 @@ class CubinRecorder:
         with self._lock:
             return len(self._kernels.get(kernel, ()))
 
-    def image_for(self, kernel: str, module: int | None) -> str | None:
+    def image_for(self, kernel: str, module: int | None, *, by_name: bool = True) -> str | None:
         """The SHA-256 of the kept image that defines ``kernel`` for a function of ``module`` (its handle,
-        ``cuFuncGetModule``): the image that module was loaded from where its load was seen and the image defines
-        the name; else :meth:`image_of`."""
+        ``cuFuncGetModule``). Where that module's load was seen: the image it was loaded from, None if that image
+        does not define the name. Where it was not (loaded before this recorder, or through the runtime's library
+        API): with ``by_name``, :meth:`image_of`, which cannot know an image that was never kept (a module of the
+        same name loaded before the recorder; the recorder's verifying replay is what catches that); without,
+        None."""
         with self._lock:
             digest = self._modules.get(module) if module else None
-            if digest is not None and kernel in self._names[digest]:
-                return digest
-        return self.image_of(kernel)
+            if digest is not None:
+                return digest if kernel in self._names[digest] else None
+        return self.image_of(kernel) if by_name else None
 
     def image(self, digest: str) -> bytes:
         with self._lock:
