@@ -72,7 +72,7 @@ class KernelNode:
     Attributes:
         function: the kernel's (mangled) name, as ``cuFuncGetName`` gives it; ``name@<SHA-256 of its image>``
             (:func:`qualified`) where the graph launches two different functions of that name (modules that name
-            their kernels alike: each of torch.compile's Triton modules starts at ``..._0``).
+            their kernels alike: torch.compile names the Triton kernels of pieces it compiles apart by pattern).
         grid, block: the launch's grid and block dimensions.
         shared_bytes: its dynamic shared memory.
         args: its argument bytes as the kernel reads them.
