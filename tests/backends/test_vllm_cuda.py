@@ -7,7 +7,8 @@ it loads, publishes and runs on the published copy) and weightcache client (a se
 first still runs); the client's loader takes < 1 % of the weights' bytes of device memory (its weights are the
 keeper's); and vLLM's KV cache in every engine is auto's within 1 % (its memory budget counts the weights it maps
 once: before vLLM 0.32 through ``count_external_weights``). Then a keeper SIGKILL leaves the running engines
-generating, and after a keeper restart the engines re-publish, and a new engine attaches.
+generating, and after a keeper restart the engines re-publish, and a new engine attaches. With
+``WEIGHTCACHE_VLLM_GRAPHS=1``, a second engine restores the FULL CUDA graphs the first recorded.
 """
 
 from __future__ import annotations
@@ -48,8 +49,8 @@ def make_model(directory: Path, architecture: str) -> Path:
 class Engine(EngineProcess):
     """One vLLM engine in its own process (vLLM's engine in-process there), kept running until closed."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
-        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0"}
+    def __init__(self, spec: dict[str, Any], env: dict[str, str] | None = None) -> None:
+        env = {"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})}
         super().__init__("vLLM", HERE / "vllm_gpu_worker.py", spec, env, quit_s=60)
 
 
@@ -61,8 +62,8 @@ def engines() -> Iterator[list[Engine]]:
         engine.close()
 
 
-def start(engines: list[Engine], spec: dict[str, Any]) -> dict[str, Any]:
-    engine = Engine(spec)
+def start(engines: list[Engine], spec: dict[str, Any], env: dict[str, str] | None = None) -> dict[str, Any]:
+    engine = Engine(spec, env)
     engines.append(engine)
     return engine.result
 
@@ -115,3 +116,31 @@ def test_auto_daemon_and_client_on_the_gpu(
     )
     assert third["tokens"] == auto["tokens"] and third["source"] == "cache"
     assert third["load_delta"] < 0.01 * entry.bytes
+
+
+def test_full_graphs_of_a_second_engine_are_restored_and_give_the_same_tokens(
+    engines: list[Engine], socket_dir: Path, tmp_path: Path
+) -> None:
+    """``WEIGHTCACHE_VLLM_GRAPHS=1`` (experimental, weightcache/backends/vllm_graphs.py): the first engine (mode
+    daemon) captures vLLM's FULL graphs through a GraphCache, records and publishes them; a second engine (mode
+    client, the same KV cache size) restores every one of them instead of capturing it; both give load format
+    auto's greedy tokens. Not yet run on a GPU when written (2026-12-05)."""
+    from weightcache.backends import vllm_graphs
+
+    model = str(make_model(tmp_path / "llama", "llama"))
+    options = {"socket_dir": str(socket_dir)}
+    sized = {"model": model, "kv_cache_memory_bytes": 1 << 30}  # the key holds the KV cache's configuration
+    auto = start(engines, {**sized, "load_format": "auto"})
+    engines.pop().close()
+    env = {vllm_graphs.SWITCH_ENV: "1"}
+    first = start(engines, {**sized, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}}, env)
+    second = start(
+        engines, {**sized, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "client", "strict": True}}, env
+    )
+    print(json.dumps({"auto": auto, "first": first, "second": second}))
+    [recording], [restoring] = first["graphs"], second["graphs"]
+    assert recording["captured"] > 0 and recording["restored"] == 0, recording
+    assert recording["recorded"] == recording["captured"] and recording["published"], recording
+    assert restoring["restored"] == recording["captured"] and restoring["captured"] == 0, restoring
+    assert auto["tokens"] == first["tokens"] == second["tokens"]
+    assert [e.generate() for e in engines] == [auto["tokens"]] * 2

@@ -2,12 +2,14 @@
 keep it: print a JSON line after the first greedy generation, then answer commands on stdin.
 
 Usage: python vllm_gpu_worker.py '<json spec>'; spec keys: model, load_format, extra (model_loader_extra_config),
-gpu_memory_utilization (default 0.25), max_tokens (default 12), evict (drop the checkpoint from the page cache).
+gpu_memory_utilization (default 0.25), kv_cache_memory_bytes (vLLM's, where given), max_tokens (default 12), evict
+(drop the checkpoint from the page cache).
 Commands (one per line): ``generate`` (greedy again, a RESULT line), ``quit``.
 
 Each RESULT line holds: tokens; source (``cache`` or ``disk``, from the model's Handle); load_delta (device memory
 the engine's loader took, from the driver's free memory before and after it); kv_blocks (vLLM's KV cache size in
-blocks); warnings that mention weightcache; seconds from the start of this process to the first token.
+blocks); warnings that mention weightcache; seconds from the start of this process to the first token; graphs
+(what weightcache's vLLM graph kind did, weightcache.backends.vllm_graphs.reports()).
 """
 
 from __future__ import annotations
@@ -59,6 +61,7 @@ def main() -> None:
             gpu_memory_utilization=spec.get("gpu_memory_utilization", 0.25),
             max_model_len=spec.get("max_model_len", 512),
             seed=0,
+            **({"kv_cache_memory_bytes": spec["kv_cache_memory_bytes"]} if "kv_cache_memory_bytes" in spec else {}),
         )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 12), temperature=0.0, detokenize=False)
 
@@ -80,6 +83,7 @@ def main() -> None:
         "torch_allocated": torch.cuda.memory_allocated(),
         "warnings": [f"{w.category.__name__}: {w.message}" for w in caught if "weightcache" in str(w.message)],
         "first_token_s": first_token_s,
+        "graphs": graph_reports(),
     }
     print("RESULT " + json.dumps(result), flush=True)
     for line in sys.stdin:
@@ -88,6 +92,13 @@ def main() -> None:
             print("RESULT " + json.dumps({"tokens": generate()}), flush=True)
         elif command == "quit":
             break
+
+
+def graph_reports() -> list[dict[str, object]]:
+    """What weightcache's vLLM graph kind did in this process (WEIGHTCACHE_VLLM_GRAPHS=1), if anything."""
+    from weightcache.backends import vllm_graphs
+
+    return vllm_graphs.reports()
 
 
 if __name__ == "__main__":

@@ -53,7 +53,7 @@ from .._version import __version__
 from ..cache import Cache
 from ..fingerprint import Fingerprint
 from ..handle import Handle
-from . import vllm_compile
+from . import vllm_compile, vllm_graphs
 from . import vllm_releases as releases
 from .engine_config import QuantSpec, quant_spec_from_config
 from .engine_steps import drop_parameters, own_tensors
@@ -252,7 +252,9 @@ def register() -> None:
     ``--model-loader-extra-config`` where vLLM builds its load config (:func:`_validate_early`); before vLLM
     0.32, makes GPU workers count the weights they map in their memory budget
     (:func:`~weightcache.backends.vllm_releases.count_external_weights`); and makes workers publish vLLM's
-    compile cache after warm-up (:func:`~weightcache.backends.vllm_compile.install_hook`).
+    compile cache after warm-up (:func:`~weightcache.backends.vllm_compile.install_hook`); with
+    ``WEIGHTCACHE_VLLM_GRAPHS=1``, restores vLLM's FULL CUDA graphs (:func:`~weightcache.backends.vllm_graphs.register`,
+    experimental).
     """
     log = logging.getLogger(__name__)
     try:
@@ -268,7 +270,12 @@ def register() -> None:
             releases.RELEASES,
         )
         return
-    steps = (_validate_early, partial(releases.count_external_weights, LOAD_FORMAT), vllm_compile.install_hook)
+    steps = (
+        _validate_early,
+        partial(releases.count_external_weights, LOAD_FORMAT),
+        vllm_compile.install_hook,
+        vllm_graphs.register,
+    )
     for step in steps:
         try:
             step()
@@ -442,6 +449,7 @@ def _build_loader_class(backend: VllmBackend) -> type:
             if loaded.handle is not None:  # vLLM's compile cache too, before vLLM compiles (see vllm_compile)
                 cache = Cache(self.options.socket_dir, trusted_publishers=self.options.trusted_publishers)
                 vllm_compile.begin(vllm_config, loaded.handle.fingerprint, device, cache)
+                vllm_graphs.begin(vllm_config, loaded.handle.fingerprint, cache)
             return loaded.model
 
     return WeightCacheModelLoader

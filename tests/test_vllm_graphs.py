@@ -1,0 +1,173 @@
+"""The vLLM graph kind's parts that need no GPU and no vLLM (weightcache/backends/vllm_graphs.py): the switch, the
+names of vLLM's graph descriptors, and the walk that finds the model runner's tensors to declare. Its GPU test is
+tests/backends/test_vllm_cuda.py::test_full_graphs_of_a_second_engine_are_restored_and_give_the_same_tokens."""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from typing import Any
+
+import pytest
+import torch
+
+from weightcache.backends import vllm_graphs
+
+
+@pytest.mark.parametrize(("value", "on"), [("1", True), ("on", True), ("yes", True), ("0", False), ("", False)])
+def test_the_kind_is_on_only_when_the_operator_says_so(value: str, on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(vllm_graphs.SWITCH_ENV, value)
+    assert vllm_graphs.switched_on() is on
+
+
+def test_switched_off_register_and_begin_do_nothing(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The plugin calls register() in every vLLM process: off, it imports nothing of vLLM's and keeps no images."""
+    monkeypatch.delenv(vllm_graphs.SWITCH_ENV, raising=False)
+    vllm_graphs.register()  # no vLLM in this environment: an import would raise
+    vllm_graphs.begin(object(), "0" * 64, object())  # type: ignore[arg-type]
+    assert vllm_graphs._PENDING == {}
+
+
+class Mode(enum.Enum):
+    FULL = 2
+
+
+@dataclasses.dataclass(frozen=True)
+class Desc:  # the fields of vLLM 0.26's BatchExecutionDescriptor
+    cg_mode: Mode
+    num_tokens: int
+    num_reqs: int | None
+    uniform_token_count: int | None = None
+    num_active_loras: int = 0
+
+
+def test_a_graph_is_named_by_its_descriptors_fields() -> None:
+    names = {vllm_graphs.graph_name(Desc(Mode.FULL, n, r, u)) for n, r, u in [(8, 8, 1), (8, 4, 2), (16, 16, 1)]}
+    assert len(names) == 3
+    assert vllm_graphs.graph_name(Desc(Mode.FULL, 8, 8, 1)) == (
+        "full:num_tokens=8,num_reqs=8,uniform_token_count=1,num_active_loras=0"
+    )
+
+
+def test_the_runner_walk_finds_each_tensor_once_by_its_path_and_stays_out_of_modules() -> None:
+    """vLLM's runner keeps its buffers in its own objects, dicts and lists (``kv_caches``, ``input_buffers``,
+    attention metadata builders); the walk names each tensor by its path, once however often it is reached, does
+    not go into ``nn.Module`` s (the weights are the keeper's, at their homes) or other packages' objects, and stops
+    at the depth it is given."""
+
+    class Buffers:
+        pass
+
+    class Runner:
+        pass
+
+    class Foreign:
+        pass
+
+    for cls in (Buffers, Runner):
+        cls.__module__ = "vllm.v1.worker.gpu.fake"
+    buffers = Buffers()
+    positions = torch.zeros(4)
+    buffers.positions = positions  # type: ignore[attr-defined]
+    buffers.empty = torch.zeros(0)  # type: ignore[attr-defined]
+    runner = Runner()
+    kv = [torch.zeros(2), torch.zeros(3)]
+    runner.kv_caches = kv  # type: ignore[attr-defined]
+    runner.input_buffers = buffers  # type: ignore[attr-defined]
+    runner.again = {"positions": positions}  # type: ignore[attr-defined]
+    runner.model = torch.nn.Linear(2, 2)  # type: ignore[attr-defined]
+    foreign = Foreign()
+    foreign.hidden = torch.zeros(5)  # type: ignore[attr-defined]
+    runner.foreign = foreign  # type: ignore[attr-defined]
+    deep: Any = {"d": torch.zeros(6)}
+    for _ in range(8):
+        deep = [deep]
+    runner.deep = deep  # type: ignore[attr-defined]
+
+    found = dict(vllm_graphs.runner_tensors(runner, keep=lambda t: True))
+    assert set(found) == {"kv_caches.0", "kv_caches.1", "input_buffers.positions"}
+    assert found["kv_caches.1"] is kv[1] and found["input_buffers.positions"] is positions
+    assert dict(vllm_graphs.runner_tensors(runner)) == {}  # CUDA tensors only, by default
+
+
+class FakeManagers:
+    """What the kind takes from vLLM 0.26's ``vllm.v1.worker.gpu.cudagraph_utils``, for a capture on a CPU."""
+
+    class CUDAGraphMode(enum.Enum):
+        NONE = 0
+        PIECEWISE = 1
+        FULL = 2
+
+    def __init__(self) -> None:
+        import contextlib
+
+        self.graph_capture = lambda device: contextlib.nullcontext()
+        self.get_offloader = lambda: None
+
+
+class Manager:
+    """A graph manager as the kind sees it; ``capture`` is what vLLM's would do: capture every descriptor left in
+    ``_capture_descs`` (recorded in ``calls``)."""
+
+    def __init__(self, modes: Any, descs: dict[Any, list[Any]], runner: Any) -> None:
+        self._capture_descs = descs
+        self.graphs: dict[Any, str] = {}
+        self.hidden_states = None
+        self.is_first_pp_rank = self.is_last_pp_rank = True
+        self.dp_size = 1
+        self.device = torch.device("cpu")
+        self._weightcache_runner = runner
+        self.calls: list[dict[str, list[Any]]] = []
+        self._graphs_captured = False
+
+    def capture(self, create_forward_fn: Any, progress_bar_desc: str = "") -> None:
+        self.calls.append({mode.name: list(descs) for mode, descs in self._capture_descs.items()})
+        for descs in self._capture_descs.values():
+            for desc in descs:
+                self.graphs[desc] = "vllm's"
+        self._graphs_captured = True
+
+
+def test_a_capture_the_kind_cannot_do_is_vllms_own_and_the_engine_starts(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the wrapped capture with fakes of vLLM's module (a CPU: no GraphCache can be made): vLLM captures
+    the PIECEWISE graphs first, then the FULL ones the kind could not restore or capture, and every graph exists
+    after; where the kind does not apply (LoRA, another release, a manager it does not know), vLLM's capture runs
+    once, as it would without weightcache; a report says why each time."""
+    import sys
+    import types
+
+    managers = FakeManagers()
+    mode = managers.CUDAGraphMode
+    monkeypatch.setitem(sys.modules, vllm_graphs.MANAGERS, managers)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.26.0"))
+    monkeypatch.setenv(vllm_graphs.SWITCH_ENV, "1")
+    runner = types.SimpleNamespace(vllm_config=object())
+    monkeypatch.setitem(vllm_graphs._PENDING, id(runner.vllm_config), ("0" * 64, None))
+    monkeypatch.setattr(vllm_graphs, "_REPORTS", [])
+    capture = vllm_graphs._capturing(Manager.capture)
+    piecewise, full = [Desc(mode.PIECEWISE, 16, None)], [Desc(mode.FULL, n, n, 1) for n in (8, 4)]  # type: ignore[arg-type]
+
+    manager = Manager(mode, {mode.PIECEWISE: piecewise, mode.FULL: full}, runner)
+    capture(manager, lambda desc, warmup: lambda m: None)
+    assert manager.calls == [{"PIECEWISE": piecewise}, {"FULL": full}]
+    assert set(manager.graphs) == {*piecewise, *full} and manager._graphs_captured
+    assert set(manager._capture_descs) == {mode.PIECEWISE, mode.FULL}  # vLLM's own lists, as they were
+    [report] = vllm_graphs.reports()
+    assert report["restored"] == 0 and report["reason"]
+
+    lora = [Desc(mode.FULL, 8, 8, 1, num_active_loras=1)]  # type: ignore[arg-type]
+    manager = Manager(mode, {mode.PIECEWISE: piecewise, mode.FULL: lora}, runner)
+    capture(manager, lambda desc, warmup: lambda m: None)
+    assert manager.calls == [{"PIECEWISE": piecewise, "FULL": lora}]
+    assert "LoRA" in vllm_graphs.reports()[-1]["reason"]
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.32.0"))
+    manager = Manager(mode, {mode.FULL: full}, runner)
+    capture(manager, lambda desc, warmup: lambda m: None)
+    assert manager.calls == [{"FULL": full}] and "0.32.0" in vllm_graphs.reports()[-1]["reason"]
+
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.26.0"))
+    manager = Manager(mode, {mode.FULL: full}, runner)
+    del manager.is_first_pp_rank  # a manager of another shape
+    capture(manager, lambda desc, warmup: lambda m: None)
+    assert manager.calls == [{"FULL": full}] and "AttributeError" in vllm_graphs.reports()[-1]["reason"]

@@ -1,0 +1,350 @@
+"""vLLM's FULL CUDA graphs restored from the keeper instead of captured: the ``cuda.graphs`` artifact kind for vLLM
+(issue 31). **Opt-in and experimental**: ``WEIGHTCACHE_VLLM_GRAPHS=1``; not yet run on a GPU.
+
+A vLLM start captures two kinds of graphs (docs/architecture.md, "Not built: the vLLM artifact kind", measured on
+an H100 with vLLM 0.26.0): FULL graphs, whole forward passes for the decode sizes, and PIECEWISE graphs, the pieces
+between attention calls. The PIECEWISE graphs read attention's output, which attention allocates eagerly from
+torch's default pool, so a fresh process cannot be shown to have it at the captured address: they are captured
+by vLLM as always. The FULL graphs read the weights, their own graph memory and the model runner's persistent
+buffers (inputs, block tables, attention metadata, the KV cache), so this module gives them what a
+:class:`~weightcache.torch_graphs.GraphCache` restores:
+
+- their graph memory comes from the GraphCache's arena (``GraphCache.pool``, instead of vLLM's shared pool: the
+  FULL graphs no longer share memory with the PIECEWISE ones), and the manager's ``hidden_states``, which they
+  write, is allocated in the arena too;
+- every CUDA tensor the model runner reaches (its buffers, its KV caches, the attention metadata builders'
+  buffers) is declared with ``GraphCache.external`` under its attribute path, before each graph, so that a
+  restore finds each at its recorded address or captures the graph;
+- each FULL graph is restored by its descriptor's name in vLLM's order (``GraphCache.restore``), or captured as
+  vLLM does (its warm-up run, then the capture) through ``GraphCache.capturing``, which records it; the artifact
+  is published after the last one. A restored graph skips vLLM's warm-up run and capture; its inputs are still
+  prepared (``create_forward_fn``), as attention backends may set per-size state there.
+
+The key holds vLLM's version, its config hash, the KV cache's configuration (a graph has its sizes in its
+kernels' arguments) and the descriptors. What it supports: vLLM's V2 GPU model runner (``vllm.v1.worker.gpu``:
+``CudaGraphManager.capture(create_forward_fn, ...)``, ``GPUModelRunner.capture_model``) of the releases in
+:data:`RELEASES` (0.26.0), one GPU rank (no data or pipeline parallelism), no LoRA, no auxiliary hidden states,
+weights from weightcache (``--load-format weightcache``). Anything else, and any failure, leaves vLLM's own capture
+in place, with a log line that says why; the engine always starts. Every tensor the runner reaches when a graph is
+declared stays alive as long as the engine (``GraphCache.external`` keeps what it was given).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import logging
+import os
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..cache import Cache
+from ..fingerprint import Fingerprint
+
+log = logging.getLogger(__name__)
+
+#: ``WEIGHTCACHE_VLLM_GRAPHS=1`` turns the kind on (it is off by default until it has run on a GPU).
+SWITCH_ENV = "WEIGHTCACHE_VLLM_GRAPHS"
+#: Where vLLM's V2 GPU runner keeps its graph managers and its model runner.
+MANAGERS = "vllm.v1.worker.gpu.cudagraph_utils"
+RUNNER = "vllm.v1.worker.gpu.model_runner"
+#: How deep :func:`runner_tensors` looks into the model runner's attributes.
+DEPTH = 6
+#: The vLLM releases whose V2 runner this kind is written against (others: vLLM's own capture, with a log line).
+RELEASES = ("0.26.0",)
+#: Whose objects :func:`runner_tensors` looks into (by the first part of their class's module).
+WALKED = ("vllm", "torch", "flashinfer")
+
+_PENDING: dict[int, tuple[Fingerprint | str, Cache]] = {}  # id(vllm_config) -> the weights and the keeper
+_REPORTS: list[dict[str, Any]] = []
+
+
+def switched_on() -> bool:
+    """Whether the operator turned the kind on (:data:`SWITCH_ENV`)."""
+    return os.environ.get(SWITCH_ENV, "").strip().lower() in ("1", "on", "true", "yes")
+
+
+def reports() -> list[dict[str, Any]]:
+    """What each capture of this process did: ``restored`` and ``captured`` FULL graphs, ``recorded``,
+    ``published``, and ``reason`` (why the first graph not restored was captured, or why the kind stood aside)."""
+    return list(_REPORTS)
+
+
+def register() -> None:
+    """From the vLLM plugin, in each vLLM process, when :func:`switched_on`: keep every kernel image from now on
+    (before the model's first kernel: a graph's kernels must be found in a fresh process) and hook the V2
+    runner's capture. Raises what the hook's imports raise (the plugin logs it and goes on)."""
+    if not switched_on():
+        return
+    from ..graphs.cubins import keep_kernel_images
+
+    try:
+        keep_kernel_images()
+    except Exception as exc:  # GraphRestoreError: no CUPTI; graphs are captured as usual, the hook says why
+        log.info("weightcache: vLLM's graphs will be captured as usual: %s", exc)
+    install_hook()
+
+
+def begin(vllm_config: Any, weights: Fingerprint | str, cache: Cache) -> None:
+    """At the load (the weights are the keeper's): remember them for this engine's capture."""
+    if switched_on():
+        _PENDING[id(vllm_config)] = (weights, cache)
+
+
+_hooked: set[type] = set()
+
+
+def install_hook() -> None:
+    """Wrap ``GPUModelRunner.capture_model`` (to hand the runner to its manager) and ``CudaGraphManager.capture``
+    of vLLM's V2 runner; idempotent."""
+    managers = importlib.import_module(MANAGERS)
+    runner_cls = importlib.import_module(RUNNER).GPUModelRunner
+    manager_cls = managers.CudaGraphManager
+    if runner_cls not in _hooked and "capture_model" in vars(runner_cls):
+        runner_cls.capture_model = _with_runner(runner_cls.capture_model)
+        _hooked.add(runner_cls)
+    if manager_cls not in _hooked and "capture" in vars(manager_cls):
+        manager_cls.capture = _capturing(manager_cls.capture)
+        _hooked.add(manager_cls)
+
+
+def _with_runner(original: Callable[..., Any]) -> Callable[..., Any]:
+    def capture_model(self: Any, *args: Any, **kwargs: Any) -> Any:
+        manager = getattr(self, "cudagraph_manager", None)
+        if manager is not None:
+            manager._weightcache_runner = self
+        try:
+            return original(self, *args, **kwargs)
+        finally:
+            if manager is not None:
+                manager._weightcache_runner = None
+
+    capture_model.__wrapped__ = original  # type: ignore[attr-defined]
+    return capture_model
+
+
+def _capturing(original: Callable[..., Any]) -> Callable[..., Any]:
+    def capture(self: Any, create_forward_fn: Any, *args: Any, **kwargs: Any) -> Any:
+        try:
+            managers = importlib.import_module(MANAGERS)
+            full_mode = managers.CUDAGraphMode.FULL
+            why = _unsupported(self)
+        except Exception as exc:  # a release whose manager differs: vLLM's own capture
+            why = f"this vLLM's graph manager is not the one this kind knows ({type(exc).__name__}: {exc})"
+        if why is not None:
+            if switched_on():
+                log.info("weightcache: vLLM's graphs are captured as usual: %s", why)
+                _REPORTS.append({"restored": 0, "captured": None, "reason": why})
+            return original(self, create_forward_fn, *args, **kwargs)
+        full = self._capture_descs.pop(full_mode)
+        try:  # the PIECEWISE graphs, as vLLM captures them
+            original(self, create_forward_fn, *args, **kwargs)
+        finally:
+            self._capture_descs[full_mode] = full
+        left = _full_graphs(self, managers, full, create_forward_fn)
+        if left:  # what this module could not do: vLLM's own capture of those graphs
+            captures, self._capture_descs = self._capture_descs, {full_mode: left}
+            try:
+                original(self, create_forward_fn, *args, **kwargs)
+            finally:
+                self._capture_descs = captures
+        self._graphs_captured = True
+        return None
+
+    capture.__wrapped__ = original  # type: ignore[attr-defined]
+    return capture
+
+
+def _unsupported(manager: Any) -> str | None:
+    """Why this capture is left to vLLM, or None."""
+    if not switched_on():
+        return f"{SWITCH_ENV} is not set"
+    import vllm
+
+    if vllm.__version__ not in RELEASES:
+        return f"vLLM {vllm.__version__} is not among the releases this kind supports ({', '.join(RELEASES)})"
+    managers = importlib.import_module(MANAGERS)
+    runner = getattr(manager, "_weightcache_runner", None)
+    if runner is None or not hasattr(manager, "_capture_descs"):
+        return "not vLLM's V2 GPU model runner, whose capture this kind knows"
+    if managers.CUDAGraphMode.FULL not in manager._capture_descs:
+        return "no FULL graphs to capture"
+    if id(runner.vllm_config) not in _PENDING:
+        return "the weights are not weightcache's (--load-format weightcache)"
+    checks = {
+        "pipeline parallelism": not (manager.is_first_pp_rank and manager.is_last_pp_rank),
+        "data parallelism": getattr(manager, "dp_size", 1) != 1,
+        "auxiliary hidden states": bool(getattr(manager, "use_aux_hidden_state_outputs", False)),
+        "LoRA": any(d.num_active_loras for d in manager._capture_descs[managers.CUDAGraphMode.FULL]),
+        "hidden states made before the capture": getattr(manager, "hidden_states", None) is not None,
+    }
+    found = [name for name, present in checks.items() if present]
+    return f"not supported by this kind: {', '.join(found)}" if found else None
+
+
+def graph_name(desc: Any) -> str:
+    """The artifact's name of the graph of a ``BatchExecutionDescriptor``: its fields, in order."""
+    if dataclasses.is_dataclass(desc) and not isinstance(desc, type):
+        fields = [(f.name, getattr(desc, f.name)) for f in dataclasses.fields(desc)]
+    else:
+        fields = sorted(vars(desc).items())
+    return "full:" + ",".join(f"{k}={getattr(v, 'name', v)}" for k, v in fields if k != "cg_mode")
+
+
+def runner_tensors(
+    runner: Any, depth: int = DEPTH, keep: Callable[[torch.Tensor], bool] = lambda t: t.is_cuda
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor the model runner reaches through its attributes, dicts, lists and tuples that ``keep`` (CUDA
+    tensors) and has elements: into the objects of :data:`WALKED` packages, not into ``nn.Module`` s (whose
+    weights are the keeper's), at most ``depth`` steps down, each object once, named by its attribute path
+    (``kv_caches.0``, ``input_buffers.positions``, ...)."""
+    seen: set[int] = set()
+    stack: list[tuple[Any, str, int]] = [(runner, "", 0)]
+    while stack:
+        obj, path, level = stack.pop()
+        if id(obj) in seen or level > depth:
+            continue
+        seen.add(id(obj))
+        if isinstance(obj, torch.Tensor):
+            if obj.numel() and keep(obj):
+                yield path, obj
+            continue
+        if isinstance(obj, torch.nn.Module):
+            continue
+        items: list[tuple[Any, Any]]
+        if isinstance(obj, Mapping):
+            items = list(obj.items())
+        elif isinstance(obj, (list, tuple)):
+            items = list(enumerate(obj))
+        elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in WALKED:
+            items = list(vars(obj).items())
+        else:
+            continue
+        for key, value in reversed(items[:4096]):
+            stack.append((value, f"{path}.{key}" if path else str(key), level + 1))
+
+
+def graphs_key(runner: Any, manager: Any, descs: list[Any]) -> dict[str, Any]:
+    """What decides the FULL graphs besides the weights: vLLM's version and config hash, the KV cache's
+    configuration, the descriptors (GraphCache adds torch, CUDA, driver, GPU and arena)."""
+    import vllm
+
+    config = runner.vllm_config
+    try:
+        config_hash = str(config.compute_hash())
+    except Exception:  # a release without it: its text (changes with any option)
+        config_hash = str(config)
+    return {
+        "engine": "vllm",
+        "vllm": vllm.__version__,
+        "config": config_hash,
+        "kv_cache": repr(getattr(runner, "kv_cache_config", None)),
+        "graphs": [graph_name(d) for d in descs],
+        "hidden": str(getattr(getattr(runner, "model_config", None), "dtype", "")),
+    }
+
+
+def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_fn: Any) -> list[Any]:
+    """Restore or capture (and record) the FULL graphs of ``descs`` in order; the descriptors left for vLLM's own
+    capture (all of them where the GraphCache cannot be made, the rest after a failure). Never raises for the
+    cache's sake."""
+    from ..torch_graphs import GraphCache
+
+    runner = manager._weightcache_runner
+    weights, keeper = _PENDING[id(runner.vllm_config)]
+    report: dict[str, Any] = {"restored": 0, "captured": 0, "recorded": 0, "published": False, "reason": None}
+    _REPORTS.append(report)
+    try:
+        graphs = GraphCache(weights, graphs_key(runner, manager, descs), device=manager.device, cache=keeper)
+    except Exception as exc:
+        report["reason"] = f"no GraphCache ({type(exc).__name__}: {exc})"
+        log.warning("weightcache: vLLM's FULL graphs are captured as usual: %s", report["reason"])
+        return descs
+    if graphs.pool is None:
+        report["reason"] = graphs.reason
+        log.info("weightcache: vLLM's FULL graphs are captured as usual: %s", graphs.reason)
+        graphs.close()
+        return descs
+    done = 0
+    try:
+        with managers.graph_capture(device=manager.device), torch.inference_mode():
+            # one warm-up run of the largest size: what attention backends make lazily, and the output's shape
+            forward = create_forward_fn(descs[0], warmup=True)
+            forward(managers.CUDAGraphMode.NONE)
+            made = manager.hidden_states
+            manager.hidden_states = graphs.empty(tuple(made.shape), made.dtype)  # the graphs' output, in the arena
+            del made
+            for desc in descs:
+                forward = create_forward_fn(desc, warmup=False)  # inputs prepared, as vLLM prepares them
+                _declare(graphs, runner)
+                restored = graphs.restore(graph_name(desc))
+                if restored is not None:
+                    manager.graphs[desc] = restored
+                    report["restored"] += 1
+                else:
+                    report["reason"] = report["reason"] or graphs.reason
+                    report["recorded"] += _capture(manager, managers, graphs, desc, create_forward_fn)
+                    report["captured"] += 1
+                done += 1
+        report["published"] = graphs.publish()
+    except Exception as exc:  # the graphs not made here are vLLM's to capture
+        report["reason"] = f"{type(exc).__name__}: {exc}"
+        log.warning("weightcache: vLLM's FULL graphs from the %d-th on are captured as usual: %s", done + 1, exc)
+        return descs[done:]
+    finally:
+        manager._weightcache_graphs = graphs  # kept: the restored graphs and the arena live as long as the engine
+    log.info(
+        "weightcache: vLLM's FULL graphs: %d restored, %d captured%s",
+        report["restored"],
+        report["captured"],
+        f" ({report['reason']})" if report["reason"] else "",
+    )
+    return []
+
+
+def _declare(graphs: Any, runner: Any) -> None:
+    """Declare every CUDA tensor the runner reaches as an external range of ``graphs``, under its path."""
+    for path, tensor in runner_tensors(runner):
+        try:
+            graphs.external("runner." + path.replace("/", "|"), tensor)
+        except Exception as exc:  # e.g. a name now naming another tensor: a graph that uses it is captured
+            log.debug("weightcache: runner tensor %s not declared: %s", path, exc)
+
+
+def _capture(manager: Any, managers: Any, graphs: Any, desc: Any, create_forward_fn: Any) -> bool:
+    """One FULL graph captured as vLLM captures it (its warm-up run, fresh inputs, the capture), its memory from
+    the arena, recorded by ``graphs``; whether it was recorded."""
+    none = managers.CUDAGraphMode.NONE
+    create_forward_fn(desc, warmup=True)(none)
+    forward = create_forward_fn(desc, warmup=False)
+    _declare(graphs, manager._weightcache_runner)
+    graph = torch.cuda.CUDAGraph(keep_graph=True)
+    offloader = managers.get_offloader()
+    offloader.sync_prev_onload()
+    with graphs.capturing(graph_name(desc)) as capture:
+        with torch.cuda.graph(graph, graphs.pool):
+            forward(none)
+            offloader.join_after_forward()
+        recorded = capture.record(graph, (manager.hidden_states[: desc.num_tokens],))
+    manager.graphs[desc] = graph
+    return bool(recorded)
+
+
+__all__ = [
+    "DEPTH",
+    "MANAGERS",
+    "RELEASES",
+    "RUNNER",
+    "SWITCH_ENV",
+    "WALKED",
+    "begin",
+    "graph_name",
+    "graphs_key",
+    "install_hook",
+    "register",
+    "reports",
+    "runner_tensors",
+    "switched_on",
+]
