@@ -80,7 +80,7 @@ def test_the_runner_walk_finds_each_tensor_once_by_its_path_and_stays_out_of_mod
     foreign.hidden = torch.zeros(5)  # type: ignore[attr-defined]
     runner.foreign = foreign  # type: ignore[attr-defined]
     deep: Any = {"d": torch.zeros(6)}
-    for _ in range(8):
+    for _ in range(vllm_graphs.DEPTH):
         deep = [deep]
     runner.deep = deep  # type: ignore[attr-defined]
 
@@ -88,6 +88,8 @@ def test_the_runner_walk_finds_each_tensor_once_by_its_path_and_stays_out_of_mod
     assert set(found) == {"kv_caches.0", "kv_caches.1", "input_buffers.positions"}
     assert found["kv_caches.1"] is kv[1] and found["input_buffers.positions"] is positions
     assert dict(vllm_graphs.runner_tensors(runner)) == {}  # CUDA tensors only, by default
+    one_deeper = dict(vllm_graphs.runner_tensors(runner, depth=vllm_graphs.DEPTH + 2, keep=lambda t: True))
+    assert "deep" + ".0" * vllm_graphs.DEPTH + ".d" in one_deeper
 
 
 class FakeManagers:
@@ -132,7 +134,8 @@ def test_a_capture_the_kind_cannot_do_is_vllms_own_and_the_engine_starts(monkeyp
     """Through the wrapped capture with fakes of vLLM's module (a CPU: no GraphCache can be made): vLLM captures
     the PIECEWISE graphs first, then the FULL ones the kind could not restore or capture, and every graph exists
     after; where the kind does not apply (LoRA, another release, a manager it does not know), vLLM's capture runs
-    once, as it would without weightcache; a report says why each time."""
+    once, as it would without weightcache (several ranks too: ranks deciding apart would wait on each other's
+    collectives); a report says why each time."""
     import sys
     import types
 
@@ -140,6 +143,8 @@ def test_a_capture_the_kind_cannot_do_is_vllms_own_and_the_engine_starts(monkeyp
     mode = managers.CUDAGraphMode
     monkeypatch.setitem(sys.modules, vllm_graphs.MANAGERS, managers)
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.26.0"))
+    one_rank = types.SimpleNamespace(get_world_group=lambda: types.SimpleNamespace(world_size=1))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", one_rank)
     monkeypatch.setenv(vllm_graphs.SWITCH_ENV, "1")
     runner = types.SimpleNamespace(vllm_config=object())
     monkeypatch.setitem(vllm_graphs._PENDING, id(runner.vllm_config), ("0" * 64, None))
@@ -167,6 +172,12 @@ def test_a_capture_the_kind_cannot_do_is_vllms_own_and_the_engine_starts(monkeyp
     assert manager.calls == [{"FULL": full}] and "0.32.0" in vllm_graphs.reports()[-1]["reason"]
 
     monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.26.0"))
+    manager = Manager(mode, {mode.PIECEWISE: piecewise, mode.FULL: full}, runner)
+    manager.tp_size = 2  # type: ignore[attr-defined]
+    capture(manager, lambda desc, warmup: lambda m: None)
+    assert manager.calls == [{"PIECEWISE": piecewise, "FULL": full}]
+    assert "more than one rank" in vllm_graphs.reports()[-1]["reason"]
+
     manager = Manager(mode, {mode.FULL: full}, runner)
     del manager.is_first_pp_rank  # a manager of another shape
     capture(manager, lambda desc, warmup: lambda m: None)

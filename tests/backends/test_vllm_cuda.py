@@ -121,10 +121,11 @@ def test_auto_daemon_and_client_on_the_gpu(
 def test_full_graphs_of_a_second_engine_are_restored_and_give_the_same_tokens(
     engines: list[Engine], socket_dir: Path, tmp_path: Path
 ) -> None:
-    """``WEIGHTCACHE_VLLM_GRAPHS=1`` (experimental, weightcache/backends/vllm_graphs.py): the first engine (mode
-    daemon) captures vLLM's FULL graphs through a GraphCache, records and publishes them; a second engine (mode
-    client, the same KV cache size) restores every one of them instead of capturing it; both give load format
-    auto's greedy tokens. Not yet run on a GPU when written (2026-12-05)."""
+    """``WEIGHTCACHE_VLLM_GRAPHS=1`` (experimental, weightcache/backends/vllm_graphs.py): with the weights published
+    by an engine in mode daemon (without the kind: its allocations before the KV cache differ from a client's), a
+    first client captures vLLM's FULL graphs through a GraphCache, records and publishes them; a second client (the
+    same KV cache size) restores every one of them instead of capturing it; both give load format auto's greedy
+    tokens. Not yet run on a GPU when written (2026-12-05)."""
     from weightcache.backends import vllm_graphs
 
     model = str(make_model(tmp_path / "llama", "llama"))
@@ -132,15 +133,15 @@ def test_full_graphs_of_a_second_engine_are_restored_and_give_the_same_tokens(
     sized = {"model": model, "kv_cache_memory_bytes": 1 << 30}  # the key holds the KV cache's configuration
     auto = start(engines, {**sized, "load_format": "auto"})
     engines.pop().close()
+    start(engines, {**sized, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}})
     env = {vllm_graphs.SWITCH_ENV: "1"}
-    first = start(engines, {**sized, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}}, env)
-    second = start(
-        engines, {**sized, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "client", "strict": True}}, env
-    )
+    client = {**sized, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "client", "strict": True}}
+    first = start(engines, client, env)
+    second = start(engines, client, env)
     print(json.dumps({"auto": auto, "first": first, "second": second}))
     [recording], [restoring] = first["graphs"], second["graphs"]
     assert recording["captured"] > 0 and recording["restored"] == 0, recording
     assert recording["recorded"] == recording["captured"] and recording["published"], recording
     assert restoring["restored"] == recording["captured"] and restoring["captured"] == 0, restoring
     assert auto["tokens"] == first["tokens"] == second["tokens"]
-    assert [e.generate() for e in engines] == [auto["tokens"]] * 2
+    assert [e.generate() for e in engines] == [auto["tokens"]] * 3

@@ -20,19 +20,26 @@ buffers (inputs, block tables, attention metadata, the KV cache), so this module
   is published after the last one. A restored graph skips vLLM's warm-up run and capture; its inputs are still
   prepared (``create_forward_fn``), as attention backends may set per-size state there.
 
-The key holds vLLM's version, its config hash, the KV cache's configuration (a graph has its sizes in its
-kernels' arguments) and the descriptors. What it supports: vLLM's V2 GPU model runner (``vllm.v1.worker.gpu``:
-``CudaGraphManager.capture(create_forward_fn, ...)``, ``GPUModelRunner.capture_model``) of the releases in
-:data:`RELEASES` (0.26.0), one GPU rank (no data or pipeline parallelism), no LoRA, no auxiliary hidden states,
-weights from weightcache (``--load-format weightcache``). Anything else, and any failure, leaves vLLM's own capture
-in place, with a log line that says why; the engine always starts. Every tensor the runner reaches when a graph is
-declared stays alive as long as the engine (``GraphCache.external`` keeps what it was given).
+The key holds what puts scalars into the graphs' kernel arguments, which no address check sees (:func:`graphs_key`):
+vLLM's version, config hash and compile environment variables, ``max_num_seqs``, FlashInfer's version, the KV
+cache's configuration, the descriptors, and the shape, stride and dtype of every tensor the runner reaches.
+
+What it supports: vLLM's V2 GPU model runner (``vllm.v1.worker.gpu``: ``CudaGraphManager.capture(create_forward_fn,
+...)``, ``GPUModelRunner.capture_model``) of the releases in :data:`RELEASES` (0.26.0), one rank (no tensor, data
+or pipeline parallelism: ranks deciding apart whether to restore would wait on each other's collectives), no
+LoRA, no auxiliary hidden states, weights from weightcache (``--load-format weightcache``). Anything else, and any
+failure, leaves vLLM's own capture in place, with a log line that says why; the engine always starts. The FULL
+graphs' memory in the arena is not in vLLM's memory budget (which counted it shared with the PIECEWISE pool):
+leave room. Every tensor the runner reaches when a graph is declared stays alive as long as the engine
+(``GraphCache.external`` keeps what it was given).
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import importlib
+import importlib.metadata
 import logging
 import os
 from collections.abc import Callable, Iterator, Mapping
@@ -50,8 +57,9 @@ SWITCH_ENV = "WEIGHTCACHE_VLLM_GRAPHS"
 #: Where vLLM's V2 GPU runner keeps its graph managers and its model runner.
 MANAGERS = "vllm.v1.worker.gpu.cudagraph_utils"
 RUNNER = "vllm.v1.worker.gpu.model_runner"
-#: How deep :func:`runner_tensors` looks into the model runner's attributes.
-DEPTH = 6
+#: How deep :func:`runner_tensors` looks into the model runner's attributes (FlashInfer's per-size decode
+#: wrappers' workspaces lie 8 steps down: ``attn_groups.0.0.metadata_builders.0._decode_wrappers_cudagraph.<n>...``).
+DEPTH = 10
 #: The vLLM releases whose V2 runner this kind is written against (others: vLLM's own capture, with a log line).
 RELEASES = ("0.26.0",)
 #: Whose objects :func:`runner_tensors` looks into (by the first part of their class's module).
@@ -134,7 +142,7 @@ def _capturing(original: Callable[..., Any]) -> Callable[..., Any]:
         except Exception as exc:  # a release whose manager differs: vLLM's own capture
             why = f"this vLLM's graph manager is not the one this kind knows ({type(exc).__name__}: {exc})"
         if why is not None:
-            if switched_on():
+            if switched_on() and getattr(self, "_weightcache_runner", None) is not None:  # (not a speculator's)
                 log.info("weightcache: vLLM's graphs are captured as usual: %s", why)
                 _REPORTS.append({"restored": 0, "captured": None, "reason": why})
             return original(self, create_forward_fn, *args, **kwargs)
@@ -173,7 +181,12 @@ def _unsupported(manager: Any) -> str | None:
         return "no FULL graphs to capture"
     if id(runner.vllm_config) not in _PENDING:
         return "the weights are not weightcache's (--load-format weightcache)"
+    from vllm.distributed.parallel_state import get_world_group
+
     checks = {
+        # ranks deciding apart whether to restore would wait on each other's collectives (and the custom
+        # all-reduce registers buffers only for graphs it captured)
+        "more than one rank": get_world_group().world_size != 1 or getattr(manager, "tp_size", 1) != 1,
         "pipeline parallelism": not (manager.is_first_pp_rank and manager.is_last_pp_rank),
         "data parallelism": getattr(manager, "dp_size", 1) != 1,
         "auxiliary hidden states": bool(getattr(manager, "use_aux_hidden_state_outputs", False)),
@@ -227,8 +240,12 @@ def runner_tensors(
 
 
 def graphs_key(runner: Any, manager: Any, descs: list[Any]) -> dict[str, Any]:
-    """What decides the FULL graphs besides the weights: vLLM's version and config hash, the KV cache's
-    configuration, the descriptors (GraphCache adds torch, CUDA, driver, GPU and arena)."""
+    """What decides the FULL graphs besides the weights (a graph holds sizes, strides and flags as scalar
+    arguments, which no address check sees): vLLM's version, its config hash, the environment variables vLLM
+    keys its compile cache with (``envs.compile_factors``: e.g. ``VLLM_KV_CACHE_LAYOUT``, which permutes the KV
+    cache's strides), ``max_num_seqs`` (not in the config hash), FlashInfer's version, the KV cache's
+    configuration, the descriptors, and the path, shape, stride and dtype of every tensor the runner reaches
+    (GraphCache adds torch, CUDA, driver, GPU and arena)."""
     import vllm
 
     config = runner.vllm_config
@@ -236,13 +253,29 @@ def graphs_key(runner: Any, manager: Any, descs: list[Any]) -> dict[str, Any]:
         config_hash = str(config.compute_hash())
     except Exception:  # a release without it: its text (changes with any option)
         config_hash = str(config)
+    try:
+        import vllm.envs as envs
+
+        factors: object = envs.compile_factors()
+    except Exception:  # a release without it: every VLLM_ variable set
+        factors = {k: v for k, v in os.environ.items() if k.startswith("VLLM_")}
+    factors_text = repr(sorted(factors.items(), key=repr) if isinstance(factors, Mapping) else factors)
+    try:
+        flashinfer = importlib.metadata.version("flashinfer-python")
+    except importlib.metadata.PackageNotFoundError:
+        flashinfer = None
+    layouts = sorted((path, list(t.shape), list(t.stride()), str(t.dtype)) for path, t in runner_tensors(runner))
     return {
         "engine": "vllm",
         "vllm": vllm.__version__,
         "config": config_hash,
+        "env": hashlib.sha256(factors_text.encode()).hexdigest(),
+        "max_num_seqs": getattr(getattr(config, "scheduler_config", None), "max_num_seqs", None),
+        "flashinfer": flashinfer,
         "kv_cache": repr(getattr(runner, "kv_cache_config", None)),
         "graphs": [graph_name(d) for d in descs],
         "hidden": str(getattr(getattr(runner, "model_config", None), "dtype", "")),
+        "tensors": hashlib.sha256(repr(layouts).encode()).hexdigest(),
     }
 
 
@@ -256,28 +289,24 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
     weights, keeper = _PENDING[id(runner.vllm_config)]
     report: dict[str, Any] = {"restored": 0, "captured": 0, "recorded": 0, "published": False, "reason": None}
     _REPORTS.append(report)
-    try:
-        graphs = GraphCache(weights, graphs_key(runner, manager, descs), device=manager.device, cache=keeper)
-    except Exception as exc:
-        report["reason"] = f"no GraphCache ({type(exc).__name__}: {exc})"
-        log.warning("weightcache: vLLM's FULL graphs are captured as usual: %s", report["reason"])
-        return descs
-    if graphs.pool is None:
-        report["reason"] = graphs.reason
-        log.info("weightcache: vLLM's FULL graphs are captured as usual: %s", graphs.reason)
-        graphs.close()
-        return descs
+    graphs: GraphCache | None = None
     done = 0
     try:
         with managers.graph_capture(device=manager.device), torch.inference_mode():
-            # one warm-up run of the largest size: what attention backends make lazily, and the output's shape
-            forward = create_forward_fn(descs[0], warmup=True)
-            forward(managers.CUDAGraphMode.NONE)
+            # one warm-up run of the largest size: what attention backends make lazily, the output's shape; the
+            # key then sees every tensor the runner has
+            create_forward_fn(descs[0], warmup=True)(managers.CUDAGraphMode.NONE)
+            graphs = GraphCache(weights, graphs_key(runner, manager, descs), device=manager.device, cache=keeper)
+            manager._weightcache_graphs = graphs  # kept: restored graphs and the arena live as long as the engine
+            if graphs.pool is None:
+                report["reason"] = graphs.reason
+                log.info("weightcache: vLLM's FULL graphs are captured as usual: %s", graphs.reason)
+                return descs
             made = manager.hidden_states
             manager.hidden_states = graphs.empty(tuple(made.shape), made.dtype)  # the graphs' output, in the arena
             del made
             for desc in descs:
-                forward = create_forward_fn(desc, warmup=False)  # inputs prepared, as vLLM prepares them
+                create_forward_fn(desc, warmup=False)  # inputs prepared, as vLLM prepares them (per-size state too)
                 _declare(graphs, runner)
                 restored = graphs.restore(graph_name(desc))
                 if restored is not None:
@@ -291,10 +320,10 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
         report["published"] = graphs.publish()
     except Exception as exc:  # the graphs not made here are vLLM's to capture
         report["reason"] = f"{type(exc).__name__}: {exc}"
-        log.warning("weightcache: vLLM's FULL graphs from the %d-th on are captured as usual: %s", done + 1, exc)
+        log.warning("weightcache: vLLM's FULL graphs from graph %d on are captured as usual: %s", done + 1, exc)
+        if graphs is not None:  # no worker thread of the GraphCache beside vLLM's captures (global capture mode)
+            graphs._stop_prebuilding()
         return descs[done:]
-    finally:
-        manager._weightcache_graphs = graphs  # kept: the restored graphs and the arena live as long as the engine
     log.info(
         "weightcache: vLLM's FULL graphs: %d restored, %d captured%s",
         report["restored"],
@@ -329,6 +358,9 @@ def _capture(manager: Any, managers: Any, graphs: Any, desc: Any, create_forward
             offloader.join_after_forward()
         recorded = capture.record(graph, (manager.hidden_states[: desc.num_tokens],))
     manager.graphs[desc] = graph
+    counter = getattr(managers, "compilation_counter", None)
+    if counter is not None and hasattr(counter, "num_cudagraph_captured"):
+        counter.num_cudagraph_captured += 1  # as vLLM counts its captures
     return bool(recorded)
 
 
