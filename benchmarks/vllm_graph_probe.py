@@ -260,30 +260,10 @@ if arena is not None:  # would weightcache's ranges hold every pointer: the aren
         for n, t in [*model.named_parameters(), *model.named_buffers()]:
             if t.is_cuda and t.numel():
                 declare(f"w.{n}", t)
-    seen = set()
+    from weightcache.backends.vllm_graphs import runner_tensors
 
-    def walk(obj, path, depth):  # every CUDA tensor the runner reaches, named by its attribute path
-        if id(obj) in seen or depth > 6:
-            return
-        seen.add(id(obj))
-        if isinstance(obj, torch.Tensor):
-            if obj.is_cuda and obj.numel():
-                declare(f"r.{path}", obj)
-            return
-        if isinstance(obj, nn.Module):
-            return
-        if isinstance(obj, dict):
-            items = list(obj.items())
-        elif isinstance(obj, (list, tuple)):
-            items = list(enumerate(obj))
-        elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in ("vllm", "torch", "flashinfer"):
-            items = list(vars(obj).items())
-        else:
-            return
-        for k, v in items[:4096]:
-            walk(v, f"{path}.{k}" if path else str(k), depth + 1)
-
-    walk(model_runner, "", 0)
+    for path, t in runner_tensors(model_runner, depth=6):  # every CUDA tensor the runner reaches, by its path
+        declare(f"r.{path}", t)
     covered = arena.ranges() + ranges  # then torch's own segments: what the arena and the names do not cover
     arena_name = covered[0].name
     for description, _ in described:
