@@ -1,12 +1,13 @@
 """The vLLM graph kind's parts that need no GPU and no vLLM (weightcache/backends/vllm_graphs.py): the switch, the
-names of vLLM's graph descriptors, and the walk that finds the model runner's tensors to declare. Its GPU test is
+names of vLLM's graph descriptors, the walk that finds the model runner's tensors to declare, and the order of the
+wrapped capture (fakes of vLLM's module, a stand-in for the GraphCache). Its GPU test is
 tests/backends/test_vllm_cuda.py::test_full_graphs_of_a_second_engine_are_restored_and_give_the_same_tokens."""
 
 from __future__ import annotations
 
 import dataclasses
 import enum
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -182,3 +183,124 @@ def test_a_capture_the_kind_cannot_do_is_vllms_own_and_the_engine_starts(monkeyp
     del manager.is_first_pp_rank  # a manager of another shape
     capture(manager, lambda desc, warmup: lambda m: None)
     assert manager.calls == [{"FULL": full}] and "AttributeError" in vllm_graphs.reports()[-1]["reason"]
+
+
+class StandInGraphCache:
+    """What the kind asks of :class:`~weightcache.torch_graphs.GraphCache` (which needs a GPU), answering
+    ``restore`` from a set of graph names it "holds"; records what it was told."""
+
+    made: ClassVar[list[StandInGraphCache]] = []
+    holds: ClassVar[set[str]] = set()
+
+    def __init__(self, weights: Any, key: dict[str, Any], *, device: Any, cache: Any) -> None:
+        self.key, self.pool, self.reason = key, object(), None
+        self.declared: list[str] = []
+        self.asked: list[str] = []
+        self.published = self.stopped = False
+        self.made.append(self)
+
+    def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(shape, dtype=dtype)
+
+    def external(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        self.declared.append(name)
+        return tensor
+
+    def restore(self, name: str) -> object | None:
+        self.asked.append(name)
+        if name in self.holds:
+            return ("restored", name)
+        self.reason = f"graph {name!r} is not in the artifact"
+        return None
+
+    def publish(self) -> bool:
+        self.published = True
+        return True
+
+    def _stop_prebuilding(self) -> None:
+        self.stopped = True
+
+
+def test_full_graphs_the_artifact_holds_are_restored_in_order_and_a_failure_leaves_the_rest_to_vllm(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Through vLLM's ``capture_model`` and the manager's ``capture`` (both wrapped as in an engine) with fakes of
+    vLLM's module and a stand-in GraphCache: vLLM captures the PIECEWISE graphs, then each FULL graph is asked
+    for in vLLM's order (largest first) after its inputs are prepared and the runner's tensors declared, and a
+    restored one is what vLLM replays; the graphs' output buffer is the cache's; the report counts them, says
+    where the time went (every step of ``STEPS``) and how long vLLM's whole graph phase took. A failure halfway
+    (vLLM's input preparation raising) leaves the graphs not yet made to vLLM's own capture, the worker threads
+    stopped."""
+    import sys
+    import types
+
+    import weightcache.torch_graphs as torch_graphs
+
+    managers = FakeManagers()
+    mode = managers.CUDAGraphMode
+    monkeypatch.setitem(sys.modules, vllm_graphs.MANAGERS, managers)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.26.0"))
+    one_rank = types.SimpleNamespace(get_world_group=lambda: types.SimpleNamespace(world_size=1))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", one_rank)
+    monkeypatch.setenv(vllm_graphs.SWITCH_ENV, "1")
+    monkeypatch.setattr(torch_graphs, "GraphCache", StandInGraphCache)
+    monkeypatch.setattr(StandInGraphCache, "made", [])
+    monkeypatch.setattr(vllm_graphs, "_REPORTS", [])
+    config = types.SimpleNamespace(compute_hash=lambda: "c0ffee")
+    monkeypatch.setitem(vllm_graphs._PENDING, id(config), ("0" * 64, None))
+    piecewise = [Desc(mode.PIECEWISE, 16, None)]  # type: ignore[arg-type]
+    full = [Desc(mode.FULL, n, n, 1) for n in (8, 4, 2)]  # type: ignore[arg-type]
+    names = [vllm_graphs.graph_name(d) for d in full]
+    capture = vllm_graphs._capturing(Manager.capture)
+
+    class Runner:
+        def __init__(self) -> None:
+            self.vllm_config = config
+            self.cudagraph_manager = Manager(mode, {mode.PIECEWISE: piecewise, mode.FULL: list(full)}, None)
+            self.prepared: list[tuple[int, bool]] = []
+
+        def capture_model(self, fail_at: int | None = None) -> None:
+            manager = self.cudagraph_manager
+
+            def create_forward_fn(desc: Any, warmup: bool) -> Any:
+                self.prepared.append((desc.num_tokens, warmup))
+                if desc.num_tokens == fail_at and not warmup:
+                    raise RuntimeError("vLLM's inputs could not be prepared")
+
+                def forward(cg_mode: Any) -> None:
+                    if manager.hidden_states is None:
+                        manager.hidden_states = torch.zeros(desc.num_tokens, 4)
+
+                return forward
+
+            capture(manager, create_forward_fn)
+
+    capture_model = vllm_graphs._with_runner(Runner.capture_model)
+
+    monkeypatch.setattr(StandInGraphCache, "holds", set(names))
+    runner = Runner()
+    manager = runner.cudagraph_manager
+    capture_model(runner)
+    [cache] = StandInGraphCache.made
+    assert manager.calls == [{"PIECEWISE": piecewise}]  # vLLM captured the pieces, no FULL graph
+    assert [manager.graphs[d] for d in full] == [("restored", n) for n in names]
+    assert cache.asked == names and cache.published and not cache.stopped
+    assert runner.prepared == [(8, True), (8, False), (4, False), (2, False)]  # one warm-up, then each graph's inputs
+    assert manager.hidden_states.shape == (8, 4) and manager._weightcache_graphs is cache
+    assert cache.key["graphs"] == names and cache.key["config"] == "c0ffee" and cache.key["vllm"] == "0.26.0"
+    [report] = vllm_graphs.reports()
+    assert (report["restored"], report["captured"], report["published"], report["reason"]) == (3, 0, True, None)
+    assert set(report["seconds"]) == set(vllm_graphs.STEPS) and min(report["seconds"].values()) >= 0
+    assert report["seconds"]["total"] >= report["seconds"]["restore"]
+    assert report["graph_phase_s"] >= report["seconds"]["total"]
+
+    runner = Runner()
+    manager = runner.cudagraph_manager
+    capture_model(runner, fail_at=4)
+    cache = StandInGraphCache.made[-1]
+    assert manager.calls == [{"PIECEWISE": piecewise}, {"FULL": full[1:]}]  # the rest: vLLM's own capture
+    assert manager.graphs[full[0]] == ("restored", names[0]) and manager.graphs[full[1]] == "vllm's"
+    assert cache.stopped and not cache.published
+    report = vllm_graphs.reports()[-1]
+    assert report["restored"] == 1 and "inputs could not be prepared" in report["reason"]
+    assert set(manager._capture_descs) == {mode.PIECEWISE, mode.FULL} and manager._graphs_captured

@@ -36,12 +36,14 @@ leave room. Every tensor the runner reaches when a graph is declared stays alive
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import hashlib
 import importlib
 import importlib.metadata
 import logging
 import os
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -65,6 +67,13 @@ RELEASES = ("0.26.0",)
 #: Whose objects :func:`runner_tensors` looks into (by the first part of their class's module).
 WALKED = ("vllm", "torch", "flashinfer")
 
+#: The steps of a report's ``seconds``: ``warmup`` (one run of the largest size before the key is computed),
+#: ``cache`` (the GraphCache made: its arena, the artifact asked for, mapped and parsed), ``inputs`` (vLLM's
+#: ``create_forward_fn`` for each restored graph), ``declare`` (the runner's tensors walked and declared before each
+#: graph), ``restore`` (the restored graphs' checks and builds), ``capture`` (the graphs captured here, their
+#: warm-up runs and records included), ``publish``, and ``total`` (the FULL graphs from the warm-up on).
+STEPS = ("warmup", "cache", "inputs", "declare", "restore", "capture", "publish", "total")
+
 _PENDING: dict[int, tuple[Fingerprint | str, Cache]] = {}  # id(vllm_config) -> the weights and the keeper
 _REPORTS: list[dict[str, Any]] = []
 
@@ -76,7 +85,9 @@ def switched_on() -> bool:
 
 def reports() -> list[dict[str, Any]]:
     """What each capture of this process did: ``restored`` and ``captured`` FULL graphs, ``recorded``,
-    ``published``, and ``reason`` (why the first graph not restored was captured, or why the kind stood aside)."""
+    ``published``, ``reason`` (why the first graph not restored was captured, or why the kind stood aside),
+    ``seconds`` (where the kind's time went, :data:`STEPS`; absent where it stood aside) and ``graph_phase_s``
+    (vLLM's whole ``capture_model``: the PIECEWISE graphs, the FULL ones and vLLM's own steps around them)."""
     return list(_REPORTS)
 
 
@@ -123,11 +134,17 @@ def _with_runner(original: Callable[..., Any]) -> Callable[..., Any]:
         manager = getattr(self, "cudagraph_manager", None)
         if manager is not None:
             manager._weightcache_runner = self
+        before, began = len(_REPORTS), time.perf_counter()
         try:
             return original(self, *args, **kwargs)
         finally:
+            seconds = round(time.perf_counter() - began, 4)
             if manager is not None:
                 manager._weightcache_runner = None
+            for report in _REPORTS[before:]:
+                report["graph_phase_s"] = seconds
+            if len(_REPORTS) > before:
+                log.info("weightcache: vLLM's graph phase took %.3f s", seconds)
 
     capture_model.__wrapped__ = original  # type: ignore[attr-defined]
     return capture_model
@@ -287,16 +304,37 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
 
     runner = manager._weightcache_runner
     weights, keeper = _PENDING[id(runner.vllm_config)]
-    report: dict[str, Any] = {"restored": 0, "captured": 0, "recorded": 0, "published": False, "reason": None}
+    seconds = dict.fromkeys(STEPS, 0.0)
+    report: dict[str, Any] = {
+        "restored": 0,
+        "captured": 0,
+        "recorded": 0,
+        "published": False,
+        "reason": None,
+        "seconds": seconds,
+    }
     _REPORTS.append(report)
     graphs: GraphCache | None = None
     done = 0
+    began = time.perf_counter()
+
+    @contextlib.contextmanager
+    def step(name: str) -> Iterator[None]:
+        started = time.perf_counter()
+        try:
+            yield
+        finally:
+            seconds[name] = round(seconds[name] + time.perf_counter() - started, 4)
+
     try:
         with managers.graph_capture(device=manager.device), torch.inference_mode():
             # one warm-up run of the largest size: what attention backends make lazily, the output's shape; the
             # key then sees every tensor the runner has
-            create_forward_fn(descs[0], warmup=True)(managers.CUDAGraphMode.NONE)
-            graphs = GraphCache(weights, graphs_key(runner, manager, descs), device=manager.device, cache=keeper)
+            with step("warmup"):
+                create_forward_fn(descs[0], warmup=True)(managers.CUDAGraphMode.NONE)
+            with step("cache"):
+                key = graphs_key(runner, manager, descs)
+                graphs = GraphCache(weights, key, device=manager.device, cache=keeper)
             manager._weightcache_graphs = graphs  # kept: restored graphs and the arena live as long as the engine
             if graphs.pool is None:
                 report["reason"] = graphs.reason
@@ -306,28 +344,36 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
             manager.hidden_states = graphs.empty(tuple(made.shape), made.dtype)  # the graphs' output, in the arena
             del made
             for desc in descs:
-                create_forward_fn(desc, warmup=False)  # inputs prepared, as vLLM prepares them (per-size state too)
-                _declare(graphs, runner)
-                restored = graphs.restore(graph_name(desc))
+                with step("inputs"):
+                    create_forward_fn(desc, warmup=False)  # inputs prepared as vLLM prepares them (per-size state)
+                with step("declare"):
+                    _declare(graphs, runner)
+                with step("restore"):
+                    restored = graphs.restore(graph_name(desc))
                 if restored is not None:
                     manager.graphs[desc] = restored
                     report["restored"] += 1
                 else:
                     report["reason"] = report["reason"] or graphs.reason
-                    report["recorded"] += _capture(manager, managers, graphs, desc, create_forward_fn)
+                    with step("capture"):
+                        report["recorded"] += _capture(manager, managers, graphs, desc, create_forward_fn)
                     report["captured"] += 1
                 done += 1
-        report["published"] = graphs.publish()
+        with step("publish"):
+            report["published"] = graphs.publish()
     except Exception as exc:  # the graphs not made here are vLLM's to capture
         report["reason"] = f"{type(exc).__name__}: {exc}"
         log.warning("weightcache: vLLM's FULL graphs from graph %d on are captured as usual: %s", done + 1, exc)
         if graphs is not None:  # no worker thread of the GraphCache beside vLLM's captures (global capture mode)
             graphs._stop_prebuilding()
         return descs[done:]
+    finally:
+        seconds["total"] = round(time.perf_counter() - began, 4)
     log.info(
-        "weightcache: vLLM's FULL graphs: %d restored, %d captured%s",
+        "weightcache: vLLM's FULL graphs: %d restored, %d captured in %.3f s%s",
         report["restored"],
         report["captured"],
+        seconds["total"],
         f" ({report['reason']})" if report["reason"] else "",
     )
     return []
@@ -369,6 +415,7 @@ __all__ = [
     "MANAGERS",
     "RELEASES",
     "RUNNER",
+    "STEPS",
     "SWITCH_ENV",
     "WALKED",
     "begin",
