@@ -15,7 +15,8 @@
 #                                 its logs go to /tmp/persist ($PERSIST)
 #   gpu_sglang.sh jit FILE        unpack the JIT caches a `llama8b` part brought back into $HOME (before `detach`)
 #   gpu_sglang.sh plan [PARTS]    issue 30's GPU measurement, the PARTS named (default: hashing graphs llama8b
-#                                 mixtral tests; also: race, graphs-large, vllm-graphs, vllm-probe), in order, `clean` after each: the tests of GPU
+#                                 mixtral tests; also: race, graphs-large, vllm-graphs, vllm-probe, vllm-graphs-bench,
+#                                 vllm-graphs-decode), in order, `clean` after each: the tests of GPU
 #                                 hashing (~30 s; the plan stops if they fail: every miss publishes through it);
 #                                 issue 31's graph tests and benchmark (benchmarks/gpu_graphs.sh, ~1.5 min);
 #                                 the side-by-side benchmark on the Llama-3-8B shape (every scenario in one run,
@@ -31,7 +32,8 @@
 #                                 carried): tests 555 s, graphs 85 s, race alone 136 s, vllm-graphs ~100 s a run
 #                                 (gpu_vllm.sh installed first; from 2026-12-05 graphs adds the --external bench,
 #                                 ~60 s more, and vllm-graphs runs 1 (cold) + 2 runs (warm, arena); graphs-large: 51 graphs of
-#                                 32 layers, not yet timed). All of it is more than one session's 30 minutes of
+#                                 32 layers, 6 min with `graphs` on 2026-12-05; vllm-graphs-bench: 11 vLLM starts of the
+#                                 8B shape, ~7-9 min estimated). All of it is more than one session's 30 minutes of
 #                                 device time: a lease runs some parts
 #   gpu_sglang.sh poll SECONDS    wait until `plan` is done or SECONDS passed, copying /tmp/persist to $OUT every 15 s
 #                                 (a call cut at its limit still brings back the last copy); exits at once (3) on a
@@ -164,10 +166,15 @@ plan)
             step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe --runs 1
             step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe --runs 2 --arena \
                 --json "$persist/vllm-graphs/vllm-graph-probe-arena.json" ;;
+        vllm-graphs-bench)  # issue 31's vLLM goal: the graph kind's restarts beside vLLM's own capture (11 starts)
+            step env OUT=$persist/vllm-graphs-bench bash benchmarks/gpu_vllm.sh bench --scenario graphs --repeat 3 ;;
+        vllm-graphs-decode)  # the same with cudagraph_mode FULL_DECODE_ONLY (no PIECEWISE graphs; 8 starts)
+            step env OUT=$persist/vllm-graphs-decode bash benchmarks/gpu_vllm.sh bench --scenario graphs --repeat 2 \
+                --cudagraph-mode FULL_DECODE_ONLY ;;
         vllm-probe)  # issue 31: one vLLM start, its graphs described and each replay checked against its rebuild
             step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe --runs 1 ;;
         tests) step env OUT=$persist/tests bash "$0" test ;;  # the auto/daemon/client tests run first (file order)
-        *) echo "== unknown part $part (hashing, graphs, graphs-large, llama8b, race, mixtral, tests, vllm-graphs, vllm-probe)" ;;
+        *) echo "== unknown part $part (hashing, graphs, graphs-large, llama8b, race, mixtral, tests, vllm-graphs, vllm-graphs-bench, vllm-graphs-decode, vllm-probe)" ;;
         esac
     done
     touch "$persist.done"

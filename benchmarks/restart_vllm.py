@@ -24,6 +24,18 @@ with ``WEIGHTCACHE_VLLM_COMPILE_CACHE=0``), and last auto from that warm local d
 round that would end past it (judged by the last round, and the last start by the first). ``--json`` is written
 after every start.
 
+``--scenario graphs`` (issue 31) measures vLLM's graph phase with weightcache's vLLM graph kind
+(``WEIGHTCACHE_VLLM_GRAPHS=1``, weightcache/backends/vllm_graphs.py): a daemon from an empty disk (kind off), a
+first client with the kind on (captures, records and publishes the FULL graphs), then ``--repeat`` rounds of three
+clients from an empty disk: kind on (the FULL graphs restored), kind off (vLLM captures every graph), and kind on in
+a process forked by the warm process (the whole restart). Every start of it times ``GPUModelRunner.capture_model``
+to the millisecond (``graph phases`` in its marks; vLLM's own line rounds to whole seconds; the timer imports the
+runner's module after the ``vllm imported`` mark), records the kind's report (``graphs``: graphs restored and
+captured, where its time went) and generates 16 greedy tokens for each of 8 prompts at once after the first token
+(decode steps of 8 sequences: FULL graphs where vLLM has them), which must be the same in every start.
+``--cudagraph-mode`` sets vLLM's ``cudagraph_mode`` for every start (e.g. ``FULL_DECODE_ONLY``: no PIECEWISE
+graphs, prefills eager).
+
 Phases (seconds, from vLLM's log lines, absent where a release does not log them): weights (the loader's own
 line, or weightcache's), dynamo, inductor (compiling or loading compiled graphs), torch.compile in total, memory
 profile + KV cache + warm-up (vLLM's "init engine" line), CUDA graph capture; and wall-clock marks: vLLM
@@ -67,12 +79,45 @@ logging.getLogger("vllm").addHandler(Timed())  # weightcache's lines reach it (t
 from vllm import LLM, SamplingParams
 from vllm.inputs import TokensPrompt
 marks["vllm imported"] = time.time() - t0
+if os.environ.get("BENCH_GRAPH_TIMER") == "1":  # --scenario graphs: vLLM's graph phase to the millisecond
+    import importlib
+    graph_phases = marks["graph phases"] = []
+
+    def timed(capture_model):
+        def capture(self, *args, **kwargs):
+            began = time.perf_counter()
+            try:
+                return capture_model(self, *args, **kwargs)
+            finally:
+                graph_phases.append(round(time.perf_counter() - began, 4))
+        return capture
+
+    for runner in ("vllm.v1.worker.gpu.model_runner", "vllm.v1.worker.gpu_model_runner"):  # V2 and V1 runners
+        try:
+            cls = importlib.import_module(runner).GPUModelRunner
+            cls.capture_model = timed(cls.capture_model)
+        except Exception as exc:
+            marks.setdefault("graph timer", []).append(f"{runner}: {exc!r}"[:200])
+    marks["graph timer imported"] = time.time() - t0
+options = {}
+if os.environ.get("BENCH_CUDAGRAPH_MODE"):
+    options["compilation_config"] = {"cudagraph_mode": os.environ["BENCH_CUDAGRAPH_MODE"]}
 llm = LLM(model=sys.argv[1], skip_tokenizer_init=True, load_format=sys.argv[2],
-          model_loader_extra_config=json.loads(sys.argv[3]), gpu_memory_utilization=0.85, max_model_len=4096, seed=0)
+          model_loader_extra_config=json.loads(sys.argv[3]), gpu_memory_utilization=0.85, max_model_len=4096, seed=0,
+          **options)
 marks["engine ready"] = time.time() - t0
 out = llm.generate([TokensPrompt(prompt_token_ids=list(range(1, 17)))],
                    SamplingParams(max_tokens=1, temperature=0.0, detokenize=False), use_tqdm=False)
 marks["first token"] = time.time() - t0
+tokens = [list(out[0].outputs[0].token_ids)]
+if os.environ.get("BENCH_PROMPTS"):  # then BENCH_PROMPTS prompts at once, BENCH_MAX_TOKENS greedy tokens each: decode
+    # steps of that batch size (FULL graphs where vLLM has them), each prompt its own 16 tokens
+    batch = [TokensPrompt(prompt_token_ids=list(range(1 + 16 * i, 17 + 16 * i)))
+             for i in range(int(os.environ["BENCH_PROMPTS"]))]
+    params = SamplingParams(max_tokens=int(os.environ.get("BENCH_MAX_TOKENS", "16")), temperature=0.0,
+                            detokenize=False)
+    tokens = [list(o.outputs[0].token_ids) for o in llm.generate(batch, params, use_tqdm=False)]
+    marks["batch generated"] = time.time() - t0
 
 
 # Triton kernels this start compiled although the restore wrote files: each written kernel's metadata beside that
@@ -124,7 +169,13 @@ try:
                  for c in vllm_compile.engine_caches()]
 except Exception as exc:
     artifacts = repr(exc)
+try:
+    from weightcache.backends import vllm_graphs
+    graphs = vllm_graphs.reports()
+except Exception as exc:
+    graphs = repr(exc)
 print("MARKS " + json.dumps({"marks": marks, "token": out[0].outputs[0].token_ids[0],
+      "tokens": tokens, "graphs": graphs,
       "kv_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks, "vllm": vllm.__version__,
       "artifacts": artifacts, "lines": lines}), flush=True)
 """
@@ -264,8 +315,13 @@ def main() -> int:
         "(VLLM_ENABLE_V1_MULTIPROCESSING=1); every start reports each process's import phase (IMPORTMARK)",
     )
     parser.add_argument(
+        "--cudagraph-mode",
+        default=None,
+        help="vLLM's compilation_config cudagraph_mode for every start (e.g. FULL_DECODE_ONLY; default: vLLM's)",
+    )
+    parser.add_argument(
         "--scenario",
-        choices=("weights", "compile", "empty-disk", "restart"),
+        choices=("weights", "compile", "empty-disk", "restart", "graphs"),
         default="weights",
         help="weights: auto, daemon, client (the compile cache as it is); compile: vLLM's compile cache from the "
         "keeper (auto cold, auto with a warm local cache, daemon (publishes weights and compile cache), then "
@@ -273,7 +329,11 @@ def main() -> int:
         "vLLM's and Triton's cache directories wiped (a new container each time), then rounds of a client from an "
         "empty disk beside one from the warm local disk, then auto from the warm local disk; restart (issue 29): "
         "daemon and a first client from an empty disk, then rounds of three clients from an empty disk: plain, "
-        "with another cache root, and forked by the warm process (weightcache run)",
+        "with another cache root, and forked by the warm process (weightcache run); graphs (issue 31): daemon and "
+        "a first client with the vLLM graph kind on (records and publishes the FULL graphs), then rounds of three "
+        "clients from an empty disk: kind on (FULL graphs from the keeper), kind off (vLLM captures them), kind on "
+        "and forked by the warm process; every start times vLLM's graph phase and checks 8 prompts x 16 greedy "
+        "tokens",
     )
     args = parser.parse_args()
 
@@ -288,6 +348,8 @@ def main() -> int:
         print(f"checkpoint written in {time.perf_counter() - t:.1f} s", flush=True)
     socket_dir = Path(tempfile.mkdtemp(prefix="wc-")) / "s"
     env = dict(os.environ, VLLM_ENABLE_V1_MULTIPROCESSING="0")
+    if args.cudagraph_mode:
+        env["BENCH_CUDAGRAPH_MODE"] = args.cudagraph_mode
     marks = marks_plugin(Path(tempfile.mkdtemp(prefix="wc-marks-")))
     env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(marks), env.get("PYTHONPATH")]))
     runs: list[dict[str, Any]] = []
@@ -320,7 +382,10 @@ def main() -> int:
             Path(args.json).write_text(json.dumps({"complete": False, "runs": runs}, indent=1))
         print(
             json.dumps(
-                {k: result.get(k) for k in ("mode", "marks", "phases", "imports", "token", "kv_blocks", "artifacts")}
+                {
+                    k: result.get(k)
+                    for k in ("mode", "marks", "phases", "imports", "token", "kv_blocks", "artifacts", "graphs")
+                }
             ),
             flush=True,
         )
@@ -394,6 +459,39 @@ def main() -> int:
             for way, wipe, extra, launcher in rounds:
                 once("client", True, way, wipe, extra, launcher)
             round_s.append(time.perf_counter() - t)
+    elif args.scenario == "graphs":
+        from weightcache.backends.vllm_graphs import SWITCH_ENV as GRAPHS
+
+        env.update(VLLM_CACHE_ROOT=str(root), BENCH_GRAPH_TIMER="1", BENCH_PROMPTS="8", BENCH_MAX_TOKENS="16")
+        env.pop("TRITON_CACHE_DIR", None)
+        env.pop(GRAPHS, None)
+        empty, kind = (root, triton), {GRAPHS: "1"}
+        once("daemon", True, "daemon, empty disk (kind off: publishes weights, compile cache, model info)", empty)
+        once("client", True, "client 1, empty disk, graph kind on (records and publishes the FULL graphs)", empty, kind)
+        warm = [sys.executable, "-m", "weightcache", "run", "--socket-dir", str(socket_dir), "--preload", PRELOADS]
+        warm.append("--")
+        command = ["warm", "start", "--socket-dir", str(socket_dir), "--preload", PRELOADS]
+        t = time.perf_counter()
+        started = subprocess.run(
+            [sys.executable, "-m", "weightcache", *command, "--", sys.executable, "-c", "pass"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        print(f"warm process ready in {time.perf_counter() - t:.1f} s: {started.stdout}{started.stderr}", flush=True)
+        rounds = [
+            ("client, empty disk, graph kind on (FULL graphs from the keeper)", kind, None),
+            ("client, empty disk, graph kind off (vLLM captures every graph)", {}, None),
+            ("client, empty disk, graph kind on, forked by the warm process", kind, warm),
+        ]
+        for i in range(args.repeat):
+            if args.deadline_s and i and time.perf_counter() - began + 1.2 * round_s[-1] > args.deadline_s:
+                print(f"round {i + 1} left out: past --deadline-s", flush=True)
+                break
+            t = time.perf_counter()
+            for way, extra, launcher in rounds:
+                once("client", True, way, empty, extra, launcher)
+            round_s.append(time.perf_counter() - t)
     else:
         env["VLLM_CACHE_ROOT"] = str(root)
         for _ in range(args.repeat):
@@ -413,8 +511,18 @@ def main() -> int:
         }
         for key in dict.fromkeys(keys)
     }
-    same_token = len({r["token"] for r in runs}) == 1
-    print(json.dumps(summary, indent=1), "\nthe same first token in every run:", same_token, flush=True)
+    for key, row in summary.items():
+        mine = [r for r in runs if r.get("way", r["mode"]) == key]
+        phases = [sum(r["marks"]["graph phases"]) for r in mine if r["marks"].get("graph phases")]
+        if phases:
+            row["graph phase (median s)"] = statistics.median(phases)
+        kinds = [g for r in mine if isinstance(r.get("graphs"), list) for g in r["graphs"]]
+        if kinds:
+            row["FULL graphs restored, captured"] = sorted({(g["restored"], g["captured"]) for g in kinds})
+            totals = [g.get("seconds", {}).get("total", 0.0) for g in kinds]
+            row["kind's FULL graphs (median s)"] = statistics.median(totals)
+    same_token = len({r["token"] for r in runs}) == 1 and len({json.dumps(r["tokens"]) for r in runs}) == 1
+    print(json.dumps(summary, indent=1), "\nthe same greedy tokens in every run:", same_token, flush=True)
     if args.json:
         report = {"complete": True, "same_token": same_token, "summary": summary, "runs": runs}
         Path(args.json).write_text(json.dumps(report, indent=1))
