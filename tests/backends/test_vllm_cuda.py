@@ -125,12 +125,13 @@ def test_full_graphs_of_a_second_engine_are_restored_and_give_the_same_tokens(
     by an engine in mode daemon (without the kind: its allocations before the KV cache differ from a client's), a
     first client captures vLLM's FULL graphs through a GraphCache, records and publishes them; a second client (the
     same KV cache size) restores every one of them instead of capturing it; both give load format auto's greedy
-    tokens. Not yet run on a GPU when written (2026-12-05)."""
+    tokens, for one prompt and for five at once (decode steps of five sequences: a FULL graph of eight, padded).
+    Not yet run on a GPU when written (2026-12-05)."""
     from weightcache.backends import vllm_graphs
 
     model = str(make_model(tmp_path / "llama", "llama"))
     options = {"socket_dir": str(socket_dir)}
-    sized = {"model": model, "kv_cache_memory_bytes": 1 << 30}  # the key holds the KV cache's configuration
+    sized = {"model": model, "kv_cache_memory_bytes": 1 << 30, "batch": 5}  # the key holds the KV cache's size
     auto = start(engines, {**sized, "load_format": "auto"})
     engines.pop().close()
     start(engines, {**sized, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "daemon"}})
@@ -143,5 +144,5 @@ def test_full_graphs_of_a_second_engine_are_restored_and_give_the_same_tokens(
     assert recording["captured"] > 0 and recording["restored"] == 0, recording
     assert recording["recorded"] == recording["captured"] and recording["published"], recording
     assert restoring["restored"] == recording["captured"] and restoring["captured"] == 0, restoring
-    assert auto["tokens"] == first["tokens"] == second["tokens"]
+    assert len(auto["batch_tokens"]) == 5 and auto["batch_tokens"] == first["batch_tokens"] == second["batch_tokens"]
     assert [e.generate() for e in engines] == [auto["tokens"]] * 3

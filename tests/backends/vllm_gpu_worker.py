@@ -2,14 +2,16 @@
 keep it: print a JSON line after the first greedy generation, then answer commands on stdin.
 
 Usage: python vllm_gpu_worker.py '<json spec>'; spec keys: model, load_format, extra (model_loader_extra_config),
-gpu_memory_utilization (default 0.25), kv_cache_memory_bytes (vLLM's, where given), max_tokens (default 12), evict
+gpu_memory_utilization (default 0.25), kv_cache_memory_bytes (vLLM's, where given), max_tokens (default 12), batch
+(prompts generated at once, default 1: the first is engine_models.PROMPT, each other one its tokens shifted), evict
 (drop the checkpoint from the page cache).
 Commands (one per line): ``generate`` (greedy again, a RESULT line), ``quit``.
 
-Each RESULT line holds: tokens; source (``cache`` or ``disk``, from the model's Handle); load_delta (device memory
-the engine's loader took, from the driver's free memory before and after it); kv_blocks (vLLM's KV cache size in
-blocks); warnings that mention weightcache; seconds from the start of this process to the first token; graphs
-(what weightcache's vLLM graph kind did, weightcache.backends.vllm_graphs.reports()).
+Each RESULT line holds: tokens (the first prompt's); batch_tokens (every prompt's); source (``cache`` or ``disk``,
+from the model's Handle); load_delta (device memory the engine's loader took, from the driver's free memory before
+and after it); kv_blocks (vLLM's KV cache size in blocks); warnings that mention weightcache; seconds from the start
+of this process to the first token; graphs (what weightcache's vLLM graph kind did,
+weightcache.backends.vllm_graphs.reports()).
 """
 
 from __future__ import annotations
@@ -64,19 +66,23 @@ def main() -> None:
             **({"kv_cache_memory_bytes": spec["kv_cache_memory_bytes"]} if "kv_cache_memory_bytes" in spec else {}),
         )
     params = SamplingParams(max_tokens=spec.get("max_tokens", 12), temperature=0.0, detokenize=False)
+    batch = int(spec.get("batch", 1))
 
-    def generate() -> list[int]:
-        out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT)], params, use_tqdm=False)
-        return list(out[0].outputs[0].token_ids)
+    prompts = [TokensPrompt(prompt_token_ids=[(t + 101 * i) % 30000 + 1 for t in PROMPT]) for i in range(1, batch)]
+
+    def generate() -> list[list[int]]:
+        out = llm.generate([TokensPrompt(prompt_token_ids=PROMPT), *prompts], params, use_tqdm=False)
+        return [list(o.outputs[0].token_ids) for o in out]
 
     def source(model: torch.nn.Module) -> str:
         handle = model.__dict__.get("weightcache_handle")
         return "disk" if handle is None else str(handle.source)
 
-    tokens = generate()
+    batch_tokens = generate()
     first_token_s = time.time() - START
     result = {
-        "tokens": tokens,
+        "tokens": batch_tokens[0],
+        "batch_tokens": batch_tokens,
         "source": llm.apply_model(source)[0],
         "load_delta": measured.get("load_delta"),
         "kv_blocks": llm.llm_engine.vllm_config.cache_config.num_gpu_blocks,
@@ -89,7 +95,8 @@ def main() -> None:
     for line in sys.stdin:
         command = line.strip()
         if command == "generate":
-            print("RESULT " + json.dumps({"tokens": generate()}), flush=True)
+            again = generate()
+            print("RESULT " + json.dumps({"tokens": again[0], "batch_tokens": again}), flush=True)
         elif command == "quit":
             break
 
