@@ -870,3 +870,63 @@ def test_settle_waits_for_every_image_still_loading_and_keeps_what_they_loaded()
     assert loader.functions(record.kernels, b.images, check=True) == {"gelu": 1000, "gemm": 1001}
     assert len(driver.loaded) == 1
     loader.close()
+
+
+def stopped_graph_cache(monkeypatch: pytest.MonkeyPatch, *, artifact: bool) -> Any:
+    """A GraphCache in the state it has after its constructor on a GPU (which this machine lacks: made without its
+    constructor; ``torch.cuda.device`` a no-op), with an artifact loaded (``artifact``: bundle, arena and driver
+    present) or without one (the keeper had none)."""
+    import contextlib
+
+    import torch
+
+    from weightcache.torch_graphs import GraphCache
+
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())
+    cache = object.__new__(GraphCache)
+    here = object() if artifact else None
+    cache.device, cache._bundle, cache._arena, cache._driver = 0, here, here, here
+    cache._kernels = cache._prebuilt = None
+    cache._diverged = cache._foreign = False
+    cache.reason = cache._cause = cache._unrecordable = cache._no_images = cache._record_problem = None
+    cache._recordable, cache._captured, cache.graphs = True, 0, []
+    return cache
+
+
+def test_each_graph_not_restored_says_its_own_name_and_the_first_cause_without_nesting(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``GraphCache.reason`` after an engine's graph is not restored is ``graph '<name>' is captured: <why>`` for
+    that graph, and the graphs after the first refusal give the first one's cause once, however many come (it
+    used to lose the name and nest one "restoring stopped at an earlier graph (...)" deeper per graph: 50 levels
+    for vLLM's 51 graphs). Without an artifact each graph gives the keeper's reason, once."""
+    cache = stopped_graph_cache(monkeypatch, artifact=True)
+    first = cache._refuse("full:8", "its memory started at arena offset 0 when recorded, 512 here")
+    assert cache.reason == "graph 'full:8' is captured: its memory started at arena offset 0 when recorded, 512 here"
+    assert "arena offset" in first
+    for name in ("full:4", "full:2", "full:1"):
+        assert cache.restore(name) is None
+        assert cache.reason == (
+            f"graph {name!r} is captured: restoring stopped at an earlier graph (graph 'full:8' is captured: its "
+            "memory started at arena offset 0 when recorded, 512 here)"
+        )
+
+    cache = stopped_graph_cache(monkeypatch, artifact=False)
+    cache.reason = cache._cause = "no cuda.graphs artifact for these weights and key"
+    for name in ("a", "b", "c"):
+        assert cache.restore(name) is None
+        assert cache.reason == f"graph {name!r} is captured: no cuda.graphs artifact for these weights and key"
+
+
+def test_a_graph_not_recorded_says_why_recording_is_off_from_the_first_graph(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With recording off from the start (``WEIGHTCACHE_MODE=off``, no arena, the pool serving someone else's
+    capture), the first graph captured says why, not "an earlier graph was not recorded"; after a graph whose
+    record failed, the later ones name that graph."""
+    cache = stopped_graph_cache(monkeypatch, artifact=False)
+    cache._off("WEIGHTCACHE_MODE=off: graphs are captured and nothing is published")
+    assert cache._after_capture("first", None, (), 0, False) == (
+        "WEIGHTCACHE_MODE=off: graphs are captured and nothing is published"
+    )
+    cache = stopped_graph_cache(monkeypatch, artifact=True)
+    cache._record_problem, cache._recordable = "graph 'b1': a kernel image was not kept", False
+    assert cache._after_capture("b2", None, (), 0, False) == "graph 'b1': a kernel image was not kept"

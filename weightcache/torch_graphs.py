@@ -83,6 +83,12 @@ KIND = "cuda.graphs"
 #: Address space an arena reserves by default (memory is mapped only as it is used).
 DEFAULT_ARENA_BYTES = 64 << 30
 
+# why nothing more is restored or recorded once the graph pool served an allocation outside a capture of its own
+_FOREIGN = (
+    "the graph pool served allocations outside GraphCache.graph and GraphCache.capturing (a capture with "
+    "GraphCache.pool): the arena's layout is this process's own from there"
+)
+
 _ALLOC = ctypes.CFUNCTYPE(ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 _FREE = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_ssize_t, ctypes.c_int, ctypes.c_void_p)
 _NAMES = {dtype: name for name, dtype in TORCH_DTYPES.items()}
@@ -242,8 +248,8 @@ class BundleMiss:
 
 def fetch_bundle(cache: Cache, weights: str, key: ArtifactKey) -> FetchedBundle | BundleMiss:
     """This uid's ``cuda.graphs`` artifact of ``weights`` for ``key`` from the keeper, mapped and parsed with every
-    field checked; or why there is none to use (no artifact, another uid's, unreadable, malformed: logged at
-    WARNING). Never raises for the keeper's or the artifact's sake: the caller captures instead."""
+    field checked; or why there is none to use (no artifact, another uid's, unreadable, malformed; the last two
+    are logged at WARNING). Never raises for the keeper's or the artifact's sake: the caller captures instead."""
     began = time.perf_counter()
     try:
         found = cache.open_artifact(weights, key, check=False)  # mapped: no copy, no hash of the whole blob
@@ -365,8 +371,14 @@ class GraphCache:
         self.verify = verify
         self.build_ahead = build_ahead
         self.key: ArtifactKey | None = None
-        #: Why graphs are captured rather than restored (None while restoring works); the last such reason.
+        #: Why graphs are captured rather than restored, or not recorded (None while restoring and recording
+        #: work): before the first graph, why none can be restored (no artifact, no arena, ...) or recorded (no
+        #: CUPTI); from the first graph captured instead of restored on, the last such graph's ``graph '<name>' is
+        #: captured: <why>``.
         self.reason: str | None = None
+        self._cause: str | None = None  # why no (more) graph can be restored: the reason every later graph gives
+        self._unrecordable: str | None = None  # why nothing (more) can be recorded, where no graph's record failed
+        self._no_images: str | None = None  # why kernel images cannot be kept here (no CUPTI)
         self._cache = cache if cache is not None else Cache(socket_dir)
         self._arena: Arena | None = None
         self._pool: Any = None
@@ -416,14 +428,16 @@ class GraphCache:
             try:
                 self._recorder = keep_kernel_images()
             except (GraphRestoreError, AttributeError) as exc:
-                self.reason = f"kernel images cannot be kept ({exc}); graphs are restored but not recorded"
+                self.reason = self._no_images = (
+                    f"kernel images cannot be kept ({exc}); graphs are restored but not recorded"
+                )
                 log.warning("weightcache: %s", self.reason)
             self.key = graphs_key(key or {}, self.device, (self._arena.base, self._arena.size))
             self.phases["arena"] = time.perf_counter() - began
             self._load()
 
     def _off(self, reason: str) -> None:
-        self.reason = reason
+        self.reason = self._cause = self._unrecordable = reason
         self._diverged = True
         self._recordable = False
         log.warning("weightcache: %s", reason)
@@ -436,6 +450,7 @@ class GraphCache:
             if not self._capturing:  # someone else's capture with `pool`: no later graph can be restored here
                 self._foreign = True
                 self._recordable = False  # a later process could not restore past it: record nothing after
+                self._unrecordable = self._unrecordable or _FOREIGN
             return self._arena.allocate(size)
         except Exception as exc:
             log.error("weightcache: the graph arena could not serve %d bytes: %s", size, exc)
@@ -457,7 +472,8 @@ class GraphCache:
         assert self.key is not None
         fetched = fetch_bundle(self._cache, self.weights, self.key)
         if isinstance(fetched, BundleMiss):
-            self.reason, self._replace = fetched.reason, fetched.sha256  # one of ours that is unusable: replace it
+            self.reason = self._cause = fetched.reason
+            self._replace = fetched.sha256  # one of ours that is unusable: replace it
             return
         self._bundle, self._replace = fetched.bundle, fetched.sha256
         self.phases.update(fetched.phases)
@@ -610,6 +626,7 @@ class GraphCache:
         with torch.cuda.device(self.device):
             restored = self._restore(name, started)
             if isinstance(restored, str):
+                self.reason = f"graph {name!r} is captured: {restored}"
                 restored = self._capture(name, fn, warmup, started, restored)
         self.graphs.append(restored)
         return restored
@@ -626,7 +643,7 @@ class GraphCache:
         with torch.cuda.device(self.device):
             restored = self._restore(name, started)
         if isinstance(restored, str):
-            self.reason = restored  # this graph's: why it is captured (the last such reason, as documented)
+            self.reason = f"graph {name!r} is captured: {restored}"  # the last such reason, as documented
             return None
         self.graphs.append(restored)
         return restored
@@ -654,7 +671,7 @@ class GraphCache:
         whose memory the arena was moved past: moved back, so that the capture gets the recorded addresses."""
         if record is not None and self._arena is not None and self._arena.used == record.end:
             self._arena.rewind_to(record.start)
-        self.reason = f"graph {name!r} is captured: {why}"
+        self.reason = self._cause = f"graph {name!r} is captured: {why}"
         self._diverged = True
         self._stop_prebuilding()
         log.warning("weightcache: %s", self.reason)
@@ -673,15 +690,11 @@ class GraphCache:
         """The graph rebuilt from the artifact, or why it is not."""
         bundle, arena, driver = self._bundle, self._arena, self._driver
         if bundle is None or arena is None or driver is None:
-            return self.reason or "no artifact"
+            return self._cause or "no artifact"
         if self._diverged:
-            return f"restoring stopped at an earlier graph ({self.reason})"
+            return f"restoring stopped at an earlier graph ({self._cause})"
         if self._foreign:
-            return self._refuse(
-                name,
-                "the graph pool served allocations outside GraphCache.graph and GraphCache.capturing (a capture with "
-                "GraphCache.pool): the arena's layout is this process's own from there",
-            )
+            return self._refuse(name, _FOREIGN)
         if self._next >= len(bundle.graphs):
             return f"the artifact holds {len(bundle.graphs)} graph(s), this is graph {self._next + 1}"
         record = bundle.graphs[self._next]
@@ -829,7 +842,7 @@ class GraphCache:
         first such graph on, no later one is)."""
         self._captured += 1
         if not recording:
-            return "an earlier graph was not recorded"
+            return self._record_problem or self._unrecordable or "an earlier graph was not recorded"
         if problem is None:
             try:
                 assert graph is not None
@@ -850,7 +863,7 @@ class GraphCache:
         arena, driver, recorder = self._arena, self._driver, self._recorder
         assert arena is not None and driver is not None
         if recorder is None:
-            return self.reason or "kernel images cannot be kept here"
+            return self._no_images or "kernel images cannot be kept here"
 
         def image_of(name: str, function: int, by_name: bool = False) -> str | None:
             """``function``'s image: its module's where that load was seen, else (``by_name``) the one kept image
@@ -1010,11 +1023,14 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
 
 
 __all__ = [
-    "EngineCapture",
     "DEFAULT_ARENA_BYTES",
     "KIND",
+    "BundleMiss",
     "CudaGraph",
+    "EngineCapture",
+    "FetchedBundle",
     "GraphCache",
+    "fetch_bundle",
     "graphs_key",
     "keep_kernel_images",
 ]

@@ -1,20 +1,21 @@
 """vLLM's FULL CUDA graphs restored from the keeper instead of captured: the ``cuda.graphs`` artifact kind for vLLM
 (issue 31). **Opt-in and experimental**: ``WEIGHTCACHE_VLLM_GRAPHS=1``; not yet run on a GPU.
 
-A vLLM start captures two kinds of graphs (docs/architecture.md, "Not built: the vLLM artifact kind", measured on
-an H100 with vLLM 0.26.0): FULL graphs, whole forward passes for the decode sizes, and PIECEWISE graphs, the pieces
-between attention calls. The PIECEWISE graphs read attention's output, which attention allocates eagerly from
-torch's default pool, so a fresh process cannot be shown to have it at the captured address: they are captured
-by vLLM as always. The FULL graphs read the weights, their own graph memory and the model runner's persistent
-buffers (inputs, block tables, attention metadata, the KV cache), so this module gives them what a
-:class:`~weightcache.torch_graphs.GraphCache` restores:
+A vLLM start captures two kinds of graphs (docs/architecture.md, "Restoring captured CUDA graphs at recorded
+addresses", the vLLM artifact kind; measured on an H100 with vLLM 0.26.0): FULL graphs, whole forward passes for the
+decode sizes, and PIECEWISE graphs, the pieces between attention calls. The PIECEWISE graphs read attention's
+output, which attention allocates eagerly from torch's default pool, so a fresh process cannot be shown to have it
+at the captured address: they are captured by vLLM as always. The FULL graphs read the weights, their own graph
+memory and the model runner's persistent buffers (inputs, block tables, attention metadata, the KV cache), so this
+module gives them what a :class:`~weightcache.torch_graphs.GraphCache` restores:
 
 - their graph memory comes from the GraphCache's arena (``GraphCache.pool``, instead of vLLM's shared pool: the
   FULL graphs no longer share memory with the PIECEWISE ones), and the manager's ``hidden_states``, which they
   write, is allocated in the arena too;
 - every CUDA tensor the model runner reaches (its buffers, its KV caches, the attention metadata builders'
-  buffers) is declared with ``GraphCache.external`` under its attribute path, before each graph, so that a
-  restore finds each at its recorded address or captures the graph;
+  buffers) is declared with ``GraphCache.external`` under ``runner.<its attribute path>`` (``runner.kv_caches.0``;
+  a ``/`` in a key becomes ``|``), before each graph, so that a restore finds each at its recorded address or
+  captures the graph;
 - each FULL graph is restored by its descriptor's name in vLLM's order (``GraphCache.restore``), or captured as
   vLLM does (its warm-up run, then the capture) through ``GraphCache.capturing``, which records it; the artifact
   is published after the last one. A restored graph skips vLLM's warm-up run and capture; its inputs are still
@@ -84,10 +85,11 @@ def switched_on() -> bool:
 
 
 def reports() -> list[dict[str, Any]]:
-    """What each capture of this process did: ``restored`` and ``captured`` FULL graphs, ``recorded``,
-    ``published``, ``reason`` (why the first graph not restored was captured, or why the kind stood aside),
-    ``seconds`` (where the kind's time went, :data:`STEPS`; absent where it stood aside) and ``graph_phase_s``
-    (vLLM's whole ``capture_model``: the PIECEWISE graphs, the FULL ones and vLLM's own steps around them)."""
+    """What each capture of this process did: ``restored`` and ``captured`` FULL graphs (``captured`` None where
+    the kind stood aside: vLLM captured every graph), ``recorded``, ``published``, ``reason`` (why the first graph
+    not restored was captured, ``graph '<name>' is captured: <why>``, or why the kind stood aside), ``seconds``
+    (where the kind's time went, :data:`STEPS`; absent where it stood aside) and ``graph_phase_s`` (vLLM's whole
+    ``capture_model``: the PIECEWISE graphs, the FULL ones and vLLM's own steps around them)."""
     return list(_REPORTS)
 
 
@@ -161,7 +163,7 @@ def _capturing(original: Callable[..., Any]) -> Callable[..., Any]:
         if why is not None:
             if switched_on() and getattr(self, "_weightcache_runner", None) is not None:  # (not a speculator's)
                 log.info("weightcache: vLLM's graphs are captured as usual: %s", why)
-                _REPORTS.append({"restored": 0, "captured": None, "reason": why})
+                _REPORTS.append({"restored": 0, "captured": None, "recorded": 0, "published": False, "reason": why})
             return original(self, create_forward_fn, *args, **kwargs)
         full = self._capture_descs.pop(full_mode)
         try:  # the PIECEWISE graphs, as vLLM captures them

@@ -324,9 +324,11 @@ class GraphDescription:
         return cls(nodes, tuple(edges))
 
     def to_binary(self) -> bytes:
-        """The description as tables (:data:`BINARY_MAGIC`, counts, then the node, layout, attribute, edge and
-        name tables and the argument bytes); :meth:`from_binary` reads them back. A description read from such
-        bytes gives those bytes back."""
+        """The description as tables: :data:`BINARY_MAGIC`; seven little-endian u32 (:data:`BINARY_FORMAT`, then
+        the counts of nodes, layout spans, attributes, edges, kernel names and memcpy nodes); the node, layout,
+        attribute, edge and memcpy tables; each name's length (u32), the names (UTF-8); and the kernels' argument
+        bytes one after the other. :meth:`from_binary` reads them back. A description read from such bytes gives
+        those bytes back."""
         if self._tables is not None:
             return bytes(self._tables.data)
         names: dict[str, int] = {}
@@ -739,6 +741,7 @@ __all__ = [
     "IMAGE_MARK",
     "LAUNCH_FORMS",
     "MEMORY_TYPES",
+    "DescriptionTables",
     "Edge",
     "EmptyNode",
     "GraphDescription",
