@@ -18,7 +18,10 @@ from weightcache.backends import vllm_graphs
 @pytest.mark.parametrize(("value", "on"), [("1", True), ("on", True), ("yes", True), ("0", False), ("", False)])
 def test_the_kind_is_on_only_when_the_operator_says_so(value: str, on: bool, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(vllm_graphs.SWITCH_ENV, value)
+    monkeypatch.delenv("WEIGHTCACHE_MODE", raising=False)
     assert vllm_graphs.switched_on() is on
+    monkeypatch.setenv("WEIGHTCACHE_MODE", "off")  # the kill switch turns every part of weightcache off
+    assert vllm_graphs.switched_on() is False
 
 
 def test_switched_off_register_and_begin_do_nothing(monkeypatch: pytest.MonkeyPatch) -> None:

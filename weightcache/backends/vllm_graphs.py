@@ -80,8 +80,11 @@ _REPORTS: list[dict[str, Any]] = []
 
 
 def switched_on() -> bool:
-    """Whether the operator turned the kind on (:data:`SWITCH_ENV`)."""
-    return os.environ.get(SWITCH_ENV, "").strip().lower() in ("1", "on", "true", "yes")
+    """Whether the operator turned the kind on (:data:`SWITCH_ENV`), and not weightcache off
+    (``WEIGHTCACHE_MODE=off``, the kill switch for every entry point)."""
+    from ..pipeline import switched_off
+
+    return os.environ.get(SWITCH_ENV, "").strip().lower() in ("1", "on", "true", "yes") and not switched_off()
 
 
 def reports() -> list[dict[str, Any]]:
