@@ -183,6 +183,37 @@ def image_of(name, function):  # two functions of one name in a graph: told apar
     return recorder.image_for(name, driver.function_module(function), by_name=False)
 
 
+# How GraphCache's recording would find each kernel's image (torch_graphs.GraphCache._record): through its
+# function's module where that load was seen, else by its name where one kept image defines it; the kernels it
+# could not, by why (several kept images define the name and the module's load was not seen: a module the runtime
+# loaded through its library API; no kept image defines it), with a sample of names.
+def kernel_images(description, functions):
+    from weightcache.graphs.description import kernel_image
+
+    found = Counter()
+    sample = {}
+    for kernel in sorted(description.kernels()):
+        if kernel_image(kernel):
+            found["qualified"] += 1
+            continue
+        if recorder is None:
+            found["no recorder"] += 1
+            continue
+        try:
+            module = driver.function_module(functions[kernel])
+        except Exception:
+            module = None
+        if recorder.image_for(kernel, module, by_name=False) is not None:
+            found["module seen"] += 1
+        elif recorder.image_for(kernel, module, by_name=True) is not None:
+            found["by name"] += 1
+        else:
+            why = f"{recorder.images_defining(kernel)} images define it, module not seen"
+            found[why] += 1
+            sample.setdefault(why, kernel[:160])
+    return {"found": dict(found), "sample": sample}
+
+
 ranges = [AddressRange(f"{pools[pool]}/{i}", address, size) for i, (address, size, pool, _) in enumerate(segments)]
 graphs = []
 described = []
@@ -196,6 +227,7 @@ for i, (g, seconds, instantiate) in enumerate(kept):
         entry.update(nodes=sum(kinds.values()), kinds=dict(kinds))
         description, functions = describe(driver, raw, image_of)
         entry["qualified"] = sum(1 for k in description.kernels() if "@" in k)
+        entry["images"] = kernel_images(description, functions)
     except Exception as exc:  # one graph the describer cannot walk must not lose the run
         entry["error"] = f"{type(exc).__name__}: {exc}"[:300]
         entry.setdefault("kinds", {})
@@ -507,6 +539,10 @@ def summary(r: dict[str, Any]) -> dict[str, Any]:
         "not_describable": dict(errors),
         # graphs that launch two functions of one name, told apart by their images (describe's image_of)
         "graphs_with_qualified_kernels": sum(1 for g in graphs if g.get("qualified")),
+        # how a recording would find each described graph's kernel images (kernel_images), summed over the graphs;
+        # "N images define it, module not seen": a kernel it could not, which leaves its graph unrecorded
+        "kernel_images": dict(sum((Counter(g.get("images", {}).get("found", {})) for g in graphs), Counter())),
+        "kernel_images_sample": next((g["images"]["sample"] for g in graphs if g.get("images", {}).get("sample")), {}),
         "pointers": sum(g.get("pointers", 0) for g in graphs),
         "outside": sum(g.get("outside", 0) for g in graphs),
         "outside_sample": next((g["outside_sample"] for g in graphs if g.get("outside")), []),
