@@ -183,10 +183,10 @@ def image_of(name, function):  # two functions of one name in a graph: told apar
     return recorder.image_for(name, driver.function_module(function), by_name=False)
 
 
-# How GraphCache's recording would find each kernel's image (torch_graphs.GraphCache._record): through its
-# function's module where that load was seen, else by its name where one kept image defines it; the kernels it
-# could not, by why (several kept images define the name and the module's load was not seen: a module the runtime
-# loaded through its library API; no kept image defines it), with a sample of names.
+# How GraphCache's recording would find each kernel's image (as weightcache/torch_graphs.py does when it records a
+# graph): through its function's module where that load was seen, else by its name where one kept image defines it;
+# the kernels it could not, by why (several kept images define the name and the module's load was not seen: a
+# module the runtime loaded through its library API; no kept image defines it), with a sample of names.
 def kernel_images(description, functions):
     from weightcache.graphs.description import kernel_image
 

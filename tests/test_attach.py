@@ -328,6 +328,9 @@ def test_dtype_conversion_and_transform(checkpoint: Path, socket_dir: Path) -> N
 def test_bad_mode_and_bad_model(checkpoint: Path, socket_dir: Path) -> None:
     with pytest.raises(wc.InvalidArgument, match="mode must be one of"):
         wc.attach(meta_model(), checkpoint, mode="sometimes")  # type: ignore[arg-type]
+    # found before anything is read: a checkpoint that is not there is not the first problem
+    with pytest.raises(wc.InvalidArgument, match="did you mean 'daemon'"):
+        wc.attach(meta_model(), checkpoint.parent / "not-there", mode="deamon")  # type: ignore[arg-type]
     with pytest.raises(wc.BindError, match="shape"):
         wc.attach(meta_model(dim=32), checkpoint, mode="off")
 

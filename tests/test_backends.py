@@ -93,7 +93,7 @@ def test_register_a_third_party_adapter() -> None:
         assert backends.register(Toy) is Toy
         assert isinstance(backends.get("toy"), Toy) and "toy" in backends.names()
         assert backends.get("toy").version() == "unknown" or backends.get("toy").available()
-        with pytest.raises(ValueError, match="already registered"):
+        with pytest.raises(wc.InvalidArgument, match="already registered"):
             backends.register(Toy)
         backends.register(Toy, replace=True)
     finally:
@@ -120,13 +120,13 @@ def test_register_rejects_incomplete_adapters() -> None:
         def quant(self, engine_quant: object) -> QuantSpec:
             return QuantSpec("none")
 
-    with pytest.raises(TypeError, match="name"):
+    with pytest.raises(wc.InvalidArgumentType, match="name"):
         backends.register(NoName)
-    with pytest.raises(TypeError, match="does not implement build_model, load_from_disk, quant"):
+    with pytest.raises(wc.InvalidArgumentType, match="does not implement build_model, load_from_disk, quant"):
         backends.register(NoQuant)
-    with pytest.raises(TypeError, match="does not implement build_model, load_from_disk$"):
+    with pytest.raises(wc.InvalidArgumentType, match="does not implement build_model, load_from_disk$"):
         backends.register(NoHooks)
-    with pytest.raises(TypeError, match="Backend subclass"):
+    with pytest.raises(wc.InvalidArgumentType, match="Backend subclass"):
         backends.register(dict)  # type: ignore[type-var]
 
 

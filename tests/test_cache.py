@@ -49,7 +49,7 @@ def same(a: torch.Tensor, b: torch.Tensor) -> bool:
 def test_put_then_get_round_trips_every_dtype_and_layout(cache: wc.Cache, checkpoint: Path) -> None:
     state = sample_state()
     fp = wc.Fingerprint.create(checkpoint)
-    with cache.put(fp, state) as published:
+    with cache.put(fp, state, progress=False) as published:  # put takes pack_state's arguments, progress too
         assert published.source == "cache"
         assert list(published.tensors) == list(state)
         for name, t in state.items():
@@ -198,7 +198,7 @@ def test_put_rejects_bad_input(cache: wc.Cache, checkpoint: Path) -> None:
     fp = wc.Fingerprint.create(checkpoint)
     with pytest.raises(wc.WeightCacheError, match="empty"):
         cache.put(fp, {})
-    with pytest.raises(TypeError, match="expected a torch.Tensor"):
+    with pytest.raises(wc.InvalidArgumentType, match="expected a torch.Tensor"):
         cache.put(fp, {"w": [1, 2]})  # type: ignore[dict-item]
     gpu_fp = attrs.evolve(fp, placement="GPU-0")
     with pytest.raises(wc.SegmentError, match="GPU-0"):

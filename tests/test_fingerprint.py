@@ -159,8 +159,16 @@ def test_bad_arguments(checkpoint: Path) -> None:
         wc.Fingerprint.create(checkpoint, parallel={"tp": (2, 2)})
     with pytest.raises(wc.InvalidArgument, match="device"):
         wc.Fingerprint.create(checkpoint, device="tpu")
-    with pytest.raises(TypeError, match="JSON"):
+    with pytest.raises(wc.InvalidArgumentType, match="JSON"):
         wc.Fingerprint.create(checkpoint, extra={"f": object()})
+    with pytest.raises(wc.InvalidArgumentType, match="JSON"):
+        wc.Fingerprint.create(checkpoint, quant_config={"bits": object()})
+    fp = wc.Fingerprint.create(checkpoint, extra={"a": 1})
+    with pytest.raises(wc.InvalidArgument, match="already holds a"):
+        fp.with_extra(a=2)
+    # every argument error is a WeightCacheError, and still the ValueError or TypeError Python code expects
+    assert issubclass(wc.InvalidArgumentType, wc.WeightCacheError) and issubclass(wc.InvalidArgumentType, TypeError)
+    assert issubclass(wc.InvalidArgumentType, ValueError)
 
 
 def _scale(state: dict, k: float = 1.0) -> dict:

@@ -45,12 +45,12 @@ def test_register_new_methods() -> None:
     assert wc.quant.register(MyInt8) is MyInt8
     assert wc.quant.get("test_int8_rowwise").ipc_safe
     assert "test_int8_rowwise" in wc.quant.safe_methods()
-    with pytest.raises(ValueError, match="already registered"):
+    with pytest.raises(wc.InvalidArgument, match="already registered"):
         wc.quant.register(MyInt8)
     wc.quant.register(MyInt8, replace=True)
-    with pytest.raises(ValueError, match="reason"):
+    with pytest.raises(wc.InvalidArgument, match="reason"):
         wc.quant.register(Bad)
-    with pytest.raises(TypeError):
+    with pytest.raises(wc.InvalidArgumentType):
         wc.quant.register(int)  # type: ignore[type-var]
 
 

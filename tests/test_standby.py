@@ -310,9 +310,9 @@ def test_clear_errors(socket_dir: Path, tmp_path: Path) -> None:
     with pytest.raises(wc.SocketDirError, match="0755"):
         wc.Leadership("m", socket_dir=socket_dir).try_acquire()
     for bad in ("", "../x", "a/b", ".hidden", "x" * 101):
-        with pytest.raises(ValueError, match="leadership name"):
+        with pytest.raises(wc.InvalidArgument, match="leadership name"):
             wc.Leadership(bad, socket_dir=socket_dir)
-    with pytest.raises(ValueError, match="not both"):
+    with pytest.raises(wc.InvalidArgument, match="not both"):
         wc.Leadership("m", socket_dir=socket_dir, path=tmp_path / "l")
     with pytest.raises(wc.SocketDirError, match="does not exist"):
         wc.Leadership(path=tmp_path / "missing" / "l.lock").try_acquire()

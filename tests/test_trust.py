@@ -161,7 +161,7 @@ def test_a_members_forged_entry_is_never_served_to_the_owner(checkpoint: Path, s
         with trusting.get(fingerprint) as handle:  # type: ignore[union-attr]
             assert handle.publisher == MEMBER_UID
             assert bool((handle.tensors["embed.weight"] == 7.0).all())
-        with pytest.raises(ValueError, match="no user named"):
+        with pytest.raises(wc.InvalidArgument, match="no user named"):
             wc.Cache(shared_dir, trusted_publishers=["no-such-user-here"])
     finally:
         terminate_keeper(keeper)

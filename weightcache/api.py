@@ -19,7 +19,17 @@ from .binding import bind, check_fit
 from .errors import InvalidArgument, WeightCacheError
 from .fingerprint import Fingerprint, placement_of
 from .handle import Handle
-from .pipeline import SWITCH_ENV, Mode, Request, Steps, pause_collector, resume_collector, run, switched_off
+from .pipeline import (
+    SWITCH_ENV,
+    Mode,
+    Request,
+    Steps,
+    check_mode,
+    pause_collector,
+    resume_collector,
+    run,
+    switched_off,
+)
 from .rundir import resolve_user
 from .torch_dtypes import convertible, resolve_dtype
 
@@ -82,6 +92,7 @@ def attach(
     """
     # Up to the keeper's answer nothing here allocates much, but a collection a fresh process owes for its imports
     # (tens of ms) would land on whatever allocates first: see weightcache.pipeline. run() pauses its own lookup.
+    check_mode(mode)  # before anything is read: an unknown mode is the caller's first problem
     enabled = pause_collector()  # not a `with` block: entering one allocates before the pause
     try:
         steps, fingerprint, quant_config = _prepare(

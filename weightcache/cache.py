@@ -47,7 +47,8 @@ class Cache:
     """The host keeper, seen from Python.
 
     Args:
-        socket_dir: where the keeper's socket lives (default: ``$WEIGHTCACHE_DIR``, ``$XDG_RUNTIME_DIR``,
+        socket_dir: where the keeper's socket lives (default: ``$WEIGHTCACHE_DIR``; else
+            ``$XDG_RUNTIME_DIR/weightcache`` where that variable names an existing directory; else
             ``/tmp/weightcache-<uid>``).
         spawn: start a detached keeper if none runs (exactly one, even when processes race); and if the keeper
             crashes while this process holds handles from this cache, start a new one to re-publish them to.
@@ -56,7 +57,9 @@ class Cache:
             group (``serve --allow-group``) may hold entries of its members under the same fingerprint, and those
             are attached only if named here (see docs/deployment.md, "Trust").
 
-    Raises ValueError for a user name that does not exist on this host.
+    Raises :class:`~weightcache.errors.InvalidArgument` (a ValueError) for a user name that does not exist on
+    this host, and, with ``spawn``, :class:`~weightcache.errors.KeeperUnavailable` where no keeper runs and none
+    may be started (one stopped on purpose, or another user's shared directory).
     """
 
     def __init__(
@@ -308,6 +311,7 @@ class Cache:
         digests: bool = True,
         max_segment_bytes: int | None = None,
         consume: bool = False,
+        progress: bool | None = False,
     ) -> Handle:
         """Copy a state dict into shareable segments, publish it under ``fingerprint`` and return the
         attached Handle (its tensors map the published segments, not ``tensors``).
@@ -320,7 +324,14 @@ class Cache:
         quant_registry.get(fingerprint.quant).check()
         from .publish import pack_state
 
-        packed = pack_state(fingerprint, tensors, digests=digests, max_segment_bytes=max_segment_bytes, consume=consume)
+        packed = pack_state(
+            fingerprint,
+            tensors,
+            digests=digests,
+            max_segment_bytes=max_segment_bytes,
+            consume=consume,
+            progress=progress,
+        )
         try:
             return self.publish(packed)
         finally:

@@ -17,6 +17,12 @@ class InvalidArgument(WeightCacheError, ValueError):
     transform without a stable identity. The message names what is accepted."""
 
 
+class InvalidArgumentType(InvalidArgument, TypeError):
+    """An argument of a type weightcache cannot use: a config or ``extra`` that is not JSON, a state dict value
+    that is not a tensor, a class registered as an engine adapter or quantization strategy that is not one. Also
+    a ``TypeError`` (and, as every :class:`InvalidArgument`, a ``ValueError``)."""
+
+
 # --- the keeper and the wire ------------------------------------------------------------------------------
 
 
@@ -171,6 +177,7 @@ __all__ = [
     "GraphDescriptionError",
     "GraphRestoreError",
     "InvalidArgument",
+    "InvalidArgumentType",
     "KEEPER_ERRORS",
     "KeeperAlreadyRunning",
     "KeeperError",

@@ -28,7 +28,7 @@ import attrs
 from . import quant as quant_registry
 from .checkpoint import CheckpointFile, checkpoint_files, qualified_name, read_model_config
 from .dtypes import dtype_name
-from .errors import InvalidArgument, ManifestError
+from .errors import InvalidArgument, InvalidArgumentType, ManifestError
 
 #: Bumped whenever the layout of cached data or the meaning of a field changes: old entries stop matching.
 FORMAT_VERSION = 1
@@ -65,7 +65,7 @@ def config_hash(config: Mapping[str, Any] | None) -> str | None:
     try:
         text = canonical_json(dict(config))
     except (TypeError, ValueError) as exc:
-        raise TypeError(f"config must be JSON-serialisable (str keys, plain values); found {config!r}") from exc
+        raise InvalidArgumentType(f"config must be JSON-serialisable (str keys, plain values); found {config!r}") from exc
     return hashlib.sha256(text.encode()).hexdigest()
 
 
@@ -274,7 +274,7 @@ class Fingerprint:
         try:
             extra_json = canonical_json(dict(extra or {}))
         except (TypeError, ValueError) as exc:
-            raise TypeError(f"extra must be JSON-serialisable; found {extra!r}") from exc
+            raise InvalidArgumentType(f"extra must be JSON-serialisable; found {extra!r}") from exc
         version = torch_version()
         return cls(
             model_path=str(path),
@@ -303,14 +303,14 @@ class Fingerprint:
         extra = json.loads(self.extra)
         clashes = sorted(k for k, v in fields.items() if k in extra and extra[k] != v)
         if clashes:
-            raise ValueError(
+            raise InvalidArgument(
                 f"the fingerprint's extra already holds {', '.join(clashes)} with another value; extend it with "
                 "keys it does not hold (the key structure is the engine adapters' own)"
             )
         try:
             extra_json = canonical_json({**extra, **fields})
         except (TypeError, ValueError) as exc:
-            raise TypeError(f"extra must be JSON-serialisable; found {fields!r}") from exc
+            raise InvalidArgumentType(f"extra must be JSON-serialisable; found {fields!r}") from exc
         return attrs.evolve(self, extra=extra_json)
 
     # --- serialisation ----------------------------------------------------------------------------------

@@ -26,7 +26,7 @@ import torch
 
 from . import segments
 from .digests import content_digest, content_digests
-from .errors import SegmentError, WeightCacheError
+from .errors import InvalidArgumentType, SegmentError, WeightCacheError
 from .fingerprint import Fingerprint
 from .loader import StoredTensor, pinned_staging, prefetch_head, stream_into
 from .manifest import Manifest, SegmentInfo, TensorInfo
@@ -122,7 +122,8 @@ def pack_state(
         raise WeightCacheError("cannot publish an empty state dict")
     for name in names:
         if not isinstance(tensors[name], torch.Tensor):
-            raise TypeError(f"state dict entry {name!r} is {type(tensors[name]).__name__}; expected a torch.Tensor")
+            found = type(tensors[name]).__name__
+            raise InvalidArgumentType(f"state dict entry {name!r} is {found}; expected a torch.Tensor")
     nbytes = [tensors[n].numel() * tensors[n].element_size() for n in names]
     if max_segment_bytes is None:
         from_host = not any(tensors[n].is_cuda for n in names)

@@ -25,7 +25,7 @@ import stat
 from collections.abc import Callable
 from pathlib import Path
 
-from .errors import SocketDirError
+from .errors import InvalidArgument, SocketDirError
 
 SOCKET_NAME = "keeper.sock"
 INSTANCE_LOCK_NAME = "keeper.lock"
@@ -111,7 +111,7 @@ def _resolve_id(value: str | int, lookup: Callable[[str], int], kind: str, table
     try:
         return lookup(value)
     except KeyError:
-        raise ValueError(
+        raise InvalidArgument(
             f"no {kind} named {value!r} on this host; give a {kind} name from {table} or a {number}"
         ) from None
 

@@ -28,7 +28,7 @@ import stat
 import weakref
 from pathlib import Path
 
-from .errors import SocketDirError
+from .errors import InvalidArgument, SocketDirError
 from .pidlock import close_lock_file, open_lock_file, write_pid
 from .rundir import check_socket_dir, is_explicit, resolve_socket_dir
 
@@ -95,12 +95,12 @@ class Leadership:
         path: str | os.PathLike[str] | None = None,
     ) -> None:
         if not _NAME.fullmatch(name):
-            raise ValueError(
+            raise InvalidArgument(
                 f"leadership name {name!r} must be 1-100 letters, digits, '.', '_' or '-', starting with a letter "
                 "or digit"
             )
         if path is not None and socket_dir is not None:
-            raise ValueError("give either socket_dir (the lock file lives there) or path (the lock file), not both")
+            raise InvalidArgument("give either socket_dir (the lock file lives there) or path (the lock file), not both")
         self.name = name
         self._socket_dir = socket_dir
         if path is not None:

@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib
 import typing
 
+from ..errors import InvalidArgument, InvalidArgumentType
 from .engine_config import QuantSpec
 from .template import Backend, LoaderOptions
 
@@ -31,20 +32,21 @@ _B = typing.TypeVar("_B", bound=type[Backend])
 def register(cls: _B, *, replace: bool = False) -> _B:
     """Register an adapter class under its ``name`` (usable as a decorator). Returns the class.
 
-    Raises ValueError if the name is taken (pass ``replace=True`` to override on purpose) and TypeError if
-    ``cls`` is not a complete :class:`Backend` subclass.
+    Raises :class:`~weightcache.errors.InvalidArgument` (a ValueError) if the name is taken (pass ``replace=True``
+    to override on purpose) and :class:`~weightcache.errors.InvalidArgumentType` (also a TypeError) if ``cls`` is
+    not a complete :class:`Backend` subclass.
     """
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
-        raise TypeError(f"register() expects a weightcache.backends.Backend subclass; found {cls!r}")
+        raise InvalidArgumentType(f"register() expects a weightcache.backends.Backend subclass; found {cls!r}")
     for attr in ("name", "module"):
         if not isinstance(getattr(cls, attr, None), str) or not getattr(cls, attr):
-            raise TypeError(f"{cls.__qualname__} must set the class attribute {attr} to a non-empty string")
+            raise InvalidArgumentType(f"{cls.__qualname__} must set the class attribute {attr} to a non-empty string")
     if getattr(cls, "__abstractmethods__", None):
         missing = ", ".join(sorted(cls.__abstractmethods__))
-        raise TypeError(f"{cls.__qualname__} does not implement {missing}")
+        raise InvalidArgumentType(f"{cls.__qualname__} does not implement {missing}")
     name = cls.name
     if (name in _registry or name in _builtin) and not replace:
-        raise ValueError(f"an engine adapter named {name!r} is already registered; pass replace=True to override it")
+        raise InvalidArgument(f"an engine adapter named {name!r} is already registered; pass replace=True to override it")
     _builtin.pop(name, None)
     _registry[name] = cls()
     return cls

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from ..errors import UnsupportedQuantError
+from ..errors import InvalidArgument, InvalidArgumentType, UnsupportedQuantError
 from .awq import AWQ
 from .base import QuantStrategy
 from .fp8 import FP8Block, FP8PerTensor
@@ -27,20 +27,22 @@ S = TypeVar("S", bound=type[QuantStrategy])
 def register(cls: S, *, replace: bool = False) -> S:
     """Register a strategy class under its ``name`` (usable as a decorator). Returns the class.
 
-    Raises ValueError if the name is taken (pass ``replace=True`` to override on purpose) or the class is
-    incomplete (no ``name``/``ipc_safe``, or refused without a ``reason``).
+    Raises :class:`~weightcache.errors.InvalidArgument` (a ValueError) if the name is taken (pass
+    ``replace=True`` to override on purpose) or the class is incomplete (no ``name``/``ipc_safe``, or refused
+    without a ``reason``), and :class:`~weightcache.errors.InvalidArgumentType` (also a TypeError) if ``cls`` is
+    not a :class:`QuantStrategy` subclass.
     """
     if not (isinstance(cls, type) and issubclass(cls, QuantStrategy)):
-        raise TypeError(f"register() expects a QuantStrategy subclass; found {cls!r}")
+        raise InvalidArgumentType(f"register() expects a QuantStrategy subclass; found {cls!r}")
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
-        raise ValueError(f"{cls.__qualname__} must set the class attribute name to a non-empty string")
+        raise InvalidArgument(f"{cls.__qualname__} must set the class attribute name to a non-empty string")
     if not isinstance(getattr(cls, "ipc_safe", None), bool):
-        raise ValueError(f"{cls.__qualname__} must set the class attribute ipc_safe to True or False")
+        raise InvalidArgument(f"{cls.__qualname__} must set the class attribute ipc_safe to True or False")
     if not cls.ipc_safe and not cls.reason:
-        raise ValueError(f"{cls.__qualname__} is not ipc_safe, so it must say why in the attribute reason")
+        raise InvalidArgument(f"{cls.__qualname__} is not ipc_safe, so it must say why in the attribute reason")
     if name in _registry and not replace:
-        raise ValueError(
+        raise InvalidArgument(
             f"quantization method {name!r} is already registered ({type(_registry[name]).__qualname__}); "
             "pass replace=True to override it"
         )
