@@ -187,8 +187,8 @@ def test_a_model_converted_on_meta_gets_its_computed_buffers_in_its_dtype(
             assert not any(m.training for m in model.modules())  # evaluation mode, as from_pretrained leaves it
 
 
-def load_cli(*args: str) -> subprocess.CompletedProcess[str]:
-    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1"}
+def load_cli(*args: str, **extra_env: str) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "HF_HUB_OFFLINE": "1", **extra_env}
     return subprocess.run(
         [sys.executable, "-m", "weightcache", "load", *args], capture_output=True, text=True, env=env, timeout=300
     )
@@ -200,6 +200,10 @@ def test_weightcache_load_engine_transformers_makes_the_entry_a_model_attaches(
     """`weightcache load` makes a plain module's entry, which a transformers model misses with a one-line reason
     that names the option; `--engine transformers` makes the entry that the README's model attaches."""
     path = models["qwen2"]
+    # switched off, it refuses as the plain load does (it read the checkpoint and said "published" before)
+    off = load_cli(str(path), "--engine", "transformers", "--socket-dir", str(socket_dir), WEIGHTCACHE_MODE="off")
+    assert off.returncode == 1 and "WEIGHTCACHE_MODE=off" in off.stderr and not off.stdout, off
+    assert not socket_dir.exists() or wc.Cache(socket_dir).entries() == []
     plain = load_cli(str(path), "--socket-dir", str(socket_dir))
     assert plain.returncode == 0 and plain.stdout.startswith("published "), plain.stderr
     with pytest.raises(wc.FingerprintMismatch) as caught:

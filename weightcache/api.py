@@ -16,19 +16,18 @@ from torch import nn
 
 from . import loaders
 from .binding import bind, check_fit
-from .errors import InvalidArgument, WeightCacheError
+from .errors import InvalidArgument
 from .fingerprint import Fingerprint, placement_of
 from .handle import Handle
 from .pipeline import (
-    SWITCH_ENV,
     Mode,
     Request,
     Steps,
     check_mode,
     pause_collector,
+    refuse_if_switched_off,
     resume_collector,
     run,
-    switched_off,
 )
 from .rundir import resolve_user
 from .torch_dtypes import convertible, resolve_dtype
@@ -165,11 +164,7 @@ def preload(
         digests: record a SHA-256 per tensor (what :meth:`Handle.verify` checks); default True.
         max_segment_bytes: largest segment (default: :func:`weightcache.publish.default_segment_bytes`).
     """
-    if switched_off():
-        raise WeightCacheError(
-            f"weightcache is switched off here ({SWITCH_ENV}=off in the environment): nothing was read or "
-            f"published; unset {SWITCH_ENV} to load into the keeper"
-        )
+    refuse_if_switched_off()
     dev, torch_dtype, fingerprint = _identify(checkpoint, device, dtype, quant, quant_config, parallel, transform)
     steps = CheckpointSteps(checkpoint, dev, torch_dtype, transform, progress)
     request = Request(fingerprint, "daemon", True, socket_dir, progress, digests, max_segment_bytes, quant_config)

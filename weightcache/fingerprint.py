@@ -65,7 +65,9 @@ def config_hash(config: Mapping[str, Any] | None) -> str | None:
     try:
         text = canonical_json(dict(config))
     except (TypeError, ValueError) as exc:
-        raise InvalidArgumentType(f"config must be JSON-serialisable (str keys, plain values); found {config!r}") from exc
+        raise InvalidArgumentType(
+            f"config must be JSON-serialisable (str keys, plain values); found {config!r}"
+        ) from exc
     return hashlib.sha256(text.encode()).hexdigest()
 
 

@@ -82,6 +82,16 @@ def switched_off() -> bool:
     return os.environ.get(SWITCH_ENV, "").strip() == "off"
 
 
+def refuse_if_switched_off() -> None:
+    """WeightCacheError where weightcache is switched off: for the entry points whose only job is to load into the
+    keeper (``preload``, ``weightcache load``), which have no disk load to serve instead."""
+    if switched_off():
+        raise WeightCacheError(
+            f"weightcache is switched off here ({SWITCH_ENV}=off in the environment): nothing was read or "
+            f"published; unset {SWITCH_ENV} to load into the keeper"
+        )
+
+
 Mode = Literal["off", "daemon", "client"]
 MODES: tuple[Mode, ...] = ("off", "daemon", "client")
 T = TypeVar("T")

@@ -100,7 +100,9 @@ class Leadership:
                 "or digit"
             )
         if path is not None and socket_dir is not None:
-            raise InvalidArgument("give either socket_dir (the lock file lives there) or path (the lock file), not both")
+            raise InvalidArgument(
+                "give either socket_dir (the lock file lives there) or path (the lock file), not both"
+            )
         self.name = name
         self._socket_dir = socket_dir
         if path is not None:

@@ -46,7 +46,9 @@ def register(cls: _B, *, replace: bool = False) -> _B:
         raise InvalidArgumentType(f"{cls.__qualname__} does not implement {missing}")
     name = cls.name
     if (name in _registry or name in _builtin) and not replace:
-        raise InvalidArgument(f"an engine adapter named {name!r} is already registered; pass replace=True to override it")
+        raise InvalidArgument(
+            f"an engine adapter named {name!r} is already registered; pass replace=True to override it"
+        )
     _builtin.pop(name, None)
     _registry[name] = cls()
     return cls

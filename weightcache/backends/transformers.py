@@ -38,7 +38,7 @@ from ..errors import UnsupportedQuantError
 from ..fingerprint import placement_of
 from ..handle import Handle
 from ..loaders import ModelIdentity, ModuleLoader
-from ..pipeline import Request, run
+from ..pipeline import Request, refuse_if_switched_off, run
 from ..torch_dtypes import resolve_dtype
 
 if TYPE_CHECKING:
@@ -243,7 +243,8 @@ def preload(
     built as :func:`build_on_meta` builds it, attaches: ``weightcache load --engine transformers``. Mode daemon's
     first start without an engine, strict (a refused budget raises). Arguments as for :func:`from_pretrained`
     and :func:`weightcache.preload`. Returns the attached Handle (``read_disk`` False when the keeper already
-    held the entry)."""
+    held the entry). Raises WeightCacheError where ``WEIGHTCACHE_MODE=off`` switched weightcache off."""
+    refuse_if_switched_off()
     model = build_on_meta(checkpoint, model_class, dtype)
     loader = TransformersLoader()
     placement_of(device)  # InvalidArgument for a device that is none or that this process lacks
