@@ -213,9 +213,10 @@ def test_evict_by_ambiguous_prefix_is_refused(cache: wc.Cache, checkpoint: Path)
         handles.append(cache.put(fp, {"w": torch.ones(2)}))
     digests = [h.digest for h in handles]
     first = next(d[0] for d in digests if sum(x[0] == d[0] for x in digests) > 1)
-    with pytest.raises(wc.KeeperError, match="matches") as info:
+    with pytest.raises(wc.KeeperError, match="^ambiguous: .* matches") as info:
         cache.evict(first, force=True)
     assert info.value.code == "ambiguous" and len(cache.entries()) == 12
+    assert "--all" not in str(info.value)  # which would evict every entry, not the one meant
     assert cache.evict(handles[0].fingerprint, force=True) == [f"{digests[0]}@cpu"]
     for h in handles:
         h.close()

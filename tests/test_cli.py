@@ -378,6 +378,10 @@ def test_without_a_keeper_ls_json_is_json_and_stop_says_its_name(socket_dir: Pat
     assert listing["keeper"] is None and listing["entries"] == [] and "no keeper" in listing["error"]
     out = wc_cli("stop", "--socket-dir", str(socket_dir), check=False)
     assert out.returncode == 1 and out.stderr.startswith("weightcache stop: no keeper to stop")
+    socket_dir.mkdir(mode=0o755, exist_ok=True)
+    socket_dir.chmod(0o755)  # a directory the keeper would refuse (not private): still JSON, saying why
+    out = wc_cli("ls", "--json", "--socket-dir", str(socket_dir), check=False)
+    assert out.returncode == 1 and "0755" in json.loads(out.stdout)["error"], out
 
 
 def test_evict_all_evicts_what_is_free_and_names_the_flag_for_the_rest(

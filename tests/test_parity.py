@@ -66,3 +66,5 @@ def test_a_bad_table_is_a_clear_error(tmp_path: Path) -> None:
     out = cli(str(tmp_path / "x.json"), str(tmp_path / "x.json"))
     assert out.returncode == 1
     assert "cannot read the tensor table" in out.stderr and "write_table" in out.stderr
+    out = cli("--engine", "vllm", "--model", str(tmp_path), "--prompt-ids", "a,b")  # checked before any engine
+    assert out.returncode == 1 and out.stderr.startswith("weightcache parity: --prompt-ids takes"), out.stderr

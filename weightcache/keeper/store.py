@@ -591,6 +591,6 @@ def _unmatched(prefix: str, found: Sequence[Held]) -> RequestError:
         return RequestError(messages.NOT_FOUND, f"no entry matches {prefix!r}; `weightcache ls` lists the entries")
     return RequestError(
         messages.AMBIGUOUS,
-        f"{prefix!r} matches {len(found)} entries ({', '.join(e.key[:20] for e in found)}); give more of the "
-        "digest (or the full key digest@placement), or --all",
+        f"ambiguous: {prefix!r} matches {len(found)} entries ({', '.join(e.key[:20] for e in found)}); give more "
+        "of the digest (or the full key digest@placement)",
     )

@@ -58,7 +58,12 @@ def _engine_parity(args: argparse.Namespace) -> int:
             engine_args[key] = json.loads(value)
         except ValueError:
             engine_args[key] = value
-    prompt = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else None
+    try:
+        prompt = [int(t) for t in args.prompt_ids.split(",")] if args.prompt_ids else None
+    except ValueError:
+        raise wc.WeightCacheError(
+            f"--prompt-ids takes comma-separated token ids, e.g. 1,5,9; found {args.prompt_ids!r}"
+        ) from None
     workdir = args.workdir or tempfile.mkdtemp(prefix="weightcache-parity-")
     result = engine_parity(args.engine, args.model, workdir, engine_args=engine_args, prompt=prompt)
     if args.json:

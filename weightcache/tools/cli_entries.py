@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 def cmd_ls(args: argparse.Namespace) -> int:
     try:
         conn = connect(args)
-    except wc.KeeperUnavailable as exc:
+    except (wc.KeeperUnavailable, wc.SocketDirError) as exc:  # no keeper, or a socket directory it cannot use
         if not args.json:
             raise
         print(json.dumps({"keeper": None, "entries": [], "error": str(exc)}, indent=2))  # a script still gets JSON
@@ -207,7 +207,9 @@ def _inspect_artifact(args: argparse.Namespace, artifacts: Sequence[ArtifactInfo
         ) from miss
     if len(found) > 1:
         names = ", ".join(artifact_name(a) for a in found[:8])
-        raise wc.KeeperError(f"{args.digest!r} matches {len(found)} artifacts ({names}); give more of it", "ambiguous")
+        raise wc.KeeperError(
+            f"ambiguous: {args.digest!r} matches {len(found)} artifacts ({names}); give more of it", "ambiguous"
+        )
     a = found[0]
     if args.json:
         print(json.dumps({"artifact": a.to_json()}, indent=2))
@@ -284,7 +286,7 @@ def _evict_unleased(conn: KeeperConnection) -> int:
             continue
         try:
             for key in conn.evict(artifact.key).evicted:
-                print(f"evicted {key}")
+                print(printable(f"evicted {key}"))
                 evicted += 1
         except wc.KeeperError as exc:
             if exc.code not in (LEASED, NOT_FOUND):
