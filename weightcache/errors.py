@@ -161,7 +161,9 @@ class BackendConfigError(BackendError, ValueError):
 
 
 class FallbackWarning(UserWarning):
-    """Mode ``client`` fell back to loading from disk; the message says why."""
+    """weightcache served weights from disk instead of the cache: mode ``client``'s fallback (no keeper, a miss,
+    a mismatch), or mode ``daemon`` where no keeper can be used or publishing failed (it serves what it loaded);
+    the message says why."""
 
 
 __all__ = [

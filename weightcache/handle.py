@@ -29,7 +29,8 @@ class Handle:
         fingerprint: the :class:`Fingerprint` of these weights.
         tensors: name -> tensor, in manifest (or checkpoint) order.
         manifest: the published manifest (None for weights this process holds privately).
-        fallback_reason: why weightcache served weights from disk when the mode asked for the cache, else None.
+        fallback_reason: why weightcache served weights from disk when the mode asked for the cache, else None
+            (None too where ``WEIGHTCACHE_MODE=off`` switched weightcache off: nothing fell back).
         read_disk: whether this start read the checkpoint (True for every disk source, and for mode daemon's
             first start, which loads, publishes and then runs on the published copy).
         resident_before: whether the entry was in the keeper when this start first looked for it (a plain hit):

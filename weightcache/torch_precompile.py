@@ -75,7 +75,8 @@ class PrecompileStats:
 
     Attributes:
         source: ``"keeper"`` (loaded: no trace, no compile), ``"compiled"`` (compiled ahead of time here, and
-            published), or ``"torch.compile"`` (the AOT path did not apply: plain ``torch.compile``; see ``reason``).
+            published unless ``published_bytes`` is 0: no keeper, or it refused), or ``"torch.compile"`` (the AOT
+            path did not apply: plain ``torch.compile``; see ``reason``).
         loaded_bytes: size of the artifact loaded (0 for none).
         kernels_restored: C++ kernels (CPU) written into the local inductor cache directory from the artifact.
         load_s: seconds to load the compiled function from the artifact (0 for none).

@@ -16,7 +16,7 @@ from __future__ import annotations
 import importlib
 import typing
 
-from ..errors import InvalidArgument, InvalidArgumentType
+from .. import errors as _errors
 from .engine_config import QuantSpec
 from .template import Backend, LoaderOptions
 
@@ -37,16 +37,18 @@ def register(cls: _B, *, replace: bool = False) -> _B:
     not a complete :class:`Backend` subclass.
     """
     if not (isinstance(cls, type) and issubclass(cls, Backend)):
-        raise InvalidArgumentType(f"register() expects a weightcache.backends.Backend subclass; found {cls!r}")
+        raise _errors.InvalidArgumentType(f"register() expects a weightcache.backends.Backend subclass; found {cls!r}")
     for attr in ("name", "module"):
         if not isinstance(getattr(cls, attr, None), str) or not getattr(cls, attr):
-            raise InvalidArgumentType(f"{cls.__qualname__} must set the class attribute {attr} to a non-empty string")
+            raise _errors.InvalidArgumentType(
+                f"{cls.__qualname__} must set the class attribute {attr} to a non-empty string"
+            )
     if getattr(cls, "__abstractmethods__", None):
         missing = ", ".join(sorted(cls.__abstractmethods__))
-        raise InvalidArgumentType(f"{cls.__qualname__} does not implement {missing}")
+        raise _errors.InvalidArgumentType(f"{cls.__qualname__} does not implement {missing}")
     name = cls.name
     if (name in _registry or name in _builtin) and not replace:
-        raise InvalidArgument(
+        raise _errors.InvalidArgument(
             f"an engine adapter named {name!r} is already registered; pass replace=True to override it"
         )
     _builtin.pop(name, None)

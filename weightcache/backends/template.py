@@ -81,7 +81,8 @@ class LoaderOptions:
         mode: ``"daemon"`` (default: attach if cached, else load from disk, publish and attach) or ``"client"``
             (attach; fall back to disk with a FallbackWarning, or raise with ``strict``).
         socket_dir: the keeper's socket directory (default: see :mod:`weightcache.rundir`).
-        strict: in mode client, raise instead of falling back to disk.
+        strict: in mode client, raise instead of falling back to disk; in mode daemon, raise the error that
+            stopped publishing (or made the keeper unusable) instead of serving the weights loaded from disk.
         trusted_publishers: other users (names or uids) whose published entries may be attached, besides the
             engine's own uid and the keeper's owner (see :class:`~weightcache.cache.Cache`).
     """

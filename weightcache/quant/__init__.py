@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from typing import TypeVar
 
-from ..errors import InvalidArgument, InvalidArgumentType, UnsupportedQuantError
+from .. import errors as _errors
+from ..errors import UnsupportedQuantError
 from .awq import AWQ
 from .base import QuantStrategy
 from .fp8 import FP8Block, FP8PerTensor
@@ -33,16 +34,16 @@ def register(cls: S, *, replace: bool = False) -> S:
     not a :class:`QuantStrategy` subclass.
     """
     if not (isinstance(cls, type) and issubclass(cls, QuantStrategy)):
-        raise InvalidArgumentType(f"register() expects a QuantStrategy subclass; found {cls!r}")
+        raise _errors.InvalidArgumentType(f"register() expects a QuantStrategy subclass; found {cls!r}")
     name = getattr(cls, "name", None)
     if not isinstance(name, str) or not name:
-        raise InvalidArgument(f"{cls.__qualname__} must set the class attribute name to a non-empty string")
+        raise _errors.InvalidArgument(f"{cls.__qualname__} must set the class attribute name to a non-empty string")
     if not isinstance(getattr(cls, "ipc_safe", None), bool):
-        raise InvalidArgument(f"{cls.__qualname__} must set the class attribute ipc_safe to True or False")
+        raise _errors.InvalidArgument(f"{cls.__qualname__} must set the class attribute ipc_safe to True or False")
     if not cls.ipc_safe and not cls.reason:
-        raise InvalidArgument(f"{cls.__qualname__} is not ipc_safe, so it must say why in the attribute reason")
+        raise _errors.InvalidArgument(f"{cls.__qualname__} is not ipc_safe, so it must say why in the attribute reason")
     if name in _registry and not replace:
-        raise InvalidArgument(
+        raise _errors.InvalidArgument(
             f"quantization method {name!r} is already registered ({type(_registry[name]).__qualname__}); "
             "pass replace=True to override it"
         )

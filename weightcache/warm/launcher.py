@@ -7,10 +7,9 @@ signals it receives go to the command (SIGINT, SIGQUIT and SIGHUP to its process
 every other forwarded signal to its pid), and it exits with the command's status, or dies of the command's signal.
 
 When the warm process cannot serve, the command still starts, directly (``exec``, so in this very process), after
-one line on stderr that says why:
+one line on stderr that says why (with ``WEIGHTCACHE_WARM=0``, the switch, without one):
 
-- ``WEIGHTCACHE_WARM=0`` (the switch), or a command the warm process cannot start (another interpreter, ``-X``
-  options, a binary): the line says so;
+- a command the warm process cannot start (another interpreter, ``-X`` options, a binary): the line says so;
 - no warm process of this slot yet: one is started in the background for the next start;
 - a warm process whose key differs (an upgrade, another ``sys.path``): it is stopped, a new one started;
 - a warm process that refuses or fails the request: its reason.
