@@ -140,6 +140,8 @@ def test_register_rejects_incomplete_adapters() -> None:
         ({"mode": "off"}, "mode must be one of daemon, client; found 'off'"),
         ({"strict": 1}, "strict must be true or false; found 1"),
         ({"socket_dir": 3}, "socket_dir must be a path string; found 3"),
+        (["mode"], "must be a JSON object of options"),
+        ("client", "must be a JSON object of options"),
     ],
 )
 def test_loader_options_are_validated(raw: dict, message: str) -> None:
@@ -153,6 +155,57 @@ def test_loader_options_are_validated(raw: dict, message: str) -> None:
 def test_loader_options_defaults() -> None:
     assert LoaderOptions.parse(None, where="x") == LoaderOptions(mode="daemon", socket_dir=None, strict=False)
     assert LoaderOptions.parse({"socket_dir": Path("/s")}, where="x").socket_dir == "/s"
+
+
+def test_sglang_loader_options_are_checked_before_sglang_is_needed() -> None:
+    """SGLang's loader class takes its options from ``model_loader_extra_config`` (a dict or a JSON string) or from
+    ``configure()``, which takes every option an adapter has: a string that is not JSON, or JSON that is not an
+    object, is a BackendConfigError naming the origin (it was a JSONDecodeError or a TypeError)."""
+    import os
+    import types
+
+    from weightcache.backends.sglang import WeightCacheLoader
+
+    for extra in ("{bad", '["mode"]'):
+        with pytest.raises(wc.BackendConfigError, match="model_loader_extra_config"):
+            WeightCacheLoader(types.SimpleNamespace(model_loader_extra_config=extra))
+    configured = WeightCacheLoader.configure(mode="client", trusted_publishers=[os.getuid()])
+    assert configured.options_override["trusted_publishers"] == [os.getuid()]
+    with pytest.raises(wc.BackendConfigError, match="trusted_publishers"):
+        WeightCacheLoader.configure(trusted_publishers=["no-such-user-here"])
+
+
+def test_a_keeper_that_does_not_answer_the_size_question_is_said_so(
+    checkpoint: Path, socket_dir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An engine sizing its caches asks the keeper how much of the weights it will map: a keeper that runs but
+    does not answer (SIGSTOP) makes it warn and count 0 (strict: raise), as any other failure to answer does; no
+    keeper at all is 0 without a word (nothing is cached)."""
+    import signal
+
+    from conftest import all_threads_stopped, start_keeper, terminate_keeper, wait_until
+
+    from weightcache.client import connection
+
+    backend = backends.get("torch")
+    fp = wc.Fingerprint.create(checkpoint)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert backend.cached_bytes(fp, LoaderOptions(socket_dir=str(socket_dir))) == 0  # no keeper
+    monkeypatch.setattr(connection, "REPLY_TIMEOUT_S", 1.0)
+    keeper = start_keeper(socket_dir)
+    try:
+        keeper.send_signal(signal.SIGSTOP)
+        try:
+            assert wait_until(lambda: all_threads_stopped(keeper.pid), 10)
+            with pytest.warns(UserWarning, match="cannot size the cached entry.*KeeperNotResponding"):
+                assert backend.cached_bytes(fp, LoaderOptions(socket_dir=str(socket_dir))) == 0
+            with pytest.raises(wc.KeeperNotResponding):
+                backend.cached_bytes(fp, LoaderOptions(socket_dir=str(socket_dir), strict=True))
+        finally:
+            keeper.send_signal(signal.SIGCONT)
+    finally:
+        terminate_keeper(keeper)
 
 
 def test_backend_template_runs_every_mode(checkpoint: Path, socket_dir: Path) -> None:
@@ -494,3 +547,29 @@ def test_engines_get_private_buffers_and_shared_parameters(checkpoint: Path, soc
     assert all(p.data_ptr() in shared for p in hit.model.parameters())
     buffers = list(hit.model.buffers())
     assert buffers and not any(b.data_ptr() in shared for b in buffers)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_a_refused_quantization_is_refused_before_the_checkpoint_is_looked_for(
+    engine: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """For a hub model name the engine adapters' ``checkpoint_dir`` downloads the weights: a quantization method
+    weightcache refuses (AWQ here) is refused before it is asked for (it was asked first, so the refusal came after
+    the download)."""
+    import types
+
+    class AWQ:
+        def get_name(self) -> str:
+            return "awq"
+
+    backend = backends.get(engine)
+    looked: list[object] = []
+    monkeypatch.setattr(type(backend), "checkpoint_dir", lambda self, *args: looked.append(args) or "/nowhere")
+    model_config = types.SimpleNamespace(model="org/model-on-the-hub", dtype=torch.bfloat16)
+    with pytest.raises(wc.UnsupportedQuantError, match="AWQ|awq"):
+        if engine == "vllm":
+            backend.fingerprint(types.SimpleNamespace(quant_config=AWQ()), model_config, torch.device("cpu"))
+        else:
+            monkeypatch.setattr(type(backend), "quant_config", lambda self, model_config, load_config: AWQ())
+            backend.fingerprint(model_config, types.SimpleNamespace(), torch.device("cpu"))
+    assert looked == []

@@ -1,8 +1,9 @@
 """The SGLang adapter: a model loader class to pass as ``LoadConfig(load_format=WeightCacheLoader)``.
 
 SGLang instantiates a loader class given as ``load_format`` itself, with the ``LoadConfig`` as its only
-argument, so the options travel in ``model_loader_extra_config`` (``mode``, ``socket_dir``, ``strict``; any other
-key is an error) or are fixed on a subclass made by :meth:`WeightCacheLoader.configure`::
+argument, so the options travel in ``model_loader_extra_config`` (``mode``, ``socket_dir``, ``strict``,
+``trusted_publishers``; any other key is an error) or are fixed on a subclass made by
+:meth:`WeightCacheLoader.configure`::
 
     from weightcache.backends.sglang import WeightCacheLoader
     LoadConfig(load_format=WeightCacheLoader.configure(mode="client", strict=True))
@@ -35,7 +36,7 @@ import json
 import logging
 import os
 import warnings
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, ClassVar
 
 import attrs
@@ -43,7 +44,7 @@ import torch
 from torch import nn
 
 from ..binding import tensor_attributes
-from ..errors import BackendError, UnsupportedQuantError
+from ..errors import BackendConfigError, BackendError, UnsupportedQuantError
 from ..fingerprint import Fingerprint
 from ..handle import Handle
 from . import sglang_releases
@@ -122,12 +123,14 @@ class SglangBackend(Backend):
         """The fingerprint of the weights SGLang would load for this config on this rank, before the structure
         of the model SGLang builds joins it (:meth:`~weightcache.backends.base.Backend.load_model` adds it).
 
-        Raises UnsupportedQuantError for a refused quantization method before anything is read.
+        Raises UnsupportedQuantError for a refused quantization method before anything is read (or downloaded).
         """
+        engine_quant = self.quant_config(model_config, load_config)
+        self.check_quant(engine_quant)  # before checkpoint_dir, which downloads a hub model
         return self.make_fingerprint(
             self.checkpoint_dir(model_config, load_config),
             dtype=model_config.dtype,
-            engine_quant=self.quant_config(model_config, load_config),
+            engine_quant=engine_quant,
             parallel=parallel_layout,
             device=device,
             identity=model_identity(model_config, load_config),
@@ -398,12 +401,16 @@ class WeightCacheLoader:
 
     def __init__(self, load_config: Any) -> None:
         self.load_config = load_config
+        where = "weightcache's SGLang loader (model_loader_extra_config)"
         extra = load_config.model_loader_extra_config or {}
         if isinstance(extra, str):
-            extra = json.loads(extra)
-        self.options = LoaderOptions.parse(
-            {**self.options_override, **extra}, where="weightcache's SGLang loader (model_loader_extra_config)"
-        )
+            try:
+                extra = json.loads(extra)
+            except ValueError as exc:
+                raise BackendConfigError(f"{where}: not JSON ({exc}); give a JSON object of options") from None
+        if not isinstance(extra, Mapping):
+            LoaderOptions.parse(extra, where=where)  # BackendConfigError: not a JSON object
+        self.options = LoaderOptions.parse({**self.options_override, **extra}, where=where)
         self.backend = SglangBackend()
         self.backend.require()
         self.preloaded_weights_bytes = 0
@@ -414,10 +421,21 @@ class WeightCacheLoader:
 
     @classmethod
     def configure(
-        cls, *, mode: str = "daemon", socket_dir: str | os.PathLike[str] | None = None, strict: bool = False
+        cls,
+        *,
+        mode: str = "daemon",
+        socket_dir: str | os.PathLike[str] | None = None,
+        strict: bool = False,
+        trusted_publishers: Sequence[str | int] = (),
     ) -> type[WeightCacheLoader]:
-        """A subclass with these options fixed, to pass as ``load_format`` (options are validated here)."""
-        options = {"mode": mode, "socket_dir": None if socket_dir is None else os.fspath(socket_dir), "strict": strict}
+        """A subclass with these options fixed, to pass as ``load_format`` (options are validated here: a
+        :class:`~weightcache.errors.BackendConfigError` for a wrong value)."""
+        options = {
+            "mode": mode,
+            "socket_dir": None if socket_dir is None else os.fspath(socket_dir),
+            "strict": strict,
+            "trusted_publishers": list(trusted_publishers),
+        }
         LoaderOptions.parse(options, where="WeightCacheLoader.configure()")
         return type(f"{cls.__name__}[{mode}]", (cls,), {"options_override": options})
 

@@ -51,6 +51,7 @@ from ..cache import Cache
 from ..errors import (
     BackendConfigError,
     EngineNotInstalled,
+    KeeperNotResponding,
     KeeperUnavailable,
     UnsupportedQuantError,
     WeightCacheError,
@@ -96,8 +97,13 @@ class LoaderOptions:
     def parse(cls, raw: Mapping[str, object] | None, *, where: str) -> LoaderOptions:
         """Validate user-supplied options; ``where`` names their origin in error messages.
 
-        Raises BackendConfigError for an unknown key or a wrong value, naming the accepted ones.
+        Raises BackendConfigError for something other than a mapping (a JSON object), an unknown key or a wrong
+        value, naming the accepted ones.
         """
+        if raw is not None and not isinstance(raw, Mapping):
+            raise BackendConfigError(
+                f'{where}: must be a JSON object of options (e.g. {{"mode": "client"}}); found {raw!r}'
+            )
         raw = dict(raw or {})
         known = {f.name for f in attrs.fields(cls)}
         unknown = sorted(set(raw) - known)
@@ -421,7 +427,12 @@ class Backend(abc.ABC):
         memory an engine attaching it will map rather than allocate, for engines that size caches first."""
         try:
             entry = Cache(options.socket_dir, trusted_publishers=options.trusted_publishers).entry(fingerprint)
-        except KeeperUnavailable:
+        except KeeperUnavailable as exc:
+            if not isinstance(exc, KeeperNotResponding):  # none runs: nothing cached, nothing to say
+                return 0
+            if options.strict:  # one that runs and does not answer: as any other failure to answer
+                raise
+            warnings.warn(f"weightcache: cannot size the cached entry ({type(exc).__name__}: {exc})", stacklevel=2)
             return 0
         except WeightCacheError as exc:  # asked before loading: the load itself falls back (or raises if strict)
             if options.strict:

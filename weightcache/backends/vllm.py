@@ -6,7 +6,7 @@ Installed weightcache registers it in every vLLM process through the ``vllm.gene
     vllm serve MODEL --load-format weightcache --model-loader-extra-config '{"mode": "client"}'
 
 Options (``--model-loader-extra-config``, JSON): ``mode`` (``daemon``, the default, or ``client``),
-``socket_dir``, ``strict``; any other key is an error.
+``socket_dir``, ``strict``, ``trusted_publishers``; any other key is an error.
 
 - mode daemon: if the keeper holds these weights, attach them (as in mode client). Else vLLM's own loader runs
   (download, read, TP shard, quantize, ``process_weights_after_loading``); its result is published, and the
@@ -121,8 +121,9 @@ class VllmBackend(Backend):
         of the model vLLM builds joins it (:meth:`~weightcache.backends.base.Backend.load_model` adds it;
         :meth:`~weightcache.backends.base.Backend.complete_fingerprint` tells it without loading).
 
-        Raises UnsupportedQuantError for a refused quantization method before anything is read.
+        Raises UnsupportedQuantError for a refused quantization method before anything is read (or downloaded).
         """
+        self.check_quant(vllm_config.quant_config)  # before checkpoint_dir, which downloads a hub model
         return self.make_fingerprint(
             self.checkpoint_dir(vllm_config, model_config),
             dtype=model_config.dtype,
