@@ -703,3 +703,108 @@ def test_on_a_gpu_the_warm_process_has_no_cuda_context_and_its_child_uses_cuda(t
     )
     assert ran.stdout == "ran\n" and "starting the command directly" in ran.stderr
     subprocess.run(cli("warm", "stop", "--all"), env=own, capture_output=True, timeout=30)
+
+
+def test_python_and_python3_of_one_venv_are_one_slot_and_its_base_interpreter_another(tmp_path: Path) -> None:
+    """The docs' promise for the slot: ``python``, ``python3`` and ``python3.11`` of one venv (links in one ``bin``
+    to one file) name one warm process; the base interpreter they link to, in its own directory, another (it runs
+    with other packages). The slot hashed the launcher's path as invoked, so each name had a warm process."""
+    base = tmp_path / "base" / "bin"
+    venv = tmp_path / "venv" / "bin"
+    base.mkdir(parents=True)
+    venv.mkdir(parents=True)
+    real = base / "python3.11"
+    real.write_text("")
+    for name in ("python", "python3", "python3.11"):
+        (venv / name).symlink_to(real)
+    preloads = ["torch"]
+    slots = {identity.slot(str(venv / name), preloads) for name in ("python", "python3", "python3.11")}
+    assert len(slots) == 1
+    assert identity.slot(str(real), preloads) not in slots
+    assert identity.slot(str(venv / "python"), ["torch", "vllm"]) not in slots
+
+
+def test_a_socket_directory_too_long_for_a_warm_socket_is_one_line_and_run_still_starts(tmp_path: Path) -> None:
+    """A socket directory short enough for the keeper's socket but not for a warm process's (``warm/<slot>.sock``
+    is 10 bytes longer): ``warm start`` says so in one line (it ended in a traceback), and ``run`` starts the
+    command directly, saying why."""
+    base = Path(tempfile.mkdtemp(prefix="wc-"))
+    try:
+        long_dir = base / ("d" * (88 - len(str(base)) - 1))
+        assert len(str(long_dir)) == 88  # keeper.sock fits in 108 bytes, warm/<16 hex>.sock does not
+        env = {**os.environ, "WEIGHTCACHE_DIR": str(long_dir), "WEIGHTCACHE_WARM": "1"}
+        start = subprocess.run(cli("warm", "start", "--preload", "json"), env=env, capture_output=True, text=True)
+        assert start.returncode == 1 and "Traceback" not in start.stderr, start.stderr
+        assert start.stderr.startswith("weightcache warm") and "Unix sockets allow" in start.stderr
+        run = subprocess.run(
+            cli("run", "--", sys.executable, "-c", "print('ran')"), env=env, capture_output=True, text=True
+        )
+        assert run.returncode == 0 and run.stdout == "ran\n" and "starting the command directly" in run.stderr
+    finally:
+        shutil.rmtree(base, ignore_errors=True)
+
+
+def test_the_warm_log_says_why_the_warm_process_stopped(tmp_path: Path) -> None:
+    """The guide: its log says what it imported, in how long, and why it stopped: a stop request, an idle
+    timeout, a SIGTERM (the log held only its import lines)."""
+    directory = Path(tempfile.mkdtemp(prefix="wc-"))
+    os.chmod(directory, 0o700)
+    env = {**os.environ, "WEIGHTCACHE_DIR": str(directory), "WEIGHTCACHE_WARM": "1"}
+    log = directory / "warm" / f"{identity.slot(sys.executable, ('json',))}.log"
+
+    def last_line() -> str:
+        lines = log.read_text().splitlines() if log.exists() else []
+        return lines[-1] if lines else ""
+
+    try:
+        start_warm("json", env)
+        pid = hello(env, ("json",))["pid"]
+        subprocess.run(cli("warm", "stop", "--all"), env=env, capture_output=True, timeout=30)
+        assert wait_until(lambda: "exited: a stop request" in last_line(), 15), log.read_text()
+        assert wait_until(lambda: process_gone(pid), 15)
+
+        start = subprocess.run(
+            cli("warm", "start", "--preload", "json", "--idle-timeout", "1"), env=env, capture_output=True, timeout=60
+        )
+        assert start.returncode == 0, start.stderr
+        assert wait_until(lambda: "exited: idle for 1 s" in last_line(), 20), log.read_text()
+
+        start_warm("json", env)
+        os.kill(hello(env, ("json",))["pid"], signal.SIGTERM)
+        assert wait_until(lambda: last_line().endswith("exited: SIGTERM"), 15), log.read_text()
+    finally:
+        subprocess.run(cli("warm", "stop", "--all"), env=env, capture_output=True, timeout=30)
+        shutil.rmtree(directory, ignore_errors=True)
+
+
+def test_a_preload_that_created_a_cuda_context_and_failed_still_stops_the_warm_process(tmp_path: Path) -> None:
+    """The check that no preload created a CUDA context (which no forked child could use) runs after a preload
+    that failed too: such a warm process refuses to serve and exits, naming the preload (it served on, refusing
+    every command). The context is a stand-in here (this machine has no GPU): a module that makes torch say it
+    initialised CUDA, then raises."""
+    (tmp_path / "ctx_then_fail.py").write_text(
+        "import sys, types\n"
+        "sys.modules['torch'] = types.SimpleNamespace(cuda=types.SimpleNamespace(is_initialized=lambda: True))\n"
+        "raise RuntimeError('failed after creating a context')\n"
+    )
+    directory = Path(tempfile.mkdtemp(prefix="wc-"))
+    os.chmod(directory, 0o700)
+    env = {
+        **os.environ,
+        "WEIGHTCACHE_DIR": str(directory),
+        "WEIGHTCACHE_WARM": "1",
+        "PYTHONPATH": with_path(tmp_path),
+    }
+    try:
+        start = subprocess.run(
+            cli("warm", "start", "--preload", "ctx_then_fail", "--timeout", "30"),
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=90,
+        )
+        assert start.returncode == 1 and "created a CUDA context" in start.stderr, start
+        assert "ctx_then_fail" in start.stderr
+    finally:
+        subprocess.run(cli("warm", "stop", "--all"), env=env, capture_output=True, timeout=30)
+        shutil.rmtree(directory, ignore_errors=True)

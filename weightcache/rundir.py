@@ -197,11 +197,12 @@ def check_socket_dir(path: Path, *, explicit: bool) -> tuple[int, int | None]:
     return st.st_uid, st.st_gid
 
 
-def ensure_private_dir(path: Path) -> Path:
-    """Create ``path`` (mode 0700) if missing, then :func:`check_private_dir` it. Returns ``path``."""
-    if len(str(path / SOCKET_NAME)) > MAX_SOCKET_PATH:
+def ensure_private_dir(path: Path, socket_name: str = SOCKET_NAME) -> Path:
+    """Create ``path`` (mode 0700) if missing, then :func:`check_private_dir` it. Returns ``path``.
+    ``socket_name``: the longest name of a socket that will be made in it (its path must fit a Unix socket)."""
+    if len(str(path / socket_name)) > MAX_SOCKET_PATH:
         raise SocketDirError(
-            f"socket path {path / SOCKET_NAME} is {len(str(path / SOCKET_NAME))} bytes; Unix sockets allow "
+            f"socket path {path / socket_name} is {len(str(path / socket_name))} bytes; Unix sockets allow "
             f"{MAX_SOCKET_PATH}. Pick a shorter socket_dir."
         )
     if not os.path.lexists(path):

@@ -54,12 +54,15 @@ def warm_dir(socket_dir: str | os.PathLike[str] | None = None) -> Path:
     base = resolve_socket_dir(socket_dir)
     if not base.exists():
         ensure_private_dir(base)
-    return ensure_private_dir(base / WARM_DIR_NAME)
+    return ensure_private_dir(base / WARM_DIR_NAME, socket_name=f"{'0' * 16}.sock")  # a slot's socket
 
 
 def slot(executable: str, preloads: Sequence[str]) -> str:
-    """The digest naming the warm process of this interpreter and these preloads (16 hex digits)."""
-    text = json.dumps([executable, sorted(preloads)])
+    """The digest naming the warm process of this interpreter and these preloads (16 hex digits). The interpreter
+    is its environment's ``bin`` directory and the file it names there: ``python``, ``python3`` and ``python3.11``
+    of one venv are one slot; the base interpreter a venv links to is another (it runs with other packages)."""
+    where = os.path.abspath(executable)
+    text = json.dumps([[os.path.dirname(where), os.path.realpath(where)], sorted(preloads)])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
 
 

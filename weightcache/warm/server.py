@@ -93,11 +93,11 @@ def import_preloads(preloads: Sequence[str], log: Any) -> dict[str, object]:
         except Exception as exc:  # a preload that fails is skipped: the child imports it (or fails) as usual
             found[spec] = f"{type(exc).__name__}: {exc}"
             print(f"warm: preload {spec} failed, skipped: {type(exc).__name__}: {exc}", file=log, flush=True)
-            continue
-        seconds = round(time.perf_counter() - start, 3)
-        found[spec] = seconds
-        print(f"warm: imported {spec} in {seconds:.2f} s", file=log, flush=True)
-        if cuda_initialized():
+        else:
+            seconds = round(time.perf_counter() - start, 3)
+            found[spec] = seconds
+            print(f"warm: imported {spec} in {seconds:.2f} s", file=log, flush=True)
+        if cuda_initialized():  # after a failed preload too: it may have created a context before it failed
             raise RuntimeError(
                 f"importing {spec} created a CUDA context, which no forked child could use; start this command "
                 "without the warm process (WEIGHTCACHE_WARM=0) or leave that module out of --preload"
@@ -155,6 +155,7 @@ class WarmServer:
         self.imported: dict[str, object] = {}
         self.started = time.time()
         self.stopping = False
+        self.stop_reason = ""  # why it stops: what its log's last line says
         self.last_active = time.monotonic()
 
     # -- setup -------------------------------------------------------------------------------------------------
@@ -205,15 +206,22 @@ class WarmServer:
 
     # -- the loop ----------------------------------------------------------------------------------------------
 
-    def serve(self) -> None:
-        signal.signal(signal.SIGTERM, lambda *_: setattr(self, "stopping", True))
+    def stop(self, why: str) -> None:
+        """Stop taking commands (the first reason is the one kept); the loop ends once the running ones ended."""
+        if not self.stopping:
+            self.stopping, self.stop_reason = True, why
+
+    def serve(self) -> str:
+        """Serve until stopped (SIGTERM, a ``stop`` request) and every command ended, or idle for the idle
+        timeout; why it ended."""
+        signal.signal(signal.SIGTERM, lambda *_: self.stop("SIGTERM"))
         while True:
             if self.stopping and self.listener is not None:
                 self.release_slot()
             if self.stopping and not self.children:
-                return
+                return self.stop_reason
             if not self.conns and not self.children and time.monotonic() - self.last_active > self.idle_timeout:
-                return
+                return f"idle for {self.idle_timeout:g} s (--idle-timeout)"
             for selected, _ in self.selector.select(timeout=1.0):
                 # An event of this batch may be stale: handling an earlier one can drop a connection or reap a
                 # child, and a new one can take its fd number.
@@ -288,7 +296,7 @@ class WarmServer:
             if op == "hello":
                 self._reply(conn.sock, self.hello())
             elif op == "stop":
-                self.stopping = True
+                self.stop(f"a stop request (weightcache warm stop) with {len(self.children)} command(s) running")
                 self.release_slot()  # before the reply: whoever asked may start the slot's next process at once
                 self._reply(conn.sock, {"op": "stopping", "children": len(self.children)})
             elif op == "run" and conn.pid == 0:
@@ -404,7 +412,7 @@ def serve(directory: Path, preloads: Sequence[str], idle_timeout: float = DEFAUL
     gc.disable()  # import-time objects are frozen before the first fork, never collected here
     # torch.cuda.is_available() in a preload must not initialise the driver (which no forked child could use):
     # torch then asks NVML instead. Children get the launcher's environment, not this one.
-    os.environ.setdefault("PYTORCH_NVML_BASED_CUDA_CHECK", "1")
+    os.environ["PYTORCH_NVML_BASED_CUDA_CHECK"] = "1"  # whatever the launcher had: never the driver here
     server = WarmServer(directory, sys.executable, preloads, idle_timeout)
     log = sys.stderr
     if not server.take_slot():
@@ -421,7 +429,8 @@ def serve(directory: Path, preloads: Sequence[str], idle_timeout: float = DEFAUL
             flush=True,
         )
         server.listen()
-        server.serve()
+        why = server.serve()
+        print(f"warm: pid {os.getpid()} exited: {why}", file=log, flush=True)
     except Exception as exc:
         print(f"warm: {type(exc).__name__}: {exc}", file=log, flush=True)
         return 2
