@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from models import TinyLM, meta_model
@@ -128,6 +130,12 @@ def test_the_advice_fits_the_problem() -> None:
     assert "weights are torch.bfloat16 where the model has torch.float32" in text, text
     assert "build the model in torch.bfloat16, or load the weights with dtype=torch.float32" in text, text
     assert "pass dtype=" not in text
+    assert "Otherwise" not in text  # every tensor differs only in its dtype (several of them: one pair)
+    fp8 = {k: v.to(torch.float8_e4m3fn) if v.is_floating_point() else v for k, v in full_state().items()}
+    with pytest.raises(wc.BindError) as info:
+        wc.bind(meta_model(), fp8)
+    text = str(info.value)  # FP8 is stored data: dtype= does not convert it, so it is not offered
+    assert "build the model in torch.float8_e4m3fn" in text and "dtype=torch.float32" not in text, text
     with pytest.raises(wc.BindError) as info:
         wc.bind(meta_model(dim=32), full_state())
     assert "dtype=" not in str(info.value) and "same architecture" in str(info.value)
@@ -158,3 +166,17 @@ def test_parameters_are_new_objects_over_the_given_memory(requires_grad: bool) -
         assert p.data_ptr() == given[name].data_ptr() and p.requires_grad is requires_grad
         assert not p._is_view()  # a view would keep autograd's view bookkeeping on the model's weights
     m.s.tag = "x"
+
+
+def test_values_that_are_not_tensors_are_an_argument_error_naming_the_entry(checkpoint: Path) -> None:
+    """A state dict with a value that is not a tensor, given to bind or returned by a transform, is an
+    InvalidArgumentType naming the entry (it was an AttributeError from deep inside the binding)."""
+
+    def listify(state: dict) -> dict:
+        first = sorted(state)[0]
+        return {**state, first: [1, 2]}
+
+    with pytest.raises(wc.InvalidArgumentType, match="state dict entry 'w' is list; expected a torch.Tensor"):
+        wc.bind(meta_model(), {**full_state(), "w": [1, 2]})
+    with pytest.raises(wc.InvalidArgumentType, match="is list; expected a torch.Tensor"):
+        wc.attach(meta_model(), checkpoint, transform=listify)

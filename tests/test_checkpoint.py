@@ -38,6 +38,11 @@ def test_index_naming_a_missing_file(tmp_path: Path) -> None:
     (ckpt / "model.safetensors.index.json").write_text("[1, 2]")
     with pytest.raises(wc.CheckpointError, match="weight_map"):
         safetensors_files(ckpt)
+    (ckpt / "model.safetensors.index.json").write_text('{"weight_map": {}}')  # an index of nothing: no checkpoint
+    with pytest.raises(wc.CheckpointError, match="maps no tensor"):
+        safetensors_files(ckpt)
+    with pytest.raises(wc.CheckpointError, match="maps no tensor"):
+        wc.Fingerprint.create(ckpt)
 
 
 def test_truncated_file_is_a_clear_error(checkpoint: Path) -> None:

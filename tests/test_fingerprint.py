@@ -86,6 +86,56 @@ def test_diff_names_each_differing_key_of_extra(checkpoint: Path) -> None:
     ]
 
 
+@pytest.mark.parametrize(
+    ("mine", "theirs", "expected"),
+    [
+        ({}, {"a": None}, [("extra.a", "<absent>", None)]),
+        ({"n": 1}, {"n": 1.0}, [("extra.n", 1, 1.0)]),
+        ({"n": True}, {"n": 1}, [("extra.n", True, 1)]),
+    ],
+)
+def test_every_extra_difference_that_changes_the_digest_is_named(
+    checkpoint: Path, mine: dict, theirs: dict, expected: list
+) -> None:
+    """Values the digest tells apart are told apart by the diff too (it compared with Python's ==, for which a
+    missing key was null and 1, 1.0 and True were one value: a miss listed no difference at all)."""
+    a, b = wc.Fingerprint.create(checkpoint, extra=mine), wc.Fingerprint.create(checkpoint, extra=theirs)
+    assert a.digest != b.digest and a.diff(b) == expected
+    if mine:
+        with pytest.raises(wc.InvalidArgument, match="already holds"):
+            a.with_extra(**theirs)  # an identity is extended, never rewritten
+
+
+def test_every_argument_is_checked_before_the_checkpoint_is_read(tmp_path: Path) -> None:
+    """An argument that cannot work is the first error, whatever the checkpoint (here: none at all)."""
+    missing = tmp_path / "not-there"
+    with pytest.raises(wc.InvalidArgument, match="device"):
+        wc.Fingerprint.create(missing, device="gpu")
+    with pytest.raises(wc.InvalidArgument, match="rank < size"):
+        wc.Fingerprint.create(missing, parallel={"tp": (3, 2)})
+    with pytest.raises(wc.InvalidArgument, match="lambda"):
+        wc.Fingerprint.create(missing, transform=lambda sd: sd)
+    with pytest.raises(wc.UnsupportedQuantError):
+        wc.Fingerprint.create(missing, quant="int3-magic")
+    with pytest.raises(wc.InvalidArgument):
+        wc.Fingerprint.create(missing, dtype="nonsense")
+    with pytest.raises(wc.CheckpointError):
+        wc.Fingerprint.create(missing)
+
+
+@pytest.mark.parametrize(
+    "parallel",
+    [{"tp": (0.9, 2)}, {"tp": (0, 2.5)}, {"tp": "01"}, {"tp": (True, 2)}, {"tp": ("1", "2")}, {"x" * 65: (0, 1)}],
+)
+def test_a_parallel_layout_of_anything_but_integer_ranks_and_sizes_is_refused(checkpoint: Path, parallel: dict) -> None:
+    """``(rank, size)`` of integers under a name the keeper accepts (it was truncated with int(): (0.9, 2) was
+    rank 0, and "01" rank 0 of 1)."""
+    with pytest.raises(wc.InvalidArgument, match="parallel"):
+        wc.Fingerprint.create(checkpoint, parallel=parallel)
+    with pytest.raises(wc.InvalidArgument, match="at most 16"):
+        wc.Fingerprint.create(checkpoint, parallel={f"a{i}": (0, 1) for i in range(17)})
+
+
 def test_rewrite_with_same_shapes_changes_identity(tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path / "c", seed=0)
     file = ckpt / "model.safetensors"

@@ -428,6 +428,10 @@ def test_wrongly_typed_manifest_columns(socket_dir: Path, keeper: subprocess.Pop
         manifest = _manifest(checkpoint, 1000)
         with pytest.raises(wc.KeeperError, match="multiple of 512"):
             conn.request({"op": "publish", "manifest": manifest}, [fd])
+        manifest = _manifest(checkpoint, 512)
+        manifest["segments"][0]["kind"] = "cuda_vmm"  # a GPU segment kind on the placement cpu
+        with pytest.raises(wc.KeeperError, match="has kind 'cuda_vmm'; expected 'memfd'"):
+            conn.request({"op": "publish", "manifest": manifest}, [fd])
     os.close(fd)
     assert alive(socket_dir)
 

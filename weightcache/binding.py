@@ -14,7 +14,7 @@ from collections.abc import Mapping
 import torch
 from torch import nn
 
-from .errors import BindError
+from .errors import BindError, InvalidArgumentType
 
 _MAX_LISTED = 8
 
@@ -88,7 +88,9 @@ def bind(model: nn.Module, tensors: Mapping[str, torch.Tensor], *, device: torch
     Raises:
         BindError: listing every missing or unexpected name, shape, dtype or device mismatch, and any
             tensor left on the meta device. The model is left unchanged in that case.
+        InvalidArgumentType: a value of ``tensors`` that is not a tensor (nothing is bound).
     """
+    check_tensors(tensors)
     want_device = torch.device(device) if device is not None else None
     places, tied = _places(model)
     if not tied and _bind_untied(places, tensors, want_device):
@@ -126,6 +128,7 @@ def _plan(
     computed: list[str] = []  # non-persistent buffers left on meta: checkpoints do not hold them
     mismatched: list[str] = []
     dtypes: set[tuple[torch.dtype, torch.dtype]] = set()  # (weights, model) of each dtype mismatch
+    dtype_only = 0  # mismatched tensors whose one problem is their dtype
     used = 0
     plan: list[tuple[_Slot, torch.Tensor]] = []
     for slot in _slots(places):
@@ -152,6 +155,7 @@ def _plan(
                 mismatched.append(f"{source_name}: " + "; ".join(problems))
                 if tensor.dtype != orig.dtype:
                     dtypes.add((tensor.dtype, orig.dtype))
+                    dtype_only += len(problems) == 1
                 continue
         plan.append((slot, tensor))
     unexpected = sorted(set(tensors) - {place[5] for place in places}) if used < len(tensors) else []
@@ -175,12 +179,15 @@ def _plan(
         advice = "Build the model with the same architecture and parallel layout as the weights."
         if len(dtypes) == 1:
             [(theirs, ours)] = dtypes
-            advice = (
-                f"The weights are {theirs} where the model has {ours}: build the model in {theirs}, or load the "
-                f"weights with dtype={ours} (attach, preload and `weightcache load --dtype` convert floating point "
-                "weights)."
-            )
-            if len(mismatched) > len(dtypes) or missing or unexpected or computed:
+            advice = f"The weights are {theirs} where the model has {ours}: build the model in {theirs}"
+            if _convertible(theirs) and _convertible(ours):
+                advice += (
+                    f", or load the weights with dtype={ours} (attach, preload and `weightcache load --dtype` convert "
+                    "floating point weights)."
+                )
+            else:  # quantized data (FP8, integers) is never converted
+                advice += f" ({theirs} weights are stored data that dtype= does not convert)."
+            if len(mismatched) > dtype_only or missing or unexpected or computed:
                 advice += " Otherwise the model needs the same architecture and parallel layout as the weights."
         elif dtypes:
             advice = "Build the model with the same architecture, dtypes and parallel layout as the weights."
@@ -189,6 +196,22 @@ def _plan(
 
 
 _make_subclass = torch.Tensor._make_subclass
+
+
+def check_tensors(tensors: Mapping[str, object]) -> None:
+    """:class:`~weightcache.errors.InvalidArgumentType` naming the first value of ``tensors`` that is not a
+    tensor (a transform's result, a state dict given to :func:`bind` or ``Cache.put``)."""
+    for name, value in tensors.items():
+        if not isinstance(value, torch.Tensor):
+            raise InvalidArgumentType(f"state dict entry {name!r} is {type(value).__name__}; expected a torch.Tensor")
+
+
+def _convertible(dtype: torch.dtype) -> bool:
+    """Whether ``dtype=`` of attach and preload converts tensors of ``dtype`` (weightcache.dtypes)."""
+    from .dtypes import DTYPES
+
+    info = DTYPES.get(str(dtype).removeprefix("torch."))
+    return info is not None and info.convertible
 
 
 def _parameter_like(orig: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

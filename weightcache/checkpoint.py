@@ -87,6 +87,8 @@ def safetensors_files(checkpoint: str | os.PathLike[str]) -> list[Path]:
             if not file.is_file():
                 raise CheckpointError(f"index {index} names {name}, which does not exist in {path}")
             files.append(file)
+        if not files:
+            raise CheckpointError(f"index {index} maps no tensor to a file; expected a 'weight_map' of tensor names")
         return files
     files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" and p.is_file())
     if not files:

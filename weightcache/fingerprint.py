@@ -45,6 +45,8 @@ MAX_EXTRA_DEPTH = 64
 #: Most checkpoint files, and most parallel axes, a fingerprint may name.
 MAX_CHECKPOINT_FILES = 16384
 MAX_PARALLEL_AXES = 16
+#: Longest name of a parallel axis.
+MAX_AXIS_NAME = 64
 #: Largest fingerprint, as canonical JSON (what a ``list`` reply carries per entry), in bytes.
 MAX_FINGERPRINT_BYTES = 1024 * 1024
 #: How much of one value :func:`format_differences` shows, in characters.
@@ -75,12 +77,18 @@ def normalise_parallel(parallel: Mapping[str, tuple[int, int] | list[int]] | Non
     """``{"tp": (rank, size), ...}`` -> a sorted tuple ``(("tp", rank, size), ...)``, validated."""
     if not parallel:
         return ()
+    if len(parallel) > MAX_PARALLEL_AXES:
+        raise InvalidArgument(f"parallel has {len(parallel)} axes; at most {MAX_PARALLEL_AXES} are allowed")
     out = []
     for axis, value in parallel.items():
+        if not isinstance(axis, str) or not 0 < len(axis) <= MAX_AXIS_NAME:
+            raise InvalidArgument(f"a parallel axis must be a name of 1-{MAX_AXIS_NAME} characters; found {axis!r:.80}")
         try:
-            rank, size = (int(v) for v in value)
+            rank, size = value
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"parallel[{axis!r}] must be (rank, size); found {value!r}") from exc
+        if not all(isinstance(v, int) and not isinstance(v, bool) for v in (rank, size)):
+            raise InvalidArgument(f"parallel[{axis!r}] must be (rank, size) of integers; found {value!r}")
         if size < 1 or not 0 <= rank < size:
             raise InvalidArgument(f"parallel[{axis!r}] = ({rank}, {size}): expected 0 <= rank < size")
         out.append((str(axis), rank, size))
@@ -216,7 +224,8 @@ class Fingerprint:
     quant_config_hash: str | None
     #: dtype the floating point weights were converted to, or None when kept as stored.
     dtype: str | None
-    #: Qualified name of the transform applied before publishing, or None.
+    #: Identity of the transform applied before publishing (its qualified name and a hash of its code, or its
+    #: ``weightcache_id``; see :func:`transform_identity`), or None.
     transform: str | None
     #: Engine that produced the weights (``"torch"`` for plain nn.Module) and its version.
     engine: str
@@ -264,12 +273,7 @@ class Fingerprint:
             engine: the name of the producer of the weights (default ``"torch"``); adapters set it.
             engine_version: the producer's version (default: torch's version); adapters set it.
         """
-        path = Path(checkpoint).resolve()
-        files = checkpoint_files(path)
-        config = read_model_config(path)
-        archs = config.get("architectures")
-        architecture = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
-        revision = config.get("_commit_hash")
+        # every argument first: a wrong one is the caller's first problem, before anything is read
         strategy = quant_registry.get(quant)
         device_kind, placement, capability = _device_markers(device)
         transform_name = None if transform is None else transform_identity(transform)
@@ -277,16 +281,23 @@ class Fingerprint:
             extra_json = canonical_json(dict(extra or {}))
         except (TypeError, ValueError) as exc:
             raise InvalidArgumentType(f"extra must be JSON-serialisable; found {extra!r}") from exc
+        layout, quant_hash, dtype_text = normalise_parallel(parallel), config_hash(quant_config), dtype_name(dtype)
+        path = Path(checkpoint).resolve()
+        files = checkpoint_files(path)
+        config = read_model_config(path)
+        archs = config.get("architectures")
+        architecture = archs[0] if isinstance(archs, list) and archs and isinstance(archs[0], str) else None
+        revision = config.get("_commit_hash")
         version = torch_version()
         return cls(
             model_path=str(path),
             architecture=architecture,
             revision=revision if isinstance(revision, str) else None,
             checkpoint=files,
-            parallel=normalise_parallel(parallel),
+            parallel=layout,
             quant=strategy.name,
-            quant_config_hash=config_hash(quant_config),
-            dtype=dtype_name(dtype),
+            quant_config_hash=quant_hash,
+            dtype=dtype_text,
             transform=transform_name,
             engine=engine,
             engine_version=engine_version if engine_version is not None else version,
@@ -303,7 +314,12 @@ class Fingerprint:
         model is built). Raises ValueError for a field ``extra`` already holds with another value: an identity
         is extended, never rewritten."""
         extra = json.loads(self.extra)
-        clashes = sorted(k for k, v in fields.items() if k in extra and extra[k] != v)
+        try:  # compared as the digest sees them: 1, 1.0 and true are three values
+            clashes = sorted(
+                k for k, v in fields.items() if k in extra and canonical_json(extra[k]) != canonical_json(v)
+            )
+        except (TypeError, ValueError) as exc:
+            raise InvalidArgumentType(f"extra must be JSON-serialisable; found {fields!r}") from exc
         if clashes:
             raise InvalidArgument(
                 f"the fingerprint's extra already holds {', '.join(clashes)} with another value; extend it with "
@@ -362,7 +378,7 @@ class Fingerprint:
             )
             parallel = []
             for p in parallel_json:
-                if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and len(p[0]) <= 64):
+                if not (isinstance(p, list) and len(p) == 3 and isinstance(p[0], str) and len(p[0]) <= MAX_AXIS_NAME):
                     raise ManifestError(f"fingerprint parallel entry must be [axis, rank, size]; found {p!r:.100}")
                 parallel.append((p[0], _int(p[1]), _int(p[2])))
             fp = cls(
@@ -455,13 +471,27 @@ class Fingerprint:
         )
 
 
+#: What :meth:`Fingerprint.diff` names a key of ``extra`` that one side lacks where the other holds null (a key
+#: one side lacks is None there otherwise).
+ABSENT = "<absent>"
+
+
 def _diff_json(path: str, mine: object, theirs: object, out: list[tuple[str, object, object]]) -> None:
-    """The leaves where two JSON values differ, named by their dotted path (objects are compared per key)."""
+    """The leaves where two JSON values differ, named by their dotted path (objects are compared per key; a key
+    one side lacks is None there, or :data:`ABSENT` where the other side holds null). Leaves are compared as the
+    digest sees them: 1, 1.0 and true differ."""
     if isinstance(mine, dict) and isinstance(theirs, dict):
         for key in sorted(mine.keys() | theirs.keys()):
-            _diff_json(f"{path}.{key}", mine.get(key), theirs.get(key), out)
-    elif mine != theirs:
+            _diff_json(f"{path}.{key}", mine.get(key, _MISSING), theirs.get(key, _MISSING), out)
+    elif mine is _MISSING or theirs is _MISSING:
+        if mine is not theirs:
+            lacking = ABSENT if (theirs if mine is _MISSING else mine) is None else None
+            out.append((path, lacking if mine is _MISSING else mine, lacking if theirs is _MISSING else theirs))
+    elif canonical_json(mine) != canonical_json(theirs):
         out.append((path, mine, theirs))
+
+
+_MISSING = object()  # a key one side of a diff lacks
 
 
 def json_depth(text: str) -> int:

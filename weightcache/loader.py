@@ -23,6 +23,7 @@ import attrs
 import torch
 from safetensors import SafetensorError, safe_open
 
+from .binding import check_tensors
 from .checkpoint import qualified_name, read_header, safetensors_files
 from .errors import CheckpointError
 from .progress import byte_bar, wanted
@@ -192,6 +193,7 @@ def apply_transform(
         raise CheckpointError(
             f"transform {qualified_name(transform)} returned {type(out).__name__}; expected a dict of name -> tensor"
         )
+    check_tensors(out)
     return out
 
 

@@ -226,6 +226,9 @@ class Manifest:
                 raise ManifestError(
                     f"segment {i} is placed on {placement!r} but the fingerprint says {fingerprint.placement!r}"
                 )
+            expected = "memfd" if placement == "cpu" else "cuda_vmm"  # the one transport of each placement
+            if kind != expected:
+                raise ManifestError(f"segment {i} on {placement!r} has kind {kind!r}; expected {expected!r}")
             segments.append(SegmentInfo(kind=kind, size=size, placement=placement))
         t = data.get("tensors")
         if not isinstance(t, dict):

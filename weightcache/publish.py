@@ -25,8 +25,9 @@ import attrs
 import torch
 
 from . import segments
+from .binding import check_tensors
 from .digests import content_digest, content_digests
-from .errors import InvalidArgumentType, SegmentError, WeightCacheError
+from .errors import SegmentError, WeightCacheError
 from .fingerprint import Fingerprint
 from .loader import StoredTensor, pinned_staging, prefetch_head, stream_into
 from .manifest import Manifest, SegmentInfo, TensorInfo
@@ -120,10 +121,7 @@ def pack_state(
     names = list(tensors)
     if not names:
         raise WeightCacheError("cannot publish an empty state dict")
-    for name in names:
-        if not isinstance(tensors[name], torch.Tensor):
-            found = type(tensors[name]).__name__
-            raise InvalidArgumentType(f"state dict entry {name!r} is {found}; expected a torch.Tensor")
+    check_tensors(tensors)
     nbytes = [tensors[n].numel() * tensors[n].element_size() for n in names]
     if max_segment_bytes is None:
         from_host = not any(tensors[n].is_cuda for n in names)
