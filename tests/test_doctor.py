@@ -120,3 +120,17 @@ def test_writable_gpu_mappings_are_a_warning(socket_dir: Path) -> None:
     )
     gpu = {c["name"]: c for c in json.loads(out.stdout)}["cuda:0"]
     assert gpu["status"] == "warn" and "read-WRITE (WEIGHTCACHE_CUDA_WRITABLE is set)" in gpu["detail"], gpu
+
+
+def test_a_relative_weightcache_dir_fails_the_socket_dir_check_with_its_fix_and_skips_the_keeper() -> None:
+    """$WEIGHTCACHE_DIR relative: the socket directory check fails saying why and what to do, and the keeper
+    check is skipped (both failed as 'the check itself failed', without a fix)."""
+    env = {**os.environ, "WEIGHTCACHE_DIR": "relative/dir"}
+    out = subprocess.run(
+        [sys.executable, "-m", "weightcache", "doctor", "--json"], capture_output=True, text=True, env=env
+    )
+    checks = {c["name"]: c for c in json.loads(out.stdout)}
+    assert out.returncode == 1
+    assert checks["socket dir"]["status"] == "fail" and "relative" in checks["socket dir"]["detail"]
+    assert "the check itself failed" not in checks["socket dir"]["detail"] and checks["socket dir"]["fix"]
+    assert checks["keeper"]["status"] == "skip"

@@ -309,7 +309,7 @@ def test_clear_errors(socket_dir: Path, tmp_path: Path) -> None:
     os.chmod(socket_dir, 0o755)
     with pytest.raises(wc.SocketDirError, match="0755"):
         wc.Leadership("m", socket_dir=socket_dir).try_acquire()
-    for bad in ("", "../x", "a/b", ".hidden", "x" * 101):
+    for bad in ("", "../x", "a/b", ".hidden", "x" * 101, 123):  # a name that is no string too (was a TypeError)
         with pytest.raises(wc.InvalidArgument, match="leadership name"):
             wc.Leadership(bad, socket_dir=socket_dir)
     with pytest.raises(wc.InvalidArgument, match="not both"):

@@ -46,6 +46,20 @@ def test_the_key_records_what_decides_validity(checkpoint: Path) -> None:
     assert compile_key(bf16, options={"backend": "inductor", "mode": None}, shapes=[[1, 8]]).diff(key) == [
         ("dtype", "bfloat16", None)
     ]
+    # one dtype is one key however it is spelled (torch.bfloat16 was 'torch.bfloat16', missing the default's)
+    spelled = {compile_key(bf16, dtype=d).fields["dtype"] for d in (torch.bfloat16, "bfloat16", "bf16", None)}
+    assert spelled == {"bfloat16"}
+    # extra adds fields; it cannot replace the key's own (a torch upgrade would have loaded a stale artifact)
+    assert compile_key(fp, extra={"engine": "x"}).fields["engine"] == "x"
+    with pytest.raises(wc.InvalidArgument, match="extra names torch"):
+        compile_key(fp, extra={"torch": "2.0"})
+    # the key function as the guide names it, before anything imported its module
+    out = subprocess.run(
+        [sys.executable, "-c", "import weightcache as wc; print(wc.torch_compile.compile_key.__name__)"],
+        capture_output=True,
+        text=True,
+    )
+    assert out.stdout.strip() == "compile_key", out.stderr
 
 
 def test_the_blob_carries_the_bundle_and_only_kernel_paths() -> None:

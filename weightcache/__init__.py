@@ -7,6 +7,7 @@ load on first use, so that the keeper and the CLI's keeper commands start withou
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import typing
 
 from . import quant
@@ -79,6 +80,9 @@ _LAZY = {
 def __getattr__(name: str) -> typing.Any:
     module = _LAZY.get(name)
     if module is None:
+        # a submodule not imported yet (``wc.torch_compile.compile_key``), as after ``import weightcache.NAME``
+        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+            return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module 'weightcache' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)
     globals()[name] = value

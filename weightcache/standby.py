@@ -73,8 +73,10 @@ class Leadership:
 
     Raises:
         SocketDirError: the directory is missing, insecure, or the lock file cannot be used (at the first
-            :meth:`acquire` or :meth:`try_acquire`, which open the file).
-        ValueError: ``name`` is not a plain name, or both ``socket_dir`` and ``path`` are given.
+            :meth:`acquire` or :meth:`try_acquire`, which open the file; a relative ``$WEIGHTCACHE_DIR`` already
+            here).
+        InvalidArgument: (a ValueError) ``name`` is not a plain name, or both ``socket_dir`` and ``path`` are
+            given.
 
     The lock belongs to this object's open file: a second ``Leadership`` in the same process is a competitor
     like any other process. Children do not keep it: one started with ``exec`` does not inherit the fd
@@ -94,7 +96,7 @@ class Leadership:
         socket_dir: str | os.PathLike[str] | None = None,
         path: str | os.PathLike[str] | None = None,
     ) -> None:
-        if not _NAME.fullmatch(name):
+        if not isinstance(name, str) or not _NAME.fullmatch(name):
             raise InvalidArgument(
                 f"leadership name {name!r} must be 1-100 letters, digits, '.', '_' or '-', starting with a letter "
                 "or digit"
@@ -129,7 +131,8 @@ class Leadership:
         return self._lock(block=True)
 
     def try_acquire(self) -> bool:
-        """Take the leadership if nobody holds it; return whether this object now holds it. Never blocks."""
+        """Take the leadership if nobody holds it; return whether this object now holds it. Never blocks.
+        RuntimeError where this object holds it already (as :meth:`acquire`)."""
         return self._lock(block=False)
 
     def release(self) -> None:

@@ -1,9 +1,9 @@
 """The key of a torch.compile artifact: what a compiled program is valid for besides the weights.
 
 :func:`compile_key` is the :class:`~weightcache.artifact_key.ArtifactKey` that
-:func:`weightcache.torch_compile.compile_cache` files its artifact under: torch, Triton and Python versions, the
-device (:func:`device_fields`: CPU model and vector ISA, or GPU name and compute capability with CUDA), the
-compile options the caller names, dtype, shapes and any extra JSON fields. vLLM's compile cache uses
+:func:`weightcache.torch_compile.compile_cache` files its artifact under: torch and Python versions, the device
+(:func:`device_fields`: CPU model and vector ISA, or GPU name and compute capability with CUDA and Triton's
+version), the compile options the caller names, dtype, shapes and any extra JSON fields. vLLM's compile cache uses
 :func:`device_fields` in its own key (:mod:`weightcache.backends.vllm_compile_key`).
 
 Layer L3 (the torch side). Reads versions and the device only; never compiles, loads or talks to the keeper. Its
@@ -20,6 +20,8 @@ from typing import Any
 import torch
 
 from .artifact_key import ArtifactKey
+from .dtypes import dtype_name
+from .errors import InvalidArgument
 from .fingerprint import Fingerprint
 
 #: The artifact kind :mod:`weightcache.torch_compile` publishes.
@@ -72,11 +74,13 @@ def compile_key(
     shapes: object = None,
     extra: Mapping[str, Any] | None = None,
 ) -> ArtifactKey:
-    """The :class:`ArtifactKey` of a torch.compile artifact: torch, Triton and Python versions, the device
-    (:func:`device_fields`; default: the fingerprint's), the compile ``options`` (what the caller passes to
-    ``torch.compile``: backend, mode, dynamic, fullgraph, options), ``dtype`` (default: the fingerprint's),
+    """The :class:`ArtifactKey` of a torch.compile artifact: torch and Python versions, the device
+    (:func:`device_fields`; default: the fingerprint's; on a GPU with Triton's version and the CUDA version), the
+    compile ``options`` (what the caller passes to ``torch.compile``: backend, mode, dynamic, fullgraph, options),
+    ``dtype`` (default: the fingerprint's; by its name, however it is spelled: ``torch.bfloat16``, ``"bf16"``),
     ``shapes`` (the example shapes or the dynamic spec) and any ``extra`` JSON fields (e.g. an engine's own cache
-    key). Values that are not JSON (a dtype, a backend callable) are recorded by ``str``."""
+    key; :class:`~weightcache.errors.InvalidArgument` for one named like a field above, which it would replace).
+    Values that are not JSON (a backend callable) are recorded by ``str``."""
     if device is None and fingerprint is not None and fingerprint.device_kind != "cpu":
         device = fingerprint.device_kind
     fields: dict[str, Any] = {
@@ -84,9 +88,14 @@ def compile_key(
         "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
         **device_fields(device),
         "options": _jsonable(dict(options or {})),
-        "dtype": str(dtype) if dtype is not None else (fingerprint.dtype if fingerprint is not None else None),
+        "dtype": dtype_name(dtype) if dtype is not None else (fingerprint.dtype if fingerprint is not None else None),
         "shapes": _jsonable(shapes),
     }
+    clashes = sorted(set(extra or {}) & set(fields))
+    if clashes:
+        raise InvalidArgument(
+            f"extra names {', '.join(clashes)}, which the key holds itself; name your own fields otherwise"
+        )
     fields.update(_jsonable(dict(extra or {})))
     return ArtifactKey(KIND, fields)
 

@@ -56,7 +56,7 @@ import torch
 from .artifact_key import ArtifactKey
 from .artifacts import Artifact
 from .cache import Cache, weights_digest
-from .errors import WeightCacheError
+from .errors import InvalidArgument, WeightCacheError
 from .fingerprint import Fingerprint
 from .handle import Handle
 from .pipeline import SWITCH_ENV, switched_off
@@ -83,7 +83,8 @@ class PrecompileStats:
         compile_s: seconds the AOT compile took here (0 on a load).
         published_bytes: size of the artifact published (0 for none).
         reason: why nothing was loaded (a miss), or why the AOT path does not apply; None after a load.
-        fallback_calls: calls the compiled function's guards refused, run through plain ``torch.compile``.
+        fallback_calls: calls run through plain ``torch.compile`` because the compiled function's guards refused
+            one: the refused call and every call after it.
     """
 
     source: str = "compiled"
@@ -250,6 +251,11 @@ def precompile_key(
     """The :class:`ArtifactKey` of a precompiled forward: compile_cache's fields (:func:`compile_key`) with the
     example inputs as ``shapes``, plus the grad mode and the digest of the module's classes' source."""
     sources = hashlib.sha256(repr(_source_digest(module)).encode()).hexdigest()[:32]
+    clashes = sorted(set(extra or {}) & {"forward", "source", "grad"})
+    if clashes:
+        raise InvalidArgument(
+            f"extra names {', '.join(clashes)}, which the key holds itself; name your own fields otherwise"
+        )
     base = compile_key(
         fingerprint,
         options=options,
@@ -442,7 +448,7 @@ class Precompiled:
 
     # -- calling ----------------------------------------------------------------------------------------------
 
-    def _torch_compile(self) -> Callable[..., Any]:
+    def _torch_compile(self) -> Callable[..., Any]:  # (options without fullgraph: the reason it fell back)
         if self._fallback is None:
             self._fallback = torch.compile(self.module, **self.options)
         return self._fallback
@@ -450,6 +456,8 @@ class Precompiled:
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
         function = self._function
         if function is None:
+            if self.stats.fallback_calls:  # after a refusal: every call is a fallback call
+                self.stats = attrs.evolve(self.stats, fallback_calls=self.stats.fallback_calls + 1)
             return self._torch_compile()(*args, **kwargs)
         if not function.guard_check(self.module, *args, **kwargs):
             if self.stats.fallback_calls == 0:

@@ -205,7 +205,11 @@ def _fd_passing() -> Iterator[Check]:
 
 
 def _socket_dir(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
-    directory = resolve_socket_dir(socket_dir)
+    try:
+        directory = resolve_socket_dir(socket_dir)
+    except wc.SocketDirError as exc:  # e.g. a relative $WEIGHTCACHE_DIR: which directory is not even known
+        yield Check("socket dir", "fail", str(exc), _fix_from(str(exc)))
+        return
     how = "named" if is_explicit(socket_dir) else "default"
     if len(str(socket_path(directory))) > MAX_SOCKET_PATH:
         yield Check(
@@ -253,7 +257,11 @@ def _fix_from(message: str) -> str:
 
 
 def _keeper(socket_dir: str | os.PathLike[str] | None) -> Iterator[Check]:
-    directory = resolve_socket_dir(socket_dir)
+    try:
+        directory = resolve_socket_dir(socket_dir)
+    except wc.SocketDirError:
+        yield Check("keeper", "skip", "not checked: the socket directory is unusable (see above)")
+        return
     try:
         conn = KeeperConnection.connect(socket_dir)
     except wc.KeeperUnavailable as exc:
