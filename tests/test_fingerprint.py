@@ -136,6 +136,15 @@ def test_a_parallel_layout_of_anything_but_integer_ranks_and_sizes_is_refused(ch
         wc.Fingerprint.create(checkpoint, parallel={f"a{i}": (0, 1) for i in range(17)})
 
 
+def test_integral_ranks_of_any_type_are_one_layout(checkpoint: Path) -> None:
+    """Ranks from numpy or torch (``np.int64``, a 0-d integer tensor's item) are integers like Python's."""
+    import numpy as np
+
+    plain = wc.Fingerprint.create(checkpoint, parallel={"tp": (1, 2)})
+    assert wc.Fingerprint.create(checkpoint, parallel={"tp": (np.int64(1), np.int32(2))}) == plain
+    assert plain.parallel == (("tp", 1, 2),)
+
+
 def test_rewrite_with_same_shapes_changes_identity(tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path / "c", seed=0)
     file = ckpt / "model.safetensors"
