@@ -171,6 +171,10 @@ def test_sglang_loader_options_are_checked_before_sglang_is_needed() -> None:
             WeightCacheLoader(types.SimpleNamespace(model_loader_extra_config=extra))
     configured = WeightCacheLoader.configure(mode="client", trusted_publishers=[os.getuid()])
     assert configured.options_override["trusted_publishers"] == [os.getuid()]
+    import pwd
+
+    me = pwd.getpwuid(os.getuid()).pw_name  # one user named alone is that user, not its letters
+    assert WeightCacheLoader.configure(trusted_publishers=me).options_override["trusted_publishers"] == [me]
     with pytest.raises(wc.BackendConfigError, match="trusted_publishers"):
         WeightCacheLoader.configure(trusted_publishers=["no-such-user-here"])
 

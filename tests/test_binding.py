@@ -136,6 +136,12 @@ def test_the_advice_fits_the_problem() -> None:
         wc.bind(meta_model(), fp8)
     text = str(info.value)  # FP8 is stored data: dtype= does not convert it, so it is not offered
     assert "build the model in torch.float8_e4m3fn" in text and "dtype=torch.float32" not in text, text
+    fp8_model = meta_model()
+    fp8_model.to(torch.float8_e4m3fn)
+    with pytest.raises(wc.BindError) as info:
+        wc.bind(fp8_model, full_state())
+    text = str(info.value)  # the model's side is the stored data this time: said of the model, not the weights
+    assert "dtype= does not convert to torch.float8_e4m3fn" in text and "weights are stored data" not in text, text
     with pytest.raises(wc.BindError) as info:
         wc.bind(meta_model(dim=32), full_state())
     assert "dtype=" not in str(info.value) and "same architecture" in str(info.value)
@@ -168,13 +174,26 @@ def test_parameters_are_new_objects_over_the_given_memory(requires_grad: bool) -
     m.s.tag = "x"
 
 
-def test_values_that_are_not_tensors_are_an_argument_error_naming_the_entry(checkpoint: Path) -> None:
+def test_values_that_are_not_tensors_are_an_argument_error_naming_the_entry(checkpoint: Path, socket_dir: Path) -> None:
     """A state dict with a value that is not a tensor, given to bind or returned by a transform, is an
-    InvalidArgumentType naming the entry (it was an AttributeError from deep inside the binding)."""
+    InvalidArgumentType naming the entry (it was an AttributeError from deep inside the binding); in mode daemon
+    too, at once: not taken for a failed publish (a FallbackWarning, then the checkpoint read and the transform run
+    a second time)."""
+    import warnings
+
+    calls = []
 
     def listify(state: dict) -> dict:
+        calls.append(1)
         first = sorted(state)[0]
         return {**state, first: [1, 2]}
+
+    listify.weightcache_id = "listify-v1"  # type: ignore[attr-defined]  # (a closure: its identity, stated)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", wc.FallbackWarning)
+        with pytest.raises(wc.InvalidArgumentType, match="is list; expected a torch.Tensor"):
+            wc.attach(meta_model(), checkpoint, transform=listify, mode="daemon", socket_dir=socket_dir)
+    assert len(calls) == 1
 
     with pytest.raises(wc.InvalidArgumentType, match="state dict entry 'w' is list; expected a torch.Tensor"):
         wc.bind(meta_model(), {**full_state(), "w": [1, 2]})

@@ -140,8 +140,11 @@ def test_integral_ranks_of_any_type_are_one_layout(checkpoint: Path) -> None:
     """Ranks from numpy or torch (``np.int64``, a 0-d integer tensor's item) are integers like Python's."""
     import numpy as np
 
+    import torch
+
     plain = wc.Fingerprint.create(checkpoint, parallel={"tp": (1, 2)})
     assert wc.Fingerprint.create(checkpoint, parallel={"tp": (np.int64(1), np.int32(2))}) == plain
+    assert wc.Fingerprint.create(checkpoint, parallel={"tp": (torch.tensor(1), torch.tensor(2))}) == plain
     assert plain.parallel == (("tp", 1, 2),)
 
 

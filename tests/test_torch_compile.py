@@ -53,6 +53,9 @@ def test_the_key_records_what_decides_validity(checkpoint: Path) -> None:
     assert compile_key(fp, extra={"engine": "x"}).fields["engine"] == "x"
     with pytest.raises(wc.InvalidArgument, match="extra names torch"):
         compile_key(fp, extra={"torch": "2.0"})
+    with pytest.raises(wc.InvalidArgument, match="extra names triton"):  # a GPU's field: refused on a CPU too
+        compile_key(fp, extra={"triton": "3.0"})
+    assert compile_key(fp, dtype=torch.quint8).fields["dtype"] == "torch.quint8"  # outside the table: by str, as before
     # the key function as the guide names it, before anything imported its module
     out = subprocess.run(
         [sys.executable, "-c", "import weightcache as wc; print(wc.torch_compile.compile_key.__name__)"],

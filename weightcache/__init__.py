@@ -7,7 +7,6 @@ load on first use, so that the keeper and the CLI's keeper commands start withou
 from __future__ import annotations
 
 import importlib
-import importlib.util
 import typing
 
 from . import quant
@@ -77,11 +76,14 @@ _LAZY = {
 }
 
 
+#: The submodules the docs name through ``wc.``: imported on first use like the names above.
+_SUBMODULES = frozenset({"backends", "graphs", "loaders", "quant", "torch_compile", "torch_graphs", "torch_precompile"})
+
+
 def __getattr__(name: str) -> typing.Any:
     module = _LAZY.get(name)
     if module is None:
-        # a submodule not imported yet (``wc.torch_compile.compile_key``), as after ``import weightcache.NAME``
-        if not name.startswith("_") and importlib.util.find_spec(f"{__name__}.{name}") is not None:
+        if name in _SUBMODULES:  # not imported yet (``wc.torch_compile.compile_key``): as ``import weightcache.NAME``
             return importlib.import_module(f".{name}", __name__)
         raise AttributeError(f"module 'weightcache' has no attribute {name!r}")
     value = getattr(importlib.import_module(f".{module}", __name__), name)

@@ -185,8 +185,10 @@ def _plan(
                     f", or load the weights with dtype={ours} (attach, preload and `weightcache load --dtype` convert "
                     "floating point weights)."
                 )
-            else:  # quantized data (FP8, integers) is never converted
+            elif not _convertible(theirs):  # quantized data (FP8, integers) is never converted
                 advice += f" ({theirs} weights are stored data that dtype= does not convert)."
+            else:
+                advice += f" (dtype= does not convert to {ours}, which is stored data, not a floating point type)."
             if len(mismatched) > dtype_only or missing or unexpected or computed:
                 advice += " Otherwise the model needs the same architecture and parallel layout as the weights."
         elif dtypes:

@@ -15,7 +15,7 @@ import functools
 import hashlib
 import inspect
 import json
-import numbers
+import operator
 import os
 import re
 import sys
@@ -88,9 +88,12 @@ def normalise_parallel(parallel: Mapping[str, tuple[int, int] | list[int]] | Non
             rank, size = value
         except (TypeError, ValueError) as exc:
             raise InvalidArgument(f"parallel[{axis!r}] must be (rank, size); found {value!r}") from exc
-        if not all(isinstance(v, numbers.Integral) and not isinstance(v, bool) for v in (rank, size)):
-            raise InvalidArgument(f"parallel[{axis!r}] must be (rank, size) of integers; found {value!r}")
-        rank, size = int(rank), int(size)  # numpy's and other integral types too
+        try:  # integers of any type (numpy's, a 0-d integer tensor), never a float, a string or a bool
+            if isinstance(rank, bool) or isinstance(size, bool):
+                raise TypeError("a bool")
+            rank, size = operator.index(rank), operator.index(size)
+        except TypeError as exc:
+            raise InvalidArgument(f"parallel[{axis!r}] must be (rank, size) of integers; found {value!r}") from exc
         if size < 1 or not 0 <= rank < size:
             raise InvalidArgument(f"parallel[{axis!r}] = ({rank}, {size}): expected 0 <= rank < size")
         out.append((str(axis), rank, size))

@@ -355,7 +355,7 @@ def _load_and_publish(
             handle = cache.publish(packed)
             marks.append(("publish", time.perf_counter()))
             published()
-        except (CheckpointError, BindError):
+        except (CheckpointError, BindError, InvalidArgument):
             raise  # no fault of the cache: serving these weights without it would fail the same way
         except PUBLISH_FAILURES as exc:
             published()  # nothing to wait for: the waiters load their own

@@ -88,16 +88,44 @@ def compile_key(
         "python": f"{sys.version_info[0]}.{sys.version_info[1]}",
         **device_fields(device),
         "options": _jsonable(dict(options or {})),
-        "dtype": dtype_name(dtype) if dtype is not None else (fingerprint.dtype if fingerprint is not None else None),
+        "dtype": _dtype_text(dtype) if dtype is not None else (fingerprint.dtype if fingerprint is not None else None),
         "shapes": _jsonable(shapes),
     }
-    clashes = sorted(set(extra or {}) & set(fields))
+    clashes = sorted(set(extra or {}) & (set(fields) | KEY_FIELDS))
     if clashes:
         raise InvalidArgument(
             f"extra names {', '.join(clashes)}, which the key holds itself; name your own fields otherwise"
         )
     fields.update(_jsonable(dict(extra or {})))
     return ArtifactKey(KIND, fields)
+
+
+#: The fields :func:`compile_key` fills itself on any device: an ``extra`` field may not be named like one.
+KEY_FIELDS = frozenset(
+    {
+        "torch",
+        "python",
+        "device",
+        "cpu",
+        "isa",
+        "gpu",
+        "compute_capability",
+        "cuda",
+        "triton",
+        "options",
+        "dtype",
+        "shapes",
+    }
+)
+
+
+def _dtype_text(dtype: object) -> str:
+    """A dtype by its name however it is spelled (``torch.bfloat16``, ``"bf16"``); one outside weightcache's
+    table (a quantized torch dtype, ``"auto"``) by its ``str``, as before."""
+    try:
+        return dtype_name(dtype) or str(dtype)
+    except InvalidArgument:
+        return str(dtype)
 
 
 def _jsonable(value: object) -> Any:
@@ -113,4 +141,4 @@ def _jsonable(value: object) -> Any:
     return str(value)
 
 
-__all__ = ["KIND", "compile_key", "device_fields"]
+__all__ = ["KEY_FIELDS", "KIND", "compile_key", "device_fields"]

@@ -430,11 +430,12 @@ class WeightCacheLoader:
     ) -> type[WeightCacheLoader]:
         """A subclass with these options fixed, to pass as ``load_format`` (options are validated here: a
         :class:`~weightcache.errors.BackendConfigError` for a wrong value)."""
+        users = [trusted_publishers] if isinstance(trusted_publishers, (str, int)) else list(trusted_publishers)
         options = {
             "mode": mode,
             "socket_dir": None if socket_dir is None else os.fspath(socket_dir),
             "strict": strict,
-            "trusted_publishers": list(trusted_publishers),
+            "trusted_publishers": users,  # one user named alone is one user (a string is a sequence of characters)
         }
         LoaderOptions.parse(options, where="WeightCacheLoader.configure()")
         return type(f"{cls.__name__}[{mode}]", (cls,), {"options_override": options})
