@@ -139,7 +139,6 @@ def test_a_parallel_layout_of_anything_but_integer_ranks_and_sizes_is_refused(ch
 def test_integral_ranks_of_any_type_are_one_layout(checkpoint: Path) -> None:
     """Ranks from numpy or torch (``np.int64``, a 0-d integer tensor's item) are integers like Python's."""
     import numpy as np
-
     import torch
 
     plain = wc.Fingerprint.create(checkpoint, parallel={"tp": (1, 2)})
