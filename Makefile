@@ -30,8 +30,11 @@ VLLM_OLDER_SKIP := not parity_command_drives_vllm and not openai_server and not 
 SGLANG_RELEASES ?= 0.5.16 0.5.23
 SGLANG_NEWEST := $(lastword $(SGLANG_RELEASES))
 SGLANG_OLDER_SKIP := not layout_setting_outside and not parity_reports and not publish_failure and not without_keeper
+# .venv-sglang holds this release whatever SGLANG_RELEASES names (SGLANG_RELEASES=0.5.16 alone ran 0.5.16's tests in
+# it, on 0.5.23); every other release gets .venv-sglang-<release>
+SGLANG_MAIN := 0.5.23
 SGLANG_VENV ?= .venv-sglang
-sglang_venv = $(if $(filter $(SGLANG_NEWEST),$(1)),$(SGLANG_VENV),.venv-sglang-$(1))
+sglang_venv = $(if $(filter $(SGLANG_MAIN),$(1)),$(SGLANG_VENV),.venv-sglang-$(1))
 ENGINES ?= vllm sglang
 
 .PHONY: demo test test-engines engine-envs lint docs bench clean
@@ -75,7 +78,7 @@ test: lint docs
 	touch $@
 
 $(SGLANG_VENV)/.installed: .ci/engine-env pyproject.toml
-	PYTHON=$(PYTHON) .ci/engine-env sglang $(SGLANG_VENV) $(SGLANG_NEWEST)
+	PYTHON=$(PYTHON) .ci/engine-env sglang $(SGLANG_VENV) $(SGLANG_MAIN)
 	touch $@
 
 .venv-sglang-%/.installed: .ci/engine-env pyproject.toml

@@ -77,6 +77,8 @@ def test_systemd_unit_runs_a_real_serve_command() -> None:
     assert args.socket_dir == "/run/" + service["RuntimeDirectory"]
     assert service["RuntimeDirectoryMode"] == "0700"
     parse_budget(args.max_bytes, args.max_fraction)  # raises on a malformed budget
+    # restarted until it can start, however often (deployment.md): systemd's default stops after 5 starts in 10 s
+    assert service["Restart"] == "on-failure" and unit["Unit"]["StartLimitIntervalSec"] == "0"
 
 
 def test_daemonset_runs_a_real_serve_command_on_a_host_directory() -> None:
