@@ -559,3 +559,55 @@ def test_a_connection_over_the_share_is_told_busy_never_broken_pipe(socket_dir: 
     finally:
         for conn in held:
             conn.close()
+
+
+def _hundred_segments(cache: wc.Cache, checkpoint: Path) -> wc.Fingerprint:
+    """An entry of 100 segments (one 512-byte tensor each), published and its lease let go."""
+    import torch
+
+    fp = wc.Fingerprint.create(checkpoint)
+    state = {f"t{i:03}": torch.full((128,), float(i)) for i in range(100)}
+    cache.put(fp, state, max_segment_bytes=512, digests=False).close()
+    return fp
+
+
+def test_a_read_reply_frees_what_it_held_though_no_request_follows(socket_dir: Path, checkpoint: Path) -> None:
+    """A ``get``'s segment fds count against the uid's share of reply fds until the reply is read; an engine reads
+    it and then sends nothing for as long as it holds the entry. The reservation ended only at the connection's
+    next request, so a few engines holding a many-segment entry filled the share and every later ``get`` was
+    refused ``busy`` (here: an open-file limit of 2048 gives the owner 250 reply fds; the third get failed)."""
+    keeper = start_keeper(socket_dir, nofile=2048)
+    try:
+        cache = wc.Cache(socket_dir)
+        fp = _hundred_segments(cache, checkpoint)
+        handles = [cache.get(fp) for _ in range(5)]  # 500 segment fds handed out, each reply read at once
+        assert all(h is not None and len(h.tensors) == 100 for h in handles)
+        assert cache.entries()[0].leases == 5
+        for h in handles:
+            assert h is not None
+            h.close()
+    finally:
+        terminate_keeper(keeper)
+
+
+@pytest.mark.slow
+def test_a_reply_never_read_ends_the_connection_after_the_deadline(socket_dir: Path, checkpoint: Path) -> None:
+    """A peer that asks for an entry and never reads the reply (its fds held in the socket) is dropped after the
+    send deadline (30 s), which releases its lease and what the reply held (it stayed forever)."""
+    from weightcache.keeper.server import SEND_TIMEOUT_S
+
+    keeper = start_keeper(socket_dir)
+    try:
+        cache = wc.Cache(socket_dir)
+        fp = _hundred_segments(cache, checkpoint)
+        s = socket.socket(socket.AF_UNIX)
+        s.connect(str(socket_dir / "keeper.sock"))
+        s.sendall(frame({"op": "hello", "protocol": 1}))
+        s.recv(65536)
+        s.sendall(frame({"op": "get", "digest": fp.digest, "placement": fp.placement}))
+        assert wait_until(lambda: cache.entries()[0].leases == 1, 10)  # the get took its lease; nothing read
+        assert wait_until(lambda: cache.entries()[0].leases == 0, SEND_TIMEOUT_S + 15)
+        s.close()
+        assert alive(socket_dir)
+    finally:
+        terminate_keeper(keeper)

@@ -261,6 +261,8 @@ class Server:
                     if message.get("op") == messages.STOP:
                         self.stop()  # only now that the reply is out: the daemon then closes every connection
                     return
+                if not self._await_read(peer):
+                    return
         except (OSError, ProtocolError) as exc:
             log.info("connection %d (pid %d) failed: %s", peer.id, peer.pid, exc)
         finally:
@@ -290,6 +292,40 @@ class Server:
             )
         peer.reply_fds += nfds
         peer.reply_bytes += nbytes
+
+    def _await_read(self, peer: Peer) -> bool:
+        """After a reply that holds reservations (a ``get``'s segment fds, a large reply's bytes): wait until the
+        peer has read it, then release them: True. False (the connection ends, freeing them) when it has not read
+        it within :data:`SEND_TIMEOUT_S`, or sent another request first. An engine reads its reply and then sends
+        nothing for as long as it holds the entry: without this the reservation lasted as long, and a few such
+        engines filled the uid's share of reply fds (``busy`` for every later ``get``)."""
+        if not (peer.reply_fds or peer.reply_bytes):
+            return True
+        deadline = time.monotonic() + SEND_TIMEOUT_S
+        pause = 0.0002
+        while unread_bytes(peer.sock):
+            left = deadline - time.monotonic()
+            if left <= 0 or self._stopping.is_set():
+                log.info(
+                    "connection %d (pid %d uid %d) did not read its reply within %.0f s; dropped",
+                    peer.id,
+                    peer.pid,
+                    peer.uid,
+                    SEND_TIMEOUT_S,
+                )
+                return False
+            readable, _, _ = select.select([peer.sock], [], [], min(pause, left))
+            if readable and unread_bytes(peer.sock):  # a request (or its end) before the reply was read
+                log.info(
+                    "connection %d (pid %d uid %d) sent a request before reading the previous reply; dropped",
+                    peer.id,
+                    peer.pid,
+                    peer.uid,
+                )
+                return False
+            pause = min(pause * 2, 0.05)
+        self._release_reply(peer)
+        return True
 
     def _release_reply(self, peer: Peer) -> None:
         self._reply_fds.give(peer.uid, peer.reply_fds)
