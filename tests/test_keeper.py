@@ -611,3 +611,35 @@ def test_a_reply_never_read_ends_the_connection_after_the_deadline(socket_dir: P
         assert alive(socket_dir)
     finally:
         terminate_keeper(keeper)
+
+
+def test_a_keeper_ended_by_an_error_leaves_no_stopped_marker(tmp_path: Path) -> None:
+    """``keeper.stopped`` tells clients the keeper was stopped on purpose (and nothing starts another by itself);
+    a keeper that ends of an unexpected error is a crash to them: it leaves no marker, so mode-daemon engines
+    start a keeper and re-publish (it left one, and a crash looked like a deliberate stop). The error is injected
+    into the accept loop of a keeper run in a child process."""
+    import textwrap
+
+    socket_dir = Path(tempfile.mkdtemp(prefix="wc-"))
+    script = textwrap.dedent(
+        f"""
+        import sys
+        from weightcache.keeper import daemon, server
+
+        def broken(self):
+            raise RuntimeError("an unexpected error in the accept loop")
+
+        server.Server.serve_forever = broken
+        try:
+            daemon.serve({str(socket_dir)!r})
+        except RuntimeError:
+            sys.exit(3)
+        """
+    )
+    try:
+        out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=60)
+        assert out.returncode == 3, out.stderr
+        assert not (socket_dir / "keeper.stopped").exists()
+        assert not (socket_dir / "keeper.sock").exists()  # its socket is still removed
+    finally:
+        shutil.rmtree(socket_dir, ignore_errors=True)

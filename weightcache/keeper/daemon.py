@@ -215,15 +215,17 @@ class Daemon:
         log.info("keeper %d serving %s (weightcache %s)", os.getpid(), socket_path(self.socket_dir), __version__)
         return self.server
 
-    def close(self) -> None:
+    def close(self, *, deliberate: bool = True) -> None:
         """Remove our socket (only if it is still ours), drop all entries and release the instance lock.
 
-        Leaves a ``keeper.stopped`` marker: clients that lose their lease then know the keeper was stopped on
-        purpose (and do not spawn a new one), unlike after a crash.
+        ``deliberate`` (a stop asked for): leaves a ``keeper.stopped`` marker, so that clients that lose their lease
+        know the keeper was stopped on purpose (and do not spawn a new one). A keeper that ends otherwise (an
+        unexpected error) leaves none: as after a crash, mode-daemon engines start another and re-publish.
         """
         final = socket_path(self.socket_dir)
-        with contextlib.suppress(OSError):
-            (self.socket_dir / STOPPED_NAME).write_text(f"{os.getpid()}\n")
+        if deliberate:
+            with contextlib.suppress(OSError):
+                (self.socket_dir / STOPPED_NAME).write_text(f"{os.getpid()}\n")
         try:
             if self._sock_ino is not None and os.stat(final).st_ino == self._sock_ino:
                 os.unlink(final)
@@ -287,8 +289,9 @@ def serve(
         with contextlib.suppress(RuntimeError):
             faulthandler.unregister(signal.SIGUSR1)
         signal.set_wakeup_fd(-1)
-        daemon.close()
-        log.info("keeper %d stopped", os.getpid())
+        deliberate = server.stop_requested
+        daemon.close(deliberate=deliberate)
+        log.info("keeper %d stopped%s", os.getpid(), "" if deliberate else " by an error: left no keeper.stopped")
 
 
 def detach_and_serve(

@@ -178,6 +178,11 @@ class Server:
         deliver a signal to any thread, and Python runs its handler on the main thread, waiting in select)."""
         return self._wake_w
 
+    @property
+    def stop_requested(self) -> bool:
+        """Whether :meth:`stop` was called (a ``stop`` request, SIGTERM, SIGINT): the keeper ends on purpose."""
+        return self._stopping.is_set()
+
     def stop(self) -> None:
         """Ask the accept loop to exit (thread- and signal-safe)."""
         self._stopping.set()
