@@ -390,6 +390,32 @@ def main() -> int:
             flush=True,
         )
 
+    def warm_launcher() -> list[str]:
+        """Start the warm process (vLLM imported once) and wait for it; the launcher that forks a start from it."""
+        command = ["warm", "start", "--socket-dir", str(socket_dir), "--preload", PRELOADS]
+        t = time.perf_counter()
+        started = subprocess.run(
+            [sys.executable, "-m", "weightcache", *command, "--", sys.executable, "-c", "pass"],
+            env=env,
+            capture_output=True,
+            text=True,
+        )
+        print(f"warm process ready in {time.perf_counter() - t:.1f} s: {started.stdout}{started.stderr}", flush=True)
+        launcher = [sys.executable, "-m", "weightcache", "run", "--socket-dir", str(socket_dir)]
+        return [*launcher, "--preload", PRELOADS, "--"]
+
+    def in_rounds(rounds: list[tuple[str, tuple[Path, ...], dict[str, str], list[str] | None]]) -> None:
+        """``--repeat`` rounds of one client start per ``(way, wipe, extra, launcher)``, leaving out a round that
+        would end past ``--deadline-s`` (judged by the last round)."""
+        for i in range(args.repeat):
+            if args.deadline_s and i and time.perf_counter() - began + 1.2 * round_s[-1] > args.deadline_s:
+                print(f"round {i + 1} left out: past --deadline-s", flush=True)
+                break
+            t = time.perf_counter()
+            for way, wipe, extra, launcher in rounds:
+                once("client", True, way, wipe, extra, launcher)
+            round_s.append(time.perf_counter() - t)
+
     # one cache root for every start of the compile scenarios (its path is part of the artifact's key)
     root, triton = work / "vllm-cache", Path.home() / ".triton" / "cache"
     if args.scenario == "weights":
@@ -429,17 +455,7 @@ def main() -> int:
         other = work / "another-cache-root" / "vllm"
         once("daemon", True, "daemon, empty disk (compiles; publishes weights, compile cache, model info)", empty)
         once("client", True, "client 1, empty disk (the first start after the compiling one)", empty)
-        warm = [sys.executable, "-m", "weightcache", "run", "--socket-dir", str(socket_dir), "--preload", PRELOADS]
-        warm.append("--")
-        t = time.perf_counter()
-        command = ["warm", "start", "--socket-dir", str(socket_dir), "--preload", PRELOADS]
-        started = subprocess.run(
-            [sys.executable, "-m", "weightcache", *command, "--", sys.executable, "-c", "pass"],
-            env=env,
-            capture_output=True,
-            text=True,
-        )
-        print(f"warm process ready in {time.perf_counter() - t:.1f} s: {started.stdout}{started.stderr}", flush=True)
+        warm = warm_launcher()
         rounds = [
             ("client, empty disk (everything from the keeper)", empty, {}, None),
             ("client, empty disk, another cache root", (other, triton), {"VLLM_CACHE_ROOT": str(other)}, None),
@@ -451,14 +467,7 @@ def main() -> int:
                 ("client, empty disk, engine in its own process", empty, separate, None),
                 ("client, empty disk, engine in its own process, forked by the warm process", empty, separate, warm),
             ]
-        for i in range(args.repeat):
-            if args.deadline_s and i and time.perf_counter() - began + 1.2 * round_s[-1] > args.deadline_s:
-                print(f"round {i + 1} left out: past --deadline-s", flush=True)
-                break
-            t = time.perf_counter()
-            for way, wipe, extra, launcher in rounds:
-                once("client", True, way, wipe, extra, launcher)
-            round_s.append(time.perf_counter() - t)
+        in_rounds(rounds)
     elif args.scenario == "graphs":
         from weightcache.backends.vllm_graphs import SWITCH_ENV as GRAPHS
 
@@ -468,30 +477,14 @@ def main() -> int:
         empty, kind = (root, triton), {GRAPHS: "1"}
         once("daemon", True, "daemon, empty disk (kind off: publishes weights, compile cache, model info)", empty)
         once("client", True, "client 1, empty disk, graph kind on (records and publishes the FULL graphs)", empty, kind)
-        warm = [sys.executable, "-m", "weightcache", "run", "--socket-dir", str(socket_dir), "--preload", PRELOADS]
-        warm.append("--")
-        command = ["warm", "start", "--socket-dir", str(socket_dir), "--preload", PRELOADS]
-        t = time.perf_counter()
-        started = subprocess.run(
-            [sys.executable, "-m", "weightcache", *command, "--", sys.executable, "-c", "pass"],
-            env=env,
-            capture_output=True,
-            text=True,
+        warm = warm_launcher()
+        in_rounds(
+            [
+                ("client, empty disk, graph kind on (FULL graphs from the keeper)", empty, kind, None),
+                ("client, empty disk, graph kind off (vLLM captures every graph)", empty, {}, None),
+                ("client, empty disk, graph kind on, forked by the warm process", empty, kind, warm),
+            ]
         )
-        print(f"warm process ready in {time.perf_counter() - t:.1f} s: {started.stdout}{started.stderr}", flush=True)
-        rounds = [
-            ("client, empty disk, graph kind on (FULL graphs from the keeper)", kind, None),
-            ("client, empty disk, graph kind off (vLLM captures every graph)", {}, None),
-            ("client, empty disk, graph kind on, forked by the warm process", kind, warm),
-        ]
-        for i in range(args.repeat):
-            if args.deadline_s and i and time.perf_counter() - began + 1.2 * round_s[-1] > args.deadline_s:
-                print(f"round {i + 1} left out: past --deadline-s", flush=True)
-                break
-            t = time.perf_counter()
-            for way, extra, launcher in rounds:
-                once("client", True, way, empty, extra, launcher)
-            round_s.append(time.perf_counter() - t)
     else:
         env["VLLM_CACHE_ROOT"] = str(root)
         for _ in range(args.repeat):

@@ -111,6 +111,20 @@ class FakeManagers:
         self.get_offloader = lambda: None
 
 
+def fake_vllm(monkeypatch: pytest.MonkeyPatch) -> FakeManagers:
+    """vLLM 0.26.0 as the kind sees it, on one rank, with the kind switched on: the fake manager module."""
+    import sys
+    import types
+
+    managers = FakeManagers()
+    monkeypatch.setitem(sys.modules, vllm_graphs.MANAGERS, managers)
+    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.26.0"))
+    one_rank = types.SimpleNamespace(get_world_group=lambda: types.SimpleNamespace(world_size=1))
+    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", one_rank)
+    monkeypatch.setenv(vllm_graphs.SWITCH_ENV, "1")
+    return managers
+
+
 class Manager:
     """A graph manager as the kind sees it; ``capture`` is what vLLM's would do: capture every descriptor left in
     ``_capture_descs`` (recorded in ``calls``)."""
@@ -143,13 +157,8 @@ def test_a_capture_the_kind_cannot_do_is_vllms_own_and_the_engine_starts(monkeyp
     import sys
     import types
 
-    managers = FakeManagers()
+    managers = fake_vllm(monkeypatch)
     mode = managers.CUDAGraphMode
-    monkeypatch.setitem(sys.modules, vllm_graphs.MANAGERS, managers)
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.26.0"))
-    one_rank = types.SimpleNamespace(get_world_group=lambda: types.SimpleNamespace(world_size=1))
-    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", one_rank)
-    monkeypatch.setenv(vllm_graphs.SWITCH_ENV, "1")
     runner = types.SimpleNamespace(vllm_config=object())
     monkeypatch.setitem(vllm_graphs._PENDING, id(runner.vllm_config), ("0" * 64, None))
     monkeypatch.setattr(vllm_graphs, "_REPORTS", [])
@@ -234,18 +243,12 @@ def test_full_graphs_the_artifact_holds_are_restored_in_order_and_a_failure_leav
     where the time went (every step of ``STEPS``) and how long vLLM's whole graph phase took. A failure halfway
     (vLLM's input preparation raising) leaves the graphs not yet made to vLLM's own capture, the worker threads
     stopped."""
-    import sys
     import types
 
     import weightcache.torch_graphs as torch_graphs
 
-    managers = FakeManagers()
+    managers = fake_vllm(monkeypatch)
     mode = managers.CUDAGraphMode
-    monkeypatch.setitem(sys.modules, vllm_graphs.MANAGERS, managers)
-    monkeypatch.setitem(sys.modules, "vllm", types.SimpleNamespace(__version__="0.26.0"))
-    one_rank = types.SimpleNamespace(get_world_group=lambda: types.SimpleNamespace(world_size=1))
-    monkeypatch.setitem(sys.modules, "vllm.distributed.parallel_state", one_rank)
-    monkeypatch.setenv(vllm_graphs.SWITCH_ENV, "1")
     monkeypatch.setattr(torch_graphs, "GraphCache", StandInGraphCache)
     monkeypatch.setattr(StandInGraphCache, "made", [])
     monkeypatch.setattr(vllm_graphs, "_REPORTS", [])

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .errors import BindError, InvalidArgumentType
+from .torch_dtypes import convertible
 
 _MAX_LISTED = 8
 
@@ -180,12 +181,12 @@ def _plan(
         if len(dtypes) == 1:
             [(theirs, ours)] = dtypes
             advice = f"The weights are {theirs} where the model has {ours}: build the model in {theirs}"
-            if _convertible(theirs) and _convertible(ours):
+            if convertible(theirs) and convertible(ours):
                 advice += (
                     f", or load the weights with dtype={ours} (attach, preload and `weightcache load --dtype` convert "
                     "floating point weights)."
                 )
-            elif not _convertible(theirs):  # quantized data (FP8, integers) is never converted
+            elif not convertible(theirs):  # quantized data (FP8, integers) is never converted
                 advice += f" ({theirs} weights are stored data that dtype= does not convert)."
             else:
                 advice += f" (dtype= does not convert to {ours}, which is stored data, not a floating point type)."
@@ -206,14 +207,6 @@ def check_tensors(tensors: Mapping[str, object]) -> None:
     for name, value in tensors.items():
         if not isinstance(value, torch.Tensor):
             raise InvalidArgumentType(f"state dict entry {name!r} is {type(value).__name__}; expected a torch.Tensor")
-
-
-def _convertible(dtype: torch.dtype) -> bool:
-    """Whether ``dtype=`` of attach and preload converts tensors of ``dtype`` (weightcache.dtypes)."""
-    from .dtypes import DTYPES
-
-    info = DTYPES.get(str(dtype).removeprefix("torch."))
-    return info is not None and info.convertible
 
 
 def _parameter_like(orig: torch.Tensor, tensor: torch.Tensor) -> torch.Tensor:

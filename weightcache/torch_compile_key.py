@@ -91,11 +91,7 @@ def compile_key(
         "dtype": _dtype_text(dtype) if dtype is not None else (fingerprint.dtype if fingerprint is not None else None),
         "shapes": _jsonable(shapes),
     }
-    clashes = sorted(set(extra or {}) & (set(fields) | KEY_FIELDS))
-    if clashes:
-        raise InvalidArgument(
-            f"extra names {', '.join(clashes)}, which the key holds itself; name your own fields otherwise"
-        )
+    refuse_clashes(extra, set(fields) | KEY_FIELDS)
     fields.update(_jsonable(dict(extra or {})))
     return ArtifactKey(KIND, fields)
 
@@ -117,6 +113,15 @@ KEY_FIELDS = frozenset(
         "shapes",
     }
 )
+
+
+def refuse_clashes(extra: Mapping[str, Any] | None, fields: set[str] | frozenset[str]) -> None:
+    """InvalidArgument where ``extra`` names one of a key's own ``fields`` (which it would replace)."""
+    clashes = sorted(set(extra or {}) & fields)
+    if clashes:
+        raise InvalidArgument(
+            f"extra names {', '.join(clashes)}, which the key holds itself; name your own fields otherwise"
+        )
 
 
 def _dtype_text(dtype: object) -> str:
@@ -141,4 +146,4 @@ def _jsonable(value: object) -> Any:
     return str(value)
 
 
-__all__ = ["KEY_FIELDS", "KIND", "compile_key", "device_fields"]
+__all__ = ["KEY_FIELDS", "KIND", "compile_key", "device_fields", "refuse_clashes"]

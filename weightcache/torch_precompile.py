@@ -56,12 +56,12 @@ import torch
 from .artifact_key import ArtifactKey
 from .artifacts import Artifact
 from .cache import Cache, weights_digest
-from .errors import InvalidArgument, WeightCacheError
+from .errors import WeightCacheError
 from .fingerprint import Fingerprint
 from .handle import Handle
 from .pipeline import SWITCH_ENV, switched_off
 from .torch_compile_blob import loaded_kernels, pack, restore_kernels, unpack
-from .torch_compile_key import compile_key
+from .torch_compile_key import compile_key, refuse_clashes
 
 log = logging.getLogger("weightcache.artifacts")
 
@@ -251,11 +251,7 @@ def precompile_key(
     """The :class:`ArtifactKey` of a precompiled forward: compile_cache's fields (:func:`compile_key`) with the
     example inputs as ``shapes``, plus the grad mode and the digest of the module's classes' source."""
     sources = hashlib.sha256(repr(_source_digest(module)).encode()).hexdigest()[:32]
-    clashes = sorted(set(extra or {}) & {"forward", "source", "grad"})
-    if clashes:
-        raise InvalidArgument(
-            f"extra names {', '.join(clashes)}, which the key holds itself; name your own fields otherwise"
-        )
+    refuse_clashes(extra, {"forward", "source", "grad"})
     base = compile_key(
         fingerprint,
         options=options,

@@ -243,12 +243,7 @@ class Server:
                 if received is None:
                     return
                 if unread_bytes(peer.sock):
-                    log.info(
-                        "connection %d (pid %d uid %d) sent a request before reading the previous reply; dropped",
-                        peer.id,
-                        peer.pid,
-                        peer.uid,
-                    )
+                    _dropped(peer, "sent a request before reading the previous reply")
                     close_fds(received[1])
                     return
                 message, fds = received
@@ -311,22 +306,11 @@ class Server:
         while unread_bytes(peer.sock):
             left = deadline - time.monotonic()
             if left <= 0 or self._stopping.is_set():
-                log.info(
-                    "connection %d (pid %d uid %d) did not read its reply within %.0f s; dropped",
-                    peer.id,
-                    peer.pid,
-                    peer.uid,
-                    SEND_TIMEOUT_S,
-                )
+                _dropped(peer, f"did not read its reply within {SEND_TIMEOUT_S:.0f} s")
                 return False
             readable, _, _ = select.select([peer.sock], [], [], min(pause, left))
             if readable and unread_bytes(peer.sock):  # a request (or its end) before the reply was read
-                log.info(
-                    "connection %d (pid %d uid %d) sent a request before reading the previous reply; dropped",
-                    peer.id,
-                    peer.pid,
-                    peer.uid,
-                )
+                _dropped(peer, "sent a request before reading the previous reply")
                 return False
             pause = min(pause * 2, 0.05)
         self._release_reply(peer)
@@ -573,6 +557,10 @@ HANDLERS: dict[str, Handler] = {
 def encode(reply: dict[str, Any]) -> bytes:
     """A reply's payload, as :func:`~weightcache.protocol.send_frame` would encode it."""
     return json.dumps(reply, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _dropped(peer: Peer, why: str) -> None:
+    log.info("connection %d (pid %d uid %d) %s; dropped", peer.id, peer.pid, peer.uid, why)
 
 
 def unread_bytes(sock: socket.socket) -> int:
