@@ -15,7 +15,7 @@
 #                                 its logs go to /tmp/persist ($PERSIST)
 #   gpu_sglang.sh jit FILE        unpack the JIT caches a `llama8b` part brought back into $HOME (before `detach`)
 #   gpu_sglang.sh plan [PARTS]    issue 30's GPU measurement, the PARTS named (default: hashing graphs llama8b
-#                                 mixtral tests; also: race, graphs-large, vllm-graphs, vllm-probe, vllm-graphs-bench,
+#                                 mixtral tests; also: race, graphs-large, vllm-graphs, vllm-probe, vllm-test, vllm-graphs-bench,
 #                                 vllm-graphs-decode), in order, `clean` after each: the tests of GPU
 #                                 hashing (~30 s; the plan stops if they fail: every miss publishes through it);
 #                                 issue 31's graph tests and benchmark (benchmarks/gpu_graphs.sh, ~1.5 min);
@@ -171,10 +171,12 @@ plan)
         vllm-graphs-decode)  # the same with cudagraph_mode FULL_DECODE_ONLY (no PIECEWISE graphs; 8 starts)
             step env OUT=$persist/vllm-graphs-decode bash benchmarks/gpu_vllm.sh bench --scenario graphs --repeat 2 \
                 --cudagraph-mode FULL_DECODE_ONLY ;;
+        vllm-test)  # issue 31: the vLLM graph kind's GPU test (a FULL graph recorded by one client, restored by another)
+            step env OUT=$persist/vllm-test bash benchmarks/gpu_vllm.sh test -k full_graphs ;;
         vllm-probe)  # issue 31: one vLLM start, its graphs described and each replay checked against its rebuild
             step env OUT=$persist/vllm-graphs bash benchmarks/gpu_vllm.sh graph-probe --runs 1 ;;
         tests) step env OUT=$persist/tests bash "$0" test ;;  # the auto/daemon/client tests run first (file order)
-        *) echo "== unknown part $part (hashing, graphs, graphs-large, llama8b, race, mixtral, tests, vllm-graphs, vllm-graphs-bench, vllm-graphs-decode, vllm-probe)" ;;
+        *) echo "== unknown part $part (hashing, graphs, graphs-large, llama8b, race, mixtral, tests, vllm-graphs, vllm-graphs-bench, vllm-graphs-decode, vllm-probe, vllm-test)" ;;
         esac
     done
     touch "$persist.done"
