@@ -595,14 +595,25 @@ def test_on_a_gpu_graphs_over_torch_allocated_tensors_are_restored_only_where_th
 
 class FakeCupti:
     """libcupti's three calls as plain functions (ctypes sets their argtypes): the subscriber remembers the callback
-    CUPTI would call."""
+    CUPTI would call (``raw``: the function pointer and the user data it was given; ``callback``: that function,
+    called as CUPTI calls it, with the subscriber's user data whatever its first argument)."""
 
     def __init__(self) -> None:
         self.callback: Any = None
+        self.raw: tuple[Any, Any] = (None, None)
         self.enabled: list[tuple[int, int]] = []
 
         def subscribe(handle: Any, callback: Any, userdata: Any) -> int:
-            self.callback = callback
+            import ctypes
+
+            from weightcache.graphs.cupti_shim import CALLBACK
+
+            self.raw = (callback, userdata)
+            if isinstance(callback, ctypes.c_void_p):  # a C function: called through its address
+                native = CALLBACK(callback.value)
+                self.callback = lambda _user, domain, cbid, data: native(userdata, domain, cbid, data)
+            else:
+                self.callback = callback
             handle._obj.value = 1
             return 0
 
@@ -669,6 +680,74 @@ def driver_load(
         out.value = module
     leave = _CallbackData(1, None, ctypes.addressof(params), ctypes.addressof(code))
     cupti.callback(None, 1, cbid, ctypes.addressof(leave))
+
+
+FAKE_DRIVER = r"""
+#include <errno.h>
+#include <pthread.h>
+#include <time.h>
+typedef void (*callback_t)(void *, unsigned, unsigned, const void *);
+static pthread_mutex_t driver = PTHREAD_MUTEX_INITIALIZER;
+static volatile int inside;
+/* a module load: the driver's lock held while CUPTI calls the subscriber (after 0.2 s, so that the other thread
+   waits for the lock by then) */
+void load(callback_t callback, void *userdata, const void *data) {
+    struct timespec pause = {0, 200000000};
+    pthread_mutex_lock(&driver);
+    inside = 1;
+    nanosleep(&pause, 0);
+    callback(userdata, 3, 6, data);
+    inside = 0;
+    pthread_mutex_unlock(&driver);
+}
+int loading(void) { return inside; }
+/* another thread's module load, made while it holds the GIL: waits for the driver's lock, at most `seconds` */
+int load_within(int seconds) {
+    struct timespec until;
+    clock_gettime(CLOCK_REALTIME, &until);
+    until.tv_sec += seconds;
+    int code = pthread_mutex_timedlock(&driver, &until);
+    if (code == 0) pthread_mutex_unlock(&driver);
+    return code;
+}
+"""
+
+
+def test_a_module_loaded_while_another_thread_holding_the_gil_loads_one_does_not_hang(tmp_path: Path) -> None:
+    """Found on an H100 (2026-12-05): vLLM 0.26 loads its compiled artifacts on a thread pool; a thread loading a
+    Triton module holds the GIL while it waits for the driver's lock, and the thread whose load holds that lock
+    was in the recorder's callback, which, written in Python, waited for the GIL: the engine hung for good. Here a
+    fake driver (C) holds its lock while it calls the subscriber, and this thread, holding the GIL, waits for that
+    lock (3 s at most): the callback must finish without the GIL (seen failing before the C callback: the wait
+    ran out)."""
+    import ctypes
+
+    from weightcache.graphs.cubins import CubinRecorder, _ModuleData, _ResourceData
+
+    source = tmp_path / "driver.c"
+    source.write_text(FAKE_DRIVER)
+    library = tmp_path / "driver.so"
+    subprocess.run(["cc", "-shared", "-fPIC", "-pthread", "-o", str(library), str(source)], check=True)
+    released, holding = ctypes.CDLL(str(library)), ctypes.PyDLL(str(library))  # PyDLL keeps the GIL in the call
+    released.load.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
+    cupti = FakeCupti()
+    recorder = CubinRecorder(lib=cupti)  # type: ignore[arg-type]
+    image = elf([("triton_poi_fused_0", 2, 1)])
+    buffer = ctypes.create_string_buffer(image, len(image))
+    module = _ModuleData(7, len(image), ctypes.cast(buffer, ctypes.c_void_p))
+    resource = _ResourceData(None, None, ctypes.addressof(module))
+    callback, userdata = cupti.raw
+    loader = threading.Thread(
+        target=released.load,
+        args=(ctypes.cast(callback, ctypes.c_void_p), userdata, ctypes.addressof(resource)),
+    )
+    loader.start()
+    while not released.loading():
+        time.sleep(0.001)
+    code = holding.load_within(3)
+    loader.join()
+    assert code == 0, f"the driver's lock was still held after 3 s (pthread_mutex_timedlock: {code})"
+    assert recorder.image_of("triton_poi_fused_0") == hashlib.sha256(image).hexdigest()
 
 
 def test_the_recorder_knows_which_image_each_module_was_loaded_from() -> None:
@@ -930,3 +1009,24 @@ def test_a_graph_not_recorded_says_why_recording_is_off_from_the_first_graph(mon
     cache = stopped_graph_cache(monkeypatch, artifact=True)
     cache._record_problem, cache._recordable = "graph 'b1': a kernel image was not kept", False
     assert cache._after_capture("b2", None, (), 0, False) == "graph 'b1': a kernel image was not kept"
+
+
+def test_the_cupti_callback_is_built_once_and_a_compiler_that_fails_is_a_graph_restore_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The C callback (graphs/cupti_shim.py) is built with the machine's compiler into a directory kept across
+    processes; a compiler that is missing or fails is a GraphRestoreError that says so (graphs are then captured
+    as usual), never a traceback of subprocess."""
+    from weightcache.graphs.cupti_shim import build_shim
+
+    built = build_shim(tmp_path)
+    assert built.parent == tmp_path and built.stat().st_size > 0
+    stamp = built.stat().st_mtime_ns
+    monkeypatch.setenv("CC", "false")  # a second call finds the library: no compiler runs
+    assert build_shim(tmp_path) == built and built.stat().st_mtime_ns == stamp
+    with pytest.raises(GraphRestoreError, match=r"failed \(exit 1\).*graphs are captured as usual"):
+        build_shim(tmp_path / "other")
+    monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
+    with pytest.raises(GraphRestoreError, match="no-such-compiler failed"):
+        build_shim(tmp_path / "third")
+    assert not list((tmp_path / "other").iterdir())  # nothing half-built is left

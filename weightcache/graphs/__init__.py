@@ -18,6 +18,8 @@ that is what :mod:`~weightcache.graphs.check` establishes, before anything is re
 - :mod:`~weightcache.graphs.arena`: a range of GPU addresses at a fixed base with a bump allocator, where graph
   memory gets the same addresses in every process.
 - :mod:`~weightcache.graphs.cubins`: the machine code of the kernels, kept from CUPTI's module-loaded callback.
+- :mod:`~weightcache.graphs.cupti_shim`: that callback, in C (built once per machine with its C compiler), so that
+  it never waits for Python's GIL while the driver holds its lock.
 - :mod:`~weightcache.graphs.bundle`: the ``cuda.graphs`` artifact's format.
 
 :mod:`weightcache.torch_graphs` puts them together (``wc.GraphCache``): torch's graph pool served from an arena,

@@ -12,8 +12,9 @@ value there: :class:`~weightcache.torch_graphs.GraphCache` therefore replays a g
 beside the captured graph before it records it, and records it only if the two give the same bytes.
 
 - :func:`kernel_names`: the kernels an image defines (its ELF symbol table; no GPU needed).
-- :class:`CubinRecorder`: CUPTI's module-loaded callback, through ``ctypes`` on ``libcupti``; every image loaded
-  while it is subscribed, by SHA-256, which images define each kernel name, and which image each module handle
+- :class:`CubinRecorder`: CUPTI's module-loaded callback on ``libcupti`` (the callback itself is C,
+  :mod:`~weightcache.graphs.cupti_shim`: one in Python deadlocked vLLM's threads that load modules); every image
+  loaded while it is subscribed, by SHA-256, which images define each kernel name, and which image each module handle
   was loaded from (CUPTI's callbacks on the driver's module loads: where two modules define a kernel of one name,
   as torch.compile's Triton modules do, a function's module says which image is its own).
 
@@ -34,6 +35,7 @@ import threading
 from collections.abc import Iterator
 
 from ..errors import GraphRestoreError
+from .cupti_shim import EVENT_CONTEXT, EVENT_IMAGE, EVENT_MODULE, EVENT_UNLOAD, load_shim, loaded_shim
 
 log = logging.getLogger("weightcache.graphs")
 
@@ -74,6 +76,9 @@ def kernel_names(image: bytes) -> set[str]:
         return set()
 
 
+# The layouts of CUPTI's callback data, as the C callback reads them (tests build them to play CUPTI's part).
+
+
 class _ResourceData(ctypes.Structure):
     """``CUpti_ResourceData``: the context, a union holding a stream, and the resource's descriptor."""
 
@@ -111,49 +116,21 @@ _MODULE_UNLOAD = 22
 _ENTER, _EXIT = 0, 1
 #: The largest image read off a ``cuModuleLoadData`` pointer whose load CUPTI's module callback did not report.
 _MAX_ELF = 1 << 30
-#: Set on a thread while it loads images it got from an artifact (:func:`loading_kept_images`): those loads are
-#: not kept again (a restore loads tens of MB; the graphs a process captures use its libraries' own modules).
-_own = threading.local()
-#: A thread's driver module loads under way: the digests of the images CUPTI reported during each.
-_loads = threading.local()
-
-
-def _elf_size(address: int) -> int | None:
-    """The length of the 64-bit little-endian ELF file at ``address`` (a cubin handed to ``cuModuleLoadData``):
-    the end of its farthest table, section or segment; None for anything else."""
-    if ctypes.string_at(address, 4) != _ELF_MAGIC:  # (a PTX text may be shorter than an ELF header)
-        return None
-    header = ctypes.string_at(address, 64)
-    if header[4] != 2 or header[5] != 1:
-        return None
-    phoff, shoff = struct.unpack_from("<QQ", header, 0x20)
-    phentsize, phnum, shentsize, shnum = struct.unpack_from("<HHHH", header, 0x36)
-    end = max(64, phoff + phnum * phentsize, shoff + shnum * shentsize)
-    if end > _MAX_ELF or (shnum and shentsize < 64) or (phnum and phentsize < 56):
-        return None
-    sections = ctypes.string_at(address + shoff, shnum * shentsize) if shnum else b""
-    for i in range(shnum):
-        kind, _flags, _addr, offset, size = struct.unpack_from("<IQQQQ", sections, i * shentsize + 4)
-        if kind != 8:  # SHT_NOBITS takes no room in the file
-            end = max(end, offset + size)
-    segments = ctypes.string_at(address + phoff, phnum * phentsize) if phnum else b""
-    for i in range(phnum):
-        offset, _vaddr, _paddr, filesz = struct.unpack_from("<QQQQ", segments, i * phentsize + 8)
-        end = max(end, offset + filesz)
-    return end if end <= _MAX_ELF else None
 
 
 @contextlib.contextmanager
 def loading_kept_images() -> Iterator[None]:
-    """Within it, modules this thread loads are not kept by the :class:`CubinRecorder`."""
-    _own.active = True
+    """Within it, modules this thread loads are not kept by the :class:`CubinRecorder` (a restore loads tens of MB
+    of images it got from an artifact; the graphs a process captures use its libraries' own modules)."""
+    shim = loaded_shim()
+    if shim is None:  # no recorder in this process: nothing keeps images
+        yield
+        return
+    shim.wc_set_own(1)
     try:
         yield
     finally:
-        _own.active = False
-
-
-_CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p)
+        shim.wc_set_own(0)
 
 
 def _cupti_paths() -> list[str]:
@@ -189,19 +166,31 @@ class CubinRecorder:
 
     def __init__(self, lib: ctypes.CDLL | None = None) -> None:
         self._lib = lib if lib is not None else load_cupti()
+        self._shim = load_shim()  # the callback, in C: it never waits for the GIL (cupti_shim's text says why)
         self._images: dict[str, bytes] = {}
         self._names: dict[str, frozenset[str]] = {}  # image -> the kernels it defines
         self._kernels: dict[str, list[str]] = {}  # kernel name -> the images that define it, in load order
         self._modules: dict[int, str] = {}  # module handle -> the image it was loaded from
+        self._sequence: dict[int, str] = {}  # the shim's image number -> its digest, until its load's end is seen
         self.follows_modules = False  # (below, once CUPTI follows them)
         self._lock = threading.Lock()
-        self._callback = _CALLBACK(self._loaded)  # kept alive: CUPTI holds the raw pointer
+        loads, from_memory = (
+            (ctypes.c_uint32 * len(_MODULE_LOADS))(*_MODULE_LOADS),
+            (ctypes.c_uint32 * len(_LOADS_FROM_MEMORY))(*_LOADS_FROM_MEMORY),
+        )
+        self._state = self._shim.wc_new(
+            _DOMAIN_DRIVER, _DOMAIN_RESOURCE, _MODULE_LOADED, _CONTEXT_DESTROY, _MODULE_UNLOAD,
+            loads, len(_MODULE_LOADS), from_memory, len(_LOADS_FROM_MEMORY), _MAX_ELF,
+        )  # fmt: skip
+        if not self._state:
+            raise GraphRestoreError("weightcache's CUPTI callback could not allocate its state (out of memory)")
         self._subscriber = ctypes.c_void_p()
         subscribe, enable = self._lib.cuptiSubscribe, self._lib.cuptiEnableCallback
-        subscribe.argtypes = [ctypes.POINTER(ctypes.c_void_p), _CALLBACK, ctypes.c_void_p]
+        subscribe.argtypes = [ctypes.POINTER(ctypes.c_void_p), ctypes.c_void_p, ctypes.c_void_p]
         enable.argtypes = [ctypes.c_uint32, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32]
         self._lib.cuptiUnsubscribe.argtypes = [ctypes.c_void_p]
-        code = subscribe(ctypes.byref(self._subscriber), self._callback, None)
+        callback = ctypes.cast(self._shim.wc_callback, ctypes.c_void_p)
+        code = subscribe(ctypes.byref(self._subscriber), callback, self._state)
         if code != 0:
             raise GraphRestoreError(
                 f"cuptiSubscribe failed with CUptiResult {code} (another CUPTI subscriber, e.g. a profiler, may be "
@@ -211,10 +200,6 @@ class CubinRecorder:
         if code != 0:
             self.close()
             raise GraphRestoreError(f"cuptiEnableCallback(module loaded) failed with CUptiResult {code}")
-        #: Whether the driver's module loads, unloads and context teardowns are followed (which module holds which
-        #: image); without, a function's image is known only by its name (:meth:`image_for`), and two functions
-        #: of one name in one graph make it not describable.
-        self.follows_modules = True
         follow = [
             *((_DOMAIN_DRIVER, c) for c in (*_MODULE_LOADS, _MODULE_UNLOAD)),
             (_DOMAIN_RESOURCE, _CONTEXT_DESTROY),
@@ -223,94 +208,75 @@ class CubinRecorder:
             code = enable(1, self._subscriber, domain, cbid)
             if code != 0:  # all or nothing: loads followed without their unloads would map handles given again
                 log.info("weightcache: CUPTI does not follow the driver's module loads (CUptiResult %s)", code)
-                self.follows_modules = False
                 for undo in follow[:at]:
                     enable(0, self._subscriber, *undo)
                 break
+        else:
+            #: Whether the driver's module loads, unloads and context teardowns are followed (which module holds
+            #: which image); without, a function's image is known only by its name (:meth:`image_for`), and two
+            #: functions of one name in one graph make it not describable.
+            self.follows_modules = True
+            self._shim.wc_follow(self._state, 1)
 
-    def _loaded(self, _userdata: int | None, domain: int, cbid: int, data: int | None) -> None:
-        try:
-            if not data or getattr(_own, "active", False):
-                return
-            if domain == _DOMAIN_DRIVER:
-                if self.follows_modules and (cbid in _MODULE_LOADS or cbid == _MODULE_UNLOAD):
-                    self._driver_call(cbid, _CallbackData.from_address(data))
-                return
-            if domain == _DOMAIN_RESOURCE and cbid == _CONTEXT_DESTROY:
-                with self._lock:  # every module of that context goes (one context a process, as torch makes it)
-                    self._modules.clear()
-                return
-            if domain != _DOMAIN_RESOURCE or cbid != _MODULE_LOADED:
-                return
-            resource = _ResourceData.from_address(data)
-            if not resource.descriptor:
-                return
-            module = _ModuleData.from_address(resource.descriptor)
-            if not module.cubin or not module.cubin_size:
-                return
-            digest = self.add(ctypes.string_at(module.cubin, module.cubin_size))
-            pending = getattr(_loads, "stack", None)
-            if pending:  # inside a driver module load on this thread: that load's module holds this image
-                pending[-1].append(digest)
-        except Exception:  # never raise into the driver's module load
-            log.debug("weightcache: a module-loaded callback failed", exc_info=True)
+    def _drain(self) -> None:
+        """Take what the callback queued, in its order (called with ``_lock`` held): images are hashed and parsed
+        here, outside the driver's locks."""
+        kind, seq, module, size = ctypes.c_int(), ctypes.c_uint64(), ctypes.c_uint64(), ctypes.c_uint64()
+        data = ctypes.c_void_p()
+        take = self._shim.wc_take
+        while take(self._state, ctypes.byref(kind), ctypes.byref(seq), ctypes.byref(module), ctypes.byref(data),
+                   ctypes.byref(size)):  # fmt: skip
+            payload = ctypes.string_at(data.value, size.value) if data.value else b""
+            if data.value:
+                self._shim.wc_release(data)
+            if kind.value == EVENT_IMAGE:
+                digest = self._keep(payload)
+                if module.value:  # reported during a followed load: its end names it
+                    self._sequence[seq.value] = digest
+            elif kind.value == EVENT_MODULE:  # a load's end: the images CUPTI reported during it
+                numbers = struct.unpack(f"<{len(payload) // 8}Q", payload)
+                digests = {self._sequence.pop(n) for n in numbers if n in self._sequence}
+                if len(digests) == 1 and module.value:  # (0: the load failed, or reported too many to tell)
+                    self._modules[module.value] = digests.pop()
+            elif kind.value == EVENT_UNLOAD:
+                self._modules.pop(module.value, None)
+            elif kind.value == EVENT_CONTEXT:  # every module of that context goes (one context a process)
+                self._modules.clear()
 
-    def _driver_call(self, cbid: int, call: _CallbackData) -> None:
-        """A driver module load's entry and exit (its module -> the image CUPTI reported meanwhile, or, for a cubin
-        loaded from memory that it did not report, the cubin itself), or a module's unload."""
-        params = ctypes.cast(call.params, ctypes.POINTER(ctypes.c_void_p)) if call.params else None
-        if cbid == _MODULE_UNLOAD:
-            if call.site == _ENTER and params is not None and params[0]:
-                with self._lock:
-                    self._modules.pop(params[0], None)
-            return
-        stack = _loads.__dict__.setdefault("stack", [])
-        if call.site == _ENTER:
-            stack.append([])
-            return
-        if call.site != _EXIT or not stack:
-            return
-        reported = stack.pop()
-        if params is None or not params[0] or not call.result or ctypes.c_int.from_address(call.result).value != 0:
-            return  # the load failed: no module
-        module = ctypes.c_void_p.from_address(params[0]).value
-        if not module:
-            return
-        if not reported and cbid in _LOADS_FROM_MEMORY and params[1]:
-            size = _elf_size(params[1])
-            if size is not None:
-                reported.append(self.add(ctypes.string_at(params[1], size)))
-        if len(set(reported)) == 1:
-            with self._lock:
-                self._modules[module] = reported[0]
+    def _keep(self, image: bytes) -> str:
+        digest = hashlib.sha256(image).hexdigest()
+        if digest not in self._images:
+            names = frozenset(kernel_names(image))
+            self._images[digest] = image
+            self._names[digest] = names
+            for name in names:
+                self._kernels.setdefault(name, []).append(digest)
+        return digest
 
     def add(self, image: bytes) -> str:
         """Keep ``image`` (also for images obtained otherwise); its SHA-256."""
-        digest = hashlib.sha256(image).hexdigest()
-        names = frozenset(kernel_names(image))
         with self._lock:
-            if digest not in self._images:
-                self._images[digest] = image
-                self._names[digest] = names
-                for name in names:
-                    self._kernels.setdefault(name, []).append(digest)
-        return digest
+            self._drain()
+            return self._keep(image)
 
     def counts(self) -> tuple[int, int]:
         """How many images were kept, and how many kernel names they define."""
         with self._lock:
+            self._drain()
             return len(self._images), len(self._kernels)
 
     def image_of(self, kernel: str) -> str | None:
         """The SHA-256 of the one kept image that defines ``kernel``; None where none does or several do (then
         :meth:`image_for` tells by the function's module)."""
         with self._lock:
+            self._drain()
             found = self._kernels.get(kernel, ())
             return found[0] if len(found) == 1 else None
 
     def images_defining(self, kernel: str) -> int:
         """How many kept images define ``kernel``."""
         with self._lock:
+            self._drain()
             return len(self._kernels.get(kernel, ()))
 
     def image_for(self, kernel: str, module: int | None, *, by_name: bool = True) -> str | None:
@@ -321,6 +287,7 @@ class CubinRecorder:
         same name loaded before the recorder; the recorder's verifying replay is what catches that); without,
         None."""
         with self._lock:
+            self._drain()
             digest = self._modules.get(module) if module else None
             if digest is not None:
                 return digest if kernel in self._names[digest] else None
@@ -328,6 +295,7 @@ class CubinRecorder:
 
     def image(self, digest: str) -> bytes:
         with self._lock:
+            self._drain()
             return self._images[digest]
 
     def close(self) -> None:

@@ -1,0 +1,339 @@
+"""CUPTI's module callbacks in C, so that they never wait for Python's GIL (issue 31).
+
+CUPTI calls its subscriber while the driver loads a module, with the driver's (or CUPTI's) lock held. A callback
+written in Python (``ctypes``) must take the GIL first. A thread that holds the GIL and loads a module itself
+(torch's static Triton launcher calls ``cuModuleLoadData`` without releasing it) then waits for that lock while
+the callback waits for the GIL: both threads stop for good. vLLM 0.26 loads its compiled artifacts on a thread
+pool, each thread loading Triton modules; on an H100 (2026-12-05) an engine with the graph kind on hung there for
+more than 7 minutes, every thread asleep (docs/bench/gpu-vllm-graphs-deadlock-h100-2026-12-05.txt: one thread in
+the Python callback waiting for the GIL, another in ``load_kernel``).
+
+The callback here takes no GIL: it copies each reported image and notes each module load's handle into a queue
+behind a mutex of its own, and :class:`~weightcache.graphs.cubins.CubinRecorder` drains the queue when it is
+asked something (hashing and parsing the images there, outside every driver lock). The C source below is built
+once per machine with the system's C compiler (``$CC`` or ``cc``; Triton, which vLLM and torch.compile use,
+needs one too) into ``$XDG_CACHE_HOME/weightcache/native`` (default ``~/.cache``), by the SHA-256 of the source,
+and loaded with ``ctypes``. Where no compiler works, :func:`load_shim` raises
+:class:`~weightcache.errors.GraphRestoreError`: the recorder is not made, and graphs are captured as usual.
+
+Layer L3; imports no torch.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+from ..errors import GraphRestoreError
+
+#: Event kinds of the queue (``wc_take``): an image (its sequence number, its bytes, and in ``module`` 1 where it
+#: was reported during a driver module load, whose end will name it), a module load's end (its handle, and the
+#: sequence numbers of the images reported during it), a module unloaded (its handle), a context torn down.
+EVENT_IMAGE, EVENT_MODULE, EVENT_UNLOAD, EVENT_CONTEXT = 1, 2, 3, 4
+
+#: The C type of a CUPTI callback (``CUpti_CallbackFunc``): user data, domain, callback id, callback data.
+CALLBACK = ctypes.CFUNCTYPE(None, ctypes.c_void_p, ctypes.c_uint32, ctypes.c_uint32, ctypes.c_void_p)
+
+SOURCE = r"""
+/* weightcache: CUPTI module callbacks that take no GIL (weightcache/graphs/cupti_shim.py). */
+#include <pthread.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+typedef struct { uint32_t site; const char *name; const void *params; const void *result; } wc_call;
+typedef struct { void *context; void *stream; const void *descriptor; } wc_resource;
+typedef struct { uint32_t module_id; size_t cubin_size; const char *cubin; } wc_module;
+
+typedef struct wc_event {
+    struct wc_event *next;
+    int kind;
+    uint64_t seq, module;
+    char *data;
+    size_t size;
+} wc_event;
+
+#define WC_LOADS 8
+#define WC_DEPTH 16
+#define WC_REPORTED 8
+
+typedef struct {
+    pthread_mutex_t lock;
+    wc_event *head, *tail;
+    uint64_t seq;
+    uint64_t dropped;
+    uint32_t driver, resource, module_loaded, context_destroy, unload;
+    uint32_t loads[WC_LOADS], from_memory[WC_LOADS];
+    int nloads, nfrom_memory, follows;
+    uint64_t max_elf;
+} wc_state;
+
+typedef struct { uint64_t seqs[WC_REPORTED]; int n, over; } wc_pending;
+
+static __thread int wc_own;
+static __thread int wc_depth;
+static __thread wc_pending wc_stack[WC_DEPTH];
+
+wc_state *wc_new(uint32_t driver, uint32_t resource, uint32_t module_loaded, uint32_t context_destroy,
+                 uint32_t unload, const uint32_t *loads, int nloads, const uint32_t *from_memory, int nfrom_memory,
+                 uint64_t max_elf) {
+    if (nloads > WC_LOADS || nfrom_memory > WC_LOADS) return NULL;
+    wc_state *st = calloc(1, sizeof *st);
+    if (!st) return NULL;
+    pthread_mutex_init(&st->lock, NULL);
+    st->driver = driver; st->resource = resource; st->module_loaded = module_loaded;
+    st->context_destroy = context_destroy; st->unload = unload; st->max_elf = max_elf;
+    memcpy(st->loads, loads, sizeof(uint32_t) * nloads); st->nloads = nloads;
+    memcpy(st->from_memory, from_memory, sizeof(uint32_t) * nfrom_memory); st->nfrom_memory = nfrom_memory;
+    return st;
+}
+
+void wc_follow(wc_state *st, int on) { st->follows = on; }
+void wc_set_own(int on) { wc_own = on; }
+void wc_release(char *data) { free(data); }
+uint64_t wc_dropped(wc_state *st) {
+    pthread_mutex_lock(&st->lock);
+    uint64_t n = st->dropped;
+    pthread_mutex_unlock(&st->lock);
+    return n;
+}
+
+static int wc_in(const uint32_t *set, int n, uint32_t x) {
+    for (int i = 0; i < n; i++) if (set[i] == x) return 1;
+    return 0;
+}
+
+/* Queue an event; data (malloc'ed, or NULL) becomes the queue's. Its sequence number, 0 where it was dropped. */
+static uint64_t wc_push(wc_state *st, int kind, uint64_t module, char *data, size_t size) {
+    wc_event *e = malloc(sizeof *e);
+    pthread_mutex_lock(&st->lock);
+    if (!e) { st->dropped++; pthread_mutex_unlock(&st->lock); free(data); return 0; }
+    e->next = NULL; e->kind = kind; e->seq = ++st->seq; e->module = module; e->data = data; e->size = size;
+    if (st->tail) st->tail->next = e; else st->head = e;
+    st->tail = e;
+    uint64_t seq = e->seq;
+    pthread_mutex_unlock(&st->lock);
+    return seq;
+}
+
+/* An image (copied); in_load: reported during a driver module load this thread makes (its end names it). */
+static uint64_t wc_image(wc_state *st, const void *image, size_t size, int in_load) {
+    char *copy = malloc(size);
+    if (!copy) { pthread_mutex_lock(&st->lock); st->dropped++; pthread_mutex_unlock(&st->lock); return 0; }
+    memcpy(copy, image, size);
+    return wc_push(st, 1, (uint64_t)in_load, copy, size);
+}
+
+static void wc_note(uint64_t seq) {
+    if (!seq || wc_depth <= 0 || wc_depth > WC_DEPTH) return;
+    wc_pending *p = &wc_stack[wc_depth - 1];
+    if (p->n < WC_REPORTED) p->seqs[p->n++] = seq; else p->over = 1;
+}
+
+static uint64_t wc_u64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
+static uint32_t wc_u32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
+static uint16_t wc_u16(const unsigned char *p) { uint16_t v; memcpy(&v, p, 2); return v; }
+
+/* The length of the 64-bit little-endian ELF file at p: the end of its farthest table, section or segment; 0 for
+   anything else or anything longer than max. */
+uint64_t wc_elf_size(const unsigned char *p, uint64_t max) {
+    if (memcmp(p, "\x7f" "ELF", 4) != 0) return 0;  /* (a PTX text may be shorter than an ELF header) */
+    if (p[4] != 2 || p[5] != 1) return 0;
+    uint64_t phoff = wc_u64(p + 0x20), shoff = wc_u64(p + 0x28);
+    uint64_t phentsize = wc_u16(p + 0x36), phnum = wc_u16(p + 0x38);
+    uint64_t shentsize = wc_u16(p + 0x3A), shnum = wc_u16(p + 0x3C);
+    if (phoff > max || shoff > max) return 0;
+    uint64_t end = 64;
+    if (phoff + phnum * phentsize > end) end = phoff + phnum * phentsize;
+    if (shoff + shnum * shentsize > end) end = shoff + shnum * shentsize;
+    if (end > max || (shnum && shentsize < 64) || (phnum && phentsize < 56)) return 0;
+    for (uint64_t i = 0; i < shnum; i++) {
+        const unsigned char *s = p + shoff + i * shentsize;
+        uint64_t offset = wc_u64(s + 24), size = wc_u64(s + 32);
+        if (wc_u32(s + 4) == 8) continue;  /* SHT_NOBITS takes no room in the file */
+        if (offset > max || size > max) return 0;
+        if (offset + size > end) end = offset + size;
+    }
+    for (uint64_t i = 0; i < phnum; i++) {
+        const unsigned char *s = p + phoff + i * phentsize;
+        uint64_t offset = wc_u64(s + 8), filesz = wc_u64(s + 32);
+        if (offset > max || filesz > max) return 0;
+        if (offset + filesz > end) end = offset + filesz;
+    }
+    return end <= max ? end : 0;
+}
+
+static void wc_driver_call(wc_state *st, uint32_t cbid, const wc_call *call) {
+    void *const *params = call->params;
+    if (cbid == st->unload) {
+        if (call->site == 0 && params && params[0]) wc_push(st, 3, (uint64_t)(uintptr_t)params[0], NULL, 0);
+        return;
+    }
+    if (call->site == 0) {
+        if (wc_depth < WC_DEPTH) { wc_stack[wc_depth].n = 0; wc_stack[wc_depth].over = 0; }
+        wc_depth++;
+        return;
+    }
+    if (call->site != 1 || wc_depth <= 0) return;
+    wc_depth--;
+    if (wc_depth >= WC_DEPTH) return;
+    wc_pending *p = &wc_stack[wc_depth];
+    int failed = !params || !params[0] || !call->result || *(const int *)call->result != 0;
+    uint64_t module = failed ? 0 : (uint64_t)(uintptr_t)*(void *const *)params[0];  /* 0: no module */
+    if (module && p->n == 0 && !p->over && wc_in(st->from_memory, st->nfrom_memory, cbid) && params[1]) {
+        uint64_t size = wc_elf_size(params[1], st->max_elf);  /* a cubin the module callback did not report */
+        if (size) {
+            uint64_t seq = wc_image(st, params[1], size, 1);
+            if (seq) p->seqs[p->n++] = seq;
+        }
+    }
+    if (p->n == 0) return;
+    /* the load's end, also where it failed or reported too many images (module 0: they name no module) */
+    char *seqs = malloc(sizeof(uint64_t) * p->n);
+    if (!seqs) { pthread_mutex_lock(&st->lock); st->dropped++; pthread_mutex_unlock(&st->lock); return; }
+    memcpy(seqs, p->seqs, sizeof(uint64_t) * p->n);
+    wc_push(st, 2, p->over ? 0 : module, seqs, sizeof(uint64_t) * p->n);
+}
+
+void wc_callback(void *userdata, uint32_t domain, uint32_t cbid, const void *data) {
+    wc_state *st = userdata;
+    if (!st || !data || wc_own) return;
+    if (domain == st->driver) {
+        if (st->follows && (wc_in(st->loads, st->nloads, cbid) || cbid == st->unload)) wc_driver_call(st, cbid, data);
+        return;
+    }
+    if (domain != st->resource) return;
+    if (cbid == st->context_destroy) { wc_push(st, 4, 0, NULL, 0); return; }
+    if (cbid != st->module_loaded) return;
+    const wc_resource *resource = data;
+    if (!resource->descriptor) return;
+    const wc_module *module = resource->descriptor;
+    if (!module->cubin || !module->cubin_size) return;
+    wc_note(wc_image(st, module->cubin, module->cubin_size, wc_depth > 0 && wc_depth <= WC_DEPTH));
+}
+
+/* Pop the oldest event: 1 and its fields (data is the caller's to wc_release), or 0 where the queue is empty. */
+int wc_take(wc_state *st, int *kind, uint64_t *seq, uint64_t *module, char **data, uint64_t *size) {
+    pthread_mutex_lock(&st->lock);
+    wc_event *e = st->head;
+    if (e) { st->head = e->next; if (!st->head) st->tail = NULL; }
+    pthread_mutex_unlock(&st->lock);
+    if (!e) return 0;
+    *kind = e->kind; *seq = e->seq; *module = e->module; *data = e->data; *size = e->size;
+    free(e);
+    return 1;
+}
+"""
+
+_DIGEST = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
+
+
+def _native_dir() -> Path:
+    """Where built shims are kept: ``$XDG_CACHE_HOME/weightcache/native`` (default ``~/.cache``)."""
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "weightcache" / "native"
+
+
+def _compiler() -> str:
+    chosen = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if not chosen:
+        raise GraphRestoreError(
+            "no C compiler was found (neither $CC nor cc nor gcc) to build weightcache's CUPTI callback, so the "
+            "machine code of a graph's kernels is not kept and its graphs are captured as usual; install one "
+            "(e.g. apt install gcc), or set CC"
+        )
+    return chosen
+
+
+def build_shim(directory: Path | None = None) -> Path:
+    """The shared library built from :data:`SOURCE` (built on the first call on a machine; later calls find it).
+    Raises :class:`~weightcache.errors.GraphRestoreError` where it cannot be built, with the compiler's words."""
+    target_dir = directory if directory is not None else _native_dir()
+    target = target_dir / f"wc_cupti_{_DIGEST}_{platform.machine()}.so"
+    if target.exists():
+        return target
+    try:
+        target_dir.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise GraphRestoreError(
+            f"the directory for weightcache's CUPTI callback, {target_dir}, cannot be made ({exc}): graphs are "
+            "captured as usual; set XDG_CACHE_HOME to a writable directory"
+        ) from exc
+    compiler = _compiler()
+    with tempfile.TemporaryDirectory(dir=target_dir, prefix=".build-") as work:
+        source = Path(work) / "wc_cupti.c"
+        source.write_text(SOURCE)
+        built = Path(work) / target.name
+        command = [compiler, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(built), str(source)]
+        try:
+            done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
+        except (OSError, subprocess.TimeoutExpired) as exc:
+            raise GraphRestoreError(
+                f"building weightcache's CUPTI callback with {compiler} failed ({exc}): graphs are captured as "
+                "usual; install a working C compiler or set CC"
+            ) from exc
+        if done.returncode != 0:
+            raise GraphRestoreError(
+                f"building weightcache's CUPTI callback with {compiler} failed (exit {done.returncode}): "
+                f"{done.stderr.strip()[-600:]}; graphs are captured as usual; install a working C compiler or set CC"
+            )
+        os.replace(built, target)  # atomic: a process building beside this one finds one whole file either way
+    return target
+
+
+@functools.cache
+def load_shim() -> ctypes.CDLL:
+    """The built shim, loaded, its functions' types declared (once a process)."""
+    path = build_shim()
+    try:
+        lib = ctypes.CDLL(str(path))
+    except OSError as exc:
+        raise GraphRestoreError(
+            f"weightcache's CUPTI callback {path} does not load ({exc}): graphs are captured as usual; delete the "
+            "file to have it built again"
+        ) from exc
+    u32, u64, ptr = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
+    lib.wc_new.argtypes = [u32, u32, u32, u32, u32, ctypes.POINTER(u32), ctypes.c_int, ctypes.POINTER(u32)]
+    lib.wc_new.argtypes += [ctypes.c_int, u64]
+    lib.wc_new.restype = ptr
+    lib.wc_follow.argtypes = [ptr, ctypes.c_int]
+    lib.wc_follow.restype = None
+    lib.wc_set_own.argtypes = [ctypes.c_int]
+    lib.wc_set_own.restype = None
+    lib.wc_release.argtypes = [ptr]
+    lib.wc_release.restype = None
+    lib.wc_dropped.argtypes = [ptr]
+    lib.wc_dropped.restype = u64
+    lib.wc_elf_size.argtypes = [ptr, u64]
+    lib.wc_elf_size.restype = u64
+    lib.wc_callback.argtypes = [ptr, u32, u32, ptr]
+    lib.wc_callback.restype = None
+    out = ctypes.POINTER
+    lib.wc_take.argtypes = [ptr, out(ctypes.c_int), out(u64), out(u64), out(ptr), out(u64)]
+    lib.wc_take.restype = ctypes.c_int
+    return lib
+
+
+def loaded_shim() -> ctypes.CDLL | None:
+    """The shim if this process has loaded it already (a recorder exists or existed), else None."""
+    return load_shim() if load_shim.cache_info().currsize else None
+
+
+__all__ = [
+    "CALLBACK",
+    "EVENT_CONTEXT",
+    "EVENT_IMAGE",
+    "EVENT_MODULE",
+    "EVENT_UNLOAD",
+    "SOURCE",
+    "build_shim",
+    "load_shim",
+    "loaded_shim",
+]
