@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 import json
 import mmap
+import shutil
 import struct
 import subprocess
 import threading
@@ -34,6 +35,11 @@ from weightcache.graphs.loading import KernelLoader
 from weightcache.graphs.prebuild import Prebuilder
 from weightcache.graphs.record import add_each
 from weightcache.segments.cuda_vmm import HOME_BASE, HOME_RESERVE, HOME_SLOT, HOME_SLOTS, home_addresses
+
+#: The recorder's CUPTI callback is C, built with the machine's compiler (graphs/cupti_shim.py).
+needs_c_compiler = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="the CUPTI callback is built with a C compiler"
+)
 
 
 def elf(symbols: list[tuple[str, int, int]]) -> bytes:
@@ -639,6 +645,7 @@ def load_module(cupti: FakeCupti, image: bytes) -> None:
     cupti.callback(None, 3, 6, ctypes.addressof(resource))
 
 
+@needs_c_compiler
 def test_the_recorder_keeps_each_module_loaded_except_those_a_restore_loads_itself() -> None:
     from weightcache.graphs.cubins import CubinRecorder, loading_kept_images
 
@@ -713,6 +720,7 @@ int load_within(int seconds) {
 """
 
 
+@needs_c_compiler
 def test_a_module_loaded_while_another_thread_holding_the_gil_loads_one_does_not_hang(tmp_path: Path) -> None:
     """Found on an H100 (2026-12-05): vLLM 0.26 loads its compiled artifacts on a thread pool; a thread loading a
     Triton module holds the GIL while it waits for the driver's lock, and the thread whose load holds that lock
@@ -727,7 +735,8 @@ def test_a_module_loaded_while_another_thread_holding_the_gil_loads_one_does_not
     source = tmp_path / "driver.c"
     source.write_text(FAKE_DRIVER)
     library = tmp_path / "driver.so"
-    subprocess.run(["cc", "-shared", "-fPIC", "-pthread", "-o", str(library), str(source)], check=True)
+    compiler = shutil.which("cc") or "gcc"
+    subprocess.run([compiler, "-shared", "-fPIC", "-pthread", "-o", str(library), str(source)], check=True)
     released, holding = ctypes.CDLL(str(library)), ctypes.PyDLL(str(library))  # PyDLL keeps the GIL in the call
     released.load.argtypes = [ctypes.c_void_p, ctypes.c_void_p, ctypes.c_void_p]
     cupti = FakeCupti()
@@ -750,6 +759,7 @@ def test_a_module_loaded_while_another_thread_holding_the_gil_loads_one_does_not
     assert recorder.image_of("triton_poi_fused_0") == hashlib.sha256(image).hexdigest()
 
 
+@needs_c_compiler
 def test_the_recorder_knows_which_image_each_module_was_loaded_from() -> None:
     """Two images that define a kernel of one name (torch.compile's Triton modules both name theirs
     ``triton_red_fused_..._0``): by name alone neither is the image of a function; by the function's module each
@@ -795,6 +805,7 @@ def test_the_recorder_knows_which_image_each_module_was_loaded_from() -> None:
     assert recorder.image_for("triton_k_0", 0x2222) is None and recorder.image_for("direct", 0x4444) == digest
 
 
+@needs_c_compiler
 def test_two_functions_of_one_name_one_of_them_in_a_module_not_seen_are_not_described() -> None:
     """Found by a review: function a's module loaded before the recorder (its image never kept), b's seen loading
     image B. By name, "the one kept image of that name" is B for both, and the rebuilt graph would run b's kernel
@@ -816,6 +827,7 @@ def test_two_functions_of_one_name_one_of_them_in_a_module_not_seen_are_not_desc
         describe(driver, graph, lambda n, h: recorder.image_for(n, modules[h], by_name=False))
 
 
+@needs_c_compiler
 def test_module_loads_are_followed_all_or_nothing() -> None:
     """Found by a review: CUPTI refusing to follow cuModuleUnload after it followed the loads left the loads mapped
     with nothing to forget a handle the driver gives again. Now the callbacks enabled are disabled again, and no
@@ -1011,6 +1023,7 @@ def test_a_graph_not_recorded_says_why_recording_is_off_from_the_first_graph(mon
     assert cache._after_capture("b2", None, (), 0, False) == "graph 'b1': a kernel image was not kept"
 
 
+@needs_c_compiler
 def test_the_cupti_callback_is_built_once_and_a_compiler_that_fails_is_a_graph_restore_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
