@@ -577,6 +577,44 @@ def test_on_a_gpu_graphs_an_engine_captures_itself_are_recorded_and_restored_in_
 
 
 @pytest.mark.cuda
+def test_on_a_gpu_adopt_copies_each_storage_outside_the_arena_once_and_keeps_the_tensor_objects(
+    tmp_path: Path,
+) -> None:
+    """GraphCache.adopt (what vLLM's FULL-graph kind does with a model's rotary table): a parameter and a buffer
+    made by torch's allocator go into the arena, a buffer that is a view of another stays a view of the same copy
+    (offset kept), a tensor already in the arena stays, every tensor object is the same one with the same values,
+    and in another GraphCache of the same calls the copies get the same addresses."""
+    import torch
+
+    def model(graphs: wc.GraphCache) -> torch.nn.Module:
+        m = torch.nn.Linear(4, 4, device="cuda")
+        m.register_buffer("table", torch.arange(32.0, device="cuda").reshape(8, 4))
+        m.register_buffer("tail", m.table[2:])  # a view: shares table's memory
+        m.register_buffer("staying", graphs.empty((3,)).fill_(7.0))
+        return m
+
+    addresses = []
+    for run in range(2):
+        graphs = wc.GraphCache("0" * 64, {"test": "adopt"}, socket_dir=tmp_path / f"s{run}", build_ahead=False)
+        assert graphs.pool is not None, graphs.reason
+        m = model(graphs)
+        objects = [t for _, t in [*m.named_parameters(), *m.named_buffers()]]
+        values = [t.detach().clone() for t in objects]
+        staying = m.staying.data_ptr()
+        graphs.adopt(m, keep_previous=True)
+        moved = [t for _, t in [*m.named_parameters(), *m.named_buffers()]]
+        assert all(a is b for a, b in zip(objects, moved))  # the same tensor objects
+        assert all(torch.equal(t, v) for t, v in zip(moved, values))
+        assert m.staying.data_ptr() == staying
+        assert m.tail.data_ptr() == m.table.data_ptr() + 2 * 4 * 4  # still a view of table's copy
+        base = 0x6000_0000_0000
+        assert all(base <= t.data_ptr() < base + (64 << 30) for t in moved)
+        addresses.append([t.data_ptr() for t in moved])
+        graphs.close()
+    assert addresses[0] == addresses[1]
+
+
+@pytest.mark.cuda
 def test_on_a_gpu_graphs_over_torch_allocated_tensors_are_restored_only_where_those_are_found_again() -> None:
     """Graphs that also read a bias and write their result into an output made by torch's own allocator (declared
     with ``GraphCache.external``; the copy is a memcpy node): a fresh process restores them when its tensors are at

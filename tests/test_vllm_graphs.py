@@ -208,11 +208,17 @@ class StandInGraphCache:
         self.key, self.pool, self.reason = key, object(), None
         self.declared: list[str] = []
         self.asked: list[str] = []
+        self.events: list[tuple[str, Any]] = []  # adopt and empty calls, in order (the arena's layout)
         self.published = self.stopped = False
         self.made.append(self)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+        self.events.append(("empty", tuple(shape)))
         return torch.empty(shape, dtype=dtype)
+
+    def adopt(self, module: torch.nn.Module, *, keep_previous: bool = False) -> torch.nn.Module:
+        self.events.append(("adopt", (type(module).__name__, keep_previous)))
+        return module
 
     def external(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         self.declared.append(name)
@@ -262,6 +268,7 @@ def test_full_graphs_the_artifact_holds_are_restored_in_order_and_a_failure_leav
     class Runner:
         def __init__(self) -> None:
             self.vllm_config = config
+            self.model = torch.nn.Linear(2, 2)
             self.cudagraph_manager = Manager(mode, {mode.PIECEWISE: piecewise, mode.FULL: list(full)}, None)
             self.prepared: list[tuple[int, bool]] = []
 
@@ -293,9 +300,13 @@ def test_full_graphs_the_artifact_holds_are_restored_in_order_and_a_failure_leav
     assert cache.asked == names and cache.published and not cache.stopped
     assert runner.prepared == [(8, True), (8, False), (4, False), (2, False)]  # one warm-up, then each graph's inputs
     assert manager.hidden_states.shape == (8, 4) and manager._weightcache_graphs is cache
+    # the model's own tensors (a rotary table) go into the arena first, the memory they had kept for the PIECEWISE
+    # graphs; then the graphs' output buffer: the same arena layout in every process
+    assert cache.events == [("adopt", ("Linear", True)), ("empty", (8, 4))]
     assert cache.key["graphs"] == names and cache.key["config"] == "c0ffee" and cache.key["vllm"] == "0.26.0"
     [report] = vllm_graphs.reports()
     assert (report["restored"], report["captured"], report["published"], report["reason"]) == (3, 0, True, None)
+    assert report["record_problem"] is None
     assert set(report["seconds"]) == set(vllm_graphs.STEPS) and min(report["seconds"].values()) >= 0
     assert report["seconds"]["total"] >= report["seconds"]["restore"]
     assert report["graph_phase_s"] >= report["seconds"]["total"]

@@ -589,15 +589,35 @@ class GraphCache:
             self._external[name] = (declared, tensor.detach())  # its storage, whatever the caller does to `tensor`
         return tensor
 
-    def adopt(self, module: torch.nn.Module) -> torch.nn.Module:
-        """Copy ``module``'s parameters and buffers into the arena (in ``named_parameters``, then
-        ``named_buffers`` order), so that a graph of it can be restored: for weights that do not come from the
-        keeper. Returns ``module``."""
+    def adopt(self, module: torch.nn.Module, *, keep_previous: bool = False) -> torch.nn.Module:
+        """Copy ``module``'s parameters and buffers that lie outside the arena and the weights' homes into the
+        arena (in ``named_parameters``, then ``named_buffers`` order, each storage once: tensors that share memory
+        keep sharing it, with their shapes, strides and offsets), so that a graph of it can be restored: for
+        weights that do not come from the keeper, and for the buffers a model makes itself (a rotary embedding's
+        table, which vLLM's FULL graphs read). Tensors already there (the keeper's weights at their homes) stay.
+        Each tensor object stays the same (its ``.data`` is the copy), so code that holds it sees the copy. With
+        ``keep_previous``, the memory each tensor had is kept until :meth:`close`: graphs captured before (an
+        engine's own) still read it. Returns ``module``; without an arena (see :attr:`reason`), nothing moves."""
+        if self._arena is None:
+            return module
+        own = self._own_ranges()
+        copies: dict[int, torch.Tensor] = {}  # a storage's address -> its copy in the arena (bytes)
         with torch.no_grad():
             for _, tensor in [*module.named_parameters(), *module.named_buffers()]:
-                copy = self.empty(tensor.shape, tensor.dtype)
-                copy.copy_(tensor)
-                tensor.data = copy
+                storage = tensor.untyped_storage()
+                address, nbytes = storage.data_ptr(), storage.nbytes()
+                if not tensor.is_cuda or nbytes == 0 or any(r.holds(address) for r in own):
+                    continue
+                copy = copies.get(address)
+                if copy is None:
+                    copy = self._at(self._arena.allocate(nbytes), torch.uint8, (nbytes,), (1,))
+                    copy.copy_(torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage))
+                    copies[address] = copy
+                moved = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+                moved.set_(copy.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+                if keep_previous:
+                    self._also_kept.append(tensor.data)
+                tensor.data = moved
         return module
 
     def _at(

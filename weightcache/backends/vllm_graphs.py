@@ -12,6 +12,10 @@ module gives them what a :class:`~weightcache.torch_graphs.GraphCache` restores:
 - their graph memory comes from the GraphCache's arena (``GraphCache.pool``, instead of vLLM's shared pool: the
   FULL graphs no longer share memory with the PIECEWISE ones), and the manager's ``hidden_states``, which they
   write, is allocated in the arena too;
+- the model's parameters and buffers that are not the keeper's weights at their homes (a rotary embedding's
+  cos/sin table, which the FULL graphs read: on the H100, 2026-12-05, every graph was refused recording for it,
+  "48 address(es) outside the reproduced ranges") are copied into the arena (``GraphCache.adopt``, in the model's
+  order, the memory they had kept for the PIECEWISE graphs vLLM captured before);
 - every CUDA tensor the model runner reaches (its buffers, its KV caches, the attention metadata builders'
   buffers) is declared with ``GraphCache.external`` under ``runner.<its attribute path>`` (``runner.kv_caches.0``;
   a ``/`` in a key becomes ``|``), before each graph, so that a restore finds each at its recorded address or
@@ -69,11 +73,12 @@ RELEASES = ("0.26.0",)
 WALKED = ("vllm", "torch", "flashinfer")
 
 #: The steps of a report's ``seconds``: ``warmup`` (one run of the largest size before the key is computed),
-#: ``cache`` (the GraphCache made: its arena, the artifact asked for, mapped and parsed), ``inputs`` (vLLM's
+#: ``cache`` (the GraphCache made: its arena, the artifact asked for, mapped and parsed), ``adopt`` (the model's
+#: tensors that are not the keeper's copied into the arena), ``inputs`` (vLLM's
 #: ``create_forward_fn`` for each restored graph), ``declare`` (the runner's tensors walked and declared before each
 #: graph), ``restore`` (the restored graphs' checks and builds), ``capture`` (the graphs captured here, their
 #: warm-up runs and records included), ``publish``, and ``total`` (the FULL graphs from the warm-up on).
-STEPS = ("warmup", "cache", "inputs", "declare", "restore", "capture", "publish", "total")
+STEPS = ("warmup", "cache", "adopt", "inputs", "declare", "restore", "capture", "publish", "total")
 
 _PENDING: dict[int, tuple[Fingerprint | str, Cache]] = {}  # id(vllm_config) -> the weights and the keeper
 _REPORTS: list[dict[str, Any]] = []
@@ -90,7 +95,9 @@ def switched_on() -> bool:
 def reports() -> list[dict[str, Any]]:
     """What each capture of this process did: ``restored`` and ``captured`` FULL graphs (``captured`` None where
     the kind stood aside: vLLM captured every graph), ``recorded``, ``published``, ``reason`` (why the first graph
-    not restored was captured, ``graph '<name>' is captured: <why>``, or why the kind stood aside), ``seconds``
+    not restored was captured, ``graph '<name>' is captured: <why>``, or why the kind stood aside),
+    ``record_problem`` (why the first graph captured here was not recorded, ``graph '<name>': <why>``; None where
+    each was), ``seconds``
     (where the kind's time went, :data:`STEPS`; absent where it stood aside) and ``graph_phase_s`` (vLLM's whole
     ``capture_model``: the PIECEWISE graphs, the FULL ones and vLLM's own steps around them)."""
     return list(_REPORTS)
@@ -316,6 +323,7 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
         "recorded": 0,
         "published": False,
         "reason": None,
+        "record_problem": None,
         "seconds": seconds,
     }
     _REPORTS.append(report)
@@ -345,6 +353,10 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
                 report["reason"] = graphs.reason
                 log.info("weightcache: vLLM's FULL graphs are captured as usual: %s", graphs.reason)
                 return descs
+            model = getattr(runner, "model", None)
+            if isinstance(model, torch.nn.Module):
+                with step("adopt"):  # (the PIECEWISE graphs captured before read the memory they had: kept)
+                    graphs.adopt(model, keep_previous=True)
             made = manager.hidden_states
             manager.hidden_states = graphs.empty(tuple(made.shape), made.dtype)  # the graphs' output, in the arena
             del made
@@ -361,7 +373,11 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
                 else:
                     report["reason"] = report["reason"] or graphs.reason
                     with step("capture"):
-                        report["recorded"] += _capture(manager, managers, graphs, desc, create_forward_fn)
+                        problem = _capture(manager, managers, graphs, desc, create_forward_fn)
+                    if problem is None:
+                        report["recorded"] += 1
+                    elif report["record_problem"] is None:
+                        report["record_problem"] = f"graph {graph_name(desc)!r}: {problem}"
                     report["captured"] += 1
                 done += 1
         with step("publish"):
@@ -393,9 +409,9 @@ def _declare(graphs: Any, runner: Any) -> None:
             log.debug("weightcache: runner tensor %s not declared: %s", path, exc)
 
 
-def _capture(manager: Any, managers: Any, graphs: Any, desc: Any, create_forward_fn: Any) -> bool:
+def _capture(manager: Any, managers: Any, graphs: Any, desc: Any, create_forward_fn: Any) -> str | None:
     """One FULL graph captured as vLLM captures it (its warm-up run, fresh inputs, the capture), its memory from
-    the arena, recorded by ``graphs``; whether it was recorded."""
+    the arena, recorded by ``graphs``; None where it was recorded, else why not."""
     none = managers.CUDAGraphMode.NONE
     create_forward_fn(desc, warmup=True)(none)
     forward = create_forward_fn(desc, warmup=False)
@@ -407,12 +423,13 @@ def _capture(manager: Any, managers: Any, graphs: Any, desc: Any, create_forward
         with torch.cuda.graph(graph, graphs.pool):
             forward(none)
             offloader.join_after_forward()
-        recorded = capture.record(graph, (manager.hidden_states[: desc.num_tokens],))
+        capture.record(graph, (manager.hidden_states[: desc.num_tokens],))
     manager.graphs[desc] = graph
     counter = getattr(managers, "compilation_counter", None)
     if counter is not None and hasattr(counter, "num_cudagraph_captured"):
         counter.num_cudagraph_captured += 1  # as vLLM counts its captures
-    return bool(recorded)
+    problem: str | None = capture.problem
+    return problem
 
 
 __all__ = [
