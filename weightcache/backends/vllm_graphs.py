@@ -1,5 +1,6 @@
 """vLLM's FULL CUDA graphs restored from the keeper instead of captured: the ``cuda.graphs`` artifact kind for vLLM
-(issue 31). **Opt-in and experimental**: ``WEIGHTCACHE_VLLM_GRAPHS=1``; not yet run on a GPU.
+(issue 31). **Opt-in and experimental**: ``WEIGHTCACHE_VLLM_GRAPHS=1``; run once on a GPU (an H100, 2026-12-05: two
+findings, both fixed since, docs/architecture.md), not yet with the fixes.
 
 A vLLM start captures two kinds of graphs (docs/architecture.md, "Restoring captured CUDA graphs at recorded
 addresses", the vLLM artifact kind; measured on an H100 with vLLM 0.26.0): FULL graphs, whole forward passes for the
