@@ -899,9 +899,16 @@ class GraphCache:
         except GraphRestoreError as exc:
             return str(exc)
         ranges = self.ranges()
-        found, problems = pointers(description, ranges, driver.pointer_range)
+        tally: dict[tuple[int, int], int] = {}
+        found, problems = pointers(description, ranges, driver.pointer_range, tally)
         if problems:
-            return f"{len(problems)} address(es) outside the reproduced ranges, e.g. {problems[0]}"
+            largest = sorted(tally.items(), key=lambda item: -item[1])[:4]
+            where = "; ".join(f"{n} in allocation {base:#x} ({size} bytes)" for (base, size), n in largest)
+            more = f" and {len(tally) - len(largest)} more allocation(s)" if len(tally) > len(largest) else ""
+            return (
+                f"{len(problems)} address(es) outside the reproduced ranges"
+                f"{f' ({where}{more})' if where else ''}, e.g. {problems[0]}"
+            )
         kernels: dict[str, str] = {}
         for kernel in sorted(description.kernels()):
             digest = kernel_image(kernel) or image_of(kernel, functions[kernel], by_name=True)

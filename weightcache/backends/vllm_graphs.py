@@ -49,6 +49,7 @@ import importlib
 import importlib.metadata
 import logging
 import os
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
@@ -269,6 +270,27 @@ def runner_tensors(
             stack.append((value, f"{path}.{key}" if path else str(key), level + 1))
 
 
+_ALLOCATION = re.compile(r"allocation (0x[0-9a-f]+),? \(?(\d+) bytes")
+
+
+def owners(problem: str, runner: Any, keep: Callable[[torch.Tensor], bool] = lambda t: t.is_cuda, most: int = 8) -> str:
+    """For a graph refused recording: which tensors of the model (``model.<name>``, its parameters and buffers)
+    and of the runner (``runner.<path>``, :func:`runner_tensors`) lie in the device allocations ``problem`` names
+    (``allocation 0x...``), as text to append to it; empty where it names none."""
+    spans = {(int(base, 16), int(size)) for base, size in _ALLOCATION.findall(problem)}
+    if not spans:
+        return ""
+    model = getattr(runner, "model", None)
+    tensors = [(f"runner.{path}", t) for path, t in runner_tensors(runner, keep=keep)]
+    if isinstance(model, torch.nn.Module):
+        tensors += [(f"model.{n}", t) for n, t in [*model.named_parameters(), *model.named_buffers()] if keep(t)]
+    inside = sorted({name for name, t in tensors for base, size in spans if base <= t.data_ptr() < base + size})
+    if not inside:
+        return "; no tensor of the model or the runner lies in those allocations"
+    extra = f" and {len(inside) - most} more" if len(inside) > most else ""
+    return f"; in those allocations: {', '.join(inside[:most])}{extra}"
+
+
 def graphs_key(runner: Any, manager: Any, descs: list[Any]) -> dict[str, Any]:
     """What decides the FULL graphs besides the weights (a graph holds sizes, strides and flags as scalar
     arguments, which no address check sees): vLLM's version, its config hash, the environment variables vLLM
@@ -378,7 +400,7 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
                     if problem is None:
                         report["recorded"] += 1
                     elif report["record_problem"] is None:
-                        report["record_problem"] = f"graph {graph_name(desc)!r}: {problem}"
+                        report["record_problem"] = f"graph {graph_name(desc)!r}: {problem}{owners(problem, runner)}"
                     report["captured"] += 1
                 done += 1
         with step("publish"):
@@ -445,6 +467,7 @@ __all__ = [
     "graph_name",
     "graphs_key",
     "install_hook",
+    "owners",
     "register",
     "reports",
     "runner_tensors",
