@@ -10,8 +10,10 @@ import contextlib
 import importlib
 import json
 import os
+import signal
 import subprocess
 import sys
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from types import ModuleType
@@ -46,10 +48,17 @@ def failing_publish(socket_dir: Path, failure: str) -> Iterator[tuple[dict[str, 
         keeper.wait(10)
 
 
+#: How long a GPU test worker may take to print its result before it is stopped with SIGABRT (its faulthandler
+#: then prints every thread's stack into the log the failure shows): a hung engine (the CUPTI callback's deadlock
+#: on the H100, 2026-12-05, held a lease's test for 8 minutes with nothing in its log) fails with where it hung.
+RESULT_TIMEOUT_S = float(os.environ.get("WEIGHTCACHE_ENGINE_RESULT_TIMEOUT", "600"))
+
+
 class EngineProcess:
     """One engine in its own process (a GPU test worker: ``python WORKER '<json spec>'``), kept running until
     closed. The worker prints ``RESULT <json>`` after its first generation and after each ``generate`` command read
-    on stdin, and stops on ``quit``; every other line it prints is kept in ``log``."""
+    on stdin, and stops on ``quit``; every other line it prints is kept in ``log``. A worker that prints no result
+    in :data:`RESULT_TIMEOUT_S` is sent SIGABRT (the workers enable faulthandler: its stacks end the log)."""
 
     def __init__(self, name: str, worker: Path, spec: dict[str, Any], env: dict[str, str], quit_s: float) -> None:
         self.name = name
@@ -67,11 +76,21 @@ class EngineProcess:
 
     def read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            if line.startswith("RESULT "):
-                return dict(json.loads(line.removeprefix("RESULT ")))
-            self.log.append(line)
-        raise AssertionError(f"{self.name} engine exited ({self.proc.wait()}):\n{''.join(self.log[-80:])}")
+        watchdog = threading.Timer(RESULT_TIMEOUT_S, self.proc.send_signal, (signal.SIGABRT,))
+        watchdog.daemon = True
+        watchdog.start()
+        try:
+            for line in self.proc.stdout:
+                if line.startswith("RESULT "):
+                    return dict(json.loads(line.removeprefix("RESULT ")))
+                self.log.append(line)
+        finally:
+            watchdog.cancel()
+        code = self.proc.wait()
+        hung = f" (no result in {RESULT_TIMEOUT_S:.0f} s: stopped with SIGABRT)" if code == -signal.SIGABRT else ""
+        stacks = next((i for i, line in enumerate(self.log) if "most recent call first" in line), None)
+        shown = self.log[-80:] if stacks is None else self.log[max(0, stacks - 20) :][:400]
+        raise AssertionError(f"{self.name} engine exited ({code}){hung}:\n{''.join(shown)}")
 
     def generate(self) -> list[int]:
         assert self.proc.stdin is not None

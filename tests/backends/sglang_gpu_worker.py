@@ -15,6 +15,7 @@ engine_s (to the engine ready), first_token_s (to the first generation's end), e
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -27,6 +28,7 @@ from engine_models import PROMPT, evict_from_page_cache  # noqa: E402
 
 
 def main() -> None:
+    faulthandler.enable(all_threads=True)  # a SIGABRT from the test (a hung engine) prints every thread's stack
     spec = json.loads(sys.argv[1])
     if spec.get("evict"):
         evict_from_page_cache(spec["model"])

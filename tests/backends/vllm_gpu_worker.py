@@ -16,6 +16,7 @@ weightcache.backends.vllm_graphs.reports()).
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import sys
@@ -29,6 +30,7 @@ from engine_models import PROMPT, evict_from_page_cache  # noqa: E402
 
 
 def main() -> None:
+    faulthandler.enable(all_threads=True)  # a SIGABRT from the test (a hung engine) prints every thread's stack
     spec = json.loads(sys.argv[1])
     if spec.get("evict"):
         evict_from_page_cache(spec["model"])
