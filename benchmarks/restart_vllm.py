@@ -45,10 +45,12 @@ imported, engine ready (``LLM()`` returned), first token.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
 import shutil
+import signal
 import statistics
 import subprocess
 import sys
@@ -60,6 +62,10 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).parent))
 
 from restart_llama import build_checkpoint
+
+#: How long one start may take to its result (``BENCH_START_TIMEOUT``, seconds); a start past it is sent SIGABRT,
+#: and its processes' stacks (faulthandler) end the error: a hung start shows where it hung.
+START_TIMEOUT_S = float(os.environ.get("BENCH_START_TIMEOUT", "600"))
 
 ENGINE = r"""
 import sys, time, json, logging, os
@@ -270,17 +276,33 @@ def run_engine(
     load_format = "auto" if mode == "auto" else "weightcache"
     extra = {} if mode == "auto" else {"mode": mode, "socket_dir": str(socket_dir)}
     t0 = time.time()
-    out = subprocess.run(
+    proc = subprocess.Popen(
         [*(launcher or []), sys.executable, "-c", ENGINE, str(ckpt), load_format, json.dumps(extra), repr(t0)],
-        capture_output=True,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
         text=True,
-        env=env,
-        timeout=1200,
+        env={**env, "PYTHONFAULTHANDLER": "1"},
+        start_new_session=True,  # its own process group: a hung start's SIGABRT reaches its engine core too
     )
-    text = out.stdout + out.stderr
-    found = [line for line in out.stdout.splitlines() if line.startswith("MARKS ")]
-    if out.returncode != 0 or not found:
-        raise SystemExit(f"{mode} engine failed ({out.returncode}):\n{text[-6000:]}")
+    try:
+        stdout, stderr = proc.communicate(timeout=START_TIMEOUT_S)
+    except subprocess.TimeoutExpired:  # every Python process of the start prints its threads' stacks, and ends
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGABRT)
+        try:
+            stdout, stderr = proc.communicate(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            stdout, stderr = proc.communicate()
+        stacks = stderr[stderr.find("most recent call first") - 200 :] if "most recent call first" in stderr else ""
+        raise SystemExit(
+            f"{mode} engine gave no result in {START_TIMEOUT_S:.0f} s (stopped with SIGABRT):\n"
+            f"{(stdout + stderr)[-3000:]}\n{stacks[:12000]}"
+        ) from None
+    text = stdout + stderr
+    found = [line for line in stdout.splitlines() if line.startswith("MARKS ")]
+    if proc.returncode != 0 or not found:
+        raise SystemExit(f"{mode} engine failed ({proc.returncode}):\n{text[-6000:]}")
     result: dict[str, Any] = json.loads(found[-1].removeprefix("MARKS "))
     result.update(
         mode=mode,

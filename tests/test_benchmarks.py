@@ -7,8 +7,10 @@ pattern run on into another phase's number on that record, so its phase columns 
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
+import pytest
 from conftest import benchmark, serve_detached
 
 restart_vllm = benchmark("restart_vllm")
@@ -137,3 +139,16 @@ def test_gpu_plan_poll_stops_at_once_on_a_machine_where_no_plan_ran(tmp_path: Pa
     done = subprocess.run(["bash", str(script), "poll", "60"], env=env, capture_output=True, text=True, timeout=120)
     assert done.returncode == 0, done.stdout + done.stderr
     assert (tmp_path / "out" / "plan.log").exists() and "exit 0" in done.stdout
+
+
+def test_a_vllm_start_that_hangs_is_stopped_with_its_stacks(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Found on the H100 (2026-12-05): a hung start would have held the benchmark for its 20 minutes' timeout, then
+    died with nothing to say where. A start past START_TIMEOUT_S is sent SIGABRT (its whole process group) and
+    the error ends with where each thread was."""
+    hanging = "import time\n\ndef stuck_in_capture_model():\n    time.sleep(3600)\n\nstuck_in_capture_model()\n"
+    monkeypatch.setattr(restart_vllm, "ENGINE", hanging)
+    monkeypatch.setattr(restart_vllm, "START_TIMEOUT_S", 2.0)
+    with pytest.raises(SystemExit) as stopped:
+        restart_vllm.run_engine("auto", tmp_path, tmp_path / "s", dict(os.environ))
+    text = str(stopped.value)
+    assert "no result in 2 s (stopped with SIGABRT)" in text and "stuck_in_capture_model" in text, text

@@ -69,14 +69,15 @@ class EngineProcess:
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
             text=True,
-            env=dict(os.environ, PYTHONUNBUFFERED="1", **env),
+            env=dict(os.environ, PYTHONUNBUFFERED="1", PYTHONFAULTHANDLER="1", **env),
+            start_new_session=True,  # its own process group: a SIGABRT reaches an engine core process too
         )
         self.log: list[str] = []
         self.result = self.read()
 
     def read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
-        watchdog = threading.Timer(RESULT_TIMEOUT_S, self.proc.send_signal, (signal.SIGABRT,))
+        watchdog = threading.Timer(RESULT_TIMEOUT_S, self._abort)
         watchdog.daemon = True
         watchdog.start()
         try:
@@ -91,6 +92,12 @@ class EngineProcess:
         stacks = next((i for i, line in enumerate(self.log) if "most recent call first" in line), None)
         shown = self.log[-80:] if stacks is None else self.log[max(0, stacks - 20) :][:400]
         raise AssertionError(f"{self.name} engine exited ({code}){hung}:\n{''.join(shown)}")
+
+    def _abort(self) -> None:
+        """SIGABRT to the worker's process group (an engine core process of its own included): each Python process
+        there prints every thread's stack (faulthandler) and ends."""
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(self.proc.pid, signal.SIGABRT)
 
     def generate(self) -> list[int]:
         assert self.proc.stdin is not None
