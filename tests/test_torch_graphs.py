@@ -583,7 +583,8 @@ def test_on_a_gpu_adopt_copies_each_storage_outside_the_arena_once_and_keeps_the
     """GraphCache.adopt (what vLLM's FULL-graph kind does with a model's rotary table): a parameter and a buffer
     made by torch's allocator go into the arena, a buffer that is a view of another stays a view of the same copy
     (offset kept), a tensor already in the arena stays, every tensor object is the same one with the same values,
-    and in another GraphCache of the same calls the copies get the same addresses."""
+    ``parameters=False`` leaves the parameters, and in another GraphCache of the same calls the copies get the
+    same addresses."""
     import torch
 
     def model(graphs: wc.GraphCache) -> torch.nn.Module:
@@ -607,6 +608,12 @@ def test_on_a_gpu_adopt_copies_each_storage_outside_the_arena_once_and_keeps_the
         assert all(torch.equal(t, v) for t, v in zip(moved, values))
         assert m.staying.data_ptr() == staying
         assert m.tail.data_ptr() == m.table.data_ptr() + 2 * 4 * 4  # still a view of table's copy
+        assert graphs.reproduced(m.table) and graphs.reproduced(m.weight)
+        buffers_only = model(graphs)
+        weight = buffers_only.weight.data_ptr()
+        graphs.adopt(buffers_only, parameters=False)
+        assert buffers_only.weight.data_ptr() == weight and not graphs.reproduced(buffers_only.weight)
+        assert graphs.reproduced(buffers_only.table)
         base = 0x6000_0000_0000
         assert all(base <= t.data_ptr() < base + (64 << 30) for t in moved)
         addresses.append([t.data_ptr() for t in moved])

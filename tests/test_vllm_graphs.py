@@ -243,9 +243,14 @@ class StandInGraphCache:
         self.events.append(("empty", tuple(shape)))
         return torch.empty(shape, dtype=dtype)
 
-    def adopt(self, module: torch.nn.Module, *, keep_previous: bool = False) -> torch.nn.Module:
-        self.events.append(("adopt", (type(module).__name__, keep_previous)))
+    def adopt(
+        self, module: torch.nn.Module, *, keep_previous: bool = False, parameters: bool = True
+    ) -> torch.nn.Module:
+        self.events.append(("adopt", (type(module).__name__, keep_previous, parameters)))
         return module
+
+    def reproduced(self, tensor: torch.Tensor) -> bool:
+        return False
 
     def external(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
         self.declared.append(name)
@@ -329,7 +334,7 @@ def test_full_graphs_the_artifact_holds_are_restored_in_order_and_a_failure_leav
     assert manager.hidden_states.shape == (8, 4) and manager._weightcache_graphs is cache
     # the model's own tensors (a rotary table) go into the arena first, the memory they had kept for the PIECEWISE
     # graphs; then the graphs' output buffer: the same arena layout in every process
-    assert cache.events == [("adopt", ("Linear", True)), ("empty", (8, 4))]
+    assert cache.events == [("adopt", ("Linear", True, True)), ("empty", (8, 4))]
     assert cache.key["graphs"] == names and cache.key["config"] == "c0ffee" and cache.key["vllm"] == "0.26.0"
     [report] = vllm_graphs.reports()
     assert (report["restored"], report["captured"], report["published"], report["reason"]) == (3, 0, True, None)
@@ -347,4 +352,10 @@ def test_full_graphs_the_artifact_holds_are_restored_in_order_and_a_failure_leav
     assert cache.stopped and not cache.published
     report = vllm_graphs.reports()[-1]
     assert report["restored"] == 1 and "inputs could not be prepared" in report["reason"]
+
+    # parameters outside the keeper's homes beyond ADOPT_PARAMETERS_MAX: weights that are not the keeper's (a home
+    # taken); copying them would double their memory: only the buffers are copied
+    monkeypatch.setattr(vllm_graphs, "ADOPT_PARAMETERS_MAX", -1)
+    capture_model(Runner())
+    assert StandInGraphCache.made[-1].events[0] == ("adopt", ("Linear", True, False))
     assert set(manager._capture_descs) == {mode.PIECEWISE, mode.FULL} and manager._graphs_captured

@@ -589,7 +589,17 @@ class GraphCache:
             self._external[name] = (declared, tensor.detach())  # its storage, whatever the caller does to `tensor`
         return tensor
 
-    def adopt(self, module: torch.nn.Module, *, keep_previous: bool = False) -> torch.nn.Module:
+    def reproduced(self, tensor: torch.Tensor) -> bool:
+        """Whether ``tensor``'s memory lies in the arena or a weights home (memory a restoring process has at the
+        same address without a declaration); False without an arena."""
+        if self._arena is None or not tensor.is_cuda:
+            return False
+        address = tensor.untyped_storage().data_ptr()
+        return any(r.holds(address) for r in self._own_ranges())
+
+    def adopt(
+        self, module: torch.nn.Module, *, keep_previous: bool = False, parameters: bool = True
+    ) -> torch.nn.Module:
         """Copy ``module``'s parameters and buffers that lie outside the arena and the weights' homes into the
         arena (in ``named_parameters``, then ``named_buffers`` order, each storage once: tensors that share memory
         keep sharing it, with their shapes, strides and offsets), so that a graph of it can be restored: for
@@ -597,16 +607,17 @@ class GraphCache:
         table, which vLLM's FULL graphs read). Tensors already there (the keeper's weights at their homes) stay.
         Each tensor object stays the same (its ``.data`` is the copy), so code that holds it sees the copy. With
         ``keep_previous``, the memory each tensor had is kept until :meth:`close`: graphs captured before (an
-        engine's own) still read it. Returns ``module``; without an arena (see :attr:`reason`), nothing moves."""
+        engine's own) still read it. With ``parameters=False``, only the buffers are copied. Returns ``module``;
+        without an arena (see :attr:`reason`), nothing moves."""
         if self._arena is None:
             return module
-        own = self._own_ranges()
         copies: dict[int, torch.Tensor] = {}  # a storage's address -> its copy in the arena (bytes)
+        tensors = [*(module.named_parameters() if parameters else ()), *module.named_buffers()]
         with torch.no_grad():
-            for _, tensor in [*module.named_parameters(), *module.named_buffers()]:
+            for _, tensor in tensors:
                 storage = tensor.untyped_storage()
                 address, nbytes = storage.data_ptr(), storage.nbytes()
-                if not tensor.is_cuda or nbytes == 0 or any(r.holds(address) for r in own):
+                if not tensor.is_cuda or nbytes == 0 or self.reproduced(tensor):
                     continue
                 copy = copies.get(address)
                 if copy is None:

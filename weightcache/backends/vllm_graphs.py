@@ -74,6 +74,10 @@ RELEASES = ("0.26.0",)
 #: Whose objects :func:`runner_tensors` looks into (by the first part of their class's module).
 WALKED = ("vllm", "torch", "flashinfer")
 
+#: The most bytes of model parameters outside the keeper's homes that the kind copies into the graphs' arena (see
+#: ``_few_parameters_outside``); the model's buffers are copied whatever their size.
+ADOPT_PARAMETERS_MAX = 64 << 20
+
 #: The steps of a report's ``seconds``: ``warmup`` (one run of the largest size before the key is computed),
 #: ``cache`` (the GraphCache made: its arena, the artifact asked for, mapped and parsed), ``adopt`` (the model's
 #: tensors that are not the keeper's copied into the arena), ``inputs`` (vLLM's
@@ -379,7 +383,7 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
             model = getattr(runner, "model", None)
             if isinstance(model, torch.nn.Module):
                 with step("adopt"):  # (the PIECEWISE graphs captured before read the memory they had: kept)
-                    graphs.adopt(model, keep_previous=True)
+                    graphs.adopt(model, keep_previous=True, parameters=_few_parameters_outside(graphs, model))
             made = manager.hidden_states
             manager.hidden_states = graphs.empty(tuple(made.shape), made.dtype)  # the graphs' output, in the arena
             del made
@@ -423,6 +427,28 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
     return []
 
 
+def _few_parameters_outside(graphs: Any, model: torch.nn.Module) -> bool:
+    """Whether the model's parameters that are not at the keeper's homes are few enough to copy into the arena
+    (<= :data:`ADOPT_PARAMETERS_MAX` bytes: scales and the like). More means its weights are not the keeper's at
+    their homes (a home that was taken): copying them would double their memory, and no graph could be restored
+    anyway; then only the buffers are copied, and the log says so."""
+    storages: dict[int, int] = {}
+    for p in model.parameters():
+        if p.is_cuda and not graphs.reproduced(p):
+            storage = p.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    outside = sum(storages.values())
+    if outside <= ADOPT_PARAMETERS_MAX:
+        return True
+    log.warning(
+        "weightcache: %d parameter storage(s) of %d bytes are not at the keeper's homes: they are not copied into "
+        "the graphs' arena, and graphs that read them are captured",
+        len(storages),
+        outside,
+    )
+    return False
+
+
 def _declare(graphs: Any, runner: Any) -> None:
     """Declare every CUDA tensor the runner reaches as an external range of ``graphs``, under its path."""
     for path, tensor in runner_tensors(runner):
@@ -456,6 +482,7 @@ def _capture(manager: Any, managers: Any, graphs: Any, desc: Any, create_forward
 
 
 __all__ = [
+    "ADOPT_PARAMETERS_MAX",
     "DEPTH",
     "MANAGERS",
     "RELEASES",
