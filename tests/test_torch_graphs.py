@@ -851,6 +851,38 @@ def test_the_recorder_knows_which_image_each_module_was_loaded_from() -> None:
 
 
 @needs_c_compiler
+@needs_c_compiler
+def test_a_load_that_reports_too_many_images_maps_no_module_and_leaves_nothing_behind() -> None:
+    """Found by a review of the C callback: a load that reported more images than it notes (32) left the later
+    ones' numbers in the recorder for good. Now such a load maps no module (its images stay known by name) and
+    nothing is left; ``loading_kept_images`` blocks nest (an inner one's end no longer ends the outer one)."""
+    import ctypes
+
+    from weightcache.graphs.cubins import CubinRecorder, _CallbackData, loading_kept_images
+
+    cupti = FakeCupti()
+    recorder = CubinRecorder(lib=cupti)  # type: ignore[arg-type]
+    out = ctypes.c_void_p(0)
+    params = (ctypes.c_void_p * 2)(ctypes.addressof(out), None)
+    code = ctypes.c_int(0)
+    cupti.callback(None, 1, 19, ctypes.addressof(_CallbackData(0, None, ctypes.addressof(params), None)))
+    images = [elf([(f"k{i}", 2, 1)]) for i in range(33)]
+    for image in images:
+        load_module(cupti, image)
+    out.value = 0x7777
+    cupti.callback(
+        None, 1, 19, ctypes.addressof(_CallbackData(1, None, ctypes.addressof(params), ctypes.addressof(code)))
+    )
+    assert recorder.image_for("k0", 0x7777, by_name=False) is None and recorder.counts() == (33, 33)
+    assert recorder.image_for("k32", 0x7777) == hashlib.sha256(images[32]).hexdigest()  # by name
+    assert recorder._sequence == {}, len(recorder._sequence)
+    with loading_kept_images():
+        with loading_kept_images():
+            pass
+        load_module(cupti, elf([("restored_kernel", 2, 1)]))  # still inside the outer block: not kept
+    assert recorder.image_of("restored_kernel") is None
+
+
 def test_two_functions_of_one_name_one_of_them_in_a_module_not_seen_are_not_described() -> None:
     """Found by a review: function a's module loaded before the recorder (its image never kept), b's seen loading
     image B. By name, "the one kept image of that name" is B for both, and the rebuilt graph would run b's kernel
@@ -1073,18 +1105,29 @@ def test_the_cupti_callback_is_built_once_and_a_compiler_that_fails_is_a_graph_r
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """The C callback (graphs/cupti_shim.py) is built with the machine's compiler into a directory kept across
-    processes; a compiler that is missing or fails is a GraphRestoreError that says so (graphs are then captured
-    as usual), never a traceback of subprocess."""
+    processes, named by source, flags, compiler, C library and machine; a library there that another user could
+    have written is built again, never loaded; ``$CC`` may hold arguments; a compiler that is missing or fails is
+    a GraphRestoreError that says so (graphs are then captured as usual), never a traceback of subprocess."""
+    import os
+    import stat
+
     from weightcache.graphs.cupti_shim import build_shim
 
+    monkeypatch.delenv("CC", raising=False)
     built = build_shim(tmp_path)
     assert built.parent == tmp_path and built.stat().st_size > 0
     stamp = built.stat().st_mtime_ns
-    monkeypatch.setenv("CC", "false")  # a second call finds the library: no compiler runs
-    assert build_shim(tmp_path) == built and built.stat().st_mtime_ns == stamp
+    assert build_shim(tmp_path) == built and built.stat().st_mtime_ns == stamp  # found: not built again
+    built.chmod(0o666)  # anyone may write it: not trusted, built again
+    assert build_shim(tmp_path) == built and not built.stat().st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+    assert os.listdir(tmp_path) == [built.name]  # nothing half-built is left
+    monkeypatch.setenv("CC", f"{shutil.which('cc') or 'gcc'} -g")  # a compiler with an argument
+    with_argument = build_shim(tmp_path)
+    assert with_argument != built and with_argument.exists()
+    monkeypatch.setenv("CC", "false")
     with pytest.raises(GraphRestoreError, match=r"failed \(exit 1\).*graphs are captured as usual"):
         build_shim(tmp_path / "other")
+    assert not list((tmp_path / "other").iterdir())
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(GraphRestoreError, match="no-such-compiler failed"):
         build_shim(tmp_path / "third")
-    assert not list((tmp_path / "other").iterdir())  # nothing half-built is left

@@ -126,11 +126,11 @@ def loading_kept_images() -> Iterator[None]:
     if shim is None:  # no recorder in this process: nothing keeps images
         yield
         return
-    shim.wc_set_own(1)
+    shim.wc_own_add(1)  # (a depth: blocks nest)
     try:
         yield
     finally:
-        shim.wc_set_own(0)
+        shim.wc_own_add(-1)
 
 
 def _cupti_paths() -> list[str]:
@@ -172,6 +172,7 @@ class CubinRecorder:
         self._kernels: dict[str, list[str]] = {}  # kernel name -> the images that define it, in load order
         self._modules: dict[int, str] = {}  # module handle -> the image it was loaded from
         self._sequence: dict[int, str] = {}  # the shim's image number -> its digest, until its load's end is seen
+        self._dropped = 0  # events the callback could not queue (out of memory), as last seen
         self.follows_modules = False  # (below, once CUPTI follows them)
         self._lock = threading.Lock()
         loads, from_memory = (
@@ -226,15 +227,17 @@ class CubinRecorder:
         take = self._shim.wc_take
         while take(self._state, ctypes.byref(kind), ctypes.byref(seq), ctypes.byref(module), ctypes.byref(data),
                    ctypes.byref(size)):  # fmt: skip
-            payload = ctypes.string_at(data.value, size.value) if data.value else b""
-            if data.value:
-                self._shim.wc_release(data)
+            try:
+                payload = ctypes.string_at(data.value, size.value) if data.value else b""
+            finally:
+                if data.value:
+                    self._shim.wc_release(data)
             if kind.value == EVENT_IMAGE:
                 digest = self._keep(payload)
                 if module.value:  # reported during a followed load: its end names it
                     self._sequence[seq.value] = digest
             elif kind.value == EVENT_MODULE:  # a load's end: the images CUPTI reported during it
-                numbers = struct.unpack(f"<{len(payload) // 8}Q", payload)
+                numbers = struct.unpack(f"<{len(payload) // 8}Q", payload[: len(payload) // 8 * 8])
                 digests = {self._sequence.pop(n) for n in numbers if n in self._sequence}
                 if len(digests) == 1 and module.value:  # (0: the load failed, or reported too many to tell)
                     self._modules[module.value] = digests.pop()
@@ -242,6 +245,14 @@ class CubinRecorder:
                 self._modules.pop(module.value, None)
             elif kind.value == EVENT_CONTEXT:  # every module of that context goes (one context a process)
                 self._modules.clear()
+        dropped = self._shim.wc_dropped(self._state)
+        if dropped != self._dropped:  # memory ran out inside a callback: an image or a load's end is missing
+            self._dropped = dropped
+            log.warning(
+                "weightcache: CUPTI's callback lost %d event(s) for want of memory; a kernel of a module whose "
+                "load was lost is known by its name only",
+                dropped,
+            )
 
     def _keep(self, image: bytes) -> str:
         digest = hashlib.sha256(image).hexdigest()

@@ -26,7 +26,9 @@ import functools
 import hashlib
 import os
 import platform
+import shlex
 import shutil
+import stat
 import subprocess
 import tempfile
 from pathlib import Path
@@ -62,7 +64,7 @@ typedef struct wc_event {
 
 #define WC_LOADS 8
 #define WC_DEPTH 16
-#define WC_REPORTED 8
+#define WC_REPORTED 32
 
 typedef struct {
     pthread_mutex_t lock;
@@ -77,26 +79,31 @@ typedef struct {
 
 typedef struct { uint64_t seqs[WC_REPORTED]; int n, over; } wc_pending;
 
-static __thread int wc_own;
+static __thread int wc_own;  /* loading_kept_images() depth on this thread */
 static __thread int wc_depth;
 static __thread wc_pending wc_stack[WC_DEPTH];
 
 wc_state *wc_new(uint32_t driver, uint32_t resource, uint32_t module_loaded, uint32_t context_destroy,
                  uint32_t unload, const uint32_t *loads, int nloads, const uint32_t *from_memory, int nfrom_memory,
                  uint64_t max_elf) {
-    if (nloads > WC_LOADS || nfrom_memory > WC_LOADS) return NULL;
+    if (nloads < 0 || nfrom_memory < 0 || nloads > WC_LOADS || nfrom_memory > WC_LOADS) return NULL;
+    if (max_elf > ((uint64_t)1 << 40)) max_elf = (uint64_t)1 << 40;  /* no sum below can wrap */
     wc_state *st = calloc(1, sizeof *st);
     if (!st) return NULL;
     pthread_mutex_init(&st->lock, NULL);
     st->driver = driver; st->resource = resource; st->module_loaded = module_loaded;
     st->context_destroy = context_destroy; st->unload = unload; st->max_elf = max_elf;
-    memcpy(st->loads, loads, sizeof(uint32_t) * nloads); st->nloads = nloads;
-    memcpy(st->from_memory, from_memory, sizeof(uint32_t) * nfrom_memory); st->nfrom_memory = nfrom_memory;
+    for (int i = 0; i < nloads; i++) st->loads[i] = loads[i];
+    st->nloads = nloads;
+    for (int i = 0; i < nfrom_memory; i++) st->from_memory[i] = from_memory[i];
+    st->nfrom_memory = nfrom_memory;
     return st;
 }
 
-void wc_follow(wc_state *st, int on) { st->follows = on; }
-void wc_set_own(int on) { wc_own = on; }
+void wc_follow(wc_state *st, int on) { __atomic_store_n(&st->follows, on, __ATOMIC_RELEASE); }
+/* Enter (+1) or leave (-1) a stretch of loads this thread makes itself; 0 reads this thread's depth (and makes
+   its thread-local storage: load_shim calls it once right after loading, outside any driver lock). */
+int wc_own_add(int delta) { wc_own += delta; if (wc_own < 0) wc_own = 0; return wc_own; }
 void wc_release(char *data) { free(data); }
 uint64_t wc_dropped(wc_state *st) {
     pthread_mutex_lock(&st->lock);
@@ -131,11 +138,6 @@ static uint64_t wc_image(wc_state *st, const void *image, size_t size, int in_lo
     return wc_push(st, 1, (uint64_t)in_load, copy, size);
 }
 
-static void wc_note(uint64_t seq) {
-    if (!seq || wc_depth <= 0 || wc_depth > WC_DEPTH) return;
-    wc_pending *p = &wc_stack[wc_depth - 1];
-    if (p->n < WC_REPORTED) p->seqs[p->n++] = seq; else p->over = 1;
-}
 
 static uint64_t wc_u64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static uint32_t wc_u32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -206,7 +208,8 @@ void wc_callback(void *userdata, uint32_t domain, uint32_t cbid, const void *dat
     wc_state *st = userdata;
     if (!st || !data || wc_own) return;
     if (domain == st->driver) {
-        if (st->follows && (wc_in(st->loads, st->nloads, cbid) || cbid == st->unload)) wc_driver_call(st, cbid, data);
+        int follows = __atomic_load_n(&st->follows, __ATOMIC_ACQUIRE);
+        if (follows && (wc_in(st->loads, st->nloads, cbid) || cbid == st->unload)) wc_driver_call(st, cbid, data);
         return;
     }
     if (domain != st->resource) return;
@@ -216,7 +219,12 @@ void wc_callback(void *userdata, uint32_t domain, uint32_t cbid, const void *dat
     if (!resource->descriptor) return;
     const wc_module *module = resource->descriptor;
     if (!module->cubin || !module->cubin_size) return;
-    wc_note(wc_image(st, module->cubin, module->cubin_size, wc_depth > 0 && wc_depth <= WC_DEPTH));
+    /* reported during a followed load of this thread: that load's end names it (where it has room to) */
+    wc_pending *p = wc_depth > 0 && wc_depth <= WC_DEPTH ? &wc_stack[wc_depth - 1] : NULL;
+    int noted = p && p->n < WC_REPORTED;
+    if (p && !noted) p->over = 1;
+    uint64_t seq = wc_image(st, module->cubin, module->cubin_size, noted);
+    if (seq && noted) p->seqs[p->n++] = seq;
 }
 
 /* Pop the oldest event: 1 and its fields (data is the caller's to wc_release), or 0 where the queue is empty. */
@@ -232,7 +240,8 @@ int wc_take(wc_state *st, int *kind, uint64_t *seq, uint64_t *module, char **dat
 }
 """
 
-_DIGEST = hashlib.sha256(SOURCE.encode()).hexdigest()[:16]
+#: How the shim is compiled (with the compiler's own words on failure).
+FLAGS = ("-O2", "-shared", "-fPIC", "-pthread")
 
 
 def _native_dir() -> Path:
@@ -241,9 +250,10 @@ def _native_dir() -> Path:
     return Path(base) / "weightcache" / "native"
 
 
-def _compiler() -> str:
-    chosen = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if not chosen:
+def _compiler() -> list[str]:
+    """The compiler's command (``$CC`` may hold arguments: ``ccache gcc``)."""
+    chosen = shlex.split(os.environ.get("CC", "")) or [shutil.which("cc") or shutil.which("gcc") or ""]
+    if not chosen[0]:
         raise GraphRestoreError(
             "no C compiler was found (neither $CC nor cc nor gcc) to build weightcache's CUPTI callback, so the "
             "machine code of a graph's kernels is not kept and its graphs are captured as usual; install one "
@@ -252,61 +262,80 @@ def _compiler() -> str:
     return chosen
 
 
+def _name(compiler: list[str]) -> str:
+    """The library's file name: by the source, the flags, the compiler, the C library and the machine (a cache
+    directory shared by machines or containers never hands one a library built for another)."""
+    libc = "-".join(platform.libc_ver())
+    made = "\0".join([SOURCE, *FLAGS, *compiler, libc, platform.machine()])
+    return f"wc_cupti_{hashlib.sha256(made.encode()).hexdigest()[:16]}_{platform.machine()}.so"
+
+
+def _trusted(path: Path) -> bool:
+    """Whether ``path`` is a file this user owns that no one else may write (a library found in a shared cache
+    directory is loaded into the process: never one someone else could have put there)."""
+    try:
+        st = path.stat()
+    except OSError:
+        return False
+    return stat.S_ISREG(st.st_mode) and st.st_uid == os.getuid() and not st.st_mode & (stat.S_IWGRP | stat.S_IWOTH)
+
+
 def build_shim(directory: Path | None = None) -> Path:
     """The shared library built from :data:`SOURCE` (built on the first call on a machine; later calls find it).
     Raises :class:`~weightcache.errors.GraphRestoreError` where it cannot be built, with the compiler's words."""
     target_dir = directory if directory is not None else _native_dir()
-    target = target_dir / f"wc_cupti_{_DIGEST}_{platform.machine()}.so"
-    if target.exists():
+    compiler = _compiler()
+    target = target_dir / _name(compiler)
+    if _trusted(target):
         return target
     try:
-        target_dir.mkdir(parents=True, exist_ok=True)
+        target_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as exc:
         raise GraphRestoreError(
             f"the directory for weightcache's CUPTI callback, {target_dir}, cannot be made ({exc}): graphs are "
             "captured as usual; set XDG_CACHE_HOME to a writable directory"
         ) from exc
-    compiler = _compiler()
-    with tempfile.TemporaryDirectory(dir=target_dir, prefix=".build-") as work:
+    try:
+        work = tempfile.mkdtemp(dir=target_dir, prefix=".build-")
+    except OSError as exc:
+        raise GraphRestoreError(
+            f"the directory for weightcache's CUPTI callback, {target_dir}, is not writable ({exc}): graphs are "
+            "captured as usual; set XDG_CACHE_HOME to a writable directory"
+        ) from exc
+    try:
         source = Path(work) / "wc_cupti.c"
         source.write_text(SOURCE)
         built = Path(work) / target.name
-        command = [compiler, "-O2", "-shared", "-fPIC", "-pthread", "-o", str(built), str(source)]
+        command = [*compiler, *FLAGS, "-o", str(built), str(source)]
         try:
             done = subprocess.run(command, capture_output=True, text=True, timeout=120, check=False)
         except (OSError, subprocess.TimeoutExpired) as exc:
             raise GraphRestoreError(
-                f"building weightcache's CUPTI callback with {compiler} failed ({exc}): graphs are captured as "
-                "usual; install a working C compiler or set CC"
+                f"building weightcache's CUPTI callback with {shlex.join(compiler)} failed ({exc}): graphs are "
+                "captured as usual; install a working C compiler or set CC"
             ) from exc
         if done.returncode != 0:
             raise GraphRestoreError(
-                f"building weightcache's CUPTI callback with {compiler} failed (exit {done.returncode}): "
-                f"{done.stderr.strip()[-600:]}; graphs are captured as usual; install a working C compiler or set CC"
+                f"building weightcache's CUPTI callback with {shlex.join(compiler)} failed (exit "
+                f"{done.returncode}): {done.stderr.strip()[-600:]}; graphs are captured as usual; install a working "
+                "C compiler or set CC"
             )
+        built.chmod(0o755)
         os.replace(built, target)  # atomic: a process building beside this one finds one whole file either way
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return target
 
 
-@functools.cache
-def load_shim() -> ctypes.CDLL:
-    """The built shim, loaded, its functions' types declared (once a process)."""
-    path = build_shim()
-    try:
-        lib = ctypes.CDLL(str(path))
-    except OSError as exc:
-        raise GraphRestoreError(
-            f"weightcache's CUPTI callback {path} does not load ({exc}): graphs are captured as usual; delete the "
-            "file to have it built again"
-        ) from exc
+def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     u32, u64, ptr = ctypes.c_uint32, ctypes.c_uint64, ctypes.c_void_p
     lib.wc_new.argtypes = [u32, u32, u32, u32, u32, ctypes.POINTER(u32), ctypes.c_int, ctypes.POINTER(u32)]
     lib.wc_new.argtypes += [ctypes.c_int, u64]
     lib.wc_new.restype = ptr
     lib.wc_follow.argtypes = [ptr, ctypes.c_int]
     lib.wc_follow.restype = None
-    lib.wc_set_own.argtypes = [ctypes.c_int]
-    lib.wc_set_own.restype = None
+    lib.wc_own_add.argtypes = [ctypes.c_int]
+    lib.wc_own_add.restype = ctypes.c_int
     lib.wc_release.argtypes = [ptr]
     lib.wc_release.restype = None
     lib.wc_dropped.argtypes = [ptr]
@@ -318,7 +347,29 @@ def load_shim() -> ctypes.CDLL:
     out = ctypes.POINTER
     lib.wc_take.argtypes = [ptr, out(ctypes.c_int), out(u64), out(u64), out(ptr), out(u64)]
     lib.wc_take.restype = ctypes.c_int
+    # This thread's first use of the library's thread-local storage, here and not first inside a CUPTI callback:
+    # before glibc 2.35 a dlopen'ed library's first thread-local access may take the loader's lock, which a thread
+    # in dlopen holds while its constructors call the driver (the deadlock this module exists to avoid).
+    lib.wc_own_add(0)
     return lib
+
+
+@functools.cache
+def load_shim() -> ctypes.CDLL:
+    """The built shim, loaded, its functions' types declared (once a process). A library the cache directory
+    holds that does not load (a directory mounted noexec) is built again in a private temporary directory."""
+    path = build_shim()
+    try:
+        return _declare(ctypes.CDLL(str(path)))
+    except OSError as first:
+        private = Path(tempfile.mkdtemp(prefix="weightcache-native-"))
+        try:
+            return _declare(ctypes.CDLL(str(build_shim(private))))
+        except (OSError, GraphRestoreError) as exc:
+            raise GraphRestoreError(
+                f"weightcache's CUPTI callback {path} does not load ({first}), nor one built in {private} ({exc}): "
+                "graphs are captured as usual"
+            ) from exc
 
 
 def loaded_shim() -> ctypes.CDLL | None:
@@ -328,6 +379,7 @@ def loaded_shim() -> ctypes.CDLL | None:
 
 __all__ = [
     "CALLBACK",
+    "FLAGS",
     "EVENT_CONTEXT",
     "EVENT_IMAGE",
     "EVENT_MODULE",
