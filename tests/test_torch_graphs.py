@@ -583,8 +583,9 @@ def test_on_a_gpu_adopt_copies_each_storage_outside_the_arena_once_and_keeps_the
     """GraphCache.adopt (what vLLM's FULL-graph kind does with a model's rotary table): a parameter and a buffer
     made by torch's allocator go into the arena, a buffer that is a view of another stays a view of the same copy
     (offset kept), a tensor already in the arena stays, every tensor object is the same one with the same values,
-    ``parameters=False`` leaves the parameters, and in another GraphCache of the same calls the copies get the
-    same addresses."""
+    ``parameters=False`` leaves the parameters, the copies are no inference tensors though made inside
+    ``torch.inference_mode`` (vLLM's weight loaders write into them in place), and in another GraphCache of the
+    same calls the copies get the same addresses."""
     import torch
 
     def model(graphs: wc.GraphCache) -> torch.nn.Module:
@@ -602,7 +603,9 @@ def test_on_a_gpu_adopt_copies_each_storage_outside_the_arena_once_and_keeps_the
         objects = [t for _, t in [*m.named_parameters(), *m.named_buffers()]]
         values = [t.detach().clone() for t in objects]
         staying = m.staying.data_ptr()
-        graphs.adopt(m, keep_previous=True)
+        with torch.inference_mode():  # as vLLM's capture runs: the copies are normal tensors all the same
+            graphs.adopt(m, keep_previous=True)
+        assert not m.weight.is_inference() and not m.table.is_inference()
         moved = [t for _, t in [*m.named_parameters(), *m.named_buffers()]]
         assert all(a is b for a, b in zip(objects, moved))  # the same tensor objects
         assert all(torch.equal(t, v) for t, v in zip(moved, values))
@@ -1131,3 +1134,17 @@ def test_the_cupti_callback_is_built_once_and_a_compiler_that_fails_is_a_graph_r
     monkeypatch.setenv("CC", str(tmp_path / "no-such-compiler"))
     with pytest.raises(GraphRestoreError, match="no-such-compiler failed"):
         build_shim(tmp_path / "third")
+
+
+def test_adopted_memory_is_laid_out_by_the_modules_order_with_overlapping_views_as_one_span() -> None:
+    """Found by a review: adopt copied each storage by its start address, so two storages at one address took
+    the first's copy, and views that overlap without sharing a start were copied apart (no longer sharing). The
+    spans it copies: overlapping pieces merged, in the order of their first tensor in the module (the arena's
+    layout must not depend on where torch's allocator put them)."""
+    from weightcache.torch_graphs import adoption_spans
+
+    # a table at 0x9000 and its tail view, a bias at 0x1000 (lower), a view reaching past the table's tail
+    pieces = [(0x9000, 0x100), (0x1000, 0x40), (0x9080, 0x80), (0x90C0, 0x80)]
+    assert adoption_spans(pieces) == [(0x9000, 0x9140), (0x1000, 0x1040)]
+    assert adoption_spans([(0x2000, 0x10), (0x2010, 0x10)]) == [(0x2000, 0x2010), (0x2010, 0x2020)]  # adjacent
+    assert adoption_spans([]) == []

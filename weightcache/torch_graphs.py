@@ -281,6 +281,22 @@ def fetch_bundle(cache: Cache, weights: str, key: ArtifactKey) -> FetchedBundle 
     return FetchedBundle(bundle, ours, len(blob), phases)
 
 
+def adoption_spans(pieces: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+    """The memory :meth:`GraphCache.adopt` copies for tensors spanning ``pieces`` (first byte, bytes), given in
+    the module's order: pieces that overlap (views of one storage) form one span, ``(first byte, end)``, and the
+    spans come in the order of their first piece in ``pieces`` (not by address: the arena's layout must not
+    depend on where torch's allocator put them)."""
+    ordered = sorted((first, first + size, order) for order, (first, size) in enumerate(pieces))
+    merged: list[list[int]] = []
+    for first, end, order in ordered:
+        if merged and first < merged[-1][1]:
+            merged[-1][1] = max(merged[-1][1], end)
+            merged[-1][2] = min(merged[-1][2], order)
+        else:
+            merged.append([first, end, order])
+    return [(first, end) for first, end, _ in sorted(merged, key=lambda m: m[2])]
+
+
 class EngineCapture:
     """One graph an engine captures itself, inside :meth:`GraphCache.capturing`: :meth:`record` it after the
     capture."""
@@ -601,34 +617,57 @@ class GraphCache:
         self, module: torch.nn.Module, *, keep_previous: bool = False, parameters: bool = True
     ) -> torch.nn.Module:
         """Copy ``module``'s parameters and buffers that lie outside the arena and the weights' homes into the
-        arena (in ``named_parameters``, then ``named_buffers`` order, each storage once: tensors that share memory
-        keep sharing it, with their shapes, strides and offsets), so that a graph of it can be restored: for
-        weights that do not come from the keeper, and for the buffers a model makes itself (a rotary embedding's
-        table, which vLLM's FULL graphs read). Tensors already there (the keeper's weights at their homes) stay.
-        Each tensor object stays the same (its ``.data`` is the copy), so code that holds it sees the copy. With
-        ``keep_previous``, the memory each tensor had is kept until :meth:`close`: graphs captured before (an
-        engine's own) still read it. With ``parameters=False``, only the buffers are copied. Returns ``module``;
-        without an arena (see :attr:`reason`), nothing moves."""
+        arena, so that a graph of it can be restored: for weights that do not come from the keeper, and for the
+        buffers a model makes itself (a rotary embedding's table, which vLLM's FULL graphs read). The memory is
+        laid out in ``named_parameters``, then ``named_buffers`` order (the same calls get the same addresses in
+        every process); tensors whose memory overlaps (views of one storage) are copied as one span and keep
+        sharing it, with their shapes, strides and offsets. Tensors already in the arena or at a weights home, on
+        another device, or without storage of their own stay. Each tensor object stays the same (its ``.data`` is
+        the copy, a normal tensor even inside ``torch.inference_mode``), so code that holds it sees the copy;
+        every copy is made before any tensor is switched, so a failure (the arena full) leaves the module as it
+        was. With ``keep_previous``, the memory each tensor had is kept until :meth:`close`: graphs captured
+        before (an engine's own) still read it, and a write to the tensor from then on reaches the copy only.
+        With ``parameters=False``, only the buffers are copied. The module's moved tensors live in the arena:
+        do not use them after :meth:`close`. Returns ``module``; without an arena (see :attr:`reason`), nothing
+        moves."""
         if self._arena is None:
             return module
-        copies: dict[int, torch.Tensor] = {}  # a storage's address -> its copy in the arena (bytes)
-        tensors = [*(module.named_parameters() if parameters else ()), *module.named_buffers()]
-        with torch.no_grad():
-            for _, tensor in tensors:
-                storage = tensor.untyped_storage()
-                address, nbytes = storage.data_ptr(), storage.nbytes()
-                if not tensor.is_cuda or nbytes == 0 or self.reproduced(tensor):
+        named = [*(module.named_parameters() if parameters else ()), *module.named_buffers()]
+        chosen: list[tuple[torch.Tensor, int, int]] = []  # (tensor, its first byte, bytes it spans)
+        for name, tensor in named:
+            try:
+                if not tensor.is_cuda or tensor.device.index != self.device or self.reproduced(tensor):
                     continue
-                copy = copies.get(address)
-                if copy is None:
-                    copy = self._at(self._arena.allocate(nbytes), torch.uint8, (nbytes,), (1,))
-                    copy.copy_(torch.empty(0, dtype=torch.uint8, device=tensor.device).set_(storage))
-                    copies[address] = copy
-                moved = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
-                moved.set_(copy.untyped_storage(), tensor.storage_offset(), tensor.shape, tensor.stride())
+                span = extent_bytes(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size())
+                first = tensor.data_ptr()
+            except (RuntimeError, NotImplementedError) as exc:  # a tensor subclass without storage of its own
+                log.debug("weightcache: %s is not adopted (%s)", name, exc)
+                continue
+            if span > 0:
+                chosen.append((tensor, first, span))
+        merged = adoption_spans([(first, size) for _, first, size in chosen])
+        with torch.inference_mode(False), torch.no_grad(), torch.cuda.device(self.device):
+            bases: list[tuple[int, int, int]] = []  # (first byte, end, its copy's address)
+            for first, end in merged:  # every copy first: a failure switches nothing
+                address = self._arena.allocate(end - first)
+                owners = [t for t, f, n in chosen if first <= f < end]
+                source = self._at(first, torch.uint8, (end - first,), (1,), owner=owners)
+                self._at(address, torch.uint8, (end - first,), (1,)).copy_(source)
+                bases.append((first, end, address))
+            torch.cuda.current_stream(self.device).synchronize()  # the copies are done before old memory may go
+            for tensor, first, _ in chosen:
+                base, _, address = next(b for b in bases if b[0] <= first < b[1])
+                moved = self._at(address + first - base, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
                 if keep_previous:
                     self._also_kept.append(tensor.data)
                 tensor.data = moved
+        if chosen:
+            log.info(
+                "weightcache: %d tensor(s) of %s copied into the graph arena (%d bytes)",
+                len(chosen),
+                type(module).__name__,
+                sum(end - first for first, end in merged),
+            )
         return module
 
     def _at(
@@ -910,11 +949,15 @@ class GraphCache:
         except GraphRestoreError as exc:
             return str(exc)
         ranges = self.ranges()
-        tally: dict[tuple[int, int], int] = {}
+        tally: dict[tuple[int, int], list[int]] = {}
         found, problems = pointers(description, ranges, driver.pointer_range, tally)
         if problems:
-            largest = sorted(tally.items(), key=lambda item: -item[1])[:4]
-            where = "; ".join(f"{n} in allocation {base:#x} ({size} bytes)" for (base, size), n in largest)
+            largest = sorted(tally.items(), key=lambda item: -len(item[1]))[:4]
+            where = "; ".join(
+                f"{len(at)} address(es) in allocation {base:#x} ({size} bytes): "
+                f"{', '.join(f'{a:#x}' for a in at[:3])}{', ...' if len(at) > 3 else ''}"
+                for (base, size), at in largest
+            )
             more = f" and {len(tally) - len(largest)} more allocation(s)" if len(tally) > len(largest) else ""
             return (
                 f"{len(problems)} address(es) outside the reproduced ranges"
@@ -1068,6 +1111,7 @@ __all__ = [
     "EngineCapture",
     "FetchedBundle",
     "GraphCache",
+    "adoption_spans",
     "fetch_bundle",
     "graphs_key",
     "keep_kernel_images",

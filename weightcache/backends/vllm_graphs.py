@@ -274,25 +274,37 @@ def runner_tensors(
             stack.append((value, f"{path}.{key}" if path else str(key), level + 1))
 
 
-_ALLOCATION = re.compile(r"allocation (0x[0-9a-f]+),? \(?(\d+) bytes")
+#: An address a refusal names (``holds 0x...``, ``allocation ...: 0x..., 0x...``), not an allocation's base.
+_ADDRESS = re.compile(r"(?<!allocation )\b(0x[0-9a-f]{6,})\b")
 
 
 def owners(problem: str, runner: Any, keep: Callable[[torch.Tensor], bool] = lambda t: t.is_cuda, most: int = 8) -> str:
     """For a graph refused recording: which tensors of the model (``model.<name>``, its parameters and buffers)
-    and of the runner (``runner.<path>``, :func:`runner_tensors`) lie in the device allocations ``problem`` names
-    (``allocation 0x...``), as text to append to it; empty where it names none."""
-    spans = {(int(base, 16), int(size)) for base, size in _ALLOCATION.findall(problem)}
-    if not spans:
+    and of the runner (``runner.<path>``, :func:`runner_tensors`) hold the addresses ``problem`` names (each
+    tensor's whole storage), as text to append to it; empty where it names none, or where looking fails (never
+    raises: it only adds words to a report)."""
+    try:
+        addresses = {int(a, 16) for a in _ADDRESS.findall(problem)}
+        if not addresses:
+            return ""
+        model = getattr(runner, "model", None)
+        tensors = [(f"runner.{path}", t) for path, t in runner_tensors(runner, keep=keep)]
+        if isinstance(model, torch.nn.Module):
+            tensors += [(f"model.{n}", t) for n, t in [*model.named_parameters(), *model.named_buffers()] if keep(t)]
+        inside: set[str] = set()
+        for name, tensor in tensors:
+            storage = tensor.untyped_storage()
+            first = storage.data_ptr()
+            if any(first <= a < first + storage.nbytes() for a in addresses):
+                inside.add(name)
+    except Exception as exc:  # a tensor subclass without storage, an odd runner attribute
+        log.debug("weightcache: the tensors behind a graph's addresses were not found: %s", exc)
         return ""
-    model = getattr(runner, "model", None)
-    tensors = [(f"runner.{path}", t) for path, t in runner_tensors(runner, keep=keep)]
-    if isinstance(model, torch.nn.Module):
-        tensors += [(f"model.{n}", t) for n, t in [*model.named_parameters(), *model.named_buffers()] if keep(t)]
-    inside = sorted({name for name, t in tensors for base, size in spans if base <= t.data_ptr() < base + size})
     if not inside:
-        return "; no tensor of the model or the runner lies in those allocations"
-    extra = f" and {len(inside) - most} more" if len(inside) > most else ""
-    return f"; in those allocations: {', '.join(inside[:most])}{extra}"
+        return "; no tensor of the model or the runner holds those addresses"
+    named = sorted(inside)
+    extra = f" and {len(named) - most} more" if len(named) > most else ""
+    return f"; the tensors holding them: {', '.join(named[:most])}{extra}"
 
 
 def graphs_key(runner: Any, manager: Any, descs: list[Any]) -> dict[str, Any]:
@@ -381,7 +393,11 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
                 log.info("weightcache: vLLM's FULL graphs are captured as usual: %s", graphs.reason)
                 return descs
             model = getattr(runner, "model", None)
-            if isinstance(model, torch.nn.Module):
+            if os.environ.get("VLLM_LOGGING_LEVEL", "").upper() == "DEBUG":
+                # vLLM then checks that each PIECEWISE replay's inputs (the parameters and buffers among them)
+                # are where they were at capture: a tensor moved into the arena would fail that check
+                log.info("weightcache: VLLM_LOGGING_LEVEL=DEBUG: the model's tensors stay where they are")
+            elif isinstance(model, torch.nn.Module):
                 with step("adopt"):  # (the PIECEWISE graphs captured before read the memory they had: kept)
                     graphs.adopt(model, keep_previous=True, parameters=_few_parameters_outside(graphs, model))
             made = manager.hidden_states

@@ -108,16 +108,16 @@ def pointers(
     description: GraphDescription,
     ranges: Sequence[AddressRange],
     pointer_range: Callable[[int], tuple[int, int] | None] | None,
-    tally: dict[tuple[int, int], int] | None = None,
+    tally: dict[tuple[int, int], list[int]] | None = None,
 ) -> tuple[list[Pointer], list[str]]:
     """Every address of ``description`` in ``ranges``, and the problems: an address the driver knows as device
     memory (``pointer_range``, e.g. :meth:`~weightcache.graphs.driver.GraphDriver.pointer_range`; each distinct
     word at or above :data:`LOWEST_ADDRESS` is asked once) outside every range, or a memset whose destination is
-    in none (its first and last byte; a memcpy's on both sides). ``tally``, where given, counts the problems'
-    addresses by the device allocation that holds each, ``(base, size)``. Words that are no device address are not
+    in none (its first and last byte; a memcpy's on both sides). Words that are no device address are not
     pointers (scalars; a scalar that equals an address inside a range is treated as a pointer, which can only make
     a restore refuse). Without ``pointer_range`` (a restore, which checks the pointers it finds with
-    :func:`restore_problems`), words outside the ranges are not looked up."""
+    :func:`restore_problems`), words outside the ranges are not looked up. ``tally``, where given, gets the
+    problems' distinct addresses by the device allocation that holds each, ``(base, size)``, in the order found."""
     found: list[Pointer] = []
     problems: list[str] = []
     known: dict[int, tuple[int, int] | None] = {}
@@ -131,7 +131,9 @@ def pointers(
         if allocation is not None or offset < 0:
             held = f" (allocation {allocation[0]:#x}, {allocation[1]} bytes)" if allocation else ""
             if tally is not None and allocation is not None:
-                tally[allocation] = tally.get(allocation, 0) + 1
+                seen = tally.setdefault(allocation, [])
+                if value not in seen:
+                    seen.append(value)
             problems.append(
                 f"{_where(node, offset, what)} holds {value:#x}, device memory outside every range the restore "
                 f"reproduces{held}: a rebuilt graph would read memory no later process has at that address"
