@@ -294,11 +294,19 @@ def run_engine(
         except subprocess.TimeoutExpired:
             os.killpg(proc.pid, signal.SIGKILL)
             stdout, stderr = proc.communicate()
-        stacks = stderr[stderr.find("most recent call first") - 200 :] if "most recent call first" in stderr else ""
+        at = stderr.find("most recent call first")
+        stacks = stderr[max(0, at - 200) :] if at >= 0 else ""
+        whose = (
+            " (started through the warm process: these are the launcher's stacks, not the engine's)" if launcher else ""
+        )
         raise SystemExit(
-            f"{mode} engine gave no result in {START_TIMEOUT_S:.0f} s (stopped with SIGABRT):\n"
+            f"{mode} engine gave no result in {START_TIMEOUT_S:.0f} s (stopped with SIGABRT){whose}:\n"
             f"{(stdout + stderr)[-3000:]}\n{stacks[:12000]}"
         ) from None
+    except BaseException:  # (an interrupt): the start's processes do not outlive the benchmark
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        raise
     text = stdout + stderr
     found = [line for line in stdout.splitlines() if line.startswith("MARKS ")]
     if proc.returncode != 0 or not found:

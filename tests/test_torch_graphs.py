@@ -611,6 +611,7 @@ def test_on_a_gpu_adopt_copies_each_storage_outside_the_arena_once_and_keeps_the
         assert all(torch.equal(t, v) for t, v in zip(moved, values))
         assert m.staying.data_ptr() == staying
         assert m.tail.data_ptr() == m.table.data_ptr() + 2 * 4 * 4  # still a view of table's copy
+        assert m.tail.untyped_storage().data_ptr() == m.table.untyped_storage().data_ptr()  # of one storage
         assert graphs.reproduced(m.table) and graphs.reproduced(m.weight)
         buffers_only = model(graphs)
         weight = buffers_only.weight.data_ptr()
@@ -854,7 +855,6 @@ def test_the_recorder_knows_which_image_each_module_was_loaded_from() -> None:
 
 
 @needs_c_compiler
-@needs_c_compiler
 def test_a_load_that_reports_too_many_images_maps_no_module_and_leaves_nothing_behind() -> None:
     """Found by a review of the C callback: a load that reported more images than it notes (32) left the later
     ones' numbers in the recorder for good. Now such a load maps no module (its images stay known by name) and
@@ -886,6 +886,7 @@ def test_a_load_that_reports_too_many_images_maps_no_module_and_leaves_nothing_b
     assert recorder.image_of("restored_kernel") is None
 
 
+@needs_c_compiler
 def test_two_functions_of_one_name_one_of_them_in_a_module_not_seen_are_not_described() -> None:
     """Found by a review: function a's module loaded before the recorder (its image never kept), b's seen loading
     image B. By name, "the one kept image of that name" is B for both, and the rebuilt graph would run b's kernel
@@ -1145,6 +1146,7 @@ def test_adopted_memory_is_laid_out_by_the_modules_order_with_overlapping_views_
 
     # a table at 0x9000 and its tail view, a bias at 0x1000 (lower), a view reaching past the table's tail
     pieces = [(0x9000, 0x100), (0x1000, 0x40), (0x9080, 0x80), (0x90C0, 0x80)]
-    assert adoption_spans(pieces) == [(0x9000, 0x9140), (0x1000, 0x1040)]
-    assert adoption_spans([(0x2000, 0x10), (0x2010, 0x10)]) == [(0x2000, 0x2010), (0x2010, 0x2020)]  # adjacent
-    assert adoption_spans([]) == []
+    assert adoption_spans(pieces) == ([(0x9000, 0x9140), (0x1000, 0x1040)], [0, 1, 0, 0])
+    adjacent = adoption_spans([(0x2010, 0x10), (0x2000, 0x10)])  # touching is not overlapping
+    assert adjacent == ([(0x2010, 0x2020), (0x2000, 0x2010)], [0, 1])
+    assert adoption_spans([]) == ([], [])

@@ -60,7 +60,7 @@ from .cache import Cache, weights_digest
 from .dtypes import DTYPES
 from .errors import GraphDescriptionError, GraphRestoreError, WeightCacheError
 from .fingerprint import Fingerprint
-from .graphs.arena import DEFAULT_BASE, Arena, CudaArenaDriver
+from .graphs.arena import ALIGNMENT, DEFAULT_BASE, Arena, CudaArenaDriver
 from .graphs.bundle import FORMAT, GraphBundle, GraphRecord, Output
 from .graphs.check import AddressRange, extent_problems, extents, pointers
 from .graphs.cubins import CubinRecorder, keep_kernel_images
@@ -281,20 +281,24 @@ def fetch_bundle(cache: Cache, weights: str, key: ArtifactKey) -> FetchedBundle 
     return FetchedBundle(bundle, ours, len(blob), phases)
 
 
-def adoption_spans(pieces: Sequence[tuple[int, int]]) -> list[tuple[int, int]]:
+def adoption_spans(pieces: Sequence[tuple[int, int]]) -> tuple[list[tuple[int, int]], list[int]]:
     """The memory :meth:`GraphCache.adopt` copies for tensors spanning ``pieces`` (first byte, bytes), given in
     the module's order: pieces that overlap (views of one storage) form one span, ``(first byte, end)``, and the
     spans come in the order of their first piece in ``pieces`` (not by address: the arena's layout must not
-    depend on where torch's allocator put them)."""
+    depend on where torch's allocator put them); with, for each piece, the index of its span."""
     ordered = sorted((first, first + size, order) for order, (first, size) in enumerate(pieces))
-    merged: list[list[int]] = []
+    merged: list[list[int]] = []  # [first byte, end, first piece's order]
+    member: dict[int, int] = {}  # piece -> index into merged
     for first, end, order in ordered:
         if merged and first < merged[-1][1]:
             merged[-1][1] = max(merged[-1][1], end)
             merged[-1][2] = min(merged[-1][2], order)
         else:
             merged.append([first, end, order])
-    return [(first, end) for first, end, _ in sorted(merged, key=lambda m: m[2])]
+        member[order] = len(merged) - 1
+    rank = {old: new for new, old in enumerate(sorted(range(len(merged)), key=lambda i: merged[i][2]))}
+    spans = [(first, end) for first, end, _ in sorted(merged, key=lambda m: m[2])]
+    return spans, [rank[member[order]] for order in range(len(pieces))]
 
 
 class EngineCapture:
@@ -620,44 +624,71 @@ class GraphCache:
         arena, so that a graph of it can be restored: for weights that do not come from the keeper, and for the
         buffers a model makes itself (a rotary embedding's table, which vLLM's FULL graphs read). The memory is
         laid out in ``named_parameters``, then ``named_buffers`` order (the same calls get the same addresses in
-        every process); tensors whose memory overlaps (views of one storage) are copied as one span and keep
-        sharing it, with their shapes, strides and offsets. Tensors already in the arena or at a weights home, on
-        another device, or without storage of their own stay. Each tensor object stays the same (its ``.data`` is
-        the copy, a normal tensor even inside ``torch.inference_mode``), so code that holds it sees the copy;
-        every copy is made before any tensor is switched, so a failure (the arena full) leaves the module as it
-        was. With ``keep_previous``, the memory each tensor had is kept until :meth:`close`: graphs captured
-        before (an engine's own) still read it, and a write to the tensor from then on reaches the copy only.
-        With ``parameters=False``, only the buffers are copied. The module's moved tensors live in the arena:
-        do not use them after :meth:`close`. Returns ``module``; without an arena (see :attr:`reason`), nothing
-        moves."""
+        every process); tensors whose memory overlaps (views of one storage) are copied as one span into one
+        storage and keep sharing it, with their shapes, strides and offsets; each copy keeps its tensors'
+        alignment modulo 512 bytes. Tensors already in the arena or at a weights home, on another device, or
+        without storage of their own stay. Each tensor object stays the same (its ``.data`` is the copy, a normal
+        tensor even inside ``torch.inference_mode``), so code that holds it sees the copy. Every copy is made
+        before any tensor is switched, so a failure (the arena full) leaves the module and the arena's pointer as
+        they were. With ``keep_previous``, the memory each tensor had is kept until :meth:`close`: graphs
+        captured before (an engine's own) still read it, and a write to the tensor from then on reaches the copy
+        only. With ``parameters=False``, only buffers are copied (not one that shares memory with a parameter).
+        The moved tensors live in the arena: do not use them after :meth:`close`. Returns ``module``; without an
+        arena (see :attr:`reason`), nothing moves."""
         if self._arena is None:
             return module
-        named = [*(module.named_parameters() if parameters else ()), *module.named_buffers()]
+        arena = self._arena
         chosen: list[tuple[torch.Tensor, int, int]] = []  # (tensor, its first byte, bytes it spans)
-        for name, tensor in named:
-            try:
-                if not tensor.is_cuda or tensor.device.index != self.device or self.reproduced(tensor):
+        staying: list[tuple[int, int]] = []  # parameters left where they are (parameters=False): [first, end)
+        for group, tensors in (("parameter", module.named_parameters()), ("buffer", module.named_buffers())):
+            for name, tensor in tensors:
+                try:
+                    if not tensor.is_cuda or tensor.device.index != self.device or self.reproduced(tensor):
+                        continue
+                    span = extent_bytes(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size())
+                    first = tensor.data_ptr()
+                except (RuntimeError, NotImplementedError) as exc:  # a tensor subclass without storage of its own
+                    log.debug("weightcache: %s is not adopted (%s)", name, exc)
                     continue
-                span = extent_bytes(tuple(tensor.shape), tuple(tensor.stride()), tensor.element_size())
-                first = tensor.data_ptr()
-            except (RuntimeError, NotImplementedError) as exc:  # a tensor subclass without storage of its own
-                log.debug("weightcache: %s is not adopted (%s)", name, exc)
-                continue
-            if span > 0:
-                chosen.append((tensor, first, span))
-        merged = adoption_spans([(first, size) for _, first, size in chosen])
+                if span <= 0:
+                    continue
+                if group == "parameter" and not parameters:
+                    staying.append((first, first + span))
+                elif any(a < first + span and first < b for a, b in staying):
+                    log.debug(
+                        "weightcache: buffer %s is not adopted: it shares memory with a parameter that stays", name
+                    )
+                else:
+                    chosen.append((tensor, first, span))
+        spans, member = adoption_spans([(first, size) for _, first, size in chosen])
+        used = arena.used
         with torch.inference_mode(False), torch.no_grad(), torch.cuda.device(self.device):
-            bases: list[tuple[int, int, int]] = []  # (first byte, end, its copy's address)
-            for first, end in merged:  # every copy first: a failure switches nothing
-                address = self._arena.allocate(end - first)
-                owners = [t for t, f, n in chosen if first <= f < end]
-                source = self._at(first, torch.uint8, (end - first,), (1,), owner=owners)
-                self._at(address, torch.uint8, (end - first,), (1,)).copy_(source)
-                bases.append((first, end, address))
-            torch.cuda.current_stream(self.device).synchronize()  # the copies are done before old memory may go
-            for tensor, first, _ in chosen:
-                base, _, address = next(b for b in bases if b[0] <= first < b[1])
-                moved = self._at(address + first - base, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride()))
+            bases: list[tuple[torch.Tensor, int]] = []  # each span's copy (bytes) and the address it stands for
+            owners: list[list[torch.Tensor]] = [[] for _ in spans]
+            for (tensor, _, _), index in zip(chosen, member):
+                owners[index].append(tensor)
+            try:
+                for (first, end), kept in zip(spans, owners):  # every copy first: a failure switches nothing
+                    pad = first % ALIGNMENT  # the copy keeps each tensor's alignment (Triton assumes 16 bytes)
+                    address = arena.allocate(end - first + pad)
+                    source = self._at(first, torch.uint8, (end - first,), (1,), owner=kept)
+                    copy = self._at(address, torch.uint8, (end - first + pad,), (1,))
+                    copy[pad:].copy_(source)
+                    bases.append((copy, first - pad))
+                torch.cuda.current_stream(self.device).synchronize()  # done before the old memory may go
+            except BaseException:
+                arena.rewind_to(used)  # nothing was switched: as if never called
+                raise
+            for (tensor, first, _), index in zip(chosen, member):
+                copy, origin = bases[index]  # one storage a span: views of one storage stay views of one
+                offset, itemsize = first - origin, tensor.element_size()
+                if offset % itemsize:  # (an element not aligned to its size: a tensor at its own address)
+                    moved = self._at(
+                        copy.data_ptr() + offset, tensor.dtype, tuple(tensor.shape), tuple(tensor.stride())
+                    )
+                else:
+                    moved = torch.empty(0, dtype=tensor.dtype, device=tensor.device)
+                    moved.set_(copy.untyped_storage(), offset // itemsize, tensor.shape, tensor.stride())
                 if keep_previous:
                     self._also_kept.append(tensor.data)
                 tensor.data = moved
@@ -666,7 +697,7 @@ class GraphCache:
                 "weightcache: %d tensor(s) of %s copied into the graph arena (%d bytes)",
                 len(chosen),
                 type(module).__name__,
-                sum(end - first for first, end in merged),
+                arena.used - used,
             )
         return module
 

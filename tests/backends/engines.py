@@ -49,20 +49,25 @@ def failing_publish(socket_dir: Path, failure: str) -> Iterator[tuple[dict[str, 
 
 
 #: How long a GPU test worker may take to print its result before it is stopped with SIGABRT (its faulthandler
-#: then prints every thread's stack into the log the failure shows): a hung engine (the CUPTI callback's deadlock
-#: on the H100, 2026-12-05, held a lease's test for 8 minutes with nothing in its log) fails with where it hung.
-RESULT_TIMEOUT_S = float(os.environ.get("WEIGHTCACHE_ENGINE_RESULT_TIMEOUT", "600"))
+#: then prints every thread's stack into the log the failure shows), below the device's 600 s a command: a hung
+#: engine (the CUPTI callback's deadlock on the H100, 2026-12-05, held a lease's test for 8 minutes with nothing
+#: in its log) fails with where it hung. SIGKILL follows 30 s later.
+RESULT_TIMEOUT_S = float(os.environ.get("WEIGHTCACHE_ENGINE_RESULT_TIMEOUT", "300"))
 
 
 class EngineProcess:
     """One engine in its own process (a GPU test worker: ``python WORKER '<json spec>'``), kept running until
     closed. The worker prints ``RESULT <json>`` after its first generation and after each ``generate`` command read
-    on stdin, and stops on ``quit``; every other line it prints is kept in ``log``. A worker that prints no result
-    in :data:`RESULT_TIMEOUT_S` is sent SIGABRT (the workers enable faulthandler: its stacks end the log)."""
+    on stdin, and stops on ``quit``; every other line it prints is kept in ``log``. The worker leads a process
+    group of its own (its engine core processes with it); a worker that prints no result in
+    :data:`RESULT_TIMEOUT_S` gets SIGABRT (each Python process there prints its stacks: faulthandler), then
+    SIGKILL; the group is killed when the worker is closed or its start fails, and the workers ask the kernel to
+    kill them when the test process dies (``PR_SET_PDEATHSIG``)."""
 
     def __init__(self, name: str, worker: Path, spec: dict[str, Any], env: dict[str, str], quit_s: float) -> None:
         self.name = name
         self.quit_s = quit_s
+        self.aborted = threading.Event()
         self.proc = subprocess.Popen(
             [sys.executable, str(worker), json.dumps(spec)],
             stdin=subprocess.PIPE,
@@ -73,7 +78,11 @@ class EngineProcess:
             start_new_session=True,  # its own process group: a SIGABRT reaches an engine core process too
         )
         self.log: list[str] = []
-        self.result = self.read()
+        try:
+            self.result = self.read()
+        except BaseException:
+            self._signal(signal.SIGKILL)
+            raise
 
     def read(self) -> dict[str, Any]:
         assert self.proc.stdout is not None
@@ -88,16 +97,23 @@ class EngineProcess:
         finally:
             watchdog.cancel()
         code = self.proc.wait()
-        hung = f" (no result in {RESULT_TIMEOUT_S:.0f} s: stopped with SIGABRT)" if code == -signal.SIGABRT else ""
+        hung = f" (no result in {RESULT_TIMEOUT_S:.0f} s: stopped with SIGABRT)" if self.aborted.is_set() else ""
         stacks = next((i for i, line in enumerate(self.log) if "most recent call first" in line), None)
-        shown = self.log[-80:] if stacks is None else self.log[max(0, stacks - 20) :][:400]
+        shown = self.log[-80:] if stacks is None else self.log[max(0, stacks - 20) :][-800:]
         raise AssertionError(f"{self.name} engine exited ({code}){hung}:\n{''.join(shown)}")
 
     def _abort(self) -> None:
-        """SIGABRT to the worker's process group (an engine core process of its own included): each Python process
-        there prints every thread's stack (faulthandler) and ends."""
-        with contextlib.suppress(ProcessLookupError):
-            os.killpg(self.proc.pid, signal.SIGABRT)
+        """SIGABRT to the worker's process group: each Python process there prints every thread's stack and ends;
+        SIGKILL 30 s later for any that did not (one asleep in a driver call)."""
+        self.aborted.set()
+        self._signal(signal.SIGABRT)
+        later = threading.Timer(30, self._signal, (signal.SIGKILL,))
+        later.daemon = True
+        later.start()
+
+    def _signal(self, number: int) -> None:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, number)
 
     def generate(self) -> list[int]:
         assert self.proc.stdin is not None
@@ -116,6 +132,7 @@ class EngineProcess:
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
                 self.proc.wait()
+        self._signal(signal.SIGKILL)  # what the worker started and left behind (an engine core process)
 
 
 def within(a: float, b: float, fraction: float) -> bool:

@@ -13,10 +13,12 @@ module gives them what a :class:`~weightcache.torch_graphs.GraphCache` restores:
 - their graph memory comes from the GraphCache's arena (``GraphCache.pool``, instead of vLLM's shared pool: the
   FULL graphs no longer share memory with the PIECEWISE ones), and the manager's ``hidden_states``, which they
   write, is allocated in the arena too;
-- the model's parameters and buffers that are not the keeper's weights at their homes (a rotary embedding's
-  cos/sin table, which the FULL graphs read: on the H100, 2026-12-05, every graph was refused recording for it,
-  "48 address(es) outside the reproduced ranges") are copied into the arena (``GraphCache.adopt``, in the model's
-  order, the memory they had kept for the PIECEWISE graphs vLLM captured before);
+- the model's buffers and (up to :data:`ADOPT_PARAMETERS_MAX`) its parameters that are not the keeper's weights
+  at their homes (a rotary embedding's cos/sin table, which the FULL graphs read: on the H100, 2026-12-05, every
+  graph was refused recording for it, "48 address(es) outside the reproduced ranges") are copied into the arena
+  (``GraphCache.adopt``, in the model's order, the memory they had kept for the PIECEWISE graphs vLLM captured
+  before; not under ``VLLM_LOGGING_LEVEL=DEBUG``, where vLLM checks that PIECEWISE replays' inputs did not move:
+  FULL graphs that read such a tensor are then captured and not recorded);
 - every CUDA tensor the model runner reaches (its buffers, its KV caches, the attention metadata builders'
   buffers) is declared with ``GraphCache.external`` under ``runner.<its attribute path>`` (``runner.kv_caches.0``;
   a ``/`` in a key becomes ``|``), before each graph, so that a restore finds each at its recorded address or
@@ -450,9 +452,12 @@ def _few_parameters_outside(graphs: Any, model: torch.nn.Module) -> bool:
     anyway; then only the buffers are copied, and the log says so."""
     storages: dict[int, int] = {}
     for p in model.parameters():
-        if p.is_cuda and not graphs.reproduced(p):
-            storage = p.untyped_storage()
-            storages[storage.data_ptr()] = storage.nbytes()
+        try:
+            if p.is_cuda and not graphs.reproduced(p):
+                storage = p.untyped_storage()
+                storages[storage.data_ptr()] = storage.nbytes()
+        except (RuntimeError, NotImplementedError):  # a tensor subclass without storage: adopt skips it too
+            continue
     outside = sum(storages.values())
     if outside <= ADOPT_PARAMETERS_MAX:
         return True

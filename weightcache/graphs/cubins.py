@@ -248,6 +248,7 @@ class CubinRecorder:
         dropped = self._shim.wc_dropped(self._state)
         if dropped != self._dropped:  # memory ran out inside a callback: an image or a load's end is missing
             self._dropped = dropped
+            self._sequence.clear()  # (a lost end would leave its images' numbers here for good)
             log.warning(
                 "weightcache: CUPTI's callback lost %d event(s) for want of memory; a kernel of a module whose "
                 "load was lost is known by its name only",

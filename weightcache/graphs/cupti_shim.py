@@ -225,6 +225,7 @@ void wc_callback(void *userdata, uint32_t domain, uint32_t cbid, const void *dat
     if (p && !noted) p->over = 1;
     uint64_t seq = wc_image(st, module->cubin, module->cubin_size, noted);
     if (seq && noted) p->seqs[p->n++] = seq;
+    else if (noted) p->over = 1;  /* dropped (no memory): the load can no longer tell its image */
 }
 
 /* Pop the oldest event: 1 and its fields (data is the caller's to wc_release), or 0 where the queue is empty. */
@@ -262,11 +263,12 @@ def _compiler() -> list[str]:
     return chosen
 
 
-def _name(compiler: list[str]) -> str:
-    """The library's file name: by the source, the flags, the compiler, the C library and the machine (a cache
-    directory shared by machines or containers never hands one a library built for another)."""
+def _name() -> str:
+    """The library's file name: by the source, the flags, ``$CC`` where set, the C library and the machine (a
+    cache directory shared by machines or containers never hands one a library built for another); found there,
+    it loads without a compiler."""
     libc = "-".join(platform.libc_ver())
-    made = "\0".join([SOURCE, *FLAGS, *compiler, libc, platform.machine()])
+    made = "\0".join([SOURCE, *FLAGS, os.environ.get("CC", ""), libc, platform.machine()])
     return f"wc_cupti_{hashlib.sha256(made.encode()).hexdigest()[:16]}_{platform.machine()}.so"
 
 
@@ -284,10 +286,10 @@ def build_shim(directory: Path | None = None) -> Path:
     """The shared library built from :data:`SOURCE` (built on the first call on a machine; later calls find it).
     Raises :class:`~weightcache.errors.GraphRestoreError` where it cannot be built, with the compiler's words."""
     target_dir = directory if directory is not None else _native_dir()
-    compiler = _compiler()
-    target = target_dir / _name(compiler)
+    target = target_dir / _name()
     if _trusted(target):
         return target
+    compiler = _compiler()
     try:
         target_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
     except OSError as exc:
@@ -320,8 +322,14 @@ def build_shim(directory: Path | None = None) -> Path:
                 f"{done.returncode}): {done.stderr.strip()[-600:]}; graphs are captured as usual; install a working "
                 "C compiler or set CC"
             )
-        built.chmod(0o755)
-        os.replace(built, target)  # atomic: a process building beside this one finds one whole file either way
+        try:
+            built.chmod(0o755)
+            os.replace(built, target)  # atomic: a process building beside this one finds one whole file either way
+        except OSError as exc:  # (another user's file there, in a directory we may not replace it in)
+            raise GraphRestoreError(
+                f"weightcache's CUPTI callback could not be put at {target} ({exc}): graphs are captured as usual; "
+                "set XDG_CACHE_HOME to a directory of your own"
+            ) from exc
     finally:
         shutil.rmtree(work, ignore_errors=True)
     return target
@@ -362,14 +370,18 @@ def load_shim() -> ctypes.CDLL:
     try:
         return _declare(ctypes.CDLL(str(path)))
     except OSError as first:
-        private = Path(tempfile.mkdtemp(prefix="weightcache-native-"))
+        private = ""
         try:
-            return _declare(ctypes.CDLL(str(build_shim(private))))
+            private = tempfile.mkdtemp(prefix="weightcache-native-")
+            return _declare(ctypes.CDLL(str(build_shim(Path(private)))))  # (mapped: the file may go)
         except (OSError, GraphRestoreError) as exc:
             raise GraphRestoreError(
-                f"weightcache's CUPTI callback {path} does not load ({first}), nor one built in {private} ({exc}): "
-                "graphs are captured as usual"
+                f"weightcache's CUPTI callback {path} does not load ({first}), nor one built in a private "
+                f"directory ({exc}): graphs are captured as usual"
             ) from exc
+        finally:
+            if private:
+                shutil.rmtree(private, ignore_errors=True)
 
 
 def loaded_shim() -> ctypes.CDLL | None:
