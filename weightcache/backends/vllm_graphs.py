@@ -53,6 +53,7 @@ import logging
 import os
 import re
 import time
+import weakref
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -470,11 +471,22 @@ def _few_parameters_outside(graphs: Any, model: torch.nn.Module) -> bool:
     return False
 
 
+_DECLARED: weakref.WeakKeyDictionary[Any, dict[str, tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+
+
 def _declare(graphs: Any, runner: Any) -> None:
-    """Declare every CUDA tensor the runner reaches as an external range of ``graphs``, under its path."""
+    """Declare every CUDA tensor the runner reaches as an external range of ``graphs``, under its path; one
+    declared before with the same address, shape, strides and dtype is not declared again (the kind declares
+    before each of vLLM's 51 graphs: on the H100 that took 0.57 s of a 2.5 s FULL-graph step)."""
+    seen = _DECLARED.setdefault(graphs, {})
     for path, tensor in runner_tensors(runner):
+        name = "runner." + path.replace("/", "|")
         try:
-            graphs.external("runner." + path.replace("/", "|"), tensor)
+            layout = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+            if seen.get(name) == layout:
+                continue
+            graphs.external(name, tensor)
+            seen[name] = layout
         except Exception as exc:  # e.g. a name now naming another tensor: a graph that uses it is captured
             log.debug("weightcache: runner tensor %s not declared: %s", path, exc)
 
