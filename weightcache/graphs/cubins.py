@@ -113,7 +113,6 @@ _DOMAIN_DRIVER = 1
 _MODULE_LOADS = (18, 19, 20, 21)
 _LOADS_FROM_MEMORY = (19, 20)
 _MODULE_UNLOAD = 22
-_ENTER, _EXIT = 0, 1
 #: The largest image read off a ``cuModuleLoadData`` pointer whose load CUPTI's module callback did not report.
 _MAX_ELF = 1 << 30
 

@@ -62,6 +62,9 @@ typedef struct wc_event {
     size_t size;
 } wc_event;
 
+/* event kinds: EVENT_IMAGE, EVENT_MODULE, EVENT_UNLOAD, EVENT_CONTEXT of the Python module */
+enum { WC_IMAGE = 1, WC_MODULE = 2, WC_UNLOAD = 3, WC_CONTEXT = 4 };
+
 #define WC_LOADS 8
 #define WC_DEPTH 16
 #define WC_REPORTED 32
@@ -117,11 +120,18 @@ static int wc_in(const uint32_t *set, int n, uint32_t x) {
     return 0;
 }
 
+/* An event lost for want of memory. */
+static void wc_drop(wc_state *st) {
+    pthread_mutex_lock(&st->lock);
+    st->dropped++;
+    pthread_mutex_unlock(&st->lock);
+}
+
 /* Queue an event; data (malloc'ed, or NULL) becomes the queue's. Its sequence number, 0 where it was dropped. */
 static uint64_t wc_push(wc_state *st, int kind, uint64_t module, char *data, size_t size) {
     wc_event *e = malloc(sizeof *e);
+    if (!e) { wc_drop(st); free(data); return 0; }
     pthread_mutex_lock(&st->lock);
-    if (!e) { st->dropped++; pthread_mutex_unlock(&st->lock); free(data); return 0; }
     e->next = NULL; e->kind = kind; e->seq = ++st->seq; e->module = module; e->data = data; e->size = size;
     if (st->tail) st->tail->next = e; else st->head = e;
     st->tail = e;
@@ -133,11 +143,10 @@ static uint64_t wc_push(wc_state *st, int kind, uint64_t module, char *data, siz
 /* An image (copied); in_load: reported during a driver module load this thread makes (its end names it). */
 static uint64_t wc_image(wc_state *st, const void *image, size_t size, int in_load) {
     char *copy = malloc(size);
-    if (!copy) { pthread_mutex_lock(&st->lock); st->dropped++; pthread_mutex_unlock(&st->lock); return 0; }
+    if (!copy) { wc_drop(st); return 0; }
     memcpy(copy, image, size);
-    return wc_push(st, 1, (uint64_t)in_load, copy, size);
+    return wc_push(st, WC_IMAGE, (uint64_t)in_load, copy, size);
 }
-
 
 static uint64_t wc_u64(const unsigned char *p) { uint64_t v; memcpy(&v, p, 8); return v; }
 static uint32_t wc_u32(const unsigned char *p) { uint32_t v; memcpy(&v, p, 4); return v; }
@@ -145,7 +154,7 @@ static uint16_t wc_u16(const unsigned char *p) { uint16_t v; memcpy(&v, p, 2); r
 
 /* The length of the 64-bit little-endian ELF file at p: the end of its farthest table, section or segment; 0 for
    anything else or anything longer than max. */
-uint64_t wc_elf_size(const unsigned char *p, uint64_t max) {
+static uint64_t wc_elf_size(const unsigned char *p, uint64_t max) {
     if (memcmp(p, "\x7f" "ELF", 4) != 0) return 0;  /* (a PTX text may be shorter than an ELF header) */
     if (p[4] != 2 || p[5] != 1) return 0;
     uint64_t phoff = wc_u64(p + 0x20), shoff = wc_u64(p + 0x28);
@@ -175,7 +184,7 @@ uint64_t wc_elf_size(const unsigned char *p, uint64_t max) {
 static void wc_driver_call(wc_state *st, uint32_t cbid, const wc_call *call) {
     void *const *params = call->params;
     if (cbid == st->unload) {
-        if (call->site == 0 && params && params[0]) wc_push(st, 3, (uint64_t)(uintptr_t)params[0], NULL, 0);
+        if (call->site == 0 && params && params[0]) wc_push(st, WC_UNLOAD, (uint64_t)(uintptr_t)params[0], NULL, 0);
         return;
     }
     if (call->site == 0) {
@@ -199,9 +208,9 @@ static void wc_driver_call(wc_state *st, uint32_t cbid, const wc_call *call) {
     if (p->n == 0) return;
     /* the load's end, also where it failed or reported too many images (module 0: they name no module) */
     char *seqs = malloc(sizeof(uint64_t) * p->n);
-    if (!seqs) { pthread_mutex_lock(&st->lock); st->dropped++; pthread_mutex_unlock(&st->lock); return; }
+    if (!seqs) { wc_drop(st); return; }
     memcpy(seqs, p->seqs, sizeof(uint64_t) * p->n);
-    wc_push(st, 2, p->over ? 0 : module, seqs, sizeof(uint64_t) * p->n);
+    wc_push(st, WC_MODULE, p->over ? 0 : module, seqs, sizeof(uint64_t) * p->n);
 }
 
 void wc_callback(void *userdata, uint32_t domain, uint32_t cbid, const void *data) {
@@ -213,7 +222,7 @@ void wc_callback(void *userdata, uint32_t domain, uint32_t cbid, const void *dat
         return;
     }
     if (domain != st->resource) return;
-    if (cbid == st->context_destroy) { wc_push(st, 4, 0, NULL, 0); return; }
+    if (cbid == st->context_destroy) { wc_push(st, WC_CONTEXT, 0, NULL, 0); return; }
     if (cbid != st->module_loaded) return;
     const wc_resource *resource = data;
     if (!resource->descriptor) return;
@@ -292,17 +301,11 @@ def build_shim(directory: Path | None = None) -> Path:
     compiler = _compiler()
     try:
         target_dir.mkdir(parents=True, exist_ok=True, mode=0o700)
-    except OSError as exc:
-        raise GraphRestoreError(
-            f"the directory for weightcache's CUPTI callback, {target_dir}, cannot be made ({exc}): graphs are "
-            "captured as usual; set XDG_CACHE_HOME to a writable directory"
-        ) from exc
-    try:
         work = tempfile.mkdtemp(dir=target_dir, prefix=".build-")
     except OSError as exc:
         raise GraphRestoreError(
-            f"the directory for weightcache's CUPTI callback, {target_dir}, is not writable ({exc}): graphs are "
-            "captured as usual; set XDG_CACHE_HOME to a writable directory"
+            f"the directory for weightcache's CUPTI callback, {target_dir}, cannot be made or written ({exc}): "
+            "graphs are captured as usual; set XDG_CACHE_HOME to a writable directory"
         ) from exc
     try:
         source = Path(work) / "wc_cupti.c"
@@ -348,8 +351,6 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.wc_release.restype = None
     lib.wc_dropped.argtypes = [ptr]
     lib.wc_dropped.restype = u64
-    lib.wc_elf_size.argtypes = [ptr, u64]
-    lib.wc_elf_size.restype = u64
     lib.wc_callback.argtypes = [ptr, u32, u32, ptr]
     lib.wc_callback.restype = None
     out = ctypes.POINTER
