@@ -16,7 +16,7 @@ import struct
 import subprocess
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -682,8 +682,9 @@ class FakeCupti:
         self.cuptiSubscribe, self.cuptiEnableCallback, self.cuptiUnsubscribe = subscribe, enable, unsubscribe
 
 
-def load_module(cupti: FakeCupti, image: bytes) -> None:
-    """What the driver does when it loads a module: CUPTI calls the subscriber with the module's image."""
+def module_loaded_data(image: bytes) -> tuple[int, list[object]]:
+    """The address of what CUPTI hands its module-loaded callback for a module of ``image``, and the objects that
+    must stay alive while it is read."""
     import ctypes
 
     from weightcache.graphs.cubins import _ModuleData, _ResourceData
@@ -691,7 +692,13 @@ def load_module(cupti: FakeCupti, image: bytes) -> None:
     buffer = ctypes.create_string_buffer(image, len(image))
     module = _ModuleData(7, len(image), ctypes.cast(buffer, ctypes.c_void_p))
     resource = _ResourceData(None, None, ctypes.addressof(module))
-    cupti.callback(None, 3, 6, ctypes.addressof(resource))
+    return ctypes.addressof(resource), [buffer, module, resource]
+
+
+def load_module(cupti: FakeCupti, image: bytes) -> None:
+    """What the driver does when it loads a module: CUPTI calls the subscriber with the module's image."""
+    address, _kept = module_loaded_data(image)
+    cupti.callback(None, 3, 6, address)
 
 
 @needs_c_compiler
@@ -716,10 +723,17 @@ def test_the_recorder_keeps_each_module_loaded_except_those_a_restore_loads_itse
 
 
 def driver_load(
-    cupti: FakeCupti, image: bytes, module: int, *, cbid: int = 19, report: bool = True, result: int = 0
+    cupti: FakeCupti,
+    image: bytes,
+    module: int,
+    *,
+    cbid: int = 19,
+    reports: Sequence[bytes] | None = None,
+    result: int = 0,
 ) -> None:
-    """What CUPTI reports of a ``cuModuleLoadData``-like driver call (``cbid``): the call's entry, the module-loaded
-    callback with the image (``report``), the exit with ``result`` and, on success, the module handle written."""
+    """What CUPTI reports of a ``cuModuleLoadData``-like driver call (``cbid``) of ``image``: the call's entry, the
+    module-loaded callback with each image of ``reports`` (default: ``image``; none: ``()``), the exit with
+    ``result`` and, on success, the module handle written."""
     import ctypes
 
     from weightcache.graphs.cubins import _CallbackData
@@ -730,8 +744,8 @@ def driver_load(
     code = ctypes.c_int(result)
     enter = _CallbackData(0, None, ctypes.addressof(params), None)
     cupti.callback(None, 1, cbid, ctypes.addressof(enter))
-    if report:
-        load_module(cupti, image)
+    for reported in (image,) if reports is None else reports:
+        load_module(cupti, reported)
     if result == 0:
         out.value = module
     leave = _CallbackData(1, None, ctypes.addressof(params), ctypes.addressof(code))
@@ -779,7 +793,7 @@ def test_a_module_loaded_while_another_thread_holding_the_gil_loads_one_does_not
     ran out)."""
     import ctypes
 
-    from weightcache.graphs.cubins import CubinRecorder, _ModuleData, _ResourceData
+    from weightcache.graphs.cubins import CubinRecorder
 
     source = tmp_path / "driver.c"
     source.write_text(FAKE_DRIVER)
@@ -791,13 +805,11 @@ def test_a_module_loaded_while_another_thread_holding_the_gil_loads_one_does_not
     cupti = FakeCupti()
     recorder = CubinRecorder(lib=cupti)  # type: ignore[arg-type]
     image = elf([("triton_poi_fused_0", 2, 1)])
-    buffer = ctypes.create_string_buffer(image, len(image))
-    module = _ModuleData(7, len(image), ctypes.cast(buffer, ctypes.c_void_p))
-    resource = _ResourceData(None, None, ctypes.addressof(module))
+    resource, _kept = module_loaded_data(image)
     callback, userdata = cupti.raw
     loader = threading.Thread(
         target=released.load,
-        args=(ctypes.cast(callback, ctypes.c_void_p), userdata, ctypes.addressof(resource)),
+        args=(ctypes.cast(callback, ctypes.c_void_p), userdata, resource),
     )
     loader.start()
     while not released.loading():
@@ -832,7 +844,7 @@ def test_the_recorder_knows_which_image_each_module_was_loaded_from() -> None:
     assert recorder.image_for("other", 0x1111) is None  # a module seen, whose image does not define it
 
     unreported = elf([("direct", 2, 1)])
-    driver_load(cupti, unreported, 0x4444, report=False)
+    driver_load(cupti, unreported, 0x4444, reports=())
     digest = hashlib.sha256(unreported).hexdigest()
     assert recorder.image_for("direct", 0x4444) == digest and recorder.image(digest) == unreported
 
@@ -859,23 +871,12 @@ def test_a_load_that_reports_too_many_images_maps_no_module_and_leaves_nothing_b
     """Found by a review of the C callback: a load that reported more images than it notes (32) left the later
     ones' numbers in the recorder for good. Now such a load maps no module (its images stay known by name) and
     nothing is left; ``loading_kept_images`` blocks nest (an inner one's end no longer ends the outer one)."""
-    import ctypes
-
-    from weightcache.graphs.cubins import CubinRecorder, _CallbackData, loading_kept_images
+    from weightcache.graphs.cubins import CubinRecorder, loading_kept_images
 
     cupti = FakeCupti()
     recorder = CubinRecorder(lib=cupti)  # type: ignore[arg-type]
-    out = ctypes.c_void_p(0)
-    params = (ctypes.c_void_p * 2)(ctypes.addressof(out), None)
-    code = ctypes.c_int(0)
-    cupti.callback(None, 1, 19, ctypes.addressof(_CallbackData(0, None, ctypes.addressof(params), None)))
     images = [elf([(f"k{i}", 2, 1)]) for i in range(33)]
-    for image in images:
-        load_module(cupti, image)
-    out.value = 0x7777
-    cupti.callback(
-        None, 1, 19, ctypes.addressof(_CallbackData(1, None, ctypes.addressof(params), ctypes.addressof(code)))
-    )
+    driver_load(cupti, images[0], 0x7777, reports=images)
     assert recorder.image_for("k0", 0x7777, by_name=False) is None and recorder.counts() == (33, 33)
     assert recorder.image_for("k32", 0x7777) == hashlib.sha256(images[32]).hexdigest()  # by name
     assert recorder._sequence == {}, len(recorder._sequence)
