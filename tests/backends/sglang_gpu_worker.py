@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import contextlib
 import ctypes
-import faulthandler
 import json
 import os
 import signal
@@ -31,7 +30,6 @@ from engine_models import PROMPT, evict_from_page_cache  # noqa: E402
 
 
 def main() -> None:
-    faulthandler.enable(all_threads=True)  # a SIGABRT from the test (a hung engine) prints every thread's stack
     with contextlib.suppress(Exception):  # killed with the test process (it leads a process group of its own)
         ctypes.CDLL(None).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     spec = json.loads(sys.argv[1])
