@@ -42,14 +42,14 @@ needs_c_compiler = pytest.mark.skipif(
 )
 
 
-def elf(symbols: list[tuple[str, int, int]]) -> bytes:
-    """A 64-bit little-endian ELF file whose symbol table holds ``(name, type, binding)`` symbols, each defined in
-    section 3 (``.text``); what the CUDA driver loads is such a file (a cubin)."""
-    strtab = b"\0" + b"".join(name.encode() + b"\0" for name, _, _ in symbols)
+def elf(symbols: list[tuple[str, int, int]] | list[tuple[str, int, int, int]]) -> bytes:
+    """A 64-bit little-endian ELF file whose symbol table holds ``(name, type, binding[, other])`` symbols, each
+    defined in section 3 (``.text``); what the CUDA driver loads is such a file (a cubin)."""
+    strtab = b"\0" + b"".join(symbol[0].encode() + b"\0" for symbol in symbols)
     syms = bytes(24)  # the null symbol
     at = 1
-    for name, kind, binding in symbols:
-        syms += struct.pack("<IBBHQQ", at, (binding << 4) | kind, 0, 3, 0, 0)
+    for name, kind, binding, *other in symbols:
+        syms += struct.pack("<IBBHQQ", at, (binding << 4) | kind, other[0] if other else 0, 3, 0, 0)
         at += len(name) + 1
     text = b"\0" * 16
     header_size, section_size = 64, 64
@@ -68,6 +68,13 @@ def elf(symbols: list[tuple[str, int, int]]) -> bytes:
 def test_the_kernels_a_cubin_defines_are_its_global_functions() -> None:
     image = elf([("_Z6kernelPf", 2, 1), ("_Z6helperPf", 2, 0), ("weak_kernel", 2, 2), ("a_global", 1, 1)])
     assert kernel_names(image) == {"_Z6kernelPf", "weak_kernel"}
+
+
+def test_a_kernel_of_internal_linkage_is_named_by_its_entry_flag() -> None:
+    # vLLM 0.26's FlashAttention 3 cubins (nvcc, sm_90a): 1200 kernels are local symbols marked as entries
+    # (st_other 0x10), e.g. every FlashAttnFwdCombine; a local function without the flag is a device function
+    image = elf([("_ZN7cutlass13device_kernelIN5flash19FlashAttnFwdCombine", 2, 0, 0x10), ("$local_helper", 2, 0, 0)])
+    assert kernel_names(image) == {"_ZN7cutlass13device_kernelIN5flash19FlashAttnFwdCombine"}
 
 
 @pytest.mark.parametrize(

@@ -43,11 +43,17 @@ _ELF_MAGIC = b"\x7fELF"
 _SHT_SYMTAB = 2
 _STT_FUNC = 2
 _STB_GLOBAL, _STB_WEAK = 1, 2
+#: ``st_other``'s flag for a kernel's entry point in a CUDA ELF file: nvcc marks local kernels with it (those of
+#: internal linkage: anonymous namespaces, and template instances made internal, as every FlashAttention 3 kernel of
+#: vLLM 0.26); the driver finds them by name all the same.
+_STO_CUDA_ENTRY = 0x10
 
 
 def kernel_names(image: bytes) -> set[str]:
-    """The global functions an ELF cubin defines (each kernel is one, in its own ``.text.<name>`` section).
-    Empty for anything that is not a 64-bit little-endian ELF file or whose tables do not fit in it."""
+    """The kernels an ELF cubin defines (each in its own ``.text.<name>`` section): its global and weak functions,
+    and its local ones flagged as entry points (kernels of internal linkage; a local function without the flag is a
+    device function). Empty for anything that is not a 64-bit little-endian ELF file or whose tables do not fit in
+    it."""
     if len(image) < 64 or image[:4] != _ELF_MAGIC or image[4] != 2 or image[5] != 1:
         return set()
     try:
@@ -65,8 +71,10 @@ def kernel_names(image: bytes) -> set[str]:
                 continue
             strings = image[str_offset : str_offset + str_size]
             for at in range(offset, offset + size - entsize + 1, entsize):
-                st_name, st_info, _other, st_shndx = struct.unpack_from("<IBBH", image, at)
-                if st_info & 0xF != _STT_FUNC or st_info >> 4 not in (_STB_GLOBAL, _STB_WEAK) or st_shndx == 0:
+                st_name, st_info, other, st_shndx = struct.unpack_from("<IBBH", image, at)
+                if st_info & 0xF != _STT_FUNC or st_shndx == 0:
+                    continue
+                if st_info >> 4 not in (_STB_GLOBAL, _STB_WEAK) and not other & _STO_CUDA_ENTRY:
                     continue
                 end = strings.find(b"\0", st_name)
                 if 0 <= st_name < end:
