@@ -28,9 +28,10 @@ engine's capture in the arena). Each must capture instead of restoring.
 ``--external`` (every process of the run) makes the graphs also read and write memory of torch's own caching
 allocator, declared with ``GraphCache.external``: each graph adds a bias tensor to the model's output and copies
 the sum into an output tensor of its own (a memcpy node), both made with ``torch.full``/``torch.empty`` first
-thing in the process. Whether a restore can use them depends on torch's allocator giving a fresh process the same
-addresses for the same first allocations, which nothing promises: the checks decide (``restored``, ``reasons``).
-``--variant external-moved`` allocates 1 MiB more before them, so that they move: every graph must be captured.
+thing in the process. torch's allocator gives a fresh process other addresses for them (CUDA places its address
+space anew in each process): a restore moves every pointer into them with them (``relocated``: how many).
+``--variant external-moved`` allocates 1 MiB more before them, so that they move within torch's segment too:
+every graph must still be restored, its outputs the same.
 
 ``--engine`` (every process of the run) captures the graphs as an engine that runs its own capture loop does:
 ``GraphCache.restore`` for each graph, and where it returns None a warm-up and ``torch.cuda.graph`` into
@@ -241,6 +242,7 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
         "graph_at_ms": graph_at,
         "gc_ms": collections,
         "cache_reason": cache.reason if cache is not None else None,
+        "relocated": cache.relocated if cache is not None else 0,
         "published": published,
         "home_ranges": len(cuda_vmm.home_ranges()),
         "home_taken": taken,

@@ -12,6 +12,7 @@ from collections.abc import Mapping, Sequence
 from struct import pack as struct_pack
 from typing import Any
 
+import attrs
 import numpy as np
 import pytest
 
@@ -31,7 +32,7 @@ from weightcache.graphs import (
     resolve,
     restore_problems,
 )
-from weightcache.graphs.check import extent_problems, extents
+from weightcache.graphs.check import extent_problems, extents, moved_ranges, moves, relocate
 from weightcache.graphs.record import add_each
 
 POOL = AddressRange("pool", 0x7F00_0000_0000, 1 << 30)
@@ -391,6 +392,77 @@ def test_a_tensor_of_another_allocator_is_checked_by_name_as_device_memory_in_on
     driver.allocations[2:] = []  # freed here: no device memory there at all
     (problem,) = extent_problems([POOL, tensor], [POOL, tensor], reach, driver.pointer_range)
     assert f"range 'external/kv': {tensor.base:#x}" in problem and "not device memory" in problem
+
+
+def test_a_tensor_of_another_allocator_declared_elsewhere_has_every_pointer_into_it_moved_with_it() -> None:
+    """torch's allocator gives a fresh process's tensors other addresses (CUDA's address space is placed anew in
+    each process): a range of someone else's allocation that a restoring process declares at another base, as
+    large, is relocated: each pointer into it, in kernel arguments, a memset's destination and a memcpy's source,
+    moves by as much, and nothing else does; the moved graph's pointers check as a recorded graph's do."""
+    driver = FakeDriver()
+    kv = AddressRange("external/kv", ELSEWHERE + 0x1000, 64 << 10, own_mapping=False)
+    ids = AddressRange("external/ids", ELSEWHERE + 0x20000, 4096, own_mapping=False)
+    reads = KernelNode(
+        "k",
+        (1, 1, 1),
+        (1, 1, 1),
+        0,
+        u64(kv.base + 0x80, POOL.base, 12345, ids.base),
+        ((0, 8), (8, 8), (16, 8), (24, 8)),
+    )
+    description = GraphDescription(
+        (reads, MemsetNode(kv.base + 0x100, 0, 0, 4, 16, 1), MemcpyNode(kv.base, POOL.base + 0x1000, 256)),
+        (Edge(0, 1), Edge(1, 2)),
+    )
+    recorded = [POOL, WEIGHTS, kv, ids]
+    found, problems = pointers(description, recorded, driver.pointer_range)
+    assert problems == []
+    reach = extents(found, recorded)
+    here = [POOL, WEIGHTS, attrs.evolve(kv, base=kv.base + 0x40000), ids]  # kv elsewhere, ids where it was
+    moved, problems = moves(recorded, here, reach)
+    assert moved == {"external/kv": 0x40000} and problems == []
+    assert extent_problems(moved_ranges(recorded, moved), here, reach, driver.pointer_range) == []
+    assert "was at" in extent_problems(recorded, here, reach, driver.pointer_range)[0]  # unmoved: refused
+
+    relocated, count = relocate(description, recorded, moved)
+    assert count == 3  # the kernel's kv pointer, the memset's destination, the memcpy's source (each once)
+    node, memset, copy = relocated.nodes
+    assert isinstance(node, KernelNode) and isinstance(memset, MemsetNode) and isinstance(copy, MemcpyNode)
+    assert node.args == u64(kv.base + 0x40080, POOL.base, 12345, ids.base) and node.layout == reads.layout
+    assert memset.dst == kv.base + 0x40100 and (copy.src, copy.dst) == (kv.base + 0x40000, POOL.base + 0x1000)
+    assert relocated.edges == description.edges and description.nodes[1] == MemsetNode(kv.base + 0x100, 0, 0, 4, 16, 1)
+    again, problems = pointers(relocated, here, driver.pointer_range)
+    assert problems == [] and [(p.node, p.offset, p.range) for p in again] == [
+        (p.node, p.offset, p.range) for p in found
+    ]
+    assert relocate(description, recorded, {}) == (description, 0)
+
+    # never relocated: a range of its own (the arena, a weights segment), one that is smaller here, and two
+    # ranges that overlapped when recorded and moved apart (which one a pointer into both meant is not known)
+    pool_moved = [attrs.evolve(POOL, base=POOL.base + (2 << 20)), WEIGHTS, kv, ids]
+    assert moves(recorded, pool_moved, reach) == ({}, [])
+    smaller = [POOL, WEIGHTS, attrs.evolve(kv, base=kv.base + 0x40000, size=kv.size // 2), ids]
+    (problem,) = moves(recorded, smaller, reach)[1]
+    assert "range 'external/kv' was at" in problem and "smaller" in problem
+    head = AddressRange("external/kv-head", kv.base, 256, own_mapping=False)
+    (problem,) = moves([*recorded, head], [*here, head], {**reach, head.name: 1})[1]
+    assert (
+        "ranges 'external/kv' and 'external/kv-head' overlapped when the graph was recorded and moved apart" in problem
+    )
+
+
+@pytest.mark.parametrize(
+    "words, field",
+    [([(5, 0, 8)], "node 5"), ([(0, 4, 8)], "argument byte 4"), ([(0, 32, 8)], "argument byte 32"),
+     ([(1, 0, 8)], "argument byte 0"), ([(0, -2, 8)], "its address"), ([(0, 0, -(1 << 63))], "argument byte 0")],
+    ids=["no-such-node", "unaligned", "past-the-arguments", "memset-argument", "kernel-source", "below-zero"],
+)  # fmt: skip
+def test_moving_a_place_a_description_does_not_have_is_an_error_naming_it(words: Any, field: str) -> None:
+    description = GraphDescription(
+        (KernelNode("k", (1, 1, 1), (1, 1, 1), 0, u64(POOL.base, 7)), MemsetNode(POOL.base, 0, 0, 1, 16, 1))
+    )
+    with pytest.raises(GraphDescriptionError, match=field):
+        description.moved(words)
 
 
 def test_kernels_are_resolved_through_their_modules_and_a_missing_one_builds_nothing() -> None:

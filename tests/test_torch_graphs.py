@@ -633,26 +633,20 @@ def test_on_a_gpu_adopt_copies_each_storage_outside_the_arena_once_and_keeps_the
 
 
 @pytest.mark.cuda
-def test_on_a_gpu_graphs_over_torch_allocated_tensors_are_restored_only_where_those_are_found_again() -> None:
+def test_on_a_gpu_graphs_over_torch_allocated_tensors_are_restored_wherever_those_are_declared() -> None:
     """Graphs that also read a bias and write their result into an output made by torch's own allocator (declared
-    with ``GraphCache.external``; the copy is a memcpy node): a fresh process restores them when its tensors are at
-    the recording process's addresses, and captures them, saying which range moved, when they are not; the
-    outputs are the plain capture's either way."""
+    with ``GraphCache.external``; the copy is a memcpy node): torch's allocator puts them elsewhere in each fresh
+    process (on the H100, 2026-12-05, always), and further off still with 1 MiB allocated before them
+    (``external-moved``); every graph is restored all the same, each pointer into them moved with them, and the
+    outputs are the plain capture's."""
     result = bench_runs("external-moved", external=True)
     record, _plain, restore, moved = result["runs"]
     assert record["published"] and record["recorded"] == [True] * 3, record
     assert result["outputs_equal"], [r["digests"] for r in result["runs"]]
-    # nothing promises the same addresses: a graph is restored exactly when the tensors it uses are where the
-    # recording process had them (and every graph before it was restored: the first capture ends restoring)
-    expected, restoring = [], True
-    for b in (1, 8, 32):
-        restoring = restoring and all(restore["external"][n] == record["external"][n] for n in ("bias", f"out{b}"))
-        expected.append(restoring)
-    assert restore["restored"] == expected, (restore, record["external"])
-    if not expected[0]:  # then the check must say which range moved
-        assert "external/" in (restore["reasons"][0] or ""), restore
     assert moved["external"]["bias"][0] != record["external"]["bias"][0], moved["external"]
-    assert moved["restored"] == [False] * 3 and "'external/bias' was at" in (moved["reasons"][0] or ""), moved
+    for run in (restore, moved):
+        assert run["restored"] == [True] * 3, (run["reasons"], run["external"], record["external"])
+    assert moved["relocated"] > 0, moved
 
 
 class FakeCupti:

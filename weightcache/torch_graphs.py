@@ -62,7 +62,7 @@ from .errors import GraphDescriptionError, GraphRestoreError, WeightCacheError
 from .fingerprint import Fingerprint
 from .graphs.arena import ALIGNMENT, DEFAULT_BASE, Arena, CudaArenaDriver
 from .graphs.bundle import FORMAT, GraphBundle, GraphRecord, Output
-from .graphs.check import AddressRange, extent_problems, extents, pointers
+from .graphs.check import AddressRange, extent_problems, extents, moved_ranges, moves, pointers, relocate
 from .graphs.cubins import CubinRecorder, keep_kernel_images
 from .graphs.description import GraphDescription, kernel_image
 from .graphs.driver import CudaGraphDriver
@@ -396,6 +396,9 @@ class GraphCache:
         #: CUPTI); from the first graph captured instead of restored on, the last such graph's ``graph '<name>' is
         #: captured: <why>``.
         self.reason: str | None = None
+        #: How many pointers of the graphs restored so far were moved with their external tensors (declared at
+        #: another address than recorded, :meth:`external`).
+        self.relocated = 0
         self._cause: str | None = None  # why no (more) graph can be restored: the reason every later graph gives
         self._unrecordable: str | None = None  # why nothing (more) can be recorded, where no graph's record failed
         self._no_images: str | None = None  # why kernel images cannot be kept here (no CUPTI)
@@ -417,6 +420,8 @@ class GraphCache:
         self._images: dict[str, bytes | memoryview] = {}
         self._kernels: KernelLoader | None = None  # once there is a driver
         self._prebuilt: Prebuilder | None = None  # the artifact's graphs, built ahead on a worker thread
+        self._prebuilt_from = 0  # the index of the first graph it builds
+        self._prebuilt_moves: list[dict[str, int]] = []  # how far it moved external ranges, graph by graph
         self._shared: dict[str, int] = {}  # each kernel's largest dynamic shared memory over the artifact's graphs
         #: Seconds of the start-up steps: ``arena`` (range, pool, driver), ``artifact`` (asked of the keeper and
         #: mapped), ``parse`` (checked).
@@ -509,6 +514,7 @@ class GraphCache:
                     self._prebuilt = Prebuilder(
                         self._driver, self._kernels, self._bundle.graphs, self._bundle.images, shared=self._shared
                     )
+                    self._prebuilt_from, self._prebuilt_moves = 0, [{} for _ in self._bundle.graphs]
             except Exception as exc:  # threads that cannot start, a driver call: each graph is built when asked for
                 log.warning("weightcache: the graphs are not loaded ahead (%s: %s)", type(exc).__name__, exc)
 
@@ -809,17 +815,25 @@ class GraphCache:
         executable: int | None = None
         try:
             arena.skip_to(record.end)
-            problems = extent_problems(bundle.ranges, self.ranges(), record.reach, driver.pointer_range)
-            problems += self._output_problems(record.outputs)
+            here = self.ranges()
+            moved, problems = moves(bundle.ranges, here, record.reach)
+            problems += extent_problems(moved_ranges(bundle.ranges, moved), here, record.reach, driver.pointer_range)
+            outputs_here = _moved_outputs(record.outputs, bundle.ranges, moved)
+            problems += self._output_problems(outputs_here)
             if arena.name in record.reach and record.reach[arena.name] > record.end:
                 problems.append(f"its pointers reach arena offset {record.reach[arena.name]}, past its memory")
             if problems:
                 return self._refuse(name, f"{len(problems)} address check(s) failed, e.g. {problems[0]}", record)
             phases["checks"] = time.perf_counter() - started
-            built = self._take_prebuilt(name)
+            if moved:  # tensors declared elsewhere than recorded: every pointer into them moved with them
+                description, count = relocate(record.description, bundle.ranges, moved)
+                record = attrs.evolve(record, description=description, outputs=outputs_here)
+                self.relocated += count
+                phases["relocate"] = time.perf_counter() - started - phases["checks"]
+            built = self._take_prebuilt(name, moved)
             if built is not None:  # built ahead (the same steps as below, on a worker thread)
                 executable = built.executable
-                phases["wait"] = time.perf_counter() - started - phases["checks"]
+                phases["wait"] = time.perf_counter() - started - sum(phases.values())
                 phases.update({f"ahead_{step}": seconds for step, seconds in built.phases.items()})
             else:
                 assert self._kernels is not None
@@ -844,16 +858,49 @@ class GraphCache:
         restored.phases = phases
         return restored
 
-    def _take_prebuilt(self, name: str) -> Prebuilt | None:
+    def _take_prebuilt(self, name: str, moved: Mapping[str, int]) -> Prebuilt | None:
         """The next graph as built ahead; None where there is none, or its build failed: then it is built again
-        here, now that its memory is mapped (a memset or copy node may need that), and fails here if it must."""
+        here, now that its memory is mapped (a memset or copy node may need that), and fails here if it must.
+        One built ahead with external ranges moved otherwise than ``moved`` (built before they were declared
+        where they are) is not taken: the graphs after it are built ahead again, each relocated to the ranges
+        declared now, and this one is built here."""
         if self._prebuilt is None:
             return None
+        index = self._next - self._prebuilt_from
+        if self._prebuilt_moves[index] != moved:
+            self._build_ahead_again(self._next + 1)
+            return None
         try:
-            return self._prebuilt.take(self._next)
+            return self._prebuilt.take(index)
         except Exception as exc:
             log.debug("weightcache: graph %r was not built ahead (%s: %s); built now", name, type(exc).__name__, exc)
             return None
+
+    def _build_ahead_again(self, first: int) -> None:
+        """Build the artifact's graphs from ``first`` on ahead again, each with the external ranges declared now
+        (those built so far are destroyed; one being built is waited for)."""
+        assert self._prebuilt is not None and self._bundle is not None and self._driver is not None
+        assert self._kernels is not None
+        self._prebuilt.close()
+        self._prebuilt = None
+        here = self.ranges()
+        records, used = [], []
+        for record in self._bundle.graphs[first:]:
+            moved, problems = moves(self._bundle.ranges, here, record.reach)
+            try:
+                if moved and not problems:
+                    relocated = relocate(record.description, self._bundle.ranges, moved)[0]
+                    record = attrs.evolve(record, description=relocated)
+            except GraphDescriptionError:  # built when asked for, and refused there
+                problems = ["not relocated"]
+            records.append(record)
+            used.append(moved if not problems else {})
+        try:
+            self._prebuilt = Prebuilder(self._driver, self._kernels, records, self._bundle.images, shared=self._shared)
+        except Exception as exc:  # threads that cannot start: each graph is built when asked for
+            log.warning("weightcache: the graphs are not built ahead again (%s: %s)", type(exc).__name__, exc)
+            return
+        self._prebuilt_from, self._prebuilt_moves = first, used
 
     def _discard(self, executable: int | None) -> None:
         """Destroy an executable graph a failed restore or check made (no error of its own escapes)."""
@@ -1128,6 +1175,21 @@ class GraphCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _moved_outputs(
+    outputs: tuple[Output, ...], ranges: Sequence[AddressRange], moved: Mapping[str, int]
+) -> tuple[Output, ...]:
+    """``outputs`` with each that lies in a range of ``moved`` (an external tensor declared elsewhere than
+    recorded) moved with it."""
+    if not moved:
+        return outputs
+
+    def here(o: Output) -> Output:
+        inside = next((r for r in ranges if r.name in moved and r.holds(o.address)), None)
+        return o if inside is None else attrs.evolve(o, address=o.address + moved[inside.name])
+
+    return tuple(here(o) for o in outputs)
 
 
 def _bytes(t: torch.Tensor) -> torch.Tensor:

@@ -4,8 +4,9 @@ addresses instead of captured).
 CUDA has no call that saves a graph. What a process can do is walk a captured graph through the driver's graph
 API into a description (each kernel's function, launch geometry and argument bytes; memsets; the edges and their
 data) and, in a later process, build a graph node by node from that description. The argument bytes hold device
-pointers, so a rebuilt graph is only valid where every memory it points at sits at the recorded address again:
-that is what :mod:`~weightcache.graphs.check` establishes, before anything is rebuilt.
+pointers, so a rebuilt graph is only valid where every memory it points at sits at the recorded address again, or
+(for a tensor of someone else's allocator, declared by name) where every pointer into it was moved with it: that
+is what :mod:`~weightcache.graphs.check` establishes, before anything is rebuilt.
 
 - :mod:`~weightcache.graphs.description`: the description as values (attrs), to and from JSON (no pickle); any
   malformed description is a :class:`~weightcache.errors.GraphDescriptionError`.
@@ -14,7 +15,8 @@ that is what :mod:`~weightcache.graphs.check` establishes, before anything is re
 - :mod:`~weightcache.graphs.record`: :func:`describe` a captured graph, :func:`rebuild` one from a description,
   :func:`resolve` kernel names to this process's function handles.
 - :mod:`~weightcache.graphs.check`: the address checks: every pointer a description holds lies in a range the
-  restore reproduces, and every such range is at its recorded place in this process.
+  restore reproduces, and every such range is at its recorded place in this process, or (a part of another
+  allocation) :func:`relocate` d to where it is now.
 - :mod:`~weightcache.graphs.arena`: a range of GPU addresses at a fixed base with a bump allocator, where graph
   memory gets the same addresses in every process.
 - :mod:`~weightcache.graphs.cubins`: the machine code of the kernels, kept from CUPTI's module-loaded callback.
@@ -30,7 +32,7 @@ no torch.
 from __future__ import annotations
 
 from .arena import Arena, ArenaDriver, CudaArenaDriver
-from .check import AddressRange, Pointer, pointers, restore_problems
+from .check import AddressRange, Pointer, moves, pointers, relocate, restore_problems
 from .description import Edge, EmptyNode, GraphDescription, KernelNode, MemcpyNode, MemsetNode, Node
 from .driver import CudaGraphDriver, GraphDriver
 from .record import describe, rebuild, resolve
@@ -51,8 +53,10 @@ __all__ = [
     "Node",
     "Pointer",
     "describe",
+    "moves",
     "pointers",
     "rebuild",
+    "relocate",
     "resolve",
     "restore_problems",
 ]

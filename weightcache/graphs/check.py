@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from .description import GraphDescription, KernelNode, MemcpyNode, MemsetNode, pointer_words
+from .description import DESTINATION, SOURCE, GraphDescription, KernelNode, MemcpyNode, MemsetNode, pointer_words
 
 
 @attrs.frozen
@@ -59,9 +59,6 @@ class Pointer:
     value: int
     range: str
 
-
-#: :attr:`Pointer.offset` of a memset's or memcpy's destination, and of a memcpy's source.
-DESTINATION, SOURCE = -1, -2
 
 #: Words below this are never looked up as device addresses: CUDA places device memory above 4 GiB on 64-bit
 #: Linux, and a graph's argument bytes are mostly scalars (sizes, strides, flags) below it.
@@ -291,6 +288,65 @@ def extent_problems(
     return problems
 
 
+def moves(
+    recorded: Sequence[AddressRange], current: Sequence[AddressRange], reach: Mapping[str, int]
+) -> tuple[dict[str, int], list[str]]:
+    """How far each range a graph's pointers use (``reach``) moved: a part of another allocation (``own_mapping``
+    False, then and now) that is here at another base and at least as large, by ``current base - recorded base``
+    (what :func:`relocate` moves its pointers by). A range of its own (the arena, a weights segment) never moves:
+    :func:`restore_problems` refuses it elsewhere. The problems: two recorded ranges that overlap and moved by
+    different amounts (which one a pointer into both meant is not known), and a range that moved with fewer bytes
+    here than recorded. Empty moves: every range is where it was."""
+    now = {r.name: r for r in current}
+    moved: dict[str, int] = {}
+    problems: list[str] = []
+    used = [r for r in recorded if r.name in reach and not r.own_mapping]
+    for r in used:
+        after = now.get(r.name)
+        if after is None or after.own_mapping or after.base == r.base:
+            continue
+        if after.size < r.size:
+            problems.append(
+                f"range {r.name!r} was at {r.base:#x} ({r.size} bytes) when the graph was recorded and is at "
+                f"{after.base:#x} with {after.size} bytes here: smaller"
+            )
+            continue
+        moved[r.name] = after.base - r.base
+    if moved:
+        by_base = sorted(used, key=lambda r: r.base)
+        for i, a in enumerate(by_base):
+            for b in by_base[i + 1 :]:
+                if b.base >= a.base + a.size:
+                    break
+                if moved.get(a.name, 0) != moved.get(b.name, 0):
+                    problems.append(
+                        f"ranges {a.name!r} and {b.name!r} overlapped when the graph was recorded and moved apart "
+                        "here: which of them a pointer into both meant is not known"
+                    )
+    return moved, problems
+
+
+def moved_ranges(ranges: Sequence[AddressRange], moved: Mapping[str, int]) -> list[AddressRange]:
+    """``ranges`` with each of ``moved`` at its new base (what :func:`extent_problems` checks a relocated graph
+    against)."""
+    return [attrs.evolve(r, base=r.base + moved[r.name]) if r.name in moved else r for r in ranges]
+
+
+def relocate(
+    description: GraphDescription, recorded: Sequence[AddressRange], moved: Mapping[str, int]
+) -> tuple[GraphDescription, int]:
+    """``description`` with every pointer into a range of ``moved`` (found as :func:`pointers` finds them, in the
+    ``recorded`` ranges) moved as far as its range moved, and how many were; ``description`` itself where none
+    is."""
+    if not moved:
+        return description, 0
+    found, _ = pointers(description, [r for r in recorded if r.name in moved], None)
+    words = [(p.node, p.offset, moved[p.range]) for p in found]
+    if not words:
+        return description, 0
+    return description.moved(words), len({(p.node, p.offset) for p in found})
+
+
 __all__ = [
     "DESTINATION",
     "SOURCE",
@@ -298,6 +354,9 @@ __all__ = [
     "Pointer",
     "extent_problems",
     "extents",
+    "moved_ranges",
+    "moves",
     "pointers",
+    "relocate",
     "restore_problems",
 ]

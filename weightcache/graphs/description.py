@@ -38,6 +38,9 @@ LAUNCH_FORMS: tuple[Literal["params"], Literal["buffer"]] = ("params", "buffer")
 ATTRIBUTE_BYTES = 64
 EDGE_BYTES = 8
 _U32 = 2**32
+#: Where :meth:`GraphDescription.moved` (and :class:`~weightcache.graphs.check.Pointer`) points in a memset or
+#: memcpy node instead of an argument byte: its destination (the first byte it writes), a memcpy's source.
+DESTINATION, SOURCE = -1, -2
 
 
 _read = FieldReader(
@@ -323,6 +326,43 @@ class GraphDescription:
             edges.append(Edge(src, dst, _hex(raw[2], f"{where} data", EDGE_BYTES)))
         return cls(nodes, tuple(edges))
 
+    def moved(self, words: Sequence[tuple[int, int, int]]) -> GraphDescription:
+        """A copy in which each ``(node, offset, delta)`` address is ``delta`` bytes further on: the 8-byte word at
+        argument byte ``offset`` of kernel node ``node``, or (``offset`` :data:`DESTINATION` or :data:`SOURCE`)
+        a memset's destination or a memcpy's destination or source. Each place is moved once, however often it is
+        named. Made from the tables (no value per node); raises :class:`GraphDescriptionError` for a place the
+        description does not have or an address moved below 0 or past 64 bits."""
+        tables = DescriptionTables.read(memoryview(bytearray(self.tables.data)))  # writable arrays over a copy
+        raw = np.frombuffer(tables.args, dtype=np.uint8)
+        kinds = tables.table["kind"]
+        copy_rows = np.cumsum(kinds == _MEMCPY) - 1
+        done: set[tuple[int, int]] = set()
+        for node, offset, delta in words:
+            if (node, offset) in done:
+                continue
+            done.add((node, offset))
+            where = f"node {node}, {'argument byte ' + str(offset) if offset >= 0 else 'its address'}"
+            if not 0 <= node < len(kinds):
+                raise _fail(where, f"a node of the {len(kinds)}", node)
+            kind = int(kinds[node])
+            if offset >= 0:
+                start = int(tables.arg_starts[node])
+                if kind != _KERNEL or offset % 8 or offset + 8 > int(tables.table["args"][node]):
+                    raise _fail(where, "an aligned 8-byte word of a kernel's arguments", offset)
+                at = start + offset
+                value = int.from_bytes(raw[at : at + 8].tobytes(), "little") + delta
+                raw[at : at + 8] = np.frombuffer(_address(value, where).to_bytes(8, "little"), dtype=np.uint8)
+            elif kind == _MEMSET and offset == DESTINATION:
+                row = tables.table["memset"][node]
+                row[0] = _address(int(row[0]) + delta, where)
+            elif kind == _MEMCPY and offset in (DESTINATION, SOURCE):
+                field = _MEMCPY_FIELDS.index("dst" if offset == DESTINATION else "src")
+                row = tables.copies[int(copy_rows[node])]
+                row[field] = _address(int(row[field]) + delta, where)
+            else:
+                raise _fail(where, "a memset's destination or a memcpy's source or destination", offset)
+        return GraphDescription._of(tables)
+
     def to_binary(self) -> bytes:
         """The description as tables: :data:`BINARY_MAGIC`; seven little-endian u32 (:data:`BINARY_FORMAT`, then
         the counts of nodes, layout spans, attributes, edges, kernel names and memcpy nodes); the node, layout,
@@ -506,6 +546,12 @@ class DescriptionTables:
     def nodes(self) -> tuple[Node, ...]:
         """Every node as a value."""
         return _nodes(self.table, self.kernel, self.spans, self.attributes, self.copies, self.names, self.args)
+
+
+def _address(value: int, where: str) -> int:
+    if not 0 <= value < 2**64:
+        raise _fail(where, "an address moved within 64 bits", hex(value))
+    return value
 
 
 def _starts(counts: np.ndarray) -> np.ndarray:
@@ -736,6 +782,7 @@ __all__ = [
     "ATTRIBUTE_BYTES",
     "BINARY_FORMAT",
     "BINARY_MAGIC",
+    "DESTINATION",
     "EDGE_BYTES",
     "FORMAT",
     "IMAGE_MARK",
@@ -749,6 +796,7 @@ __all__ = [
     "MemcpyNode",
     "MemsetNode",
     "Node",
+    "SOURCE",
     "kernel_image",
     "kernel_name",
     "pointer_words",
