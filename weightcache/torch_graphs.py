@@ -580,13 +580,13 @@ class GraphCache:
         """Declare ``tensor``, made outside the arena (by torch's caching allocator, a library, an engine's own
         buffers), as memory the graphs may read and write, under ``name``; returns it. The recording process
         records where it lies (range ``external/<name>``); a restoring process must declare the same name, before
-        the graphs that use it, for a tensor at the same address and at least as large (a graph is captured
-        otherwise, saying so), and the driver must know all of its recorded bytes as one device allocation. Nothing
-        makes the address the same in both processes: that holds where the process makes the same allocations in
-        the same order (the checks find out; nothing else is trusted). The GraphCache keeps the tensor's memory
-        alive until :meth:`close`, and each graph that may use it until that graph is closed. A tensor in the arena
-        or a weights home needs no declaration (ignored); without an arena (see :attr:`reason`), nothing is
-        declared.
+        the graphs that use it, for a tensor at least as large (a graph is captured otherwise, saying so), and the
+        driver must know all of its recorded bytes as one device allocation. Where it lies at another address
+        (torch's allocator gives a fresh process other addresses), each graph that uses it is relocated: every
+        pointer the recording process found in it moves by as much (:attr:`relocated` counts them). The GraphCache
+        keeps the tensor's memory alive until :meth:`close`, and each graph that may use it until that graph is
+        closed. A tensor in the arena or a weights home needs no declaration (ignored); without an arena (see
+        :attr:`reason`), nothing is declared.
 
         Raises :class:`~weightcache.errors.WeightCacheError` for a tensor on another device, of no bytes, or a
         name declared before for another address or size."""
