@@ -868,6 +868,28 @@ def test_the_recorder_knows_which_image_each_module_was_loaded_from() -> None:
 
 
 @needs_c_compiler
+def test_the_recorder_says_why_it_knows_no_image_for_a_kernel() -> None:
+    """On an H100 (2026-12-05) vLLM 0.26's FULL graphs were refused as 'loaded before this GraphCache kept
+    modules' although the module's load had been seen: its kernels were local symbols the reader skipped. A seen
+    module whose image does not name the kernel says so (and which image); two images of the name and no module
+    seen, and no image at all, say theirs."""
+    from weightcache.graphs.cubins import CubinRecorder
+
+    cupti = FakeCupti()
+    recorder = CubinRecorder(lib=cupti)  # type: ignore[arg-type]
+    helper_only = elf([("_Z6helperPf", 2, 0)])  # a local function without the entry flag: not read as a kernel
+    driver_load(cupti, helper_only, 0x1111)
+    seen = recorder.why_unknown("_Z6helperPf", 0x1111)
+    assert "was seen" in seen and hashlib.sha256(helper_only).hexdigest()[:16] in seen and "0 kernel name" in seen
+    assert "loaded before" not in seen
+    driver_load(cupti, elf([("twice", 2, 1)]), 0x2222)
+    driver_load(cupti, elf([("twice", 2, 1), ("x", 2, 1)]), 0x3333)
+    assert recorder.why_unknown("twice", 0x4444).startswith("2 kept kernel image(s) define twice")
+    assert "loaded before this GraphCache" in recorder.why_unknown("never_loaded", 0x4444)
+    assert "loaded before this GraphCache" in recorder.why_unknown("never_loaded", None)
+
+
+@needs_c_compiler
 def test_a_load_that_reports_too_many_images_maps_no_module_and_leaves_nothing_behind() -> None:
     """Found by a review of the C callback: a load that reported more images than it notes (32) left the later
     ones' numbers in the recorder for good. Now such a load maps no module (its images stay known by name) and

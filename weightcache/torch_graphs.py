@@ -1013,14 +1013,16 @@ class GraphCache:
         if recorder is None:
             return self._no_images or "kernel images cannot be kept here"
 
+        def module_of(function: int) -> int | None:
+            try:
+                return driver.function_module(function)
+            except GraphRestoreError:
+                return None
+
         def image_of(name: str, function: int, by_name: bool = False) -> str | None:
             """``function``'s image: its module's where that load was seen, else (``by_name``) the one kept image
             of that name (a name several functions of the graph share is told apart by seen modules only)."""
-            try:
-                module: int | None = driver.function_module(function)
-            except GraphRestoreError:
-                module = None
-            return recorder.image_for(name, module, by_name=by_name)
+            return recorder.image_for(name, module_of(function), by_name=by_name)
 
         try:
             description, functions = describe(driver, graph.raw_cuda_graph(), image_of)
@@ -1045,16 +1047,7 @@ class GraphCache:
         for kernel in sorted(description.kernels()):
             digest = kernel_image(kernel) or image_of(kernel, functions[kernel], by_name=True)
             if digest is None:
-                if recorder.images_defining(kernel) > 0:
-                    return (
-                        f"{recorder.images_defining(kernel)} kept kernel image(s) define {kernel[:120]}, and the load "
-                        "of this function's module was not seen or its image does not define it, so which one it "
-                        "runs is not known"
-                    )
-                return (
-                    f"the module of kernel {kernel[:120]} was loaded before this GraphCache kept modules (make the "
-                    "GraphCache before the model's first kernel runs)"
-                )
+                return recorder.why_unknown(kernel, module_of(functions[kernel]))
             kernels[kernel] = digest
         recorded = tuple(Output(o.data_ptr(), _NAMES[o.dtype], tuple(o.shape), tuple(o.stride())) for o in outputs)
         record = GraphRecord(name, start, arena.used, description, recorded, kernels, extents(found, ranges))

@@ -312,6 +312,31 @@ class CubinRecorder:
                 return digest if kernel in self._names[digest] else None
         return self.image_of(kernel) if by_name else None
 
+    def why_unknown(self, kernel: str, module: int | None) -> str:
+        """Why :meth:`image_for` knows no image for ``kernel``, a function of ``module``: that module's load was
+        seen and the kernel names read from its image do not include ``kernel`` (weightcache did not read that
+        image's symbols as a kernel's), several kept images define the name and the module's load was not seen,
+        or no kept image defines it (its module was loaded before this recorder subscribed)."""
+        with self._lock:
+            self._drain()
+            digest = self._modules.get(module) if module else None
+            defining = len(self._kernels.get(kernel, ()))
+            if digest is not None:
+                return (
+                    f"the load of the module of kernel {kernel[:120]} was seen (image {digest[:16]}, "
+                    f"{len(self._names[digest])} kernel name(s) read from it), and that image does not name it as "
+                    "a kernel: its symbols are not understood here (report it, with the engine and GPU)"
+                )
+            if defining > 0:
+                return (
+                    f"{defining} kept kernel image(s) define {kernel[:120]}, and the load of this function's module "
+                    "was not seen, so which one it runs is not known"
+                )
+            return (
+                f"the module of kernel {kernel[:120]} was loaded before this GraphCache kept modules (make the "
+                "GraphCache before the model's first kernel runs)"
+            )
+
     def image(self, digest: str) -> bytes:
         with self._lock:
             self._drain()
