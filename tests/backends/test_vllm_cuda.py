@@ -128,7 +128,9 @@ def test_full_graphs_of_a_second_engine_are_restored_and_give_the_same_tokens(
     tokens, for one prompt and for five at once (decode steps of five sequences: a FULL graph of eight, padded).
     First run on an H100 (2026-12-05): the first client hung (the CUPTI callback's deadlock, fixed since); with
     vLLM's thread pools made serial by hand, recording failed here (0 of 51: the rotary table outside the arena,
-    adopted since). Not yet run with both fixes."""
+    adopted since). Run again the same day: recording failed for FlashAttention 3's kernels, local ELF symbols
+    the image reader skipped (read since); then all 51 were recorded, and the second client restored none, torch
+    having placed 23 runner tensors elsewhere (relocated since). Not yet run with relocation."""
     from weightcache.backends import vllm_graphs
 
     model = str(make_model(tmp_path / "llama", "llama"))
