@@ -658,6 +658,7 @@ class FakeCupti:
         self.callback: Any = None
         self.raw: tuple[Any, Any] = (None, None)
         self.enabled: list[tuple[int, int]] = []
+        self.unsubscribed = 0
 
         def subscribe(handle: Any, callback: Any, userdata: Any) -> int:
             import ctypes
@@ -678,6 +679,7 @@ class FakeCupti:
             return 0
 
         def unsubscribe(subscriber: Any) -> int:
+            self.unsubscribed += 1
             return 0
 
         self.cuptiSubscribe, self.cuptiEnableCallback, self.cuptiUnsubscribe = subscribe, enable, unsubscribe
@@ -865,6 +867,32 @@ def test_the_recorder_knows_which_image_each_module_was_loaded_from() -> None:
     teardown = _ResourceData(None, None, None)
     cupti.callback(None, 3, 2, ctypes.addressof(teardown))
     assert recorder.image_for("triton_k_0", 0x2222) is None and recorder.image_for("direct", 0x4444) == digest
+
+
+@needs_c_compiler
+def test_a_stopped_recorder_lets_go_of_every_image_and_keeps_no_more(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process that restores every graph never asks the recorder anything, so every module image loaded for its
+    life waited in the callback's queue. Stopping unsubscribes, frees the queue and the kept images (the bytes
+    are told), and a module loaded afterwards is not copied; the process's recorder is made anew on the next
+    keep_kernel_images."""
+    from weightcache.graphs import cubins
+    from weightcache.graphs.cubins import CubinRecorder, stop_keeping_kernel_images
+
+    cupti = FakeCupti()
+    recorder = CubinRecorder(lib=cupti)  # type: ignore[arg-type]
+    kept, queued = elf([("kept_kernel", 2, 1)]), elf([("queued_kernel", 2, 1), ("other", 2, 1)])
+    driver_load(cupti, kept, 0x1111)
+    assert recorder.image_for("kept_kernel", 0x1111) is not None  # asked: taken from the queue, kept
+    driver_load(cupti, queued, 0x2222)
+    assert recorder.queued_bytes() >= len(queued)  # not asked: waiting in the queue
+    monkeypatch.setattr(cubins, "_recorder", recorder)
+    assert stop_keeping_kernel_images() >= len(kept) + len(queued)
+    assert cubins._recorder is None and cupti.unsubscribed == 1 and recorder.queued_bytes() == 0
+    driver_load(cupti, elf([("late", 2, 1)]), 0x3333)  # a callback CUPTI still delivers: nothing queued
+    assert recorder.queued_bytes() == 0 and recorder.counts() == (0, 0)
+    assert recorder.image_for("kept_kernel", 0x1111) is None and recorder.image_for("late", 0x3333) is None
+    assert "no longer kept" in recorder.why_unknown("kept_kernel", 0x1111)
+    assert stop_keeping_kernel_images() == 0 and recorder.stop() == 0  # nothing more to let go
 
 
 @needs_c_compiler

@@ -348,9 +348,18 @@ def test_full_graphs_the_artifact_holds_are_restored_in_order_and_a_failure_leav
     capture_model = vllm_graphs._with_runner(Runner.capture_model)
 
     monkeypatch.setattr(StandInGraphCache, "holds", set(names))
+
+    class Recorder:  # the process's recorder (keep_kernel_images), as far as letting go of it goes
+        def stop(self) -> int:
+            return 12345
+
+    from weightcache.graphs import cubins
+
+    monkeypatch.setattr(cubins, "_recorder", Recorder())
     runner = Runner()
     manager = runner.cudagraph_manager
     capture_model(runner)
+    assert cubins._recorder is None  # nothing more is recorded in this engine: its kernel images let go
     [cache] = StandInGraphCache.made
     assert manager.calls == [{"PIECEWISE": piecewise}]  # vLLM captured the pieces, no FULL graph
     assert [manager.graphs[d] for d in full] == [("restored", n) for n in names]
@@ -366,7 +375,7 @@ def test_full_graphs_the_artifact_holds_are_restored_in_order_and_a_failure_leav
     assert report["record_problem"] is None
     assert set(report["seconds"]) == set(vllm_graphs.STEPS) and min(report["seconds"].values()) >= 0
     assert report["seconds"]["total"] >= report["seconds"]["restore"]
-    assert report["graph_phase_s"] >= report["seconds"]["total"]
+    assert report["graph_phase_s"] >= report["seconds"]["total"] and report["images_freed"] == 12345
 
     runner = Runner()
     manager = runner.cudagraph_manager

@@ -52,7 +52,7 @@ if typing.TYPE_CHECKING:
     from .handle import Handle
     from .standby import Leadership
     from .torch_compile import CompileCache, compile_cache
-    from .torch_graphs import CudaGraph, GraphCache, keep_kernel_images
+    from .torch_graphs import CudaGraph, GraphCache, keep_kernel_images, stop_keeping_kernel_images
     from .torch_precompile import Precompiled, precompile
 
 # Names imported on first use (PEP 562): those that need torch, so that the keeper and the CLI's keeper commands
@@ -73,6 +73,7 @@ _LAZY = {
     "CudaGraph": "torch_graphs",
     "GraphCache": "torch_graphs",
     "keep_kernel_images": "torch_graphs",
+    "stop_keeping_kernel_images": "torch_graphs",
 }
 
 
@@ -143,4 +144,5 @@ __all__ = [
     "precompile",
     "preload",
     "quant",
+    "stop_keeping_kernel_images",
 ]

@@ -63,7 +63,7 @@ from .fingerprint import Fingerprint
 from .graphs.arena import ALIGNMENT, DEFAULT_BASE, Arena, CudaArenaDriver
 from .graphs.bundle import FORMAT, GraphBundle, GraphRecord, Output
 from .graphs.check import AddressRange, extent_problems, extents, moved_ranges, moves, pointers, relocate
-from .graphs.cubins import CubinRecorder, keep_kernel_images
+from .graphs.cubins import CubinRecorder, keep_kernel_images, stop_keeping_kernel_images
 from .graphs.description import GraphDescription, kernel_image
 from .graphs.driver import CudaGraphDriver
 from .graphs.loading import KernelLoader
@@ -1201,4 +1201,5 @@ __all__ = [
     "fetch_bundle",
     "graphs_key",
     "keep_kernel_images",
+    "stop_keeping_kernel_images",
 ]

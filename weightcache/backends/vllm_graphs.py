@@ -107,8 +107,10 @@ def reports() -> list[dict[str, Any]]:
     not restored was captured, ``graph '<name>' is captured: <why>``, or why the kind stood aside),
     ``record_problem`` (why the first graph captured here was not recorded, ``graph '<name>': <why>``; None where
     each was), ``seconds``
-    (where the kind's time went, :data:`STEPS`; absent where it stood aside) and ``graph_phase_s`` (vLLM's whole
-    ``capture_model``: the PIECEWISE graphs, the FULL ones and vLLM's own steps around them)."""
+    (where the kind's time went, :data:`STEPS`; absent where it stood aside), ``graph_phase_s`` (vLLM's whole
+    ``capture_model``: the PIECEWISE graphs, the FULL ones and vLLM's own steps around them) and ``images_freed``
+    (the bytes of kernel images let go after that phase, :func:`~weightcache.graphs.cubins.stop_keeping_kernel_images`:
+    nothing more is recorded in this engine)."""
     return list(_REPORTS)
 
 
@@ -166,9 +168,26 @@ def _with_runner(original: Callable[..., Any]) -> Callable[..., Any]:
                 report["graph_phase_s"] = seconds
             if len(_REPORTS) > before:
                 log.info("weightcache: vLLM's graph phase took %.3f s", seconds)
+                _stop_keeping(_REPORTS[before:])
 
     capture_model.__wrapped__ = original  # type: ignore[attr-defined]
     return capture_model
+
+
+def _stop_keeping(reports: list[dict[str, Any]]) -> None:
+    """After vLLM's graph phase nothing more is recorded in this engine: let go of the kernel images kept since
+    :func:`register` (a process that restored every graph never reads them, and the callback's queue would grow
+    with each module loaded while serving); how many bytes that freed goes into ``reports``."""
+    from ..graphs.cubins import stop_keeping_kernel_images
+
+    try:
+        freed = stop_keeping_kernel_images()
+    except Exception as exc:  # never the engine's problem
+        log.warning("weightcache: the kept kernel images were not let go (%s: %s)", type(exc).__name__, exc)
+        return
+    for report in reports:
+        report["images_freed"] = freed
+    log.info("weightcache: %d bytes of kept kernel images let go after the graph phase", freed)
 
 
 def _capturing(original: Callable[..., Any]) -> Callable[..., Any]:

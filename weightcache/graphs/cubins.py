@@ -180,6 +180,7 @@ class CubinRecorder:
         self._modules: dict[int, str] = {}  # module handle -> the image it was loaded from
         self._sequence: dict[int, str] = {}  # the shim's image number -> its digest, until its load's end is seen
         self._dropped = 0  # events the callback could not queue (out of memory), as last seen
+        self._stopped = False  # stop(): nothing kept any more
         self.follows_modules = False  # (below, once CUPTI follows them)
         self._lock = threading.Lock()
         loads, from_memory = (
@@ -321,6 +322,11 @@ class CubinRecorder:
             self._drain()
             digest = self._modules.get(module) if module else None
             defining = len(self._kernels.get(kernel, ()))
+            if self._stopped:
+                return (
+                    f"kernel images are no longer kept in this process (stop_keeping_kernel_images), so the image "
+                    f"of kernel {kernel[:120]} is not known"
+                )
             if digest is not None:
                 return (
                     f"the load of the module of kernel {kernel[:120]} was seen (image {digest[:16]}, "
@@ -342,11 +348,31 @@ class CubinRecorder:
             self._drain()
             return self._images[digest]
 
+    def queued_bytes(self) -> int:
+        """Bytes of module images the callback queued that no question has taken yet (a process that only
+        restores graphs asks none)."""
+        return int(self._shim.wc_queued(self._state))
+
     def close(self) -> None:
         """Unsubscribe (idempotent); the images kept so far stay."""
         if self._subscriber.value:
             self._lib.cuptiUnsubscribe(self._subscriber)
             self._subscriber = ctypes.c_void_p()
+
+    def stop(self) -> int:
+        """Unsubscribe, queue nothing more, and let go of every image: those queued and those kept (idempotent).
+        From then on no image is known (:meth:`image_for` None, :meth:`why_unknown` says why); the bytes let go."""
+        self.close()
+        with self._lock:
+            freed = int(self._shim.wc_stop(self._state))
+            freed += sum(len(image) for image in self._images.values())
+            self._stopped = True
+            self._images.clear()
+            self._names.clear()
+            self._kernels.clear()
+            self._modules.clear()
+            self._sequence.clear()
+        return freed
 
 
 _lock = threading.Lock()
@@ -372,4 +398,25 @@ def keep_kernel_images() -> CubinRecorder:
         return _recorder
 
 
-__all__ = ["CubinRecorder", "keep_kernel_images", "kernel_names", "load_cupti", "loading_kept_images"]
+def stop_keeping_kernel_images() -> int:
+    """Stop keeping this process's kernel images (:func:`keep_kernel_images`) once no graph will be recorded in
+    it any more: unsubscribe from CUPTI and let go of every image kept or queued; how many bytes that freed (0
+    where none was kept). A process that restores every graph records none, and the callback's queue otherwise
+    grows with each module loaded for its life. A later :func:`keep_kernel_images` (or a new ``GraphCache``)
+    subscribes again; modules loaded in between are not known, so graphs that use them are captured, not
+    recorded. A GraphCache made before keeps the stopped recorder: what it records from then on is refused the
+    same way."""
+    global _recorder
+    with _lock:
+        recorder, _recorder = _recorder, None
+    return recorder.stop() if recorder is not None else 0
+
+
+__all__ = [
+    "CubinRecorder",
+    "keep_kernel_images",
+    "kernel_names",
+    "load_cupti",
+    "loading_kept_images",
+    "stop_keeping_kernel_images",
+]

@@ -74,6 +74,8 @@ typedef struct {
     wc_event *head, *tail;
     uint64_t seq;
     uint64_t dropped;
+    uint64_t queued;  /* bytes the queued events hold (images, mostly) */
+    int stopped;      /* wc_stop was called: nothing is queued from then on */
     uint32_t driver, resource, module_loaded, context_destroy, unload;
     uint32_t loads[WC_LOADS], from_memory[WC_LOADS];
     int nloads, nfrom_memory, follows;
@@ -135,6 +137,7 @@ static uint64_t wc_push(wc_state *st, int kind, uint64_t module, char *data, siz
     e->next = NULL; e->kind = kind; e->seq = ++st->seq; e->module = module; e->data = data; e->size = size;
     if (st->tail) st->tail->next = e; else st->head = e;
     st->tail = e;
+    st->queued += size;
     uint64_t seq = e->seq;
     pthread_mutex_unlock(&st->lock);
     return seq;
@@ -215,7 +218,7 @@ static void wc_driver_call(wc_state *st, uint32_t cbid, const wc_call *call) {
 
 void wc_callback(void *userdata, uint32_t domain, uint32_t cbid, const void *data) {
     wc_state *st = userdata;
-    if (!st || !data || wc_own) return;
+    if (!st || !data || wc_own || __atomic_load_n(&st->stopped, __ATOMIC_ACQUIRE)) return;
     if (domain == st->driver) {
         int follows = __atomic_load_n(&st->follows, __ATOMIC_ACQUIRE);
         if (follows && (wc_in(st->loads, st->nloads, cbid) || cbid == st->unload)) wc_driver_call(st, cbid, data);
@@ -237,11 +240,33 @@ void wc_callback(void *userdata, uint32_t domain, uint32_t cbid, const void *dat
     else if (noted) p->over = 1;  /* dropped (no memory): the load can no longer tell its image */
 }
 
+/* Bytes the queued events hold. */
+uint64_t wc_queued(wc_state *st) {
+    pthread_mutex_lock(&st->lock);
+    uint64_t n = st->queued;
+    pthread_mutex_unlock(&st->lock);
+    return n;
+}
+
+/* Queue nothing more (a callback CUPTI still delivers returns at once) and free what is queued; the bytes freed.
+   The state itself stays: a callback may be running on another thread. */
+uint64_t wc_stop(wc_state *st) {
+    __atomic_store_n(&st->stopped, 1, __ATOMIC_RELEASE);
+    pthread_mutex_lock(&st->lock);
+    wc_event *e = st->head;
+    uint64_t freed = st->queued;
+    st->head = st->tail = NULL;
+    st->queued = 0;
+    pthread_mutex_unlock(&st->lock);
+    while (e) { wc_event *next = e->next; free(e->data); free(e); e = next; }
+    return freed;
+}
+
 /* Pop the oldest event: 1 and its fields (data is the caller's to wc_release), or 0 where the queue is empty. */
 int wc_take(wc_state *st, int *kind, uint64_t *seq, uint64_t *module, char **data, uint64_t *size) {
     pthread_mutex_lock(&st->lock);
     wc_event *e = st->head;
-    if (e) { st->head = e->next; if (!st->head) st->tail = NULL; }
+    if (e) { st->head = e->next; if (!st->head) st->tail = NULL; st->queued -= e->size; }
     pthread_mutex_unlock(&st->lock);
     if (!e) return 0;
     *kind = e->kind; *seq = e->seq; *module = e->module; *data = e->data; *size = e->size;
@@ -351,6 +376,10 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.wc_release.restype = None
     lib.wc_dropped.argtypes = [ptr]
     lib.wc_dropped.restype = u64
+    lib.wc_queued.argtypes = [ptr]
+    lib.wc_queued.restype = u64
+    lib.wc_stop.argtypes = [ptr]
+    lib.wc_stop.restype = u64
     lib.wc_callback.argtypes = [ptr, u32, u32, ptr]
     lib.wc_callback.restype = None
     out = ctypes.POINTER
