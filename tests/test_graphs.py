@@ -32,7 +32,15 @@ from weightcache.graphs import (
     resolve,
     restore_problems,
 )
-from weightcache.graphs.check import extent_problems, extents, moved_ranges, moves, relocate
+from weightcache.graphs.check import (
+    NEAR_MOVED,
+    extent_problems,
+    extents,
+    moved_ranges,
+    moves,
+    relocate,
+    relocation_problems,
+)
 from weightcache.graphs.record import add_each
 
 POOL = AddressRange("pool", 0x7F00_0000_0000, 1 << 30)
@@ -436,6 +444,7 @@ def test_a_tensor_of_another_allocator_declared_elsewhere_has_every_pointer_into
         (p.node, p.offset, p.range) for p in found
     ]
     assert relocate(description, recorded, {}) == (description, 0)
+    assert relocation_problems(description, recorded, moved) == []  # (ids, near kv, is a range of its own)
 
     # never relocated: a range of its own (the arena, a weights segment), one that is smaller here, and two
     # ranges that overlapped when recorded and moved apart (which one a pointer into both meant is not known)
@@ -449,12 +458,33 @@ def test_a_tensor_of_another_allocator_declared_elsewhere_has_every_pointer_into
     assert (
         "ranges 'external/kv' and 'external/kv-head' overlapped when the graph was recorded and moved apart" in problem
     )
+    same_base = [POOL, WEIGHTS, attrs.evolve(kv, size=kv.size // 2), ids]  # where it was, smaller
+    assert extent_problems(recorded, same_base, reach, driver.pointer_range)[0].endswith(": smaller")
+
+
+@pytest.mark.parametrize(
+    "offset", [64 << 10, (64 << 10) + 512, -8, -(1 << 19)], ids=["end", "past", "before", "far-before"]
+)
+def test_a_word_just_outside_a_moved_range_refuses_relocation(offset: int) -> None:
+    """Relocation moves the words inside a moved range. A word near it but outside every range (a tensor's end
+    handed to a kernel as a bound, an address before its first byte) passed the recording's checks only because
+    no device memory was there; moving the range without it would leave a stale pointer, so the graph is not
+    relocated (captured instead). One farther than NEAR_MOVED is a scalar like any other."""
+    kv = AddressRange("external/kv", ELSEWHERE + (2 << 20), 64 << 10, own_mapping=False)
+    node = KernelNode("k", (1, 1, 1), (1, 1, 1), 0, u64(kv.base, kv.base + offset), ((0, 8), (8, 8)))
+    description = GraphDescription((node,))
+    (problem,) = relocation_problems(description, [POOL, kv], {kv.name: 0x40000})
+    assert problem.startswith("node 0 (k), argument byte 8 holds") and f"{offset:+#x} bytes from" in problem
+    assert "'external/kv'" in problem
+    assert relocation_problems(description, [POOL, kv], {}) == []  # nothing moves: nothing is left behind
+    far = GraphDescription((attrs.evolve(node, args=u64(kv.base, kv.base + kv.size + NEAR_MOVED)),))
+    assert relocation_problems(far, [POOL, kv], {kv.name: 0x40000}) == []
 
 
 @pytest.mark.parametrize(
     "words, field",
     [([(5, 0, 8)], "node 5"), ([(0, 4, 8)], "argument byte 4"), ([(0, 32, 8)], "argument byte 32"),
-     ([(1, 0, 8)], "argument byte 0"), ([(0, -2, 8)], "its address"), ([(0, 0, -(1 << 63))], "argument byte 0")],
+     ([(1, 0, 8)], "argument byte 0"), ([(0, -2, 8)], "its source"), ([(0, 0, -(1 << 63))], "argument byte 0")],
     ids=["no-such-node", "unaligned", "past-the-arguments", "memset-argument", "kernel-source", "below-zero"],
 )  # fmt: skip
 def test_moving_a_place_a_description_does_not_have_is_an_error_naming_it(words: Any, field: str) -> None:

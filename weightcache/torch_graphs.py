@@ -62,7 +62,16 @@ from .errors import GraphDescriptionError, GraphRestoreError, WeightCacheError
 from .fingerprint import Fingerprint
 from .graphs.arena import ALIGNMENT, DEFAULT_BASE, Arena, CudaArenaDriver
 from .graphs.bundle import FORMAT, GraphBundle, GraphRecord, Output
-from .graphs.check import AddressRange, extent_problems, extents, moved_ranges, moves, pointers, relocate
+from .graphs.check import (
+    AddressRange,
+    extent_problems,
+    extents,
+    moved_ranges,
+    moves,
+    pointers,
+    relocate,
+    relocation_problems,
+)
 from .graphs.cubins import CubinRecorder, keep_kernel_images, stop_keeping_kernel_images
 from .graphs.description import GraphDescription, kernel_image
 from .graphs.driver import CudaGraphDriver
@@ -813,10 +822,12 @@ class GraphCache:
             )
         phases: dict[str, float] = {}
         executable: int | None = None
+        count = 0  # pointers moved with their external tensors
         try:
             arena.skip_to(record.end)
             here = self.ranges()
             moved, problems = moves(bundle.ranges, here, record.reach)
+            problems += relocation_problems(record.description, bundle.ranges, moved)
             problems += extent_problems(moved_ranges(bundle.ranges, moved), here, record.reach, driver.pointer_range)
             outputs_here = _moved_outputs(record.outputs, bundle.ranges, moved)
             problems += self._output_problems(outputs_here)
@@ -828,7 +839,6 @@ class GraphCache:
             if moved:  # tensors declared elsewhere than recorded: every pointer into them moved with them
                 description, count = relocate(record.description, bundle.ranges, moved)
                 record = attrs.evolve(record, description=description, outputs=outputs_here)
-                self.relocated += count
                 phases["relocate"] = time.perf_counter() - started - phases["checks"]
             built = self._take_prebuilt(name, moved)
             if built is not None:  # built ahead (the same steps as below, on a worker thread)
@@ -848,6 +858,7 @@ class GraphCache:
             log.debug("weightcache: graph %r: the restore failed", name, exc_info=True)
             return self._refuse(name, f"its restore failed ({type(exc).__name__}: {exc})", record)
         self._next += 1
+        self.relocated += count
         self._records.append(record)
         self._images.update({d: bundle.images[d] for d in record.kernels.values()})
         seconds = time.perf_counter() - started
@@ -867,6 +878,8 @@ class GraphCache:
         if self._prebuilt is None:
             return None
         index = self._next - self._prebuilt_from
+        if not 0 <= index < len(self._prebuilt_moves):  # (never: each graph not restored stops the restoring)
+            return None
         if self._prebuilt_moves[index] != moved:
             self._build_ahead_again(self._next + 1)
             return None
@@ -887,6 +900,7 @@ class GraphCache:
         records, used = [], []
         for record in self._bundle.graphs[first:]:
             moved, problems = moves(self._bundle.ranges, here, record.reach)
+            problems += relocation_problems(record.description, self._bundle.ranges, moved)
             try:
                 if moved and not problems:
                     relocated = relocate(record.description, self._bundle.ranges, moved)[0]

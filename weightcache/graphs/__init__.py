@@ -16,7 +16,8 @@ is what :mod:`~weightcache.graphs.check` establishes, before anything is rebuilt
   :func:`resolve` kernel names to this process's function handles.
 - :mod:`~weightcache.graphs.check`: the address checks: every pointer a description holds lies in a range the
   restore reproduces, and every such range is at its recorded place in this process, or (a part of another
-  allocation) :func:`relocate` d to where it is now.
+  allocation) relocated to where it is now (:func:`relocate`, refused where :func:`relocation_problems` finds a
+  word it would leave behind).
 - :mod:`~weightcache.graphs.arena`: a range of GPU addresses at a fixed base with a bump allocator, where graph
   memory gets the same addresses in every process.
 - :mod:`~weightcache.graphs.cubins`: the machine code of the kernels, kept from CUPTI's module-loaded callback.
@@ -32,7 +33,7 @@ no torch.
 from __future__ import annotations
 
 from .arena import Arena, ArenaDriver, CudaArenaDriver
-from .check import AddressRange, Pointer, moves, pointers, relocate, restore_problems
+from .check import AddressRange, Pointer, moves, pointers, relocate, relocation_problems, restore_problems
 from .description import Edge, EmptyNode, GraphDescription, KernelNode, MemcpyNode, MemsetNode, Node
 from .driver import CudaGraphDriver, GraphDriver
 from .record import describe, rebuild, resolve
@@ -57,6 +58,7 @@ __all__ = [
     "pointers",
     "rebuild",
     "relocate",
+    "relocation_problems",
     "resolve",
     "restore_problems",
 ]

@@ -111,10 +111,11 @@ def pointers(
     memory (``pointer_range``, e.g. :meth:`~weightcache.graphs.driver.GraphDriver.pointer_range`; each distinct
     word at or above :data:`LOWEST_ADDRESS` is asked once) outside every range, or a memset whose destination is
     in none (its first and last byte; a memcpy's on both sides). Words that are no device address are not
-    pointers (scalars; a scalar that equals an address inside a range is treated as a pointer, which can only make
-    a restore refuse). Without ``pointer_range`` (a restore, which checks the pointers it finds with
-    :func:`restore_problems`), words outside the ranges are not looked up. ``tally``, where given, gets the
-    problems' distinct addresses by the device allocation that holds each, ``(base, size)``, in the order found."""
+    pointers (scalars; a scalar that equals an address inside a range is treated as a pointer: checked, and moved
+    with its range where :func:`relocate` moves that range). Without ``pointer_range`` (a restore, which checks
+    the pointers it finds with :func:`restore_problems`), words outside the ranges are not looked up. ``tally``,
+    where given, gets the problems' distinct addresses by the device allocation that holds each,
+    ``(base, size)``, in the order found."""
     found: list[Pointer] = []
     problems: list[str] = []
     known: dict[int, tuple[int, int] | None] = {}
@@ -207,7 +208,7 @@ def restore_problems(
         elif after.base != before.base or after.size < before.size:
             problems.append(
                 f"range {name!r} was at {before.base:#x} ({before.size} bytes) when the graph was recorded and is at "
-                f"{after.base:#x} ({after.size} bytes) here"
+                f"{after.base:#x} ({after.size} bytes) here{': smaller' if after.size < before.size else ''}"
             )
         elif after.own_mapping != before.own_mapping:
             kind = {True: "a mapping of its own", False: "part of another allocation"}
@@ -326,6 +327,47 @@ def moves(
     return moved, problems
 
 
+#: How far around a moved range (before its first byte, past its last) :func:`relocation_problems` looks for
+#: words that relocation would leave where they are.
+NEAR_MOVED = 1 << 20
+
+
+def relocation_problems(
+    description: GraphDescription, recorded: Sequence[AddressRange], moved: Mapping[str, int]
+) -> list[str]:
+    """Why relocating ``description`` by ``moved`` (from :func:`moves`) could leave a stale pointer: a kernel
+    argument word within :data:`NEAR_MOVED` bytes of a moved range, before its first byte or at or past its end,
+    that lies in no recorded range. Such a word is likely derived from the range (a tensor's end, passed as a
+    loop bound; an address before it) and passed the recording's checks only because no device memory was there
+    (device memory outside every range refuses recording); relocation moves only the words inside the range, so
+    it would keep the old address. Empty: nothing of the kind (each moved range, its first such word)."""
+    if not moved:
+        return []
+    nodes, offsets, values = _kernel_words(description)
+    candidate = values >= LOWEST_ADDRESS
+    nodes, offsets, values = nodes[candidate], offsets[candidate], values[candidate]
+    inside = np.zeros(len(values), dtype=bool)
+    for r in recorded:
+        inside |= (values >= r.base) & (values < r.base + r.size)
+    kernels = description.nodes
+    problems = []
+    for r in recorded:
+        if r.name not in moved:
+            continue
+        near = ~inside & (values >= max(r.base - NEAR_MOVED, 0)) & (values < r.base + r.size + NEAR_MOVED)
+        if near.any():
+            at = int(np.argmax(near))
+            node, offset, value = int(nodes[at]), int(offsets[at]), int(values[at])
+            kernel = kernels[node]
+            what = kernel.function if isinstance(kernel, KernelNode) else None
+            problems.append(
+                f"{_where(node, offset, what)} holds {value:#x}, {value - r.base:+#x} bytes from the first byte of "
+                f"range {r.name!r} but outside it (and every range): relocating the range would leave this "
+                "address, likely derived from it (an end, a point before it), where it is"
+            )
+    return problems
+
+
 def moved_ranges(ranges: Sequence[AddressRange], moved: Mapping[str, int]) -> list[AddressRange]:
     """``ranges`` with each of ``moved`` at its new base (what :func:`extent_problems` checks a relocated graph
     against)."""
@@ -349,6 +391,7 @@ def relocate(
 
 __all__ = [
     "DESTINATION",
+    "NEAR_MOVED",
     "SOURCE",
     "AddressRange",
     "Pointer",
@@ -358,5 +401,6 @@ __all__ = [
     "moves",
     "pointers",
     "relocate",
+    "relocation_problems",
     "restore_problems",
 ]

@@ -341,7 +341,8 @@ class GraphDescription:
             if (node, offset) in done:
                 continue
             done.add((node, offset))
-            where = f"node {node}, {'argument byte ' + str(offset) if offset >= 0 else 'its address'}"
+            place = {DESTINATION: "its destination", SOURCE: "its source"}.get(offset, f"argument byte {offset}")
+            where = f"node {node}, {place}"
             if not 0 <= node < len(kinds):
                 raise _fail(where, f"a node of the {len(kinds)}", node)
             kind = int(kinds[node])
