@@ -886,6 +886,7 @@ def test_a_stopped_recorder_lets_go_of_every_image_and_keeps_no_more(monkeypatch
     driver_load(cupti, queued, 0x2222)
     assert recorder.queued_bytes() >= len(queued)  # not asked: waiting in the queue
     monkeypatch.setattr(cubins, "_recorder", recorder)
+    monkeypatch.setattr(cubins, "_let_go", False)
     assert stop_keeping_kernel_images() >= len(kept) + len(queued)
     assert cubins._recorder is None and cupti.unsubscribed == 1 and recorder.queued_bytes() == 0
     driver_load(cupti, elf([("late", 2, 1)]), 0x3333)  # a callback CUPTI still delivers: nothing queued
@@ -893,6 +894,8 @@ def test_a_stopped_recorder_lets_go_of_every_image_and_keeps_no_more(monkeypatch
     assert recorder.image_for("kept_kernel", 0x1111) is None and recorder.image_for("late", 0x3333) is None
     assert "no longer kept" in recorder.why_unknown("kept_kernel", 0x1111)
     assert stop_keeping_kernel_images() == 0 and recorder.stop() == 0  # nothing more to let go
+    again = CubinRecorder(lib=FakeCupti())  # type: ignore[arg-type]  # subscribed anew: what loaded meanwhile is unknown
+    assert "let go earlier (stop_keeping_kernel_images)" in again.why_unknown("late", 0x3333)
 
 
 @needs_c_compiler

@@ -317,7 +317,8 @@ class CubinRecorder:
         """Why :meth:`image_for` knows no image for ``kernel``, a function of ``module``: that module's load was
         seen and the kernel names read from its image do not include ``kernel`` (weightcache did not read that
         image's symbols as a kernel's), several kept images define the name and the module's load was not seen,
-        or no kept image defines it (its module was loaded before this recorder subscribed)."""
+        or no kept image defines it (its module was loaded before this recorder subscribed, or while this process
+        kept none after :func:`stop_keeping_kernel_images`); or this recorder was stopped."""
         with self._lock:
             self._drain()
             digest = self._modules.get(module) if module else None
@@ -325,7 +326,7 @@ class CubinRecorder:
             if self._stopped:
                 return (
                     f"kernel images are no longer kept in this process (stop_keeping_kernel_images), so the image "
-                    f"of kernel {kernel[:120]} is not known"
+                    f"of kernel {kernel[:120]} is not known (stop keeping them only once nothing more is recorded)"
                 )
             if digest is not None:
                 return (
@@ -338,9 +339,21 @@ class CubinRecorder:
                     f"{defining} kept kernel image(s) define {kernel[:120]}, and the load of this function's module "
                     "was not seen, so which one it runs is not known"
                 )
+            if _let_go:
+                return (
+                    f"the module of kernel {kernel[:120]} was loaded while this process kept no kernel images: they "
+                    "were let go earlier (stop_keeping_kernel_images), and the module was loaded before they were "
+                    "kept again"
+                )
+            unfollowed = (
+                ", or its image's symbols are not understood here (CUPTI here does not follow which module holds "
+                "which image)"
+                if not self.follows_modules
+                else ""
+            )
             return (
-                f"the module of kernel {kernel[:120]} was loaded before this GraphCache kept modules (make the "
-                "GraphCache before the model's first kernel runs)"
+                f"the module of kernel {kernel[:120]} was loaded before this GraphCache kept modules{unfollowed} "
+                "(make the GraphCache before the model's first kernel runs)"
             )
 
     def image(self, digest: str) -> bytes:
@@ -378,13 +391,14 @@ class CubinRecorder:
 _lock = threading.Lock()
 _recorder: CubinRecorder | None = None
 _failed: GraphRestoreError | None = None
+_let_go = False  # stop_keeping_kernel_images was called in this process
 
 
 def keep_kernel_images() -> CubinRecorder:
-    """This process's :class:`CubinRecorder`, subscribed on the first call and kept for the life of the process
-    (CUPTI allows one subscriber). Call it before the model's first kernel runs (before ``attach`` too: a load
-    runs kernels), so that every module the graphs need is seen loading. Raises the same
-    :class:`~weightcache.errors.GraphRestoreError` on every call where CUPTI cannot be used."""
+    """This process's :class:`CubinRecorder`, subscribed on the first call and kept until
+    :func:`stop_keeping_kernel_images` (CUPTI allows one subscriber). Call it before the model's first kernel
+    runs (before ``attach`` too: a load runs kernels), so that every module the graphs need is seen loading.
+    Raises the same :class:`~weightcache.errors.GraphRestoreError` on every call where CUPTI cannot be used."""
     global _recorder, _failed
     with _lock:
         if _recorder is None:
@@ -406,9 +420,10 @@ def stop_keeping_kernel_images() -> int:
     subscribes again; modules loaded in between are not known, so graphs that use them are captured, not
     recorded. A GraphCache made before keeps the stopped recorder: what it records from then on is refused the
     same way."""
-    global _recorder
+    global _recorder, _let_go
     with _lock:
         recorder, _recorder = _recorder, None
+        _let_go = _let_go or recorder is not None
     return recorder.stop() if recorder is not None else 0
 
 

@@ -134,6 +134,11 @@ static uint64_t wc_push(wc_state *st, int kind, uint64_t module, char *data, siz
     wc_event *e = malloc(sizeof *e);
     if (!e) { wc_drop(st); free(data); return 0; }
     pthread_mutex_lock(&st->lock);
+    if (st->stopped) {  /* (read under the lock: a callback that began before wc_stop queues nothing after it) */
+        pthread_mutex_unlock(&st->lock);
+        free(e); free(data);
+        return 0;
+    }
     e->next = NULL; e->kind = kind; e->seq = ++st->seq; e->module = module; e->data = data; e->size = size;
     if (st->tail) st->tail->next = e; else st->head = e;
     st->tail = e;
@@ -218,7 +223,7 @@ static void wc_driver_call(wc_state *st, uint32_t cbid, const wc_call *call) {
 
 void wc_callback(void *userdata, uint32_t domain, uint32_t cbid, const void *data) {
     wc_state *st = userdata;
-    if (!st || !data || wc_own || __atomic_load_n(&st->stopped, __ATOMIC_ACQUIRE)) return;
+    if (!st || !data || wc_own) return;
     if (domain == st->driver) {
         int follows = __atomic_load_n(&st->follows, __ATOMIC_ACQUIRE);
         if (follows && (wc_in(st->loads, st->nloads, cbid) || cbid == st->unload)) wc_driver_call(st, cbid, data);
@@ -231,6 +236,7 @@ void wc_callback(void *userdata, uint32_t domain, uint32_t cbid, const void *dat
     if (!resource->descriptor) return;
     const wc_module *module = resource->descriptor;
     if (!module->cubin || !module->cubin_size) return;
+    if (__atomic_load_n(&st->stopped, __ATOMIC_ACQUIRE)) return;  /* no copy (wc_push would free it) */
     /* reported during a followed load of this thread: that load's end names it (where it has room to) */
     wc_pending *p = wc_depth > 0 && wc_depth <= WC_DEPTH ? &wc_stack[wc_depth - 1] : NULL;
     int noted = p && p->n < WC_REPORTED;
@@ -248,11 +254,12 @@ uint64_t wc_queued(wc_state *st) {
     return n;
 }
 
-/* Queue nothing more (a callback CUPTI still delivers returns at once) and free what is queued; the bytes freed.
-   The state itself stays: a callback may be running on another thread. */
+/* Queue nothing more (a callback CUPTI still delivers, or one running now, queues nothing: wc_push reads the flag
+   under the lock; a driver call's entry and exit are still counted, so that a thread's nesting stays right) and
+   free what is queued; the bytes freed. The state itself stays: a callback may be running on another thread. */
 uint64_t wc_stop(wc_state *st) {
-    __atomic_store_n(&st->stopped, 1, __ATOMIC_RELEASE);
     pthread_mutex_lock(&st->lock);
+    __atomic_store_n(&st->stopped, 1, __ATOMIC_RELEASE);
     wc_event *e = st->head;
     uint64_t freed = st->queued;
     st->head = st->tail = NULL;
