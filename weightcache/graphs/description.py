@@ -510,6 +510,53 @@ class DescriptionTables:
         args = reader.take(reader.left(), "the argument bytes")
         return cls(view, table, spans, attributes, edges, copies, names, args)
 
+    def argument_words(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+        """Node index, byte offset and value (``uint64``) of every kernel argument word that could be a device
+        pointer, by node then offset: each whole 8-byte word of a node launched with one argument buffer, and of a
+        node launched parameter by parameter the aligned words inside one parameter (:func:`pointer_words`).
+        From the tables, without a value per node."""
+        table = self.table
+        kernels = np.flatnonzero(self.kernel)
+        sizes = table["args"][kernels].astype(np.int64)
+        buffer = table["form"][kernels] == LAUNCH_FORMS.index("buffer")
+        whole = sizes[buffer] // 8
+        nodes = [np.repeat(kernels[buffer], whole)]
+        words = [_counting(whole)]
+        params = kernels[~buffer]
+        counts = table["layout"][params].astype(np.int64)
+        span = np.repeat(self.span_starts[params], counts) + _counting(counts)
+        offset = self.spans["offset"][span].astype(np.int64)
+        first, end = (offset + 7) // 8, (offset + self.spans["size"][span].astype(np.int64)) // 8
+        inside = np.maximum(end - first, 0)
+        nodes.append(np.repeat(np.repeat(params, counts), inside))
+        words.append(np.repeat(first, inside) + _counting(inside))
+        node, word = np.concatenate(nodes), np.concatenate(words)
+        within = word < table["args"][node].astype(np.int64) // 8  # (the read checked spans within the bytes)
+        node, word = node[within], word[within]
+        order = np.lexsort((word, node))
+        node, word = node[order], word[order]
+        if len(node) > 1:  # a word inside two spans (overlapping parameters) counted once
+            fresh = np.ones(len(node), dtype=bool)
+            fresh[1:] = (node[1:] != node[:-1]) | (word[1:] != word[:-1])
+            node, word = node[fresh], word[fresh]
+        at = self.arg_starts[node] + word * 8
+        raw = np.frombuffer(self.args, dtype=np.uint8)
+        values = raw[at[:, None] + np.arange(8)].copy().view("<u8").reshape(-1)
+        return node.astype(np.intp), (word * 8).astype(np.intp), values
+
+    def copy_addresses(self) -> list[tuple[int, int, int]]:
+        """``(node, place, address)`` of every memset's destination and memcpy's source and destination (``place``
+        :data:`DESTINATION` or :data:`SOURCE`), by node."""
+        kinds = self.table["kind"]
+        memsets = np.flatnonzero(kinds == _MEMSET).tolist()
+        found = [
+            (i, DESTINATION, int(a)) for i, a in zip(memsets, self.table["memset"][memsets, 0].tolist(), strict=True)
+        ]
+        src, dst = _MEMCPY_FIELDS.index("src"), _MEMCPY_FIELDS.index("dst")
+        for i, row in zip(np.flatnonzero(kinds == _MEMCPY).tolist(), self.copies.tolist(), strict=True):
+            found += [(i, SOURCE, int(row[src])), (i, DESTINATION, int(row[dst]))]
+        return sorted(found)
+
     def kernels(self) -> set[str]:
         """The names of the kernels the graph launches."""
         return {self.names[i] for i in np.unique(self.table["name"][self.kernel]).tolist()}
@@ -553,6 +600,13 @@ def _address(value: int, where: str) -> int:
     if not 0 <= value < 2**64:
         raise _fail(where, "an address moved within 64 bits", hex(value))
     return value
+
+
+def _counting(counts: np.ndarray) -> np.ndarray:
+    """``0 .. n-1`` for each ``n`` of ``counts``, one after the other (``int64``)."""
+    counts = counts.astype(np.int64)
+    steps: np.ndarray = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    return steps
 
 
 def _starts(counts: np.ndarray) -> np.ndarray:
