@@ -16,12 +16,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from tree_runs import alternate
 
 CHILD = r"""
 import ctypes, gc, json, statistics, sys, time
@@ -67,15 +67,7 @@ def main() -> int:
     parser.add_argument("--processes", type=int, default=5)
     parser.add_argument("--json", type=Path)
     args = parser.parse_args()
-    trees = [t.resolve() for t in args.tree]
-    runs: dict[str, list[dict[str, object]]] = {str(t): [] for t in trees}
-    for _ in range(args.processes):
-        for tree in trees:
-            env = {**os.environ, "PYTHONPATH": str(tree)}
-            out = subprocess.run(
-                [sys.executable, "-c", CHILD, str(tree)], capture_output=True, text=True, env=env, check=True, cwd=tree
-            )  # run in the tree: `python -c` puts the working directory first on the path
-            runs[str(tree)].append(json.loads(out.stdout.strip().splitlines()[-1]))
+    runs = alternate(CHILD, [t.resolve() for t in args.tree], args.processes)
     report = {"date": time.strftime("%F %H:%M UTC", time.gmtime()), "python": sys.version.split()[0], "trees": {}}
     for tree, results in runs.items():
         values = [float(r["us_per_node"]) for r in results]  # type: ignore[arg-type]

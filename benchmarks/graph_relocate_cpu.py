@@ -1,0 +1,78 @@
+"""The Python cost of relocating CUDA graphs in a restore (issue 31), on a CPU, tree against tree.
+
+Where a tensor a graph reads (declared with ``GraphCache.external``) lies elsewhere in the restoring process, the
+restore finds every pointer into it and moves it (``check.relocate``), after looking for words it would leave
+behind (``check.relocation_problems``); vLLM's runner tensors moved so in every process on an H100, for each of
+its 51 FULL graphs of up to 450 nodes. Neither step touches the GPU, so both are timed here: the graphs are
+``graph_artifact_cpu.synthetic_bundle``'s (``--graphs`` graphs of ``--nodes`` kernel nodes, 10 % with a 256-byte
+argument buffer), read back from the artifact's bytes as a restore reads them, and the weights' range stands in
+for a moved tensor (about half of the pointers move: more than an engine's graphs would have). Each tree runs in
+``--processes`` fresh processes, alternating; each reports the seconds for all graphs (both steps).
+
+    python benchmarks/graph_relocate_cpu.py --tree /tmp/wt-before --tree . --processes 5
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+from tree_runs import alternate
+
+CHILD = r"""
+import json, sys, time
+sys.path.insert(0, sys.argv[1] + "/benchmarks")
+from graph_artifact_cpu import HOME, synthetic_bundle
+from weightcache.graphs.bundle import GraphBundle
+from weightcache.graphs.check import relocate, relocation_problems
+
+graphs, nodes = int(sys.argv[2]), int(sys.argv[3])
+bundle = GraphBundle.from_bytes(synthetic_bundle(graphs, nodes, 18, 4, 0.1, 256).to_bytes(), check_images=False)
+ranges, moved = list(bundle.ranges), {HOME.name: 2 << 20}
+began = time.perf_counter()
+count = 0
+for record in bundle.graphs:
+    assert relocation_problems(record.description, ranges, moved) == []
+    count += relocate(record.description, ranges, moved)[1]
+print(json.dumps({"seconds": time.perf_counter() - began, "moved": count}))
+"""
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tree", type=Path, action="append", required=True, help="a checkout of weightcache")
+    parser.add_argument("--processes", type=int, default=5)
+    parser.add_argument("--graphs", type=int, default=51)
+    parser.add_argument("--nodes", type=int, default=480)
+    parser.add_argument("--json", type=Path)
+    args = parser.parse_args()
+    runs = alternate(CHILD, [t.resolve() for t in args.tree], args.processes, str(args.graphs), str(args.nodes))
+    report: dict[str, object] = {
+        "date": time.strftime("%F %H:%M UTC", time.gmtime()),
+        "python": sys.version.split()[0],
+        "graphs": args.graphs,
+        "nodes": args.nodes,
+        "trees": {},
+    }
+    for tree, results in runs.items():
+        values = [r["seconds"] for r in results]
+        report["trees"][tree] = {  # type: ignore[index]
+            "seconds_median": round(statistics.median(values), 4),
+            "seconds": [round(v, 4) for v in values],
+            "pointers_moved": results[0]["moved"],
+        }
+        print(
+            f"{tree}: {statistics.median(values):.3f} s for {args.graphs} graphs of {args.nodes} nodes "
+            f"({results[0]['moved']} pointers moved; median of {len(values)} processes)"
+        )
+    if args.json:
+        args.json.write_text(json.dumps(report, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
