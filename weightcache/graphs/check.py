@@ -67,10 +67,20 @@ LOWEST_ADDRESS = 1 << 32
 
 def _kernel_words(description: GraphDescription) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Node index, byte offset and value of every word of every kernel node that could be a device pointer
-    (:meth:`~weightcache.graphs.description.DescriptionTables.argument_words`): from the description's tables in
-    one pass, since a restore checks and relocates every graph of a model and numpy's cost is per call, not per
-    word."""
-    return description.tables.argument_words()
+    (:meth:`~weightcache.graphs.description.DescriptionTables.argument_words`) and lies at or above
+    :data:`LOWEST_ADDRESS`: from the description's tables in one pass, since a restore checks and relocates every
+    graph of a model and numpy's cost is per call, not per word."""
+    nodes, offsets, values = description.tables.argument_words()
+    candidate = values >= LOWEST_ADDRESS
+    return nodes[candidate], offsets[candidate], values[candidate]
+
+
+def _range_of(values: np.ndarray, ranges: Sequence[AddressRange]) -> np.ndarray:
+    """For each of ``values``, the index in ``ranges`` of the first range that holds it; -1 where none does."""
+    held = np.full(len(values), -1, dtype=np.intp)
+    for i, r in enumerate(ranges):
+        held[(held < 0) & (values >= r.base) & (values < r.base + r.size)] = i
+    return held
 
 
 def _where(node: int, offset: int, what: str | None = None) -> str:
@@ -130,16 +140,14 @@ def pointers(
                     f"range {end.name!r}: one copy or memset spans memory no single range reproduces"
                 )
     nodes, offsets, values = _kernel_words(description)
-    candidate = values >= LOWEST_ADDRESS
-    nodes, offsets, values = nodes[candidate], offsets[candidate], values[candidate]
-    unmatched = np.ones(len(values), dtype=bool)
-    for r in ranges:
-        hit = (values >= r.base) & (values < r.base + r.size) & unmatched
-        for node, offset, value in zip(nodes[hit].tolist(), offsets[hit].tolist(), values[hit].tolist()):
-            found.append(Pointer(node, offset, value, r.name))
-        unmatched &= ~hit
-    if pointer_range is None:  # a restore: only the pointers inside the ranges matter
-        unmatched[:] = False
+    held = _range_of(values, ranges)
+    hit = held >= 0
+    for node, offset, value, index in zip(
+        nodes[hit].tolist(), offsets[hit].tolist(), values[hit].tolist(), held[hit].tolist(), strict=True
+    ):
+        found.append(Pointer(node, offset, value, ranges[index].name))
+    # (without pointer_range, a restore: only the pointers inside the ranges matter)
+    unmatched = ~hit if pointer_range is not None else np.zeros(len(values), dtype=bool)
     kernels = description.nodes
     for node, offset, value in zip(nodes[unmatched].tolist(), offsets[unmatched].tolist(), values[unmatched].tolist()):
         kernel = kernels[node]
@@ -321,11 +329,7 @@ def relocation_problems(
     if not moved:
         return []
     nodes, offsets, values = _kernel_words(description)
-    candidate = values >= LOWEST_ADDRESS
-    nodes, offsets, values = nodes[candidate], offsets[candidate], values[candidate]
-    inside = np.zeros(len(values), dtype=bool)
-    for r in recorded:
-        inside |= (values >= r.base) & (values < r.base + r.size)
+    inside = _range_of(values, recorded) >= 0
     problems = []
     for r in recorded:
         if r.name not in moved:
@@ -360,15 +364,14 @@ def relocate(
     targets = [r for r in recorded if r.name in moved]
     if not targets:
         return description, 0
-    tables = description.tables
-    nodes, offsets, values = tables.argument_words()
-    words: list[tuple[int, int, int]] = []
-    unmatched = np.ones(len(values), dtype=bool)
-    for r in targets:
-        hit = (values >= r.base) & (values < r.base + r.size) & unmatched
-        words += [(n, o, moved[r.name]) for n, o in zip(nodes[hit].tolist(), offsets[hit].tolist(), strict=True)]
-        unmatched &= ~hit
-    for node, place, address in tables.copy_addresses():
+    nodes, offsets, values = _kernel_words(description)
+    held = _range_of(values, targets)
+    hit = held >= 0
+    words = [
+        (node, offset, moved[targets[index].name])
+        for node, offset, index in zip(nodes[hit].tolist(), offsets[hit].tolist(), held[hit].tolist(), strict=True)
+    ]
+    for node, place, address in description.tables.copy_addresses():
         inside = next((r for r in targets if r.holds(address)), None)
         if inside is not None:
             words.append((node, place, moved[inside.name]))
