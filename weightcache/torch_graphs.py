@@ -826,8 +826,7 @@ class GraphCache:
         try:
             arena.skip_to(record.end)
             here = self.ranges()
-            moved, problems = moves(bundle.ranges, here, record.reach)
-            problems += relocation_problems(record.description, bundle.ranges, moved)
+            moved, problems = _moves(record, bundle.ranges, here)
             problems += extent_problems(moved_ranges(bundle.ranges, moved), here, record.reach, driver.pointer_range)
             outputs_here = _moved_outputs(record.outputs, bundle.ranges, moved)
             problems += self._output_problems(outputs_here)
@@ -899,8 +898,7 @@ class GraphCache:
         here = self.ranges()
         records, used = [], []
         for record in self._bundle.graphs[first:]:
-            moved, problems = moves(self._bundle.ranges, here, record.reach)
-            problems += relocation_problems(record.description, self._bundle.ranges, moved)
+            moved, problems = _moves(record, self._bundle.ranges, here)
             try:
                 if moved and not problems:
                     relocated = relocate(record.description, self._bundle.ranges, moved)[0]
@@ -1182,6 +1180,17 @@ class GraphCache:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _moves(
+    record: GraphRecord, recorded: Sequence[AddressRange], here: Sequence[AddressRange]
+) -> tuple[dict[str, int], list[str]]:
+    """How far the external ranges ``record``'s pointers use moved between ``recorded`` and ``here``
+    (:func:`~weightcache.graphs.check.moves`), and why the graph cannot be relocated by as much (the problems of
+    ``moves`` and :func:`~weightcache.graphs.check.relocation_problems`): what a restore checks, and what building
+    ahead again assumes."""
+    moved, problems = moves(recorded, here, record.reach)
+    return moved, problems + relocation_problems(record.description, recorded, moved)
 
 
 def _moved_outputs(
