@@ -1075,6 +1075,91 @@ def test_a_graph_that_copies_through_a_unified_address_is_not_built_ahead() -> N
     loader.close()
 
 
+class ArenaAt:
+    """The part of an Arena a restore uses: its range and how far into it the graphs' memory reaches."""
+
+    def __init__(self, name: str, base: int, size: int) -> None:
+        self.name, self.base, self.size, self.used = name, base, size, 0
+
+    def range(self) -> AddressRange:
+        return AddressRange(self.name, self.base, self.size)
+
+    def skip_to(self, used: int) -> None:
+        self.used = used
+
+    def rewind_to(self, used: int) -> None:
+        self.used = used
+
+
+def test_graphs_over_a_moved_external_tensor_are_each_relocated_once_and_built_ahead_once(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """An artifact whose graphs read an external tensor (torch's allocator: at another address in every process)
+    is built ahead only from the first restore on, once the tensor is declared, each graph relocated once on the
+    worker thread, and each restore takes that build and that relocation. It used to start building at load,
+    with the tensor where it was recorded, throw those builds away at the first restore (every graph moved), and
+    relocate every graph twice (once for building ahead again, once in the restore): on vLLM's 51 FULL graphs
+    (H100, 2026-12-05) the restores took 1.7-1.9 s, more than vLLM's own capture of them."""
+    import torch
+
+    import weightcache.torch_graphs as tg
+    from weightcache.torch_graphs import FetchedBundle
+
+    b = bundle()
+    kv = next(r for r in b.ranges if r.name == "external/kv")
+    kernel = KernelNode("gemm", (4, 1, 1), (128, 1, 1), 0, struct.pack("<QQ", kv.base + 64, 7), ((0, 8), (8, 8)))
+    description = GraphDescription((kernel, EmptyNode()), (Edge(0, 1),))
+    digest = b.graphs[0].kernels["gemm"]
+    graphs = tuple(
+        GraphRecord(f"g{i}", i << 21, (i + 1) << 21, description, (), {"gemm": digest}, {"external/kv": 65})
+        for i in range(4)
+    )
+    artifact = GraphBundle(b.ranges, graphs, b.images)
+    here = 0x7B00_0000_1000  # where the tensor lies in this process
+
+    class Driver(BuildingDriver):
+        def add_kernel_node(self, graph: int, function: int, node: KernelNode) -> int:
+            self.graphs[graph].append(f"kernel {function} reads {struct.unpack_from('<Q', node.args)[0]:#x}")
+            return self._id()
+
+        def pointer_range(self, address: int) -> tuple[int, int] | None:
+            return next(((a, n) for a, n in ((0x6000_0000_0000, 64 << 30), (here - 0x1000, 1 << 20))
+                         if a <= address < a + n), None)  # fmt: skip
+
+    relocations: list[GraphDescription] = []
+    relocate = tg.relocate
+    monkeypatch.setattr(tg, "relocate", lambda d, *rest: relocations.append(d) or relocate(d, *rest))
+    monkeypatch.setattr(tg, "fetch_bundle", lambda *_: FetchedBundle(artifact, "0" * 64, 0, {}))
+    monkeypatch.delenv("WEIGHTCACHE_MODE", raising=False)
+    driver = Driver()
+    cache = stopped_graph_cache(monkeypatch, artifact=True)
+    cache._driver, cache._kernels, cache._arena = (
+        driver,
+        KernelLoader(driver),
+        ArenaAt("graphs", 0x6000_0000_0000, 64 << 30),
+    )
+    cache.key, cache.weights, cache._cache, cache.build_ahead = "key", "w", None, True
+    cache._next, cache._records, cache._images, cache.relocated, cache._external = 0, [], {}, 0, {}
+    cache._prebuilt, cache._prebuilt_from, cache._prebuilt_moves, cache._shared = None, 0, [], {}
+    cache.phases = {}
+    cache._load()
+    assert driver.executables == {}  # nothing built before the tensor is declared
+    cache._external["kv"] = (AddressRange("external/kv", here, 8192, own_mapping=False), torch.zeros(1))
+
+    restored = [cache.restore(f"g{i}") for i in range(4)]
+
+    assert all(g is not None and g.restored for g in restored), cache.reason
+    assert cache.relocated == 4 and len(relocations) == 4  # one pointer a graph, each graph relocated once
+    assert driver.destroyed == [] and len(driver.executables) == 4  # no graph built twice
+    assert all(x == [f"kernel 1001 reads {here + 64:#x}", "empty", "1 edges"] for x in driver.executables.values())
+    assert [sorted(g.phases) for g in restored if g is not None][1:] == [
+        ["ahead_instantiate", "ahead_kernels", "ahead_rebuild", "checks", "relocate", "wait"]
+    ] * 3  # the first built here, as the tensor was declared; the others taken as built ahead
+    assert cache._relocations == {}  # each relocation dropped once its graph is restored
+    cache._stop_prebuilding()
+    cache._kernels.close()
+
+
 def test_settle_waits_for_every_image_still_loading_and_keeps_what_they_loaded() -> None:
     """KernelLoader.settle (a GraphCache's first refusal, before the engine's own captures in CUDA's global mode):
     returns once no preload runs; what they loaded is used afterwards, not loaded again."""
@@ -1114,7 +1199,8 @@ def stopped_graph_cache(monkeypatch: pytest.MonkeyPatch, *, artifact: bool) -> A
     here = object() if artifact else None
     cache.device, cache._bundle, cache._arena, cache._driver = 0, here, here, here
     cache._kernels = cache._prebuilt = None
-    cache._diverged = cache._foreign = False
+    cache._diverged = cache._foreign = cache._build_ahead_waits = False
+    cache._relocations = {}
     cache.reason = cache._cause = cache._unrecordable = cache._no_images = cache._record_problem = None
     cache._recordable, cache._captured, cache.graphs = True, 0, []
     return cache

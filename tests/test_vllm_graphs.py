@@ -249,6 +249,12 @@ def test_a_capture_the_kind_cannot_do_is_vllms_own_and_the_engine_starts(monkeyp
     assert manager.calls == [{"FULL": full}] and "AttributeError" in vllm_graphs.reports()[-1]["reason"]
 
 
+class Restored(tuple):  # type: ignore[type-arg]
+    """A graph the stand-in "restored": ``("restored", name)``, with the steps a restore reports."""
+
+    phases: ClassVar[dict[str, float]] = {"checks": 0.25, "wait": 0.5}
+
+
 class StandInGraphCache:
     """What the kind asks of :class:`~weightcache.torch_graphs.GraphCache` (which needs a GPU), answering
     ``restore`` from a set of graph names it "holds"; records what it was told."""
@@ -262,6 +268,8 @@ class StandInGraphCache:
         self.asked: list[str] = []
         self.events: list[tuple[str, Any]] = []  # adopt and empty calls, in order (the arena's layout)
         self.published = self.stopped = False
+        self.phases, self.image_steps = {"arena": 0.125, "artifact": 0.25}, {"load": 0.5}
+        self.relocated = 7
         self.made.append(self)
 
     def empty(self, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
@@ -284,7 +292,7 @@ class StandInGraphCache:
     def restore(self, name: str) -> object | None:
         self.asked.append(name)
         if name in self.holds:
-            return ("restored", name)
+            return Restored(("restored", name))
         self.reason = f"graph {name!r} is not in the artifact"
         return None
 
@@ -356,6 +364,7 @@ def test_full_graphs_the_artifact_holds_are_restored_in_order_and_a_failure_leav
     from weightcache.graphs import cubins
 
     monkeypatch.setattr(cubins, "_recorder", Recorder())
+    monkeypatch.setattr(cubins, "_let_go", False)  # (set by the stop below: not left to the tests after this one)
     runner = Runner()
     manager = runner.cudagraph_manager
     capture_model(runner)
@@ -376,6 +385,9 @@ def test_full_graphs_the_artifact_holds_are_restored_in_order_and_a_failure_leav
     assert set(report["seconds"]) == set(vllm_graphs.STEPS) and min(report["seconds"].values()) >= 0
     assert report["seconds"]["total"] >= report["seconds"]["restore"]
     assert report["graph_phase_s"] >= report["seconds"]["total"] and report["images_freed"] == 12345
+    assert report["restore_steps"] == {"checks": 0.75, "wait": 1.5}  # each restored graph's steps, summed
+    assert report["start_steps"] == {"arena": 0.125, "artifact": 0.25, "images_load": 0.5}
+    assert report["relocated"] == 7
 
     runner = Runner()
     manager = runner.cudagraph_manager

@@ -431,6 +431,11 @@ class GraphCache:
         self._prebuilt: Prebuilder | None = None  # the artifact's graphs, built ahead on a worker thread
         self._prebuilt_from = 0  # the index of the first graph it builds
         self._prebuilt_moves: list[dict[str, int]] = []  # how far it moved external ranges, graph by graph
+        # the artifact has ranges that may lie elsewhere here (external tensors): building ahead waits for the
+        # first restore, when they are declared, instead of building what would have to be built again
+        self._build_ahead_waits = False
+        # each graph's relocation by how far its ranges moved, worked out once (_relocation)
+        self._relocations: dict[tuple[int, tuple[tuple[str, int], ...]], _Relocation] = {}
         self._shared: dict[str, int] = {}  # each kernel's largest dynamic shared memory over the artifact's graphs
         #: Seconds of the start-up steps: ``arena`` (range, pool, driver), ``artifact`` (asked of the keeper and
         #: mapped), ``parse`` (checked).
@@ -511,6 +516,12 @@ class GraphCache:
             return
         self._bundle, self._replace = fetched.bundle, fetched.sha256
         self.phases.update(fetched.phases)
+        self._start_loading()
+
+    def _start_loading(self) -> None:
+        """With the artifact in hand: its kernel images loaded on worker threads, and (``build_ahead``) its graphs
+        built ahead, now, or at the first restore where the artifact has ranges that may have moved."""
+        assert self._bundle is not None
         # each kernel's largest shared memory over the artifact's graphs: prepared side by side (built ahead, and
         # a graph built in this thread meanwhile), none may lower another's
         self._shared = shared_needs(r.description for r in self._bundle.graphs)
@@ -519,7 +530,9 @@ class GraphCache:
             # graph built and instantiated, in order, for _restore to take once its checks passed
             try:
                 self._kernels.preload(self._bundle.images, self._bundle.graphs)
-                if self.build_ahead:
+                if self.build_ahead and any(not r.own_mapping for r in self._bundle.ranges):
+                    self._build_ahead_waits = True  # external tensors: they are declared before the first restore
+                elif self.build_ahead:
                     self._prebuilt = Prebuilder(
                         self._driver, self._kernels, self._bundle.graphs, self._bundle.images, shared=self._shared
                     )
@@ -799,6 +812,8 @@ class GraphCache:
         if self._prebuilt is not None:
             self._prebuilt.close()
             self._prebuilt = None
+        self._build_ahead_waits = False
+        self._relocations.clear()
         if self._kernels is not None:
             self._kernels.settle()
 
@@ -826,7 +841,10 @@ class GraphCache:
         try:
             arena.skip_to(record.end)
             here = self.ranges()
-            moved, problems = _moves(record, bundle.ranges, here)
+            moved, problems = moves(bundle.ranges, here, record.reach)
+            relocation = self._relocation(self._next, moved) if moved and not problems else None
+            if relocation is not None:
+                problems += relocation.problems
             problems += extent_problems(moved_ranges(bundle.ranges, moved), here, record.reach, driver.pointer_range)
             outputs_here = _moved_outputs(record.outputs, bundle.ranges, moved)
             problems += self._output_problems(outputs_here)
@@ -835,10 +853,15 @@ class GraphCache:
             if problems:
                 return self._refuse(name, f"{len(problems)} address check(s) failed, e.g. {problems[0]}", record)
             phases["checks"] = time.perf_counter() - started
-            if moved:  # tensors declared elsewhere than recorded: every pointer into them moved with them
-                description, count = relocate(record.description, bundle.ranges, moved)
-                record = attrs.evolve(record, description=description, outputs=outputs_here)
+            if relocation is not None:  # tensors declared elsewhere than recorded: every pointer into them moved
+                if relocation.description is None:
+                    raise GraphDescriptionError(relocation.error or "not relocated")
+                record = attrs.evolve(record, description=relocation.description, outputs=outputs_here)
+                count = relocation.count
                 phases["relocate"] = time.perf_counter() - started - phases["checks"]
+            if self._build_ahead_waits:  # the first restore: the external tensors are declared now
+                self._build_ahead_waits = False
+                self._build_ahead(self._next + 1)
             built = self._take_prebuilt(name, moved)
             if built is not None:  # built ahead (the same steps as below, on a worker thread)
                 executable = built.executable
@@ -856,6 +879,7 @@ class GraphCache:
                 return self._refuse(name, str(exc), record)
             log.debug("weightcache: graph %r: the restore failed", name, exc_info=True)
             return self._refuse(name, f"its restore failed ({type(exc).__name__}: {exc})", record)
+        self._relocations.pop((self._next, _frozen(moved)), None)
         self._next += 1
         self.relocated += count
         self._records.append(record)
@@ -880,7 +904,7 @@ class GraphCache:
         if not 0 <= index < len(self._prebuilt_moves):  # (never: each graph not restored stops the restoring)
             return None
         if self._prebuilt_moves[index] != moved:
-            self._build_ahead_again(self._next + 1)
+            self._build_ahead(self._next + 1)
             return None
         try:
             return self._prebuilt.take(index)
@@ -888,31 +912,52 @@ class GraphCache:
             log.debug("weightcache: graph %r was not built ahead (%s: %s); built now", name, type(exc).__name__, exc)
             return None
 
-    def _build_ahead_again(self, first: int) -> None:
-        """Build the artifact's graphs from ``first`` on ahead again, each with the external ranges declared now
-        (those built so far are destroyed; one being built is waited for)."""
-        assert self._prebuilt is not None and self._bundle is not None and self._driver is not None
-        assert self._kernels is not None
-        self._prebuilt.close()
-        self._prebuilt = None
+    def _build_ahead(self, first: int) -> None:
+        """Build the artifact's graphs from ``first`` on ahead, each relocated to the external ranges declared now
+        (on the worker thread, :meth:`_relocation`; those built so far are destroyed, one being built is waited
+        for)."""
+        assert self._bundle is not None and self._driver is not None and self._kernels is not None
+        if self._prebuilt is not None:
+            self._prebuilt.close()
+            self._prebuilt = None
         here = self.ranges()
-        records, used = [], []
+        used = []
         for record in self._bundle.graphs[first:]:
-            moved, problems = _moves(record, self._bundle.ranges, here)
-            try:
-                if moved and not problems:
-                    relocated = relocate(record.description, self._bundle.ranges, moved)[0]
-                    record = attrs.evolve(record, description=relocated)
-            except GraphDescriptionError:  # built when asked for, and refused there
-                problems = ["not relocated"]
-            records.append(record)
+            moved, problems = moves(self._bundle.ranges, here, record.reach)
             used.append(moved if not problems else {})
+
+        def relocated(index: int, record: GraphRecord) -> GraphRecord:
+            moved = used[index]
+            relocation = self._relocation(first + index, moved) if moved else None
+            if relocation is None or relocation.description is None:  # refused (or failed) when asked for
+                return record
+            return attrs.evolve(record, description=relocation.description)
+
         try:
-            self._prebuilt = Prebuilder(self._driver, self._kernels, records, self._bundle.images, shared=self._shared)
+            self._prebuilt = Prebuilder(
+                self._driver,
+                self._kernels,
+                self._bundle.graphs[first:],
+                self._bundle.images,
+                shared=self._shared,
+                before_build=relocated,
+            )
         except Exception as exc:  # threads that cannot start: each graph is built when asked for
-            log.warning("weightcache: the graphs are not built ahead again (%s: %s)", type(exc).__name__, exc)
+            log.warning("weightcache: the graphs are not built ahead (%s: %s)", type(exc).__name__, exc)
             return
         self._prebuilt_from, self._prebuilt_moves = first, used
+
+    def _relocation(self, index: int, moved: Mapping[str, int]) -> _Relocation:
+        """Graph ``index`` of the artifact relocated by ``moved`` (:func:`~weightcache.graphs.check.moves`), and
+        why it may not be (:func:`~weightcache.graphs.check.relocation_problems`): worked out once for each graph
+        and moves, by whichever thread asks first (the build ahead, or the restore), since both scan every
+        argument word of the graph."""
+        assert self._bundle is not None
+        key = (index, _frozen(moved))
+        found = self._relocations.get(key)
+        if found is None:
+            found = self._relocations[key] = _relocated(self._bundle.graphs[index], self._bundle.ranges, moved)
+        return found
 
     def _discard(self, executable: int | None) -> None:
         """Destroy an executable graph a failed restore or check made (no error of its own escapes)."""
@@ -1182,15 +1227,32 @@ class GraphCache:
         self.close()
 
 
-def _moves(
-    record: GraphRecord, recorded: Sequence[AddressRange], here: Sequence[AddressRange]
-) -> tuple[dict[str, int], list[str]]:
-    """How far the external ranges ``record``'s pointers use moved between ``recorded`` and ``here``
-    (:func:`~weightcache.graphs.check.moves`), and why the graph cannot be relocated by as much (the problems of
-    ``moves`` and :func:`~weightcache.graphs.check.relocation_problems`): what a restore checks, and what building
-    ahead again assumes."""
-    moved, problems = moves(recorded, here, record.reach)
-    return moved, problems + relocation_problems(record.description, recorded, moved)
+@attrs.frozen
+class _Relocation:
+    """A graph relocated by how far its external ranges moved: why it may not be (``problems``), else its
+    ``description`` relocated (None where relocating failed: ``error``) and how many pointers moved (``count``)."""
+
+    problems: list[str]
+    description: GraphDescription | None = None
+    count: int = 0
+    error: str | None = None
+
+
+def _relocated(record: GraphRecord, recorded: Sequence[AddressRange], moved: Mapping[str, int]) -> _Relocation:
+    """``record``'s graph relocated by ``moved``, or the problems of
+    :func:`~weightcache.graphs.check.relocation_problems` that stop it."""
+    problems = relocation_problems(record.description, recorded, moved)
+    if problems:
+        return _Relocation(problems)
+    try:
+        description, count = relocate(record.description, recorded, moved)
+    except GraphDescriptionError as exc:
+        return _Relocation([], error=str(exc))
+    return _Relocation([], description, count)
+
+
+def _frozen(moved: Mapping[str, int]) -> tuple[tuple[str, int], ...]:
+    return tuple(sorted(moved.items()))
 
 
 def _moved_outputs(

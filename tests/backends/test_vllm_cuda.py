@@ -126,11 +126,16 @@ def test_full_graphs_of_a_second_engine_are_restored_and_give_the_same_tokens(
     first client captures vLLM's FULL graphs through a GraphCache, records and publishes them; a second client (the
     same KV cache size) restores every one of them instead of capturing it; both give load format auto's greedy
     tokens, for one prompt and for five at once (decode steps of five sequences: a FULL graph of eight, padded).
+    A client whose recording is refused for an address outside the reproduced ranges publishes nothing, and the
+    next one records (documented); the test then starts one more.
     First run on an H100 (2026-12-05): the first client hung (the CUPTI callback's deadlock, fixed since); with
     vLLM's thread pools made serial by hand, recording failed here (0 of 51: the rotary table outside the arena,
     adopted since). Run again the same day: recording failed for FlashAttention 3's kernels, local ELF symbols
     the image reader skipped (read since); then all 51 were recorded, and the second client restored none, torch
-    having placed 23 runner tensors elsewhere (relocated since). Not yet run with relocation."""
+    having placed 23 runner tensors elsewhere (relocated since). With relocation (77f2827, 17:36 UTC): the first
+    client's recording was refused, FlashAttention 3's combine kernel holding 0x7fb000000001 at argument byte 32
+    of 16 nodes, an odd value inside a 512 MiB allocation no declared tensor holds (padding or a packed scalar,
+    by every sign, but a byte pointer cannot be told apart); the next client recorded and published all 51."""
     from weightcache.backends import vllm_graphs
 
     model = str(make_model(tmp_path / "llama", "llama"))
@@ -142,11 +147,18 @@ def test_full_graphs_of_a_second_engine_are_restored_and_give_the_same_tokens(
     env = {vllm_graphs.SWITCH_ENV: "1"}
     client = {**sized, "load_format": LOAD_FORMAT, "extra": {**options, "mode": "client", "strict": True}}
     first = start(engines, client, env)
+    [recording] = first["graphs"]
+    assert recording["captured"] > 0 and recording["restored"] == 0, recording
+    if not recording["published"]:  # refused: the next client records
+        assert "outside the reproduced ranges" in (recording["record_problem"] or ""), recording
+        print(json.dumps({"refused": recording}))
+        first = start(engines, client, env)
+        [recording] = first["graphs"]
     second = start(engines, client, env)
     print(json.dumps({"auto": auto, "first": first, "second": second}))
-    [recording], [restoring] = first["graphs"], second["graphs"]
-    assert recording["captured"] > 0 and recording["restored"] == 0, recording
+    [restoring] = second["graphs"]
     assert recording["recorded"] == recording["captured"] and recording["published"], recording
     assert restoring["restored"] == recording["captured"] and restoring["captured"] == 0, restoring
+    assert restoring["relocated"] > 0, restoring  # torch's allocator put the runner's tensors elsewhere
     assert len(auto["batch_tokens"]) == 5 and auto["batch_tokens"] == first["batch_tokens"] == second["batch_tokens"]
-    assert [e.generate() for e in engines] == [auto["tokens"]] * 3
+    assert [e.generate() for e in engines] == [auto["tokens"]] * len(engines)

@@ -107,7 +107,16 @@ def reports() -> list[dict[str, Any]]:
     not restored was captured, ``graph '<name>' is captured: <why>``, or why the kind stood aside),
     ``record_problem`` (why the first graph captured here was not recorded, ``graph '<name>': <why>``; None where
     each was), ``seconds``
-    (where the kind's time went, :data:`STEPS`; absent where it stood aside), ``graph_phase_s`` (vLLM's whole
+    (where the kind's time went, :data:`STEPS`; absent where it stood aside), ``restore_steps`` (the ``restore``
+    step by the restored graphs' own steps, summed over them: ``checks``, ``relocate``, ``wait`` for a graph built
+    ahead and that build's ``ahead_kernels``, ``ahead_rebuild``, ``ahead_instantiate``, or ``kernels``,
+    ``rebuild``, ``instantiate`` where built on the caller's thread: each graph's
+    :attr:`~weightcache.torch_graphs.CudaGraph.phases`),
+    ``start_steps`` (the GraphCache's start-up, :attr:`~weightcache.torch_graphs.GraphCache.phases`, and its
+    kernel images' loads, ``images_<step>`` of :attr:`~weightcache.torch_graphs.GraphCache.image_steps`),
+    ``relocated`` (pointers the restored graphs moved with the runner's tensors,
+    :attr:`~weightcache.torch_graphs.GraphCache.relocated`),
+    ``graph_phase_s`` (vLLM's whole
     ``capture_model``: the PIECEWISE graphs, the FULL ones and vLLM's own steps around them) and ``images_freed``
     (the bytes of kernel images let go after that phase, :func:`~weightcache.graphs.cubins.stop_keeping_kernel_images`:
     nothing more is recorded in this engine)."""
@@ -378,6 +387,7 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
     runner = manager._weightcache_runner
     weights, keeper = _PENDING[id(runner.vllm_config)]
     seconds = dict.fromkeys(STEPS, 0.0)
+    restore_steps: dict[str, float] = {}
     report: dict[str, Any] = {
         "restored": 0,
         "captured": 0,
@@ -386,6 +396,7 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
         "reason": None,
         "record_problem": None,
         "seconds": seconds,
+        "restore_steps": restore_steps,
     }
     _REPORTS.append(report)
     graphs: GraphCache | None = None
@@ -435,6 +446,8 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
                 if restored is not None:
                     manager.graphs[desc] = restored
                     report["restored"] += 1
+                    for name, spent in restored.phases.items():
+                        restore_steps[name] = round(restore_steps.get(name, 0.0) + spent, 4)
                 else:
                     report["reason"] = report["reason"] or graphs.reason
                     with step("capture"):
@@ -455,6 +468,10 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
         return descs[done:]
     finally:
         seconds["total"] = round(time.perf_counter() - began, 4)
+        if graphs is not None:
+            images = {f"images_{name}": spent for name, spent in graphs.image_steps.items()}
+            report["start_steps"] = {name: round(spent, 4) for name, spent in {**graphs.phases, **images}.items()}
+            report["relocated"] = graphs.relocated
     log.info(
         "weightcache: vLLM's FULL graphs: %d restored, %d captured in %.3f s%s",
         report["restored"],

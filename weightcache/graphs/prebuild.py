@@ -20,7 +20,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Protocol
 
@@ -93,7 +93,9 @@ class Prebuilder:
     set for the largest need of any of the records (:attr:`shared`: graphs prepared side by side must not lower
     each other's), and a graph with a copy through a unified address (:data:`UNIFIED`) is not built ahead: the
     driver tells such an address's memory type by what is mapped there when the node is added, which may not be
-    yet; :meth:`take` says so and the caller builds it once its memory is mapped."""
+    yet; :meth:`take` says so and the caller builds it once its memory is mapped. ``before_build``, where given, turns
+    each record into the one built (its index in ``records`` and the record; e.g. relocated), on the worker thread,
+    so that work does not hold up the caller."""
 
     def __init__(
         self,
@@ -103,6 +105,7 @@ class Prebuilder:
         images: Mapping[str, bytes | memoryview],
         threads: int = BUILD_THREADS,
         shared: Mapping[str, int] | None = None,
+        before_build: Callable[[int, GraphRecord], GraphRecord] | None = None,
     ) -> None:
         self._driver = driver
         #: Each kernel's largest dynamic shared memory over the records (``shared``, else computed here).
@@ -111,8 +114,10 @@ class Prebuilder:
         self._closed = False
         context = driver.current_context()
 
-        def ahead(record: GraphRecord) -> Prebuilt:
+        def ahead(index: int, record: GraphRecord) -> Prebuilt:
             driver.make_current(context)
+            if before_build is not None:
+                record = before_build(index, record)
             built = build(driver, kernels, record, images, self.shared)
             with self._lock:
                 if self._closed:  # closed while this one was building: nobody will take it
@@ -127,8 +132,8 @@ class Prebuilder:
                 max_workers=max(1, min(threads, len(records))), thread_name_prefix="weightcache-graphs"
             )
             self._futures = [
-                None if skipped else pool.submit(ahead, record)
-                for record, skipped in zip(records, self._skipped, strict=True)
+                None if skipped else pool.submit(ahead, index, record)
+                for index, (record, skipped) in enumerate(zip(records, self._skipped, strict=True))
             ]
             pool.shutdown(wait=False)
 
