@@ -1099,7 +1099,8 @@ def test_graphs_over_a_moved_external_tensor_are_each_relocated_once_and_built_a
     worker thread, and each restore takes that build and that relocation. It used to start building at load,
     with the tensor where it was recorded, throw those builds away at the first restore (every graph moved), and
     relocate every graph twice (once for building ahead again, once in the restore): on vLLM's 51 FULL graphs
-    (H100, 2026-12-05) the restores took 1.7-1.9 s, more than vLLM's own capture of them."""
+    (H100, 2026-12-05) the restores took 1.7-1.9 s, more than vLLM's own capture of them. The tensor's allocation
+    is asked of the driver once, not for every graph: the GraphCache keeps the tensor alive."""
     import torch
 
     import weightcache.torch_graphs as tg
@@ -1123,10 +1124,12 @@ def test_graphs_over_a_moved_external_tensor_are_each_relocated_once_and_built_a
             return self._id()
 
         def pointer_range(self, address: int) -> tuple[int, int] | None:
+            asked.append(address)
             return next(((a, n) for a, n in ((0x6000_0000_0000, 64 << 30), (here - 0x1000, 1 << 20))
                          if a <= address < a + n), None)  # fmt: skip
 
     relocations: list[GraphDescription] = []
+    asked: list[int] = []  # the driver's pointer queries
     relocate = tg.relocate
     monkeypatch.setattr(tg, "relocate", lambda d, *rest: relocations.append(d) or relocate(d, *rest))
     monkeypatch.setattr(tg, "fetch_bundle", lambda *_: FetchedBundle(artifact, "0" * 64, 0, {}))
@@ -1153,8 +1156,9 @@ def test_graphs_over_a_moved_external_tensor_are_each_relocated_once_and_built_a
     assert driver.destroyed == [] and len(driver.executables) == 4  # no graph built twice
     assert all(x == [f"kernel 1001 reads {here + 64:#x}", "empty", "1 edges"] for x in driver.executables.values())
     assert [sorted(g.phases) for g in restored if g is not None][1:] == [
-        ["ahead_instantiate", "ahead_kernels", "ahead_rebuild", "checks", "relocate", "wait"]
+        ["ahead_instantiate", "ahead_kernels", "ahead_rebuild", "checks", "extents", "map", "relocate", "wait"]
     ] * 3  # the first built here, as the tensor was declared; the others taken as built ahead
+    assert asked == [here, here + 8191]  # the tensor's allocation asked of the driver once: it is kept alive
     assert cache._relocations == {}  # each relocation dropped once its graph is restored
     cache._stop_prebuilding()
     cache._kernels.close()
@@ -1200,7 +1204,7 @@ def stopped_graph_cache(monkeypatch: pytest.MonkeyPatch, *, artifact: bool) -> A
     cache.device, cache._bundle, cache._arena, cache._driver = 0, here, here, here
     cache._kernels = cache._prebuilt = None
     cache._diverged = cache._foreign = cache._build_ahead_waits = False
-    cache._relocations = {}
+    cache._relocations, cache._relocations_lock, cache._extents_passed = {}, threading.Lock(), set()
     cache.reason = cache._cause = cache._unrecordable = cache._no_images = cache._record_problem = None
     cache._recordable, cache._captured, cache.graphs = True, 0, []
     return cache

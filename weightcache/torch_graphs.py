@@ -48,8 +48,10 @@ import ctypes
 import hashlib
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
+from concurrent.futures import Future
 from typing import Any
 
 import attrs
@@ -153,7 +155,11 @@ class CudaGraph:
         self.recorded = recorded
         self.record_problem = record_problem
         self.seconds = seconds
-        #: Seconds of each step of a restore (checks, kernels: loading the images, rebuild, instantiate).
+        #: Seconds of each step of a restore: ``map`` (the arena's memory for it mapped), ``checks`` (its ranges,
+        #: how far they moved, its outputs), ``relocate`` (its relocation worked out, or waited for where the build
+        #: thread works it out), ``extents`` (the driver's queries of the ranges it reaches), then ``wait`` and the
+        #: build's ``ahead_kernels``, ``ahead_rebuild``, ``ahead_instantiate`` where it was built ahead, or
+        #: ``kernels`` (its kernels' functions), ``rebuild``, ``instantiate`` where it was built here.
         self.phases: dict[str, float] = {}
         self._graph = torch_graph
         self._executable = executable
@@ -435,7 +441,10 @@ class GraphCache:
         # first restore, when they are declared, instead of building what would have to be built again
         self._build_ahead_waits = False
         # each graph's relocation by how far its ranges moved, worked out once (_relocation)
-        self._relocations: dict[tuple[int, tuple[tuple[str, int], ...]], _Relocation] = {}
+        self._relocations: dict[tuple[int, tuple[tuple[str, int], ...]], Future[_Relocation]] = {}
+        self._relocations_lock = threading.Lock()
+        # the external ranges whose allocation the driver confirmed (extent_problems): their tensors are kept
+        self._extents_passed: set[tuple[AddressRange, int]] = set()
         self._shared: dict[str, int] = {}  # each kernel's largest dynamic shared memory over the artifact's graphs
         #: Seconds of the start-up steps: ``arena`` (range, pool, driver), ``artifact`` (asked of the keeper and
         #: mapped), ``parse`` (checked).
@@ -838,34 +847,47 @@ class GraphCache:
         phases: dict[str, float] = {}
         executable: int | None = None
         count = 0  # pointers moved with their external tensors
+        mark = started
+
+        def step(name: str) -> None:
+            nonlocal mark
+            now = time.perf_counter()
+            phases[name] = phases.get(name, 0.0) + now - mark
+            mark = now
+
         try:
             arena.skip_to(record.end)
+            step("map")
             here = self.ranges()
             moved, problems = moves(bundle.ranges, here, record.reach)
+            step("checks")
             relocation = self._relocation(self._next, moved) if moved and not problems else None
             if relocation is not None:
                 problems += relocation.problems
-            problems += extent_problems(moved_ranges(bundle.ranges, moved), here, record.reach, driver.pointer_range)
+            step("relocate")
+            problems += extent_problems(
+                moved_ranges(bundle.ranges, moved), here, record.reach, driver.pointer_range, self._extents_passed
+            )
+            step("extents")
             outputs_here = _moved_outputs(record.outputs, bundle.ranges, moved)
             problems += self._output_problems(outputs_here)
             if arena.name in record.reach and record.reach[arena.name] > record.end:
                 problems.append(f"its pointers reach arena offset {record.reach[arena.name]}, past its memory")
             if problems:
                 return self._refuse(name, f"{len(problems)} address check(s) failed, e.g. {problems[0]}", record)
-            phases["checks"] = time.perf_counter() - started
             if relocation is not None:  # tensors declared elsewhere than recorded: every pointer into them moved
                 if relocation.description is None:
                     raise GraphDescriptionError(relocation.error or "not relocated")
                 record = attrs.evolve(record, description=relocation.description, outputs=outputs_here)
                 count = relocation.count
-                phases["relocate"] = time.perf_counter() - started - phases["checks"]
+            step("checks")
             if self._build_ahead_waits:  # the first restore: the external tensors are declared now
                 self._build_ahead_waits = False
                 self._build_ahead(self._next + 1)
             built = self._take_prebuilt(name, moved)
             if built is not None:  # built ahead (the same steps as below, on a worker thread)
                 executable = built.executable
-                phases["wait"] = time.perf_counter() - started - sum(phases.values())
+                step("wait")
                 phases.update({f"ahead_{step}": seconds for step, seconds in built.phases.items()})
             else:
                 assert self._kernels is not None
@@ -951,13 +973,20 @@ class GraphCache:
         """Graph ``index`` of the artifact relocated by ``moved`` (:func:`~weightcache.graphs.check.moves`), and
         why it may not be (:func:`~weightcache.graphs.check.relocation_problems`): worked out once for each graph
         and moves, by whichever thread asks first (the build ahead, or the restore), since both scan every
-        argument word of the graph."""
+        argument word of the graph; one that asks while another works it out waits for it."""
         assert self._bundle is not None
         key = (index, _frozen(moved))
-        found = self._relocations.get(key)
-        if found is None:
-            found = self._relocations[key] = _relocated(self._bundle.graphs[index], self._bundle.ranges, moved)
-        return found
+        with self._relocations_lock:
+            found = self._relocations.get(key)
+            mine = found is None
+            if found is None:
+                found = self._relocations[key] = Future()
+        if mine:
+            try:
+                found.set_result(_relocated(self._bundle.graphs[index], self._bundle.ranges, moved))
+            except BaseException as exc:  # (relocated's own errors are in its result: this is the unexpected)
+                found.set_exception(exc)
+        return found.result()
 
     def _discard(self, executable: int | None) -> None:
         """Destroy an executable graph a failed restore or check made (no error of its own escapes)."""

@@ -108,9 +108,9 @@ def reports() -> list[dict[str, Any]]:
     ``record_problem`` (why the first graph captured here was not recorded, ``graph '<name>': <why>``; None where
     each was), ``seconds``
     (where the kind's time went, :data:`STEPS`; absent where it stood aside), ``restore_steps`` (the ``restore``
-    step by the restored graphs' own steps, summed over them: ``checks``, ``relocate``, ``wait`` for a graph built
-    ahead and that build's ``ahead_kernels``, ``ahead_rebuild``, ``ahead_instantiate``, or ``kernels``,
-    ``rebuild``, ``instantiate`` where built on the caller's thread: each graph's
+    step by the restored graphs' own steps, summed over them: ``map``, ``checks``, ``relocate``, ``extents``,
+    ``wait`` for a graph built ahead and that build's ``ahead_kernels``, ``ahead_rebuild``, ``ahead_instantiate``,
+    or ``kernels``, ``rebuild``, ``instantiate`` where built on the caller's thread: each graph's
     :attr:`~weightcache.torch_graphs.CudaGraph.phases`),
     ``start_steps`` (the GraphCache's start-up, :attr:`~weightcache.torch_graphs.GraphCache.phases`, and its
     kernel images' loads, ``images_<step>`` of :attr:`~weightcache.torch_graphs.GraphCache.image_steps`),

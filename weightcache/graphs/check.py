@@ -23,6 +23,7 @@ Any problem means the graph is captured as usual; each is a sentence naming the 
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Mapping, Sequence
 
 import attrs
@@ -76,11 +77,35 @@ def _kernel_words(description: GraphDescription) -> tuple[np.ndarray, np.ndarray
 
 
 def _range_of(values: np.ndarray, ranges: Sequence[AddressRange]) -> np.ndarray:
-    """For each of ``values``, the index in ``ranges`` of the first range that holds it; -1 where none does."""
-    held = np.full(len(values), -1, dtype=np.intp)
-    for i, r in enumerate(ranges):
-        held[(held < 0) & (values >= r.base) & (values < r.base + r.size)] = i
-    return held
+    """For each of ``values`` (``uint64``), the index in ``ranges`` of the first range that holds it; -1 where none
+    does. One binary search a value in :func:`_pieces` of the ranges, whatever their number (vLLM's graphs reach a
+    hundred and more of the runner's tensors, and a pass over every word for each range took most of a restore)."""
+    if not ranges or not len(values):
+        return np.full(len(values), -1, dtype=np.intp)
+    bounds, owner = _pieces(tuple(ranges))
+    at = np.searchsorted(bounds, values, side="right") - 1
+    return np.where(at >= 0, owner[np.maximum(at, 0)], -1)
+
+
+@functools.lru_cache(maxsize=64)
+def _pieces(ranges: tuple[AddressRange, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """``ranges`` cut where any of them starts or ends: the cuts (``uint64``, sorted) and for the piece from each
+    cut to the next the index of the first range that holds it (-1: none; the last cut starts no piece). Ranges
+    may overlap (views of one tensor, declared apart). Kept for the ranges asked for again: a restore asks for a
+    bundle's recorded ranges for every graph."""
+    top = 2**64 - 1
+    cuts = np.unique(np.array([min(x, top) for r in ranges for x in (r.base, r.base + r.size)], dtype=np.uint64))
+    owner = np.full(len(cuts), -1, dtype=np.intp)
+    for i in range(len(ranges) - 1, -1, -1):  # the first range in order written last: it wins where they overlap
+        r = ranges[i]
+        low, high = (
+            np.searchsorted(cuts, np.uint64(min(r.base, top))),
+            np.searchsorted(cuts, np.uint64(min(r.base + r.size, top))),
+        )
+        owner[low:high] = i
+    owner.setflags(write=False)
+    cuts.setflags(write=False)
+    return cuts, owner
 
 
 def _where(node: int, offset: int, what: str | None = None) -> str:
@@ -240,13 +265,17 @@ def extent_problems(
     current: Sequence[AddressRange],
     reach: Mapping[str, int],
     pointer_range: Callable[[int], tuple[int, int] | None],
+    passed: set[tuple[AddressRange, int]] | None = None,
 ) -> list[str]:
     """:func:`restore_problems` by range instead of by pointer: every range a graph's pointers use (``reach``,
     from :func:`extents`) is here, at its recorded base, at least as large, and mapped device memory inside it from
     its base to the farthest pointer. A range of its own is one mapping (a weights segment; the arena, mapped from
     its base on), and a part of someone else's allocation must lie in one allocation from its base to the end of
     its recorded size, so that covers every pointer recorded in it, at one driver query per end instead of one per
-    pointer."""
+    pointer. ``passed``, where given, remembers each part of another allocation whose driver queries passed, with
+    its last byte (``(range as here, last byte)``), and is not asked about again: only for a caller that keeps that
+    memory alive from one call to the next (a GraphCache keeps every tensor declared with it), whose allocation
+    therefore cannot change."""
     problems = restore_problems(recorded, current, [Pointer(-1, -1, 0, name) for name in reach])
     if problems:
         return problems
@@ -257,6 +286,8 @@ def extent_problems(
         # a part of another allocation: all of what was recorded, not only as far as a pointer reaches (a kernel
         # is handed a tensor's first byte and reads on from there)
         last = inside.base + (extent if inside.own_mapping else max(extent, was[name].size)) - 1
+        if passed is not None and (inside, last) in passed:
+            continue
         ends = [(address, pointer_range(address)) for address in (inside.base, last)]
         for address, allocation in ends:
             if not _mapped(allocation, inside):
@@ -271,6 +302,8 @@ def extent_problems(
                     f"range {name!r}: its first byte {inside.base:#x} and its last {last:#x} lie in two "
                     "allocations in this process, not one"
                 )
+            elif not inside.own_mapping and passed is not None:
+                passed.add((inside, last))
     return problems
 
 
@@ -329,12 +362,13 @@ def relocation_problems(
     if not moved:
         return []
     nodes, offsets, values = _kernel_words(description)
-    inside = _range_of(values, recorded) >= 0
+    outside = _range_of(values, recorded) < 0  # (few: most words this high are pointers into a range)
+    nodes, offsets, values = nodes[outside], offsets[outside], values[outside]
     problems = []
     for r in recorded:
-        if r.name not in moved:
+        if r.name not in moved or not len(values):
             continue
-        near = ~inside & (values >= max(r.base - NEAR_MOVED, 0)) & (values < r.base + r.size + NEAR_MOVED)
+        near = (values >= max(r.base - NEAR_MOVED, 0)) & (values < r.base + r.size + NEAR_MOVED)
         if near.any():
             at = int(np.argmax(near))
             node, offset, value = int(nodes[at]), int(offsets[at]), int(values[at])
@@ -365,16 +399,17 @@ def relocate(
     if not targets:
         return description, 0
     nodes, offsets, values = _kernel_words(description)
+    deltas = [moved[r.name] for r in targets]
     held = _range_of(values, targets)
     hit = held >= 0
     words = [
-        (node, offset, moved[targets[index].name])
+        (node, offset, deltas[index])
         for node, offset, index in zip(nodes[hit].tolist(), offsets[hit].tolist(), held[hit].tolist(), strict=True)
     ]
-    for node, place, address in description.tables.copy_addresses():
-        inside = next((r for r in targets if r.holds(address)), None)
-        if inside is not None:
-            words.append((node, place, moved[inside.name]))
+    copies = description.tables.copy_addresses()
+    if copies:
+        inside = _range_of(np.array([address for _, _, address in copies], dtype=np.uint64), targets).tolist()
+        words += [(node, place, deltas[i]) for (node, place, _), i in zip(copies, inside, strict=True) if i >= 0]
     if not words:
         return description, 0
     return description.moved(words), len(words)

@@ -337,31 +337,58 @@ class GraphDescription:
         kinds = tables.table["kind"]
         copy_rows = np.cumsum(kinds == _MEMCPY) - 1
         done: set[tuple[int, int]] = set()
-        for node, offset, delta in words:
-            if (node, offset) in done:
-                continue
-            done.add((node, offset))
+        firsts: list[tuple[int, int, int]] = []  # each place once, as first named
+        for word in words:
+            if (word[0], word[1]) not in done:
+                done.add((word[0], word[1]))
+                firsts.append(word)
+
+        def where(node: int, offset: int) -> str:
             place = {DESTINATION: "its destination", SOURCE: "its source"}.get(offset, f"argument byte {offset}")
-            where = f"node {node}, {place}"
-            if not 0 <= node < len(kinds):
-                raise _fail(where, f"a node of the {len(kinds)}", node)
-            kind = int(kinds[node])
-            if offset >= 0:
-                start = int(tables.arg_starts[node])
-                if kind != _KERNEL or offset % 8 or offset + 8 > int(tables.table["args"][node]):
-                    raise _fail(where, "an aligned 8-byte word of a kernel's arguments", offset)
-                at = start + offset
-                value = int.from_bytes(raw[at : at + 8].tobytes(), "little") + delta
-                raw[at : at + 8] = np.frombuffer(_address(value, where).to_bytes(8, "little"), dtype=np.uint8)
-            elif kind == _MEMSET and offset == DESTINATION:
-                row = tables.table["memset"][node]
-                row[0] = _address(int(row[0]) + delta, where)
-            elif kind == _MEMCPY and offset in (DESTINATION, SOURCE):
-                field = _MEMCPY_FIELDS.index("dst" if offset == DESTINATION else "src")
-                row = tables.copies[int(copy_rows[node])]
-                row[field] = _address(int(row[field]) + delta, where)
+            return f"node {node}, {place}"
+
+        # kernel argument words, all at once (a restore moves hundreds a graph): checked, then read, moved, written
+        kernel = [w for w in firsts if w[1] >= 0]
+        if kernel:
+            try:
+                node, offset, delta = (np.array(column, dtype=np.int64) for column in zip(*kernel, strict=True))
+            except OverflowError:  # a place or a move past 64 bits: named as one at a time would name it
+                n, o, d = next(w for w in kernel if not all(-(2**63) <= v < 2**63 for v in w))
+                raise _fail(where(n, o), "a node, an offset and a move within 64 bits", (n, o, d)) from None
+            valid = (node >= 0) & (node < len(kinds))
+            safe = np.where(valid, node, 0)
+            valid &= (kinds[safe] == _KERNEL) & (offset % 8 == 0)
+            valid &= offset + 8 <= tables.table["args"][safe].astype(np.int64)
+            if not valid.all():
+                bad = int(np.argmin(valid))
+                n, o = int(node[bad]), int(offset[bad])
+                if not 0 <= n < len(kinds):
+                    raise _fail(where(n, o), f"a node of the {len(kinds)}", n)
+                raise _fail(where(n, o), "an aligned 8-byte word of a kernel's arguments", o)
+            at = tables.arg_starts[node].astype(np.int64) + offset
+            spots = at[:, None] + np.arange(8)
+            value = raw[spots].copy().view("<u8").reshape(-1)
+            step = delta.astype(np.uint64)  # two's complement: adding it wraps as subtracting would
+            moved = value + step
+            wrapped = np.where(delta >= 0, moved < value, moved > value)
+            if wrapped.any():
+                bad = int(np.argmax(wrapped))
+                _address(int(value[bad]) + int(delta[bad]), where(int(node[bad]), int(offset[bad])))
+            raw[spots] = moved.astype("<u8").view(np.uint8).reshape(-1, 8)
+        for node_, offset_, delta_ in (w for w in firsts if w[1] < 0):
+            here = where(node_, offset_)
+            if not 0 <= node_ < len(kinds):
+                raise _fail(here, f"a node of the {len(kinds)}", node_)
+            kind = int(kinds[node_])
+            if kind == _MEMSET and offset_ == DESTINATION:
+                row = tables.table["memset"][node_]
+                row[0] = _address(int(row[0]) + delta_, here)
+            elif kind == _MEMCPY and offset_ in (DESTINATION, SOURCE):
+                field = _MEMCPY_FIELDS.index("dst" if offset_ == DESTINATION else "src")
+                row = tables.copies[int(copy_rows[node_])]
+                row[field] = _address(int(row[field]) + delta_, here)
             else:
-                raise _fail(where, "a memset's destination or a memcpy's source or destination", offset)
+                raise _fail(here, "a memset's destination or a memcpy's source or destination", offset_)
         return GraphDescription._of(tables)
 
     def to_binary(self) -> bytes:
