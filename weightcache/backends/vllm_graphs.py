@@ -1,6 +1,7 @@
 """vLLM's FULL CUDA graphs restored from the keeper instead of captured: the ``cuda.graphs`` artifact kind for vLLM
-(issue 31). **Opt-in and experimental**: ``WEIGHTCACHE_VLLM_GRAPHS=1``; run once on a GPU (an H100, 2026-12-05: two
-findings, both fixed since, docs/architecture.md), not yet with the fixes.
+(issue 31). **Opt-in and experimental**: ``WEIGHTCACHE_VLLM_GRAPHS=1``. On an H100 (2026-12-05, vLLM 0.26.0) every
+restoring engine restored all 51 FULL graphs with the same greedy tokens, not yet faster than vLLM captures them
+(docs/benchmarks.md).
 
 A vLLM start captures two kinds of graphs (docs/architecture.md, "Restoring captured CUDA graphs at recorded
 addresses", the vLLM artifact kind; measured on an H100 with vLLM 0.26.0): FULL graphs, whole forward passes for the
