@@ -1091,6 +1091,89 @@ class ArenaAt:
         self.used = used
 
 
+class Restoring:
+    """A GraphCache made without a GPU (:func:`stopped_graph_cache`) that loads an artifact of ``count`` graphs, each
+    reading the external tensor ``kv`` (a kernel argument 64 bytes into it), which lies at :attr:`here` in this
+    process, elsewhere than recorded; its driver builds graphs (:class:`BuildingDriver`, each kernel node with the
+    address it reads) and answers pointer queries for the arena and the tensor's allocation (:attr:`asked`);
+    :attr:`relocations` lists the descriptions ``check.relocate`` was called for."""
+
+    here = 0x7B00_0000_1000
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, count: int = 4) -> None:
+        import weightcache.torch_graphs as tg
+        from weightcache.torch_graphs import FetchedBundle
+
+        b = bundle()
+        kv = next(r for r in b.ranges if r.name == "external/kv")
+        args = struct.pack("<QQ", kv.base + 64, 7)
+        kernel = KernelNode("gemm", (4, 1, 1), (128, 1, 1), 0, args, ((0, 8), (8, 8)))
+        description = GraphDescription((kernel, EmptyNode()), (Edge(0, 1),))
+        digest = b.graphs[0].kernels["gemm"]
+        graphs = tuple(
+            GraphRecord(f"g{i}", i << 21, (i + 1) << 21, description, (), {"gemm": digest}, {"external/kv": 65})
+            for i in range(count)
+        )
+        artifact = GraphBundle(b.ranges, graphs, b.images)
+        self.relocations: list[GraphDescription] = []
+        self.asked: list[int] = []  # the driver's pointer queries
+        here, asked = self.here, self.asked
+
+        class Driver(BuildingDriver):
+            def add_kernel_node(self, graph: int, function: int, node: KernelNode) -> int:
+                self.graphs[graph].append(f"kernel {function} reads {struct.unpack_from('<Q', node.args)[0]:#x}")
+                return self._id()
+
+            def pointer_range(self, address: int) -> tuple[int, int] | None:
+                asked.append(address)
+                return next(((a, n) for a, n in ((0x6000_0000_0000, 64 << 30), (here - 0x1000, 1 << 20))
+                             if a <= address < a + n), None)  # fmt: skip
+
+        relocate = tg.relocate
+        monkeypatch.setattr(tg, "relocate", lambda d, *rest: self.relocations.append(d) or relocate(d, *rest))
+        monkeypatch.setattr(tg, "fetch_bundle", lambda *_: FetchedBundle(artifact, "0" * 64, 0, {}))
+        monkeypatch.delenv("WEIGHTCACHE_MODE", raising=False)
+        self.driver = driver = Driver()
+        self.cache = cache = stopped_graph_cache(monkeypatch, artifact=True)
+        cache._driver, cache._kernels = driver, KernelLoader(driver)
+        cache._arena = ArenaAt("graphs", 0x6000_0000_0000, 64 << 30)
+        cache.key, cache.weights, cache._cache, cache.build_ahead = "key", "w", None, True
+        cache._next, cache._records, cache._images, cache.relocated, cache._external = 0, [], {}, 0, {}
+        cache._prebuilt, cache._prebuilt_from, cache._prebuilt_moves, cache._shared = None, 0, [], {}
+        cache._also_kept, cache.phases = [], {}
+        cache._load()
+
+    def close(self) -> None:
+        self.cache._stop_prebuilding()
+        assert self.cache._kernels is not None
+        self.cache._kernels.close()
+
+
+class FakeCudaTensor:
+    """What GraphCache.external reads of a tensor, for one on cuda:0 (which this machine lacks): ``nbytes`` bytes
+    at ``address``."""
+
+    device = None  # set below (torch is imported lazily)
+
+    def __init__(self, address: int, nbytes: int) -> None:
+        import torch
+
+        self.device = torch.device("cuda", 0)
+        self.address, self.shape = address, (nbytes,)
+
+    def stride(self) -> tuple[int, ...]:
+        return (1,)
+
+    def element_size(self) -> int:
+        return 1
+
+    def data_ptr(self) -> int:
+        return self.address
+
+    def detach(self) -> FakeCudaTensor:
+        return self
+
+
 def test_graphs_over_a_moved_external_tensor_are_each_relocated_once_and_built_ahead_once(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -1103,65 +1186,47 @@ def test_graphs_over_a_moved_external_tensor_are_each_relocated_once_and_built_a
     is asked of the driver once, not for every graph: the GraphCache keeps the tensor alive."""
     import torch
 
-    import weightcache.torch_graphs as tg
-    from weightcache.torch_graphs import FetchedBundle
-
-    b = bundle()
-    kv = next(r for r in b.ranges if r.name == "external/kv")
-    kernel = KernelNode("gemm", (4, 1, 1), (128, 1, 1), 0, struct.pack("<QQ", kv.base + 64, 7), ((0, 8), (8, 8)))
-    description = GraphDescription((kernel, EmptyNode()), (Edge(0, 1),))
-    digest = b.graphs[0].kernels["gemm"]
-    graphs = tuple(
-        GraphRecord(f"g{i}", i << 21, (i + 1) << 21, description, (), {"gemm": digest}, {"external/kv": 65})
-        for i in range(4)
-    )
-    artifact = GraphBundle(b.ranges, graphs, b.images)
-    here = 0x7B00_0000_1000  # where the tensor lies in this process
-
-    class Driver(BuildingDriver):
-        def add_kernel_node(self, graph: int, function: int, node: KernelNode) -> int:
-            self.graphs[graph].append(f"kernel {function} reads {struct.unpack_from('<Q', node.args)[0]:#x}")
-            return self._id()
-
-        def pointer_range(self, address: int) -> tuple[int, int] | None:
-            asked.append(address)
-            return next(((a, n) for a, n in ((0x6000_0000_0000, 64 << 30), (here - 0x1000, 1 << 20))
-                         if a <= address < a + n), None)  # fmt: skip
-
-    relocations: list[GraphDescription] = []
-    asked: list[int] = []  # the driver's pointer queries
-    relocate = tg.relocate
-    monkeypatch.setattr(tg, "relocate", lambda d, *rest: relocations.append(d) or relocate(d, *rest))
-    monkeypatch.setattr(tg, "fetch_bundle", lambda *_: FetchedBundle(artifact, "0" * 64, 0, {}))
-    monkeypatch.delenv("WEIGHTCACHE_MODE", raising=False)
-    driver = Driver()
-    cache = stopped_graph_cache(monkeypatch, artifact=True)
-    cache._driver, cache._kernels, cache._arena = (
-        driver,
-        KernelLoader(driver),
-        ArenaAt("graphs", 0x6000_0000_0000, 64 << 30),
-    )
-    cache.key, cache.weights, cache._cache, cache.build_ahead = "key", "w", None, True
-    cache._next, cache._records, cache._images, cache.relocated, cache._external = 0, [], {}, 0, {}
-    cache._prebuilt, cache._prebuilt_from, cache._prebuilt_moves, cache._shared = None, 0, [], {}
-    cache.phases = {}
-    cache._load()
+    r = Restoring(monkeypatch)
+    cache, driver, here = r.cache, r.driver, r.here
     assert driver.executables == {}  # nothing built before the tensor is declared
     cache._external["kv"] = (AddressRange("external/kv", here, 8192, own_mapping=False), torch.zeros(1))
 
     restored = [cache.restore(f"g{i}") for i in range(4)]
 
     assert all(g is not None and g.restored for g in restored), cache.reason
-    assert cache.relocated == 4 and len(relocations) == 4  # one pointer a graph, each graph relocated once
+    assert cache.relocated == 4 and len(r.relocations) == 4  # one pointer a graph, each graph relocated once
     assert driver.destroyed == [] and len(driver.executables) == 4  # no graph built twice
     assert all(x == [f"kernel 1001 reads {here + 64:#x}", "empty", "1 edges"] for x in driver.executables.values())
     assert [sorted(g.phases) for g in restored if g is not None][1:] == [
         ["ahead_instantiate", "ahead_kernels", "ahead_rebuild", "checks", "extents", "map", "relocate", "wait"]
     ] * 3  # the first built here, as the tensor was declared; the others taken as built ahead
-    assert asked == [here, here + 8191]  # the tensor's allocation asked of the driver once: it is kept alive
+    assert r.asked == [here, here + 8191]  # the tensor's allocation asked of the driver once: it is kept alive
     assert cache._relocations == {}  # each relocation dropped once its graph is restored
-    cache._stop_prebuilding()
-    cache._kernels.close()
+    r.close()
+
+
+def test_a_name_declared_again_for_other_memory_restores_no_graph_that_reads_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A name declared again for a tensor at another address raises, and the first declaration stays: a graph that
+    reads that name would be relocated onto the first tensor while the engine fills the second, so from then on
+    each such graph is captured instead, saying why (the vLLM kind's runner walk can meet a path that names
+    another tensor than before; before relocation such a graph was refused for its address, after it, until this
+    test, it was restored onto the first tensor)."""
+    r = Restoring(monkeypatch)
+    cache = r.cache
+    assert cache.reads("g0") == ["kv"] and cache.reads("g1") is None  # g0 is next, and reads external/kv
+    cache.external("kv", FakeCudaTensor(r.here, 8192))  # type: ignore[arg-type]
+    first = cache.restore("g0")
+    assert cache.reads("g1") == ["kv"]
+    assert first is not None and first.restored, cache.reason
+    with pytest.raises(wc.WeightCacheError, match="declare each tensor under a name of its own"):
+        cache.external("kv", FakeCudaTensor(r.here + (1 << 20), 8192))  # type: ignore[arg-type]
+    assert cache.restore("g1") is None
+    assert cache.reason is not None and "graph 'g1' is captured: 1 address check(s) failed" in cache.reason
+    assert f"external tensor 'kv' was declared at {r.here:#x} (8192 bytes) and now at" in cache.reason
+    assert cache.reads("g1") is None  # restoring stopped
+    r.close()
 
 
 def test_settle_waits_for_every_image_still_loading_and_keeps_what_they_loaded() -> None:
@@ -1205,6 +1270,7 @@ def stopped_graph_cache(monkeypatch: pytest.MonkeyPatch, *, artifact: bool) -> A
     cache._kernels = cache._prebuilt = None
     cache._diverged = cache._foreign = cache._build_ahead_waits = False
     cache._relocations, cache._relocations_lock, cache._extents_passed = {}, threading.Lock(), set()
+    cache._redeclared = {}
     cache.reason = cache._cause = cache._unrecordable = cache._no_images = cache._record_problem = None
     cache._recordable, cache._captured, cache.graphs = True, 0, []
     return cache

@@ -430,6 +430,9 @@ class GraphCache:
         self._records: list[GraphRecord] = []
         self._external: dict[str, tuple[AddressRange, torch.Tensor]] = {}  # name -> its range, the tensor kept
         self._also_kept: list[torch.Tensor] = []  # tensors declared again under a name, for the same memory
+        # names declared again for other memory: the first declaration is kept, so no graph that reads the name is
+        # restored (it would be relocated onto the first tensor while the engine uses the other)
+        self._redeclared: dict[str, str] = {}
         self._capturing = False  # inside graph()'s capture or a capturing() block: the pool's allocations are its own
         self._foreign = False  # the pool served an allocation outside those: the arena's layout is not recorded
         self._images: dict[str, bytes | memoryview] = {}
@@ -620,7 +623,8 @@ class GraphCache:
         :attr:`reason`), nothing is declared.
 
         Raises :class:`~weightcache.errors.WeightCacheError` for a tensor on another device, of no bytes, or a
-        name declared before for another address or size."""
+        name declared before for another address or size; after the last, no graph that reads that name is restored
+        (each is captured, saying so), since the name no longer says which memory the graph is to read."""
         if not isinstance(name, str) or not name or "/" in name:
             raise WeightCacheError(f"an external tensor's name must be a non-empty string without '/', not {name!r}")
         if tensor.device.type != "cuda" or tensor.device.index != self.device:
@@ -636,15 +640,30 @@ class GraphCache:
         before = self._external.get(name)
         if before is not None and before[0] != declared:
             was = before[0]
-            raise WeightCacheError(
+            why = (
                 f"external tensor {name!r} was declared at {was.base:#x} ({was.size} bytes) and now at "
                 f"{declared.base:#x} ({declared.size} bytes): declare each tensor under a name of its own"
             )
+            self._redeclared.setdefault(declared.name, why)
+            raise WeightCacheError(why)
         if before is not None:  # the same memory again, perhaps through another tensor: keep both owners
             self._also_kept.append(tensor.detach())
         else:
             self._external[name] = (declared, tensor.detach())  # its storage, whatever the caller does to `tensor`
         return tensor
+
+    def reads(self, name: str) -> list[str] | None:
+        """The names (as given to :meth:`external`) of the tensors the artifact's graph ``name`` reads, where it is
+        the next graph to restore and restoring has not stopped: what must be declared before :meth:`restore` asks
+        for it (an engine that declares many tensors may declare just these). None otherwise (no artifact,
+        restoring stopped, another graph next): declare every tensor the graph may read."""
+        bundle = self._bundle
+        if bundle is None or self._diverged or self._next >= len(bundle.graphs):
+            return None
+        record = bundle.graphs[self._next]
+        if record.name != name:
+            return None
+        return sorted(n.removeprefix("external/") for n in record.reach if n.startswith("external/"))
 
     def reproduced(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory lies in the arena or a weights home (memory a restoring process has at the
@@ -860,6 +879,7 @@ class GraphCache:
             step("map")
             here = self.ranges()
             moved, problems = moves(bundle.ranges, here, record.reach)
+            problems += [self._redeclared[n] for n in sorted(record.reach) if n in self._redeclared]
             step("checks")
             relocation = self._relocation(self._next, moved) if moved and not problems else None
             if relocation is not None:

@@ -22,8 +22,9 @@ module gives them what a :class:`~weightcache.torch_graphs.GraphCache` restores:
   FULL graphs that read such a tensor are then captured and not recorded);
 - every CUDA tensor the model runner reaches (its buffers, its KV caches, the attention metadata builders'
   buffers) is declared with ``GraphCache.external`` under ``runner.<its attribute path>`` (``runner.kv_caches.0``;
-  a ``/`` in a key becomes ``|``), before each graph, so that a restore finds each at its recorded address or
-  captures the graph;
+  a ``/`` in a key becomes ``|``), before each graph, so that a restore finds each where it was recorded or
+  elsewhere (relocated), or captures the graph; after the first graph only the tensors the next one reads
+  (``GraphCache.reads``) are looked up again, by the steps that found them, unless one is new or gone;
 - each FULL graph is restored by its descriptor's name in vLLM's order (``GraphCache.restore``), or captured as
   vLLM does (its warm-up run, then the capture) through ``GraphCache.capturing``, which records it; the artifact
   is published after the last one. A restored graph skips vLLM's warm-up run and capture; its inputs are still
@@ -280,30 +281,63 @@ def runner_tensors(
     tensors) and has elements: into the objects of :data:`WALKED` packages, not into ``nn.Module`` s (whose
     weights are the keeper's), at most ``depth`` steps down, each object once, named by its attribute path
     (``kv_caches.0``, ``input_buffers.positions``, ...)."""
+    for path, _, tensor in _walk(runner, depth, keep):
+        yield path, tensor
+
+
+#: The kinds of step from an object to one it holds: a mapping's key, a list's or tuple's index, an attribute.
+_KEY, _INDEX, _ATTRIBUTE = 0, 1, 2
+_Steps = tuple[tuple[int, Any], ...]
+
+
+def _walk(
+    runner: Any, depth: int = DEPTH, keep: Callable[[torch.Tensor], bool] = lambda t: t.is_cuda
+) -> Iterator[tuple[str, _Steps, torch.Tensor]]:
+    """:func:`runner_tensors` with the steps that lead from the runner to each tensor (:func:`_follow` takes them
+    again)."""
     seen: set[int] = set()
-    stack: list[tuple[Any, str, int]] = [(runner, "", 0)]
+    stack: list[tuple[Any, str, _Steps, int]] = [(runner, "", (), 0)]
     while stack:
-        obj, path, level = stack.pop()
+        obj, path, steps, level = stack.pop()
         if id(obj) in seen or level > depth:
             continue
         seen.add(id(obj))
         if isinstance(obj, torch.Tensor):
             if obj.numel() and keep(obj):
-                yield path, obj
+                yield path, steps, obj
             continue
         if isinstance(obj, torch.nn.Module):
             continue
         items: list[tuple[Any, Any]]
         if isinstance(obj, Mapping):
-            items = list(obj.items())
+            kind, items = _KEY, list(obj.items())
         elif isinstance(obj, (list, tuple)):
-            items = list(enumerate(obj))
+            kind, items = _INDEX, list(enumerate(obj))
         elif hasattr(obj, "__dict__") and type(obj).__module__.split(".")[0] in WALKED:
-            items = list(vars(obj).items())
+            kind, items = _ATTRIBUTE, list(vars(obj).items())
         else:
             continue
         for key, value in reversed(items[:4096]):
-            stack.append((value, f"{path}.{key}" if path else str(key), level + 1))
+            stack.append((value, f"{path}.{key}" if path else str(key), (*steps, (kind, key)), level + 1))
+
+
+def _follow(runner: Any, steps: _Steps) -> torch.Tensor | None:
+    """The tensor that ``steps`` (from :func:`_walk`) lead to from ``runner`` now; None where a step is gone or
+    they lead to something else."""
+    obj = runner
+    try:
+        for kind, key in steps:
+            if kind == _KEY:
+                obj = obj[key] if isinstance(obj, Mapping) else None
+            elif kind == _INDEX:
+                obj = obj[key] if isinstance(obj, (list, tuple)) and 0 <= key < len(obj) else None
+            else:
+                obj = vars(obj).get(key) if hasattr(obj, "__dict__") else None
+            if obj is None:
+                return None
+    except (KeyError, TypeError):
+        return None
+    return obj if isinstance(obj, torch.Tensor) else None
 
 
 #: An address a refusal names (``holds 0x...``, ``allocation ...: 0x..., 0x...``), not an allocation's base.
@@ -441,7 +475,7 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
                 with step("inputs"):
                     create_forward_fn(desc, warmup=False)  # inputs prepared as vLLM prepares them (per-size state)
                 with step("declare"):
-                    _declare(graphs, runner)
+                    _declare(graphs, runner, graphs.reads(graph_name(desc)))
                 with step("restore"):
                     restored = graphs.restore(graph_name(desc))
                 if restored is not None:
@@ -508,24 +542,48 @@ def _few_parameters_outside(graphs: Any, model: torch.nn.Module) -> bool:
     return False
 
 
-_DECLARED: weakref.WeakKeyDictionary[Any, dict[str, tuple[Any, ...]]] = weakref.WeakKeyDictionary()
+@dataclasses.dataclass
+class _Declared:
+    """What :func:`_declare` declared to one GraphCache: each name's layout (address, shape, strides, dtype) and the
+    steps from the runner to its tensor."""
+
+    layouts: dict[str, tuple[Any, ...]] = dataclasses.field(default_factory=dict)
+    steps: dict[str, _Steps] = dataclasses.field(default_factory=dict)
 
 
-def _declare(graphs: Any, runner: Any) -> None:
+_DECLARED: weakref.WeakKeyDictionary[Any, _Declared] = weakref.WeakKeyDictionary()
+
+
+def _declare(graphs: Any, runner: Any, needed: list[str] | None = None) -> None:
     """Declare every CUDA tensor the runner reaches as an external range of ``graphs``, under its path; one
     declared before with the same address, shape, strides and dtype is not declared again (the kind declares
-    before each of vLLM's 51 graphs: on the H100 that took 0.57 s of a 2.5 s FULL-graph step)."""
-    seen = _DECLARED.setdefault(graphs, {})
-    for path, tensor in runner_tensors(runner):
-        name = "runner." + path.replace("/", "|")
-        try:
-            layout = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
-            if seen.get(name) == layout:
-                continue
-            graphs.external(name, tensor)
-            seen[name] = layout
-        except Exception as exc:  # e.g. a name now naming another tensor: a graph that uses it is captured
-            log.debug("weightcache: runner tensor %s not declared: %s", path, exc)
+    before each of vLLM's 51 graphs: on the H100 the walk took 0.3-0.6 s of a start). ``needed`` (the names the
+    next graph reads, ``GraphCache.reads``): where each was declared before, only those are looked up again, by
+    the steps that led to them, instead of walking the runner; one not declared yet, or whose steps lead to no
+    tensor now, makes it walk. A name found for another tensor than declared is not declared (the GraphCache
+    raises, and then restores no graph that reads it: each is captured)."""
+    declared = _DECLARED.setdefault(graphs, _Declared())
+    if needed is not None and declared.steps and all(n in declared.steps for n in needed):
+        found = [(n, _follow(runner, declared.steps[n])) for n in needed]
+        if all(t is not None and t.numel() and t.is_cuda for _, t in found):
+            for name, tensor in found:
+                assert tensor is not None
+                _declare_one(graphs, declared, name, declared.steps[name], tensor)
+            return
+    for path, steps, tensor in _walk(runner):
+        _declare_one(graphs, declared, "runner." + path.replace("/", "|"), steps, tensor)
+
+
+def _declare_one(graphs: Any, declared: _Declared, name: str, steps: _Steps, tensor: torch.Tensor) -> None:
+    try:
+        layout = (tensor.data_ptr(), tuple(tensor.shape), tuple(tensor.stride()), tensor.dtype)
+        declared.steps.setdefault(name, steps)
+        if declared.layouts.get(name) == layout:
+            return
+        graphs.external(name, tensor)
+        declared.layouts[name] = layout
+    except Exception as exc:  # e.g. a name now naming another tensor: a graph that reads it is captured
+        log.debug("weightcache: runner tensor %s not declared: %s", name, exc)
 
 
 def _capture(manager: Any, managers: Any, graphs: Any, desc: Any, create_forward_fn: Any) -> str | None:
