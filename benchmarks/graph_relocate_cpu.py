@@ -18,14 +18,7 @@ views of one another among them; on an H100 its 51 graphs reached them with 40,8
 
 from __future__ import annotations
 
-import argparse
-import json
-import statistics
-import sys
-import time
-from pathlib import Path
-
-from tree_runs import alternate
+from tree_runs import alternate, graph_options, graph_report
 
 CHILD = r"""
 import json, sys, time
@@ -56,39 +49,20 @@ print(json.dumps({"seconds": time.perf_counter() - began, "moved": count}))
 
 
 def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tree", type=Path, action="append", required=True, help="a checkout of weightcache")
-    parser.add_argument("--processes", type=int, default=5)
-    parser.add_argument("--graphs", type=int, default=51)
-    parser.add_argument("--nodes", type=int, default=480)
-    parser.add_argument("--externals", type=int, default=0, help="external ranges the pointers lie in (0: one)")
-    parser.add_argument("--json", type=Path)
-    args = parser.parse_args()
-    runs = alternate(
-        CHILD, [t.resolve() for t in args.tree], args.processes, str(args.graphs), str(args.nodes), str(args.externals)
+    args = graph_options(
+        __doc__.split("\n\n")[0], 480, 0, "external ranges the pointers lie in (0: the weights' range alone)"
     )
-    report: dict[str, object] = {
-        "date": time.strftime("%F %H:%M UTC", time.gmtime()),
-        "python": sys.version.split()[0],
-        "graphs": args.graphs,
-        "nodes": args.nodes,
-        "externals": args.externals,
-        "trees": {},
-    }
-    for tree, results in runs.items():
-        values = [r["seconds"] for r in results]
-        report["trees"][tree] = {  # type: ignore[index]
-            "seconds_median": round(statistics.median(values), 4),
-            "seconds": [round(v, 4) for v in values],
-            "pointers_moved": results[0]["moved"],
-        }
-        print(
-            f"{tree}: {statistics.median(values):.3f} s for {args.graphs} graphs of {args.nodes} nodes, "
-            f"{args.externals or 1} moved range(s) "
-            f"({results[0]['moved']} pointers moved; median of {len(values)} processes)"
-        )
-    if args.json:
-        args.json.write_text(json.dumps(report, indent=1))
+    runs = alternate(CHILD, args.tree, args.processes, str(args.graphs), str(args.nodes), str(args.externals))
+    graph_report(
+        args,
+        runs,
+        lambda results: {"pointers_moved": results[0]["moved"]},
+        lambda tree, row: (
+            f"{tree}: {row['seconds_median']:.3f} s for {args.graphs} graphs of {args.nodes} nodes, "
+            f"{args.externals or 1} moved range(s) ({row['pointers_moved']} pointers moved; median of "
+            f"{len(row['seconds'])} processes)"
+        ),
+    )
     return 0
 
 

@@ -152,3 +152,22 @@ def test_a_vllm_start_that_hangs_is_stopped_with_its_stacks(tmp_path: Path, monk
         restart_vllm.run_engine("auto", tmp_path, tmp_path / "s", dict(os.environ))
     text = str(stopped.value)
     assert "no result in 2 s (stopped with SIGABRT)" in text and "stuck_in_capture_model" in text, text
+
+
+def test_the_cpu_restore_benchmark_restores_every_graph_relocated_on_this_tree(tmp_path: Path) -> None:
+    """``benchmarks/graph_restore_cpu.py`` makes a GraphCache without its constructor (no GPU) and restores an
+    artifact's graphs over moved tensors: run small on this tree, so that the harness keeps up with the
+    GraphCache's state (every graph restored, its pointers relocated, the restore's steps reported)."""
+    import subprocess
+    import sys
+
+    root = Path(__file__).resolve().parent.parent
+    out = tmp_path / "restore.json"
+    subprocess.run(
+        [sys.executable, "benchmarks/graph_restore_cpu.py", "--tree", str(root), "--processes", "1",
+         "--graphs", "3", "--nodes", "20", "--externals", "5", "--json", str(out)],
+        cwd=root, check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    [tree] = json.loads(out.read_text())["trees"].values()
+    assert tree["pointers_relocated"] > 0 and tree["seconds_median"] > 0
+    assert {"map", "checks", "relocate", "extents"} <= set(tree["steps_median"])

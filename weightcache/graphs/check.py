@@ -362,12 +362,20 @@ def relocation_problems(
     if not moved:
         return []
     nodes, offsets, values = _kernel_words(description)
-    outside = _range_of(values, recorded) < 0  # (few: most words this high are pointers into a range)
+    outside = _range_of(values, recorded) < 0
     nodes, offsets, values = nodes[outside], offsets[outside], values[outside]
+    if not len(values):
+        return []
+    # which moved ranges have any such word near them: a binary search of each range's surroundings in the words
+    # sorted (scalars above 4 GiB can be many: one pass over them for each of a hundred ranges was most of it)
+    zones = [r for r in recorded if r.name in moved]
+    top = 2**64 - 1
+    ordered = np.sort(values)
+    low = np.array([max(r.base - NEAR_MOVED, 0) for r in zones], dtype=np.uint64)
+    high = np.array([min(r.base + r.size + NEAR_MOVED, top) for r in zones], dtype=np.uint64)
+    hit = np.searchsorted(ordered, high, side="left") > np.searchsorted(ordered, low, side="left")
     problems = []
-    for r in recorded:
-        if r.name not in moved or not len(values):
-            continue
+    for r in (zones[i] for i in np.flatnonzero(hit).tolist()):
         near = (values >= max(r.base - NEAR_MOVED, 0)) & (values < r.base + r.size + NEAR_MOVED)
         if near.any():
             at = int(np.argmax(near))

@@ -332,7 +332,7 @@ class GraphDescription:
         a memset's destination or a memcpy's destination or source. Each place is moved once, however often it is
         named. Made from the tables (no value per node); raises :class:`GraphDescriptionError` for a place the
         description does not have or an address moved below 0 or past 64 bits."""
-        tables = DescriptionTables.read(memoryview(bytearray(self.tables.data)))  # writable arrays over a copy
+        tables = self.tables.writable_copy()
         raw = np.frombuffer(tables.args, dtype=np.uint8)
         kinds = tables.table["kind"]
         copy_rows = np.cumsum(kinds == _MEMCPY) - 1
@@ -469,6 +469,7 @@ class DescriptionTables:
     them: of an artifact's mapping, in a restore)."""
 
     __slots__ = (
+        "_words",
         "arg_starts",
         "args",
         "attribute_starts",
@@ -500,6 +501,7 @@ class DescriptionTables:
         self.arg_starts = _starts(table["args"])
         self.span_starts = _starts(table["layout"])
         self.attribute_starts = _starts(table["attributes"])
+        self._words: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None
 
     @classmethod
     def read(cls, data: bytes | memoryview) -> DescriptionTables:
@@ -537,11 +539,32 @@ class DescriptionTables:
         args = reader.take(reader.left(), "the argument bytes")
         return cls(view, table, spans, attributes, edges, copies, names, args)
 
+    def writable_copy(self) -> DescriptionTables:
+        """These tables over a copy of their bytes, the arrays writable: read as :meth:`read` reads them, without
+        checking them again (they were checked) or decoding the names again (a relocation copies every graph's
+        tables)."""
+        view = memoryview(bytearray(self.data))
+        reader = _Tables(view)
+        reader.take(len(BINARY_MAGIC) + 7 * 4, "the header")
+        table = reader.array(_NODE, len(self.table), "the node table")
+        spans = reader.array(_SPAN, len(self.spans), "the layout table")
+        attributes = reader.array(_ATTRIBUTE, len(self.attributes), "the attribute table")
+        edges = reader.array(_EDGE, len(self.edges), "the edge table")
+        copies = reader.array(_COPY, self.copies.size, "the memcpy table").reshape(self.copies.shape)
+        args = view[len(view) - len(self.args) :]
+        return DescriptionTables(view, table, spans, attributes, edges, copies, self.names, args)
+
     def argument_words(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """Node index, byte offset and value (``uint64``) of every kernel argument word that could be a device
         pointer, by node then offset: each whole 8-byte word of a node launched with one argument buffer, and of a
         node launched parameter by parameter the aligned words inside one parameter (:func:`pointer_words`).
-        From the tables, without a value per node."""
+        From the tables, without a value per node; worked out once (a restore's checks and relocation both read
+        them), the arrays read-only."""
+        if self._words is None:
+            self._words = self._argument_words()
+        return self._words
+
+    def _argument_words(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         table = self.table
         kernels = np.flatnonzero(self.kernel)
         sizes = table["args"][kernels].astype(np.int64)
@@ -569,7 +592,10 @@ class DescriptionTables:
         at = self.arg_starts[node] + word * 8
         raw = np.frombuffer(self.args, dtype=np.uint8)
         values = raw[at[:, None] + np.arange(8)].copy().view("<u8").reshape(-1)
-        return node.astype(np.intp), (word * 8).astype(np.intp), values
+        found = (node.astype(np.intp), (word * 8).astype(np.intp), values)
+        for array in found:
+            array.setflags(write=False)
+        return found
 
     def copy_addresses(self) -> list[tuple[int, int, int]]:
         """``(node, place, address)`` of every memset's destination and memcpy's source and destination (``place``

@@ -1,0 +1,142 @@
+"""The Python cost of restoring an engine's CUDA graphs over moved tensors (issue 31), on a CPU, tree against tree.
+
+On an H100 (2026-12-05, docs/benchmarks.md) the vLLM kind restored vLLM's 51 FULL graphs in 1.7-2.6 s, more than
+vLLM takes to capture them, 2.1 s of it in the restore's checks, while the runner's tensors (a hundred and more,
+declared with ``GraphCache.external``) lay elsewhere than when recorded and every graph was relocated. This runs a
+``GraphCache``'s restore path as far as a CPU can: ``graph_artifact_cpu.synthetic_bundle``'s graphs (``--graphs``
+graphs of ``--nodes`` kernel nodes, 10 % launched with a 1 KiB argument buffer of random bytes around three
+pointers, as FlashAttention's structures are), their pointers into the weights' first GiB recorded instead as
+``--externals`` declared tensors, each of which lies 2 MiB further on in the restoring process. The GraphCache is
+made without its constructor (no GPU: no arena, no pool, no CUPTI), its artifact handed over as the keeper would
+hand it, and its driver answers every call at once (nodes are not added anywhere), so what is timed is
+weightcache's own work: the artifact's images checked and "loaded" on worker threads, each graph's checks,
+relocation and build (ahead, on the build thread, as the default does), from the artifact's load to the last
+graph restored. Each tree runs in ``--processes`` fresh processes, alternating.
+
+    python benchmarks/graph_restore_cpu.py --tree /tmp/wt-before --tree . --processes 5
+
+A tree whose GraphCache keeps other state than this harness sets may fail here; ``tests/test_benchmarks.py`` runs
+it on the current tree.
+"""
+
+from __future__ import annotations
+
+import statistics
+from typing import Any
+
+from tree_runs import alternate, graph_options, graph_report
+
+CHILD = r"""
+import contextlib, json, sys, threading, time
+sys.path.insert(0, sys.argv[1] + "/benchmarks")
+import attrs, torch
+from graph_artifact_cpu import ARENA, HOME, synthetic_bundle
+import weightcache.torch_graphs as tg
+from weightcache.graphs.bundle import GraphBundle
+from weightcache.graphs.check import AddressRange, extents, pointers
+from weightcache.graphs.loading import KernelLoader
+
+graphs, nodes, externals = (int(a) for a in sys.argv[2:5])
+made = synthetic_bundle(graphs, nodes, 18, 4, 0.1, 1024)
+size, moved = (1 << 30) // externals, 2 << 20
+pieces = [AddressRange(f"external/r{i:04}", HOME.base + i * size, size, own_mapping=False) for i in range(externals)]
+ranges = [ARENA, *pieces]
+records, end = [], 0
+for record in made.graphs:  # one after the other in the arena, each as far as its pointers reach into it
+    found, _ = pointers(record.description, ranges, None)
+    reach = extents(found, ranges)
+    start, end = end, max(end + (64 << 20), reach.get(ARENA.name, 0))
+    records.append(attrs.evolve(record, start=start, end=end, reach=reach, outputs=()))
+blob = GraphBundle(tuple(ranges), tuple(records), made.images).to_bytes()
+bundle = GraphBundle.from_bytes(blob, check_images=False)
+
+
+class Driver:
+    # every call answered at once: what is timed is weightcache's own work
+    def __init__(self):
+        self.lock, self.next = threading.Lock(), 0
+    def _id(self):
+        with self.lock:
+            self.next += 1
+            return self.next
+    def current_context(self): return 1
+    def make_current(self, context): pass
+    def load_module(self, image): return self._id()
+    def module_function(self, module, name): return self._id()
+    def unload_module(self, module): pass
+    def set_function_attribute(self, function, attribute, value): pass
+    def create_graph(self): return self._id()
+    def add_description(self, graph, description, functions): pass
+    def instantiate(self, graph): return self._id()
+    def destroy_graph(self, graph): pass
+    def destroy_executable(self, executable): pass
+    def pointer_range(self, address):
+        if ARENA.holds(address):
+            return ARENA.base, ARENA.size
+        return HOME.base + moved, HOME.size
+
+
+class Arena:
+    name, base, size, used = ARENA.name, ARENA.base, ARENA.size, 0
+    def range(self): return ARENA
+    def skip_to(self, used): self.used = used
+    def rewind_to(self, used): self.used = used
+
+
+torch.cuda.device = lambda index: contextlib.nullcontext()
+tg.fetch_bundle = lambda *_: tg.FetchedBundle(bundle, "0" * 64, len(blob), {})
+driver = Driver()
+cache = object.__new__(tg.GraphCache)
+state = dict(
+    weights="0" * 64, device=0, verify=False, build_ahead=True, key="key", reason=None, relocated=0, _cause=None,
+    _unrecordable=None, _no_images=None, _cache=None, _arena=Arena(), _pool=None, _recorder=None, _bundle=None,
+    _replace=None, _next=0, _diverged=False, _recordable=True, _record_problem=None, _records=[], _external={},
+    _also_kept=[], _redeclared={}, _capturing=False, _foreign=False, _images={}, _kernels=KernelLoader(driver),
+    _prebuilt=None, _prebuilt_from=0, _prebuilt_moves=[], _build_ahead_waits=False, _relocations={},
+    _relocations_lock=threading.Lock(), _extents_passed=set(), _shared={}, phases={}, _captured=0, graphs=[],
+    _driver=driver, _stream=None,
+)
+for name, value in state.items():
+    setattr(cache, name, value)
+kept = torch.zeros(1)
+began = time.perf_counter()
+cache._load()
+for piece in pieces:  # declared where they lie here, as an engine declares its tensors before the first graph
+    here = AddressRange(piece.name, piece.base + moved, piece.size, own_mapping=False)
+    cache._external[piece.name.removeprefix("external/")] = (here, kept)
+for record in bundle.graphs:
+    restored = cache.restore(record.name)
+    assert restored is not None and restored.restored, cache.reason
+seconds = time.perf_counter() - began
+steps = {}
+for g in cache.graphs:
+    for step, spent in g.phases.items():
+        steps[step] = steps.get(step, 0.0) + spent
+cache._stop_prebuilding()
+print(json.dumps({"seconds": seconds, "relocated": cache.relocated, "steps": steps}))
+"""
+
+
+def main() -> int:
+    args = graph_options(__doc__.split("\n\n")[0], 450, 150, "declared tensors the graphs' pointers lie in")
+    runs = alternate(CHILD, args.tree, args.processes, str(args.graphs), str(args.nodes), str(args.externals))
+
+    def each(results: list[dict[str, Any]]) -> dict[str, Any]:
+        steps = {k: round(statistics.median(r["steps"].get(k, 0.0) for r in results), 4) for k in results[0]["steps"]}
+        return {"pointers_relocated": results[0]["relocated"], "steps_median": steps}
+
+    graph_report(
+        args,
+        runs,
+        each,
+        lambda tree, row: (
+            f"{tree}: {row['seconds_median']:.3f} s to restore {args.graphs} graphs of {args.nodes} nodes over "
+            f"{args.externals} moved tensors ({row['pointers_relocated']} pointers relocated; median of "
+            f"{len(row['seconds'])} processes); steps summed over the graphs: {row['steps_median']}"
+        ),
+    )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
