@@ -354,6 +354,8 @@ def test_the_tools_sit_on_top_of_the_library() -> None:
             r"self\.|os\._exit|memory\._record_memory_history|platform_cls\._global_graph_pool"
             r"|CUDAGraphWrapper\._all_instances"
         )
+        if path.name == "graph_restore_cpu.py":  # a GraphCache's restore timed without a GPU: made without its
+            allowed += r"|cache\._load\(\)"  # constructor (which needs one), whose last step this is
         private = re.findall(rf"import _[a-z]\w*|\b(?!{allowed})\w+\._[a-z]\w*", text)
         assert not private, f"{path} uses private names: {private}"
     for old in ("cli", "doctor", "bench", "bench_restart"):

@@ -79,7 +79,7 @@ def _kernel_words(description: GraphDescription) -> tuple[np.ndarray, np.ndarray
 def _range_of(values: np.ndarray, ranges: Sequence[AddressRange]) -> np.ndarray:
     """For each of ``values`` (``uint64``), the index in ``ranges`` of the first range that holds it; -1 where none
     does. One binary search a value in :func:`_pieces` of the ranges, whatever their number (vLLM's graphs reach a
-    hundred and more of the runner's tensors, and a pass over every word for each range took most of a restore)."""
+    hundred and more of the runner's tensors, and a pass over every word for each range grows with them)."""
     if not ranges or not len(values):
         return np.full(len(values), -1, dtype=np.intp)
     bounds, owner = _pieces(tuple(ranges))
@@ -367,7 +367,8 @@ def relocation_problems(
     if not len(values):
         return []
     # which moved ranges have any such word near them: a binary search of each range's surroundings in the words
-    # sorted (scalars above 4 GiB can be many: one pass over them for each of a hundred ranges was most of it)
+    # sorted (scalars above 4 GiB can be many: one pass over them for each of 150 ranges was most of relocating
+    # synthetic graphs on the dev VM, graph_relocate_cpu.py)
     zones = [r for r in recorded if r.name in moved]
     top = 2**64 - 1
     ordered = np.sort(values)
