@@ -1144,7 +1144,7 @@ class Restoring:
         cache._load()
 
     def close(self) -> None:
-        self.cache._stop_prebuilding()
+        self.cache.settle()
         assert self.cache._kernels is not None
         self.cache._kernels.close()
 

@@ -353,7 +353,7 @@ class StandInGraphCache:
         self.published = True
         return True
 
-    def _stop_prebuilding(self) -> None:
+    def settle(self) -> None:
         self.stopped = True
 
 

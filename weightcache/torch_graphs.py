@@ -830,13 +830,16 @@ class GraphCache:
             self._arena.rewind_to(record.start)
         self.reason = self._cause = f"graph {name!r} is captured: {why}"
         self._diverged = True
-        self._stop_prebuilding()
+        self.settle()
         log.warning("weightcache: %s", self.reason)
         return why
 
-    def _stop_prebuilding(self) -> None:
-        """No graph built ahead will be taken: destroy them (waiting for the builds running), and wait for the
-        images still loading, so that no worker thread calls the driver during the captures that follow."""
+    def settle(self) -> None:
+        """Let this GraphCache's worker threads finish: the graphs built ahead and not taken are destroyed (builds
+        running are waited for) and the kernel images still loading are waited for. From then on no thread of this
+        GraphCache calls the driver but the caller's (a graph restored later is built when asked for), so the
+        process may capture graphs of its own in CUDA's global capture mode (torch's default), which fails while
+        another thread calls the driver. A refusal does this itself, and so does :meth:`close`."""
         if self._prebuilt is not None:
             self._prebuilt.close()
             self._prebuilt = None
@@ -1257,7 +1260,7 @@ class GraphCache:
         outputs, adopted parameters) must not be used after this."""
         for g in self.graphs:
             g.close()
-        self._stop_prebuilding()  # before the modules their functions come from are unloaded
+        self.settle()  # before the modules their functions come from are unloaded
         self._recorder = None  # the process's recorder stays subscribed (CUPTI allows one subscriber)
         if self._kernels is not None or self._arena is not None:
             torch.cuda.synchronize(self.device)

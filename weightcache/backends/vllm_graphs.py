@@ -499,7 +499,7 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
         report["reason"] = f"{type(exc).__name__}: {exc}"
         log.warning("weightcache: vLLM's FULL graphs from graph %d on are captured as usual: %s", done + 1, exc)
         if graphs is not None:  # no worker thread of the GraphCache beside vLLM's captures (global capture mode)
-            graphs._stop_prebuilding()
+            graphs.settle()
         return descs[done:]
     finally:
         seconds["total"] = round(time.perf_counter() - began, 4)
