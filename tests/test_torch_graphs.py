@@ -1205,6 +1205,26 @@ def test_graphs_over_a_moved_external_tensor_are_each_relocated_once_and_built_a
     r.close()
 
 
+def test_settle_destroys_the_graphs_built_ahead_and_later_ones_are_built_when_asked_for(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``GraphCache.settle()`` (before an engine captures graphs of its own in CUDA's global mode, as the vLLM kind
+    does after a failure): the graphs built ahead and not taken are destroyed, the images' loads are done, and a
+    graph restored afterwards is built in the caller's thread, as good as one built ahead."""
+    r = Restoring(monkeypatch)
+    cache, driver = r.cache, r.driver
+    cache.external("kv", FakeCudaTensor(r.here, 8192))  # type: ignore[arg-type]
+    first = cache.restore("g0")
+    assert first is not None and first.restored, cache.reason
+    cache.settle()
+    taken = {first._executable}
+    assert sorted(driver.destroyed) == sorted(set(driver.executables) - taken)  # every graph built ahead, destroyed
+    later = cache.restore("g1")
+    assert later is not None and later.restored and "wait" not in later.phases and "rebuild" in later.phases
+    assert driver.executables[later._executable] == [f"kernel 1001 reads {r.here + 64:#x}", "empty", "1 edges"]
+    r.close()
+
+
 def test_a_name_declared_again_for_other_memory_restores_no_graph_that_reads_it(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
