@@ -509,6 +509,21 @@ def words_by_node(description: GraphDescription) -> list[tuple[int, int, int]]:
     return found
 
 
+def random_nodes(rng: Any, count: int, copies: float, kernel: Any) -> list[Any]:
+    """``count`` random nodes: a memset with probability ``copies / 2``, a memcpy with as much, else ``kernel()``
+    (a KernelNode); every address in POOL."""
+    nodes: list[Any] = []
+    for _ in range(count):
+        kind = rng.random()
+        if kind < copies / 2:
+            nodes.append(MemsetNode(POOL.base + rng.randrange(1 << 20) * 4, 0, 0, 4, 16, 1))
+        elif kind < copies:
+            nodes.append(MemcpyNode(POOL.base + rng.randrange(1 << 20), POOL.base + rng.randrange(1 << 20), 64))
+        else:
+            nodes.append(kernel())
+    return nodes
+
+
 def test_the_tables_give_the_words_and_copy_addresses_the_nodes_do() -> None:
     """Relocation and the checks read candidate pointers from the tables (no value per node: 51 graphs of 480
     nodes relocated in 0.12 s instead of 0.59 s on the dev VM): buffers' every word, a parameter's aligned words
@@ -517,26 +532,21 @@ def test_the_tables_give_the_words_and_copy_addresses_the_nodes_do() -> None:
     import random
 
     rng = random.Random(31)
+
+    def kernel() -> KernelNode:
+        size = rng.randint(0, 120)
+        args = rng.randbytes(size)
+        if rng.random() < 0.3:
+            return KernelNode("k", (1, 1, 1), (1, 1, 1), 0, args, (), "buffer")
+        layout, at = [], 0
+        while at < size:
+            width = min(rng.choice((1, 2, 4, 8, 8, 16, 24)), size - at)
+            layout.append((at, width))
+            at += width if rng.random() < 0.9 else 0  # now and then a span given twice
+        return KernelNode("k", (1, 1, 1), (1, 1, 1), 0, args, tuple(layout))
+
     for _ in range(40):
-        nodes: list[Any] = []
-        for _ in range(rng.randint(1, 30)):
-            kind = rng.random()
-            if kind < 0.1:
-                nodes.append(MemsetNode(POOL.base + rng.randrange(1 << 20) * 4, 0, 0, 4, 16, 1))
-            elif kind < 0.2:
-                nodes.append(MemcpyNode(POOL.base + rng.randrange(1 << 20), POOL.base + rng.randrange(1 << 20), 64))
-            else:
-                size = rng.randint(0, 120)
-                args = rng.randbytes(size)
-                if rng.random() < 0.3:
-                    nodes.append(KernelNode("k", (1, 1, 1), (1, 1, 1), 0, args, (), "buffer"))
-                    continue
-                layout, at = [], 0
-                while at < size:
-                    width = min(rng.choice((1, 2, 4, 8, 8, 16, 24)), size - at)
-                    layout.append((at, width))
-                    at += width if rng.random() < 0.9 else 0  # now and then a span given twice
-                nodes.append(KernelNode("k", (1, 1, 1), (1, 1, 1), 0, args, tuple(layout)))
+        nodes = random_nodes(rng, rng.randint(1, 30), 0.2, kernel)
         description = GraphDescription(tuple(nodes))
         tables = GraphDescription.from_binary(description.to_binary()).tables
         node, offset, value = tables.argument_words()
@@ -557,18 +567,13 @@ def test_moving_many_places_at_once_moves_each_as_moving_one_at_a_time_does() ->
     import random
 
     rng = random.Random(7)
+
+    def kernel() -> KernelNode:
+        words = [POOL.base + rng.randrange(1 << 30) for _ in range(rng.randint(1, 8))]
+        return KernelNode("k", (1, 1, 1), (1, 1, 1), 0, u64(*words) + rng.randbytes(rng.choice((0, 4))), (), "buffer")
+
     for _ in range(40):
-        nodes: list[Any] = []
-        for _ in range(rng.randint(1, 20)):
-            kind = rng.random()
-            if kind < 0.15:
-                nodes.append(MemsetNode(POOL.base + rng.randrange(1 << 20) * 4, 0, 0, 4, 16, 1))
-            elif kind < 0.3:
-                nodes.append(MemcpyNode(POOL.base + rng.randrange(1 << 20), POOL.base + rng.randrange(1 << 20), 64))
-            else:
-                words = [POOL.base + rng.randrange(1 << 30) for _ in range(rng.randint(1, 8))]
-                args = u64(*words) + rng.randbytes(rng.choice((0, 4)))
-                nodes.append(KernelNode("k", (1, 1, 1), (1, 1, 1), 0, args, (), "buffer"))
+        nodes = random_nodes(rng, rng.randint(1, 20), 0.3, kernel)
         description = GraphDescription.from_binary(GraphDescription(tuple(nodes)).to_binary())
         places = []
         for i, node in enumerate(nodes):

@@ -528,27 +528,20 @@ class GraphCache:
             return
         self._bundle, self._replace = fetched.bundle, fetched.sha256
         self.phases.update(fetched.phases)
-        self._start_loading()
-
-    def _start_loading(self) -> None:
-        """With the artifact in hand: its kernel images loaded on worker threads, and (``build_ahead``) its graphs
-        built ahead, now, or at the first restore where the artifact has ranges that may have moved."""
-        assert self._bundle is not None
         # each kernel's largest shared memory over the artifact's graphs: prepared side by side (built ahead, and
         # a graph built in this thread meanwhile), none may lower another's
         self._shared = shared_needs(r.description for r in self._bundle.graphs)
         if self._kernels is not None and self._driver is not None:
             # on worker threads: the images checked, loaded and asked for their kernels; then (build_ahead) each
-            # graph built and instantiated, in order, for _restore to take once its checks passed
+            # graph built and instantiated, in order, for _restore to take once its checks passed: from now on, or
+            # where the artifact has ranges of other allocations (external tensors, declared before the first
+            # restore), from the first restore on
             try:
                 self._kernels.preload(self._bundle.images, self._bundle.graphs)
                 if self.build_ahead and any(not r.own_mapping for r in self._bundle.ranges):
-                    self._build_ahead_waits = True  # external tensors: they are declared before the first restore
+                    self._build_ahead_waits = True
                 elif self.build_ahead:
-                    self._prebuilt = Prebuilder(
-                        self._driver, self._kernels, self._bundle.graphs, self._bundle.images, shared=self._shared
-                    )
-                    self._prebuilt_from, self._prebuilt_moves = 0, [{} for _ in self._bundle.graphs]
+                    self._build_ahead(0)
             except Exception as exc:  # threads that cannot start, a driver call: each graph is built when asked for
                 log.warning("weightcache: the graphs are not loaded ahead (%s: %s)", type(exc).__name__, exc)
 
@@ -911,7 +904,7 @@ class GraphCache:
             if built is not None:  # built ahead (the same steps as below, on a worker thread)
                 executable = built.executable
                 step("wait")
-                phases.update({f"ahead_{step}": seconds for step, seconds in built.phases.items()})
+                phases.update({f"ahead_{part}": seconds for part, seconds in built.phases.items()})
             else:
                 assert self._kernels is not None
                 built = build(driver, self._kernels, record, bundle.images, self._shared)

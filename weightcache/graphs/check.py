@@ -29,7 +29,7 @@ from collections.abc import Callable, Mapping, Sequence
 import attrs
 import numpy as np
 
-from .description import DESTINATION, SOURCE, GraphDescription, KernelNode, MemcpyNode, MemsetNode
+from .description import DESTINATION, SOURCE, GraphDescription, KernelNode, MemcpyNode, MemsetNode, node_place
 
 
 @attrs.frozen
@@ -108,11 +108,6 @@ def _pieces(ranges: tuple[AddressRange, ...]) -> tuple[np.ndarray, np.ndarray]:
     return cuts, owner
 
 
-def _where(node: int, offset: int, what: str | None = None) -> str:
-    place = {DESTINATION: "its destination", SOURCE: "its source"}.get(offset, f"argument byte {offset}")
-    return f"node {node}{f' ({what[:80]})' if what else ''}, {place}"
-
-
 def pointers(
     description: GraphDescription,
     ranges: Sequence[AddressRange],
@@ -145,7 +140,7 @@ def pointers(
                 if value not in seen:
                     seen.append(value)
             problems.append(
-                f"{_where(node, offset, what)} holds {value:#x}, device memory outside every range the restore "
+                f"{node_place(node, offset, what)} holds {value:#x}, device memory outside every range the restore "
                 f"reproduces{held}: a rebuilt graph would read memory no later process has at that address"
             )
 
@@ -161,7 +156,7 @@ def pointers(
             start, end = where[0], where[-1]
             if start is not None and end is not None and start.name != end.name:
                 problems.append(
-                    f"{_where(i, offset, what)} runs from {first:#x} in range {start.name!r} to {last:#x} in "
+                    f"{node_place(i, offset, what)} runs from {first:#x} in range {start.name!r} to {last:#x} in "
                     f"range {end.name!r}: one copy or memset spans memory no single range reproduces"
                 )
     nodes, offsets, values = _kernel_words(description)
@@ -234,7 +229,7 @@ def restore_problems(
             known[p.value] = pointer_range(p.value)
         if not _mapped(known[p.value], now[p.range]):
             problems.append(
-                f"{_where(p.node, p.offset)} points at {p.value:#x}, which is not device memory mapped "
+                f"{node_place(p.node, p.offset)} points at {p.value:#x}, which is not device memory mapped "
                 f"inside range {p.range!r} in this process"
             )
     return problems
@@ -376,18 +371,17 @@ def relocation_problems(
     high = np.array([min(r.base + r.size + NEAR_MOVED, top) for r in zones], dtype=np.uint64)
     hit = np.searchsorted(ordered, high, side="left") > np.searchsorted(ordered, low, side="left")
     problems = []
-    for r in (zones[i] for i in np.flatnonzero(hit).tolist()):
-        near = (values >= max(r.base - NEAR_MOVED, 0)) & (values < r.base + r.size + NEAR_MOVED)
-        if near.any():
-            at = int(np.argmax(near))
-            node, offset, value = int(nodes[at]), int(offsets[at]), int(values[at])
-            kernel = description.nodes[node]  # (made only where there is a problem to name)
-            what = kernel.function if isinstance(kernel, KernelNode) else None
-            problems.append(
-                f"{_where(node, offset, what)} holds {value:#x}, {value - r.base:+#x} bytes from the first byte of "
-                f"range {r.name!r} but outside it (and every range): relocating the range would leave this "
-                "address, likely derived from it (an end, a point before it), where it is"
-            )
+    for i in np.flatnonzero(hit).tolist():  # each such range: its first word near it
+        r = zones[i]
+        at = int(np.argmax((values >= low[i]) & (values < high[i])))
+        node, offset, value = int(nodes[at]), int(offsets[at]), int(values[at])
+        kernel = description.nodes[node]  # (made only where there is a problem to name)
+        what = kernel.function if isinstance(kernel, KernelNode) else None
+        problems.append(
+            f"{node_place(node, offset, what)} holds {value:#x}, {value - r.base:+#x} bytes from the first byte of "
+            f"range {r.name!r} but outside it (and every range): relocating the range would leave this "
+            "address, likely derived from it (an end, a point before it), where it is"
+        )
     return problems
 
 

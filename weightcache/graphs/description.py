@@ -343,10 +343,6 @@ class GraphDescription:
                 done.add((word[0], word[1]))
                 firsts.append(word)
 
-        def where(node: int, offset: int) -> str:
-            place = {DESTINATION: "its destination", SOURCE: "its source"}.get(offset, f"argument byte {offset}")
-            return f"node {node}, {place}"
-
         # kernel argument words, all at once (a restore moves hundreds a graph): checked, then read, moved, written
         kernel = [w for w in firsts if w[1] >= 0]
         if kernel:
@@ -354,7 +350,7 @@ class GraphDescription:
                 node, offset, delta = (np.array(column, dtype=np.int64) for column in zip(*kernel, strict=True))
             except OverflowError:  # a place or a move past 64 bits: named as one at a time would name it
                 n, o, d = next(w for w in kernel if not all(-(2**63) <= v < 2**63 for v in w))
-                raise _fail(where(n, o), "a node, an offset and a move within 64 bits", (n, o, d)) from None
+                raise _fail(node_place(n, o), "a node, an offset and a move within 64 bits", (n, o, d)) from None
             valid = (node >= 0) & (node < len(kinds))
             safe = np.where(valid, node, 0)
             valid &= (kinds[safe] == _KERNEL) & (offset % 8 == 0)
@@ -363,8 +359,8 @@ class GraphDescription:
                 bad = int(np.argmin(valid))
                 n, o = int(node[bad]), int(offset[bad])
                 if not 0 <= n < len(kinds):
-                    raise _fail(where(n, o), f"a node of the {len(kinds)}", n)
-                raise _fail(where(n, o), "an aligned 8-byte word of a kernel's arguments", o)
+                    raise _fail(node_place(n, o), f"a node of the {len(kinds)}", n)
+                raise _fail(node_place(n, o), "an aligned 8-byte word of a kernel's arguments", o)
             at = tables.arg_starts[node].astype(np.int64) + offset
             spots = at[:, None] + np.arange(8)
             value = raw[spots].copy().view("<u8").reshape(-1)
@@ -373,10 +369,10 @@ class GraphDescription:
             wrapped = np.where(delta >= 0, moved < value, moved > value)
             if wrapped.any():
                 bad = int(np.argmax(wrapped))
-                _address(int(value[bad]) + int(delta[bad]), where(int(node[bad]), int(offset[bad])))
+                _address(int(value[bad]) + int(delta[bad]), node_place(int(node[bad]), int(offset[bad])))
             raw[spots] = moved.astype("<u8").view(np.uint8).reshape(-1, 8)
         for node_, offset_, delta_ in (w for w in firsts if w[1] < 0):
-            here = where(node_, offset_)
+            here = node_place(node_, offset_)
             if not 0 <= node_ < len(kinds):
                 raise _fail(here, f"a node of the {len(kinds)}", node_)
             kind = int(kinds[node_])
@@ -649,6 +645,13 @@ class DescriptionTables:
         return _nodes(self.table, self.kernel, self.spans, self.attributes, self.copies, self.names, self.args)
 
 
+def node_place(node: int, offset: int, what: str | None = None) -> str:
+    """How a message names a place of a description: node ``node`` (``what`` it launches, where given), its
+    argument byte ``offset``, or (:data:`DESTINATION`, :data:`SOURCE`) a memset's or memcpy's side."""
+    place = {DESTINATION: "its destination", SOURCE: "its source"}.get(offset, f"argument byte {offset}")
+    return f"node {node}{f' ({what[:80]})' if what else ''}, {place}"
+
+
 def _address(value: int, where: str) -> int:
     if not 0 <= value < 2**64:
         raise _fail(where, "an address moved within 64 bits", hex(value))
@@ -658,7 +661,7 @@ def _address(value: int, where: str) -> int:
 def _counting(counts: np.ndarray) -> np.ndarray:
     """``0 .. n-1`` for each ``n`` of ``counts``, one after the other (``int64``)."""
     counts = counts.astype(np.int64)
-    steps: np.ndarray = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(np.cumsum(counts) - counts, counts)
+    steps: np.ndarray = np.arange(int(counts.sum()), dtype=np.int64) - np.repeat(_starts(counts), counts)
     return steps
 
 
@@ -907,6 +910,7 @@ __all__ = [
     "SOURCE",
     "kernel_image",
     "kernel_name",
+    "node_place",
     "pointer_words",
     "qualified",
 ]
