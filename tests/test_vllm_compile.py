@@ -20,6 +20,7 @@ from weightcache.backends.vllm_compile import (
     ArchiveMeta,
     archive_meta,
     chosen_units,
+    members,
     mirror_triton,
     pack,
     relocated,
@@ -64,6 +65,9 @@ def test_the_archive_holds_this_ranks_files_and_comes_back_where_vllm_looks(cach
         f"torch_aot_compile/{'f' * 64}/rank_0_0/model",
     ]  # not rank 1's, not a temporary or lock file
     assert pack(cache, found, "rank_0_0")[0] == blob  # the same files give the same bytes (one SHA-256)
+    listed = members(cache, found, "rank_0_0")  # what a publish after a restore compares, no file read
+    assert [name for name, _ in listed] == list(held) and all(path == cache / name for name, path in listed)
+    assert pack(cache, found, "rank_0_0", listed=listed) == (blob, held)
 
     wiped = tmp_path / "new-container" / "torch_compile_cache"
     written = unpack_into(blob, wiped)
@@ -140,6 +144,8 @@ def test_tritons_own_cache_entries_travel_under_their_prefix(cache: Path, tmp_pa
     write(triton / "ABCDEFGH" / "kernel.json", b"{}")
     blob, held = pack(cache, list(units(cache)), "rank_0_0", {"@triton": (triton, [triton / "ABCDEFGH"])})
     assert {"@triton/ABCDEFGH/kernel.cubin", "@triton/ABCDEFGH/kernel.json"} <= set(held)
+    listed = members(cache, list(units(cache)), "rank_0_0", {"@triton": (triton, [triton / "ABCDEFGH"])})
+    assert [name for name, _ in listed] == list(held)
 
     new_triton = tmp_path / "new" / "triton"
     written = unpack_into(blob, tmp_path / "new" / "torch_compile_cache", {"@triton": new_triton})

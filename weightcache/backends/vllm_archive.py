@@ -146,22 +146,47 @@ def relocated(data: bytes, old: str, new: str) -> bytes:
     return pattern.sub(lambda _: new, text).encode()
 
 
+def members(
+    root: Path, chosen: list[Path], own_rank: str, others: Mapping[str, tuple[Path, list[Path]]] | None = None
+) -> list[tuple[str, Path]]:
+    """What :func:`pack` would hold of the same arguments, without reading a file: each member's name and the file
+    it comes from, in :func:`pack`'s order (the files this user owns in the hash directories ``chosen`` under
+    ``root``, this rank's only, and those of the directories each of ``others`` names)."""
+    found: list[tuple[str, Path]] = []
+    sections: list[tuple[str, Path, list[Path]]] = [("", root, chosen)]
+    sections += [(prefix + "/", base, dirs) for prefix, (base, dirs) in (others or {}).items()]
+    uid = os.getuid()
+    for prefix, base, dirs in sections:
+        for unit in dirs:
+            for path in files_of(unit):
+                relative = prefix + path.relative_to(base).as_posix()
+                parts = member_path(relative)
+                if parts is None or not wanted(parts, own_rank):
+                    continue
+                try:
+                    if path.stat().st_uid != uid:
+                        continue  # another user's file in a shared directory: never in this user's artifact
+                except OSError:
+                    continue  # removed while we looked: vLLM's own business
+                found.append((relative, path))
+    return found
+
+
 def pack(
     root: Path,
     chosen: list[Path],
     own_rank: str,
     others: Mapping[str, tuple[Path, list[Path]]] | None = None,
     meta: ArchiveMeta | None = None,
+    listed: list[tuple[str, Path]] | None = None,
 ) -> tuple[bytes, dict[str, int]]:
     """A tar archive of the files this user owns in the hash directories ``chosen`` under ``root`` (this rank's
     only; a file another user put into a shared directory is left out), and of
     the directories each of ``others`` names (``{"@triton": (Triton's cache directory, its entries)}``: members
     ``@triton/<entry>/<file>``), with ``meta`` as its :data:`META` member, and what it holds (member name ->
-    size; the meta member included)."""
+    size; the meta member included). ``listed``: :func:`members` of the same arguments, where the caller has it."""
     buffer = io.BytesIO()
     held: dict[str, int] = {}
-    sections: list[tuple[str, Path, list[Path]]] = [("", root, chosen)]
-    sections += [(prefix + "/", base, dirs) for prefix, (base, dirs) in (others or {}).items()]
     with tarfile.open(fileobj=buffer, mode="w", format=tarfile.PAX_FORMAT) as tar:
         if meta is not None:
             data = meta.to_bytes()
@@ -170,27 +195,18 @@ def pack(
             info.mode = 0o644
             tar.addfile(info, io.BytesIO(data))
             held[META] = len(data)
-        for prefix, base, dirs in sections:
-            for unit in dirs:
-                for path in files_of(unit):
-                    relative = prefix + path.relative_to(base).as_posix()
-                    parts = member_path(relative)
-                    if parts is None or not wanted(parts, own_rank):
-                        continue
-                    try:
-                        stat = path.stat()
-                        if stat.st_uid != os.getuid():
-                            continue  # another user's file in a shared directory: never in this user's artifact
-                        data = path.read_bytes()
-                        mode = stat.st_mode
-                    except OSError:
-                        continue  # removed while we looked: vLLM's own business
-                    info = tarfile.TarInfo(relative)
-                    info.size = len(data)
-                    info.mode = 0o755 if mode & 0o111 else 0o644
-                    info.mtime = 0
-                    tar.addfile(info, io.BytesIO(data))
-                    held[relative] = len(data)
+        for relative, path in members(root, chosen, own_rank, others) if listed is None else listed:
+            try:
+                data = path.read_bytes()
+                mode = path.stat().st_mode
+            except OSError:
+                continue  # removed while we looked: vLLM's own business
+            info = tarfile.TarInfo(relative)
+            info.size = len(data)
+            info.mode = 0o755 if mode & 0o111 else 0o644
+            info.mtime = 0
+            tar.addfile(info, io.BytesIO(data))
+            held[relative] = len(data)
     return buffer.getvalue(), held
 
 
@@ -327,6 +343,7 @@ __all__ = [
     "chosen_units",
     "files_of",
     "member_path",
+    "members",
     "wanted",
     "mirror_triton",
     "pack",
