@@ -16,19 +16,33 @@ runs in ``--processes`` fresh processes, alternating.
 
     python benchmarks/graph_restore_cpu.py --tree /tmp/wt-before --tree . --processes 5
 
+``--driver-latency`` models the driver instead of answering at once: each call lets go of Python's GIL, as the
+real driver's calls through ``ctypes`` and cuda-bindings do, and takes the time the H100 gave it (2026-12-05, the
+vLLM kind's FULL graphs: nodes added at ~17 us a node, ``cuGraphInstantiate`` ~3.3 ms a graph, kernel images
+loaded and their functions looked up at ~12 ms a MiB, side by side on the loading threads; not measured there and
+assumed: 0.3 ms for the arena's memory mapped for a graph, the range queries letting go of the GIL and returning),
+and the graph calls and queries one at a time: graph calls on two threads waited on each other on the H100, and
+that a query waits behind a graph call too is assumed (with it the model gives 09d99a4's restore the shape the H100
+reported for it: most of the time in the checks, little waiting for builds). What the restore's threads then do to
+each other (the caller waiting for the build thread or for the driver, a call's return waiting for the GIL the
+other thread holds) shows, which a driver answering at once hides.
+``--engine-ms`` spins Python for that long before each graph, as an engine does (vLLM prepares each graph's inputs
+and declares its tensors: ~14 ms a graph on the H100 before af9538c).
+
 A tree whose GraphCache keeps other state than this harness sets may fail here; ``tests/test_benchmarks.py`` runs
 it on the current tree.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from typing import Any
 
 from tree_runs import alternate, graph_options, graph_report
 
 CHILD = r"""
-import contextlib, json, sys, threading, time
+import contextlib, ctypes, json, sys, threading, time
 sys.path.insert(0, sys.argv[1] + "/benchmarks")
 import attrs, torch
 from graph_artifact_cpu import ARENA, HOME, synthetic_bundle
@@ -37,7 +51,31 @@ from weightcache.graphs.bundle import GraphBundle
 from weightcache.graphs.check import AddressRange, extents, pointers
 from weightcache.graphs.loading import KernelLoader
 
-graphs, nodes, externals = (int(a) for a in sys.argv[2:5])
+graphs, nodes, externals, latency = (int(a) for a in sys.argv[2:6])
+engine_s = float(sys.argv[6]) / 1000
+libc = ctypes.CDLL(None)
+NODE_S, INSTANTIATE_S, IMAGE_S_A_MIB, MAP_S = 17e-6, 3.3e-3, 12.4e-3, 0.3e-3  # --driver-latency (module's text)
+
+
+DRIVER = threading.Lock()  # one call in the driver at a time (the module's text)
+
+
+def driver_call(seconds=0.0, serial=True):
+    # with --driver-latency: the GIL let go (a call into libc through ctypes, as the real driver's are made), then
+    # held off for as long as the H100 took, one (serial) call at a time; the timer slack of each thread is set to
+    # 1 ns (prctl) so that short sleeps are near their length
+    if latency:
+        with DRIVER if serial else contextlib.nullcontext():
+            libc.getpid()
+            if seconds:
+                time.sleep(seconds)
+
+
+def precise_sleeps():
+    libc.prctl(29, 1, 0, 0, 0)  # PR_SET_TIMERSLACK
+
+
+precise_sleeps()
 made = synthetic_bundle(graphs, nodes, 18, 4, 0.1, 1024)
 size, moved = (1 << 30) // externals, 2 << 20
 pieces = [AddressRange(f"external/r{i:04}", HOME.base + i * size, size, own_mapping=False) for i in range(externals)]
@@ -61,17 +99,25 @@ class Driver:
             self.next += 1
             return self.next
     def current_context(self): return 1
-    def make_current(self, context): pass
-    def load_module(self, image): return self._id()
+    def make_current(self, context): precise_sleeps()  # (called on each worker thread first)
+    def load_module(self, image):  # (its functions' lookups included)
+        driver_call(len(image) / 2**20 * IMAGE_S_A_MIB, serial=False)
+        return self._id()
     def module_function(self, module, name): return self._id()
     def unload_module(self, module): pass
     def set_function_attribute(self, function, attribute, value): pass
     def create_graph(self): return self._id()
-    def add_description(self, graph, description, functions): pass
-    def instantiate(self, graph): return self._id()
+    def add_description(self, graph, description, functions):
+        # one call a node, as the real one makes (the GIL let go and taken again each time), ~17 us each
+        for i in range(len(description.tables.table)):
+            driver_call(50 * NODE_S if i % 50 == 49 else 0.0)
+    def instantiate(self, graph):
+        driver_call(INSTANTIATE_S)
+        return self._id()
     def destroy_graph(self, graph): pass
     def destroy_executable(self, executable): pass
     def pointer_range(self, address):
+        driver_call()
         if ARENA.holds(address):
             return ARENA.base, ARENA.size
         return HOME.base + moved, HOME.size
@@ -80,7 +126,10 @@ class Driver:
 class Arena:
     name, base, size, used = ARENA.name, ARENA.base, ARENA.size, 0
     def range(self): return ARENA
-    def skip_to(self, used): self.used = used
+    def skip_to(self, used):
+        if used > self.used:
+            driver_call(MAP_S)
+        self.used = used
     def rewind_to(self, used): self.used = used
     def close(self): pass
 
@@ -116,6 +165,9 @@ cache._load()  # the constructor's last step: the artifact asked for, its images
 for piece in pieces:  # declared where they lie here, as an engine declares its tensors before the first graph
     cache.external(piece.name.removeprefix("external/"), Tensor(piece.base + moved, piece.size))
 for record in bundle.graphs:
+    spin = time.perf_counter() + engine_s  # the engine's own Python before each graph (--engine-ms)
+    while time.perf_counter() < spin:
+        pass
     restored = cache.restore(record.name)
     assert restored is not None and restored.restored, cache.reason
 seconds = time.perf_counter() - began
@@ -129,8 +181,15 @@ print(json.dumps({"seconds": seconds, "relocated": cache.relocated, "steps": ste
 
 
 def main() -> int:
-    args = graph_options(__doc__.split("\n\n")[0], 450, 150, "declared tensors the graphs' pointers lie in")
-    runs = alternate(CHILD, args.tree, args.processes, str(args.graphs), str(args.nodes), str(args.externals))
+    def more(parser: argparse.ArgumentParser) -> None:
+        parser.add_argument("--driver-latency", action="store_true", help="model the H100's driver (module's text)")
+        parser.add_argument("--engine-ms", type=float, default=0.0, help="the engine's Python before each graph")
+
+    args = graph_options(__doc__.split("\n\n")[0], 450, 150, "declared tensors the graphs' pointers lie in", more)
+    runs = alternate(
+        CHILD, args.tree, args.processes, str(args.graphs), str(args.nodes), str(args.externals),
+        str(int(args.driver_latency)), str(args.engine_ms),
+    )  # fmt: skip
 
     def each(results: list[dict[str, Any]]) -> dict[str, Any]:
         steps = {k: round(statistics.median(r["steps"].get(k, 0.0) for r in results), 4) for k in results[0]["steps"]}
@@ -142,7 +201,9 @@ def main() -> int:
         each,
         lambda tree, row: (
             f"{tree}: {row['seconds_median']:.3f} s to restore {args.graphs} graphs of {args.nodes} nodes over "
-            f"{args.externals} moved tensors ({row['pointers_relocated']} pointers relocated; median of "
+            f"{args.externals} moved tensors{' (driver modelled)' if args.driver_latency else ''}"
+            f"{f', {args.engine_ms} ms of engine work a graph' if args.engine_ms else ''} "
+            f"({row['pointers_relocated']} pointers relocated; median of "
             f"{len(row['seconds'])} processes); steps summed over the graphs: {row['steps_median']}"
         ),
     )

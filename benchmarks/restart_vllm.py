@@ -26,13 +26,14 @@ after every start.
 
 ``--scenario graphs`` (issue 31) measures vLLM's graph phase with weightcache's vLLM graph kind
 (``WEIGHTCACHE_VLLM_GRAPHS=1``, weightcache/backends/vllm_graphs.py): a daemon from an empty disk (kind off), a
-first client with the kind on (captures, records and publishes the FULL graphs), then ``--repeat`` rounds of three
-clients from an empty disk: kind on (the FULL graphs restored), kind off (vLLM captures every graph), and kind on in
-a process forked by the warm process (the whole restart). Every start of it times ``GPUModelRunner.capture_model``
-to the millisecond (``graph phases`` in its marks; vLLM's own line rounds to whole seconds; the timer imports the
-runner's module after the ``vllm imported`` mark), records the kind's report (``graphs``: graphs restored and
-captured, where its time went) and generates 16 greedy tokens for each of 8 prompts at once after the first token
-(decode steps of 8 sequences: FULL graphs where vLLM has them), which must be the same in every start.
+first client with the kind on (captures, records and publishes the FULL graphs), then ``--repeat`` rounds of four
+clients from an empty disk: kind on (the FULL graphs restored), kind off (vLLM captures every graph), and each of
+those in a process forked by the warm process (the whole restart, and what the kind gives of it). Every start of
+it times ``GPUModelRunner.capture_model`` to the millisecond (``graph phases`` in its marks; vLLM's own line rounds
+to whole seconds; the timer imports the runner's module after the ``vllm imported`` mark), records the kind's report
+(``graphs``: graphs restored and captured, where its time went) and generates 16 greedy tokens for each of 8
+prompts at once after the first token (decode steps of 8 sequences: FULL graphs where vLLM has them), which must be
+the same in every start.
 ``--cudagraph-mode`` sets vLLM's ``cudagraph_mode`` for every start (e.g. ``FULL_DECODE_ONLY``: no PIECEWISE
 graphs, prefills eager).
 
@@ -513,6 +514,7 @@ def main() -> int:
                 ("client, empty disk, graph kind on (FULL graphs from the keeper)", empty, kind, None),
                 ("client, empty disk, graph kind off (vLLM captures every graph)", empty, {}, None),
                 ("client, empty disk, graph kind on, forked by the warm process", empty, kind, warm),
+                ("client, empty disk, graph kind off, forked by the warm process", empty, {}, warm),
             ]
         )
     else:

@@ -36,9 +36,19 @@ def alternate(child: str, trees: list[Path], processes: int, *argv: str) -> dict
     return runs
 
 
-def graph_options(description: str, nodes: int, externals: int, externals_help: str) -> argparse.Namespace:
+#: The options :func:`graph_report` writes as they are (or leaves out); any other option is written too.
+_REPORTED = {"tree", "json", "processes", "graphs", "nodes", "externals"}
+
+
+def graph_options(
+    description: str,
+    nodes: int,
+    externals: int,
+    externals_help: str,
+    more: Callable[[argparse.ArgumentParser], None] | None = None,
+) -> argparse.Namespace:
     """The options of a graph benchmark run tree against tree: ``--tree`` (repeated), ``--processes``, ``--graphs``,
-    ``--nodes``, ``--externals``, ``--json``; parsed."""
+    ``--nodes``, ``--externals``, ``--json``, and those ``more`` adds; parsed."""
     parser = argparse.ArgumentParser(description=description)
     parser.add_argument("--tree", type=Path, action="append", required=True, help="a checkout of weightcache")
     parser.add_argument("--processes", type=int, default=5)
@@ -46,6 +56,8 @@ def graph_options(description: str, nodes: int, externals: int, externals_help: 
     parser.add_argument("--nodes", type=int, default=nodes)
     parser.add_argument("--externals", type=int, default=externals, help=externals_help)
     parser.add_argument("--json", type=Path)
+    if more is not None:
+        more(parser)
     args = parser.parse_args()
     args.tree = [t.resolve() for t in args.tree]
     return args
@@ -66,6 +78,7 @@ def graph_report(
         "graphs": args.graphs,
         "nodes": args.nodes,
         "externals": args.externals,
+        **{k: v for k, v in vars(args).items() if k not in _REPORTED},
         "trees": {},
     }
     for tree, results in runs.items():

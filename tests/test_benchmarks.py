@@ -157,7 +157,8 @@ def test_a_vllm_start_that_hangs_is_stopped_with_its_stacks(tmp_path: Path, monk
 def test_the_cpu_restore_benchmark_restores_every_graph_relocated_on_this_tree(tmp_path: Path) -> None:
     """``benchmarks/graph_restore_cpu.py`` makes a GraphCache without its constructor (no GPU) and restores an
     artifact's graphs over moved tensors: run small on this tree, so that the harness keeps up with the
-    GraphCache's state (every graph restored, its pointers relocated, the restore's steps reported)."""
+    GraphCache's state (every graph restored, its pointers relocated, the restore's steps reported), with its
+    driver answering at once and with the H100's driver modelled (``--driver-latency``)."""
     import subprocess
     import sys
 
@@ -171,3 +172,14 @@ def test_the_cpu_restore_benchmark_restores_every_graph_relocated_on_this_tree(t
     [tree] = json.loads(out.read_text())["trees"].values()
     assert tree["pointers_relocated"] > 0 and tree["seconds_median"] > 0
     assert {"map", "checks", "relocate", "extents"} <= set(tree["steps_median"])
+    subprocess.run(
+        [sys.executable, "benchmarks/graph_restore_cpu.py", "--tree", str(root), "--processes", "1",
+         "--graphs", "3", "--nodes", "20", "--externals", "5", "--driver-latency", "--engine-ms", "2",
+         "--json", str(out)],
+        cwd=root, check=True, capture_output=True, text=True, timeout=300,
+    )  # fmt: skip
+    report = json.loads(out.read_text())
+    [modelled] = report["trees"].values()
+    assert report["driver_latency"] is True and report["engine_ms"] == 2.0
+    # at least the caller's own: three engine spins of 2 ms, and the first graph's instantiation (3.3 ms modelled)
+    assert modelled["seconds_median"] > 0.0093 and modelled["pointers_relocated"] == tree["pointers_relocated"]
