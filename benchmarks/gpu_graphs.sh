@@ -5,13 +5,14 @@
 #   gpu_graphs.sh bench ARGS  benchmarks/graph_restore.py bench ARGS
 #   gpu_graphs.sh env         what the machine has (driver, torch, CUPTI)
 #   gpu_graphs.sh regress     the GPU tests of attach and memory (tests/test_cuda.py, tests/test_cuda_memory.py)
+#   gpu_graphs.sh node-costs ARGS  benchmarks/graph_node_costs.py ARGS (what each way of making nodes costs)
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-/tmp/out}
 mkdir -p "$out"
 unset PYTHONDONTWRITEBYTECODE
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-cmd=${1:?usage: gpu_graphs.sh test|bench|env|regress}
+cmd=${1:?usage: gpu_graphs.sh test|bench|env|regress|node-costs}
 shift
 case "$cmd" in
 env)
@@ -28,5 +29,8 @@ regress)
         2>&1 | tee "$out/cuda-tests.log" ;;
 bench)
     timeout 550 python3 benchmarks/graph_restore.py bench "$@" 2>&1 | tee -a "$out/graphs-bench.log" ;;
+node-costs)
+    timeout 300 python3 benchmarks/graph_node_costs.py --json "$out/graph-node-costs.json" "$@" 2>&1 \
+        | tee "$out/graph-node-costs.log" ;;
 *) echo "unknown command $cmd" >&2; exit 2 ;;
 esac
