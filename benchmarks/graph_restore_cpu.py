@@ -124,11 +124,17 @@ class Driver:
 
 
 class Arena:
-    name, base, size, used = ARENA.name, ARENA.base, ARENA.size, 0
+    name, base, size, used, mapped = ARENA.name, ARENA.base, ARENA.size, 0, 0
     def range(self): return ARENA
-    def skip_to(self, used):
-        if used > self.used:
+    def map_ahead(self, end):  # (older trees map graph by graph, through skip_to)
+        self._map_to(end)
+        return True
+    def _map_to(self, end):
+        if end > self.mapped:
             driver_call(MAP_S)
+            self.mapped = end
+    def skip_to(self, used):
+        self._map_to(used)
         self.used = used
     def rewind_to(self, used): self.used = used
     def close(self): pass

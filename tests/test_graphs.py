@@ -1495,6 +1495,27 @@ def test_an_arena_elsewhere_full_or_unmappable_is_refused_and_gives_back_what_it
     assert not vmm.reserved and not vmm.handles
 
 
+def test_an_arena_maps_ahead_in_one_piece_without_moving_its_pointer() -> None:
+    """``Arena.map_ahead``: what a restore will reach mapped at once (a GraphCache does it when it loads an
+    artifact), the bump pointer left where it was, never past the arena's size; a failing driver leaves the arena
+    as it was, and allocations map as they go."""
+    from weightcache.graphs.arena import Arena
+
+    vmm = FakeVmm()
+    arena = Arena(vmm, "pool", 16 << 20, base=0x6000_0000_0000)
+    assert arena.allocate(4096) == 0x6000_0000_0000 and arena.mapped == 2 << 20
+    vmm.fail_map = True
+    assert not arena.map_ahead(9 << 20) and arena.mapped == 2 << 20 and len(vmm.handles) == 1
+    vmm.fail_map = False
+    assert arena.map_ahead(9 << 20) and (arena.mapped, arena.used) == (10 << 20, 4096)
+    assert len(vmm.maps) == 2 and vmm.maps[0x6000_0000_0000 + (2 << 20)][0] == 8 << 20  # one piece, to a chunk
+    assert arena.map_ahead(64 << 20) and arena.mapped == 16 << 20  # never past the arena
+    arena.skip_to(12 << 20)
+    assert len(vmm.maps) == 3 and arena.used == 12 << 20
+    arena.close()
+    assert not vmm.maps and not vmm.handles and not vmm.reserved
+
+
 GPU_ARENA = r"""
 import json
 import torch

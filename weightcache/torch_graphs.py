@@ -531,6 +531,12 @@ class GraphCache:
         # each kernel's largest shared memory over the artifact's graphs: prepared side by side (built ahead, and
         # a graph built in this thread meanwhile), none may lower another's
         self._shared = shared_needs(r.description for r in self._bundle.graphs)
+        if self._arena is not None and self._bundle.graphs:
+            # the memory of every recorded graph mapped now in one piece, not one piece a graph
+            began = time.perf_counter()
+            if not self._arena.map_ahead(max(r.end for r in self._bundle.graphs)):
+                log.debug("weightcache: the arena's memory is mapped graph by graph (mapping it ahead failed)")
+            self.phases["map"] = time.perf_counter() - began
         if self._kernels is not None and self._driver is not None:
             # on worker threads: the images checked, loaded and asked for their kernels; then (build_ahead) each
             # graph built and instantiated, in order, for _restore to take once its checks passed: from now on, or

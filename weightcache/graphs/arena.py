@@ -5,11 +5,11 @@ A restored graph's arguments point at its inputs, activations and pool. On an H2
 torch's own segments at their old addresses again (docs/architecture.md): the driver placed most of them elsewhere.
 An :class:`Arena` instead reserves one range at a base the caller names (``cuMemAddressReserve`` with that address:
 a hint, so what the driver returned is checked and anything else refused), maps physical memory into it on demand in
-granularity-sized chunks (``cuMemCreate``, ``cuMemMap``, ``cuMemSetAccess``), and hands out allocations with a
-bump pointer: the same sequence of requests gets the same addresses in every process that got the base. Memory is
-never reused (a graph's memory lives as long as its graphs); :meth:`Arena.free` only counts. The range it covers is
-:meth:`Arena.range`, what :mod:`~weightcache.graphs.check` compares between the recording and the restoring
-process.
+granularity-sized chunks (``cuMemCreate``, ``cuMemMap``, ``cuMemSetAccess``; or, :meth:`Arena.map_ahead`, as far as
+a restore will reach, in one piece), and hands out allocations with a bump pointer: the same sequence of requests
+gets the same addresses in every process that got the base. Memory is never reused (a graph's memory lives as long
+as its graphs); :meth:`Arena.free` only counts. The range it covers is :meth:`Arena.range`, what
+:mod:`~weightcache.graphs.check` compares between the recording and the restoring process.
 
 The driver calls are :class:`ArenaDriver`'s; :class:`CudaArenaDriver` makes them through cuda-bindings, on the
 calling thread's current context. :class:`~weightcache.torch_graphs.GraphCache` serves torch's graph pool from one.
@@ -136,6 +136,18 @@ class Arena:
         if not 0 <= used <= self.used:
             raise GraphRestoreError(f"arena {self.name!r}: cannot move its pointer back from {self.used} to {used}")
         self.used = used
+
+    def map_ahead(self, end: int) -> bool:
+        """Map the range up to ``end`` bytes from the base (at most the arena's size) now, in one piece, leaving the
+        bump pointer where it is: what a restore is about to reach, mapped before its graphs instead of one
+        piece a graph (each behind the driver calls of the threads building graphs ahead). Returns whether it
+        mapped; a driver call that fails leaves the arena as it was (later requests map as they go, and fail
+        where they must)."""
+        try:
+            self._map_to(min(end, self.size))
+        except GraphRestoreError:
+            return False
+        return True
 
     def _map_to(self, end: int) -> None:
         while self.mapped < end:
