@@ -37,8 +37,8 @@ from typing import Any
 
 #: ``CU_LAUNCH_PARAM_END``, ``CU_LAUNCH_PARAM_BUFFER_POINTER``, ``CU_LAUNCH_PARAM_BUFFER_SIZE``.
 PARAM_END, PARAM_BUFFER, PARAM_SIZE = 0, 1, 2
-#: ``CU_STREAM_CAPTURE_MODE_THREAD_LOCAL``, ``CU_STREAM_NON_BLOCKING``.
-THREAD_LOCAL, NON_BLOCKING = 1, 1
+#: ``CU_STREAM_CAPTURE_MODE_THREAD_LOCAL``, ``CU_STREAM_NON_BLOCKING``, ``CU_LAUNCH_ATTRIBUTE_COOPERATIVE``.
+THREAD_LOCAL, NON_BLOCKING, COOPERATIVE = 1, 1, 2
 p = ctypes.c_void_p
 size_p = ctypes.POINTER(ctypes.c_size_t)
 
@@ -175,6 +175,7 @@ def main() -> int:
     nodes = description.nodes
     kernels = [n for n in nodes if isinstance(n, KernelNode)]
     edges = [(e.src, e.dst) for e in description.edges]
+    edge_data = b"".join(e.data for e in description.edges)  # (CUgraphEdgeData of each, as captured)
     chain = len(kernels) == len(nodes) and sorted(edges) == [(i, i + 1) for i in range(len(nodes) - 1)]
     stream = torch.cuda.current_stream().cuda_stream
 
@@ -190,10 +191,19 @@ def main() -> int:
     keep: list[Any] = []
     plain = len(kernels) == len(nodes)  # kernel nodes only (else the ways below but tables, each, clone are left out)
     layouts = {name: lib.layout(f) for name, f in functions.items()} if plain else {}
-    fits = plain and all(max((o + n for o, n in layouts[k.function]), default=0) <= len(k.args) for k in kernels)
-    as_buffer = [kernel_params(functions[k.function], k, None, keep) for k in kernels] if plain else []
+    fits = plain and all(
+        max((o + n for o, n in layouts[k.function]), default=0) <= len(k.args) and (layouts[k.function] or not k.args)
+        for k in kernels
+    )  # every parameter inside the node's bytes, and a layout wherever there are bytes
+    # cuda.h: CUDA_ERROR_INVALID_VALUE "if extra is used for a cooperative kernel": those by layout even here
+    cooperative = [any(a == COOPERATIVE for a, _ in k.attributes) for k in kernels]
+    plain &= fits or not any(cooperative)
+    as_buffer = [
+        kernel_params(functions[k.function], k, layouts[k.function] if co else None, keep)
+        for k, co in zip(kernels, cooperative, strict=True)
+    ] if plain else []  # fmt: skip
     as_layout = [kernel_params(functions[k.function], k, layouts[k.function], keep) for k in kernels] if fits else []
-    chain &= not any(k.attributes for k in kernels)  # (a launch with attributes would need cuLaunchKernelEx)
+    chain &= plain and not any(k.attributes for k in kernels)  # (attributes would need cuLaunchKernelEx)
 
     def add_params(graph: int, made_with: list[KernelParams]) -> list[int]:
         made = []
@@ -206,7 +216,7 @@ def main() -> int:
         if edges:
             n = len(edges)
             src, dst = (p * n)(*[made[a] for a, _ in edges]), (p * n)(*[made[b] for _, b in edges])
-            lib("cuGraphAddDependencies_v2", p(graph), src, dst, None, n)
+            lib("cuGraphAddDependencies_v2", p(graph), src, dst, edge_data, n)
         return made
 
     def capture() -> int:
@@ -217,9 +227,11 @@ def main() -> int:
             try:
                 for k in as_buffer:
                     lib("cuLaunchKernel", p(k.func), k.gridDimX, k.gridDimY, k.gridDimZ, k.blockDimX, k.blockDimY,
-                        k.blockDimZ, k.sharedMemBytes, created, None, k.extra)  # fmt: skip
-            finally:
-                lib("cuStreamEndCapture", created, ctypes.byref(graph))
+                        k.blockDimZ, k.sharedMemBytes, created, k.kernelParams, k.extra)  # fmt: skip
+            except BaseException:  # the capture ended without a word of its own: the launch's error is the one
+                lib.cu.cuStreamEndCapture(created, ctypes.byref(graph))
+                raise
+            lib("cuStreamEndCapture", created, ctypes.byref(graph))
         finally:
             lib("cuStreamDestroy_v2", created)
         return int(graph.value or 0)

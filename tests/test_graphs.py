@@ -1495,23 +1495,30 @@ def test_an_arena_elsewhere_full_or_unmappable_is_refused_and_gives_back_what_it
     assert not vmm.reserved and not vmm.handles
 
 
-def test_an_arena_maps_ahead_in_one_piece_without_moving_its_pointer() -> None:
-    """``Arena.map_ahead``: what a restore will reach mapped at once (a GraphCache does it when it loads an
-    artifact), the bump pointer left where it was, never past the arena's size; a failing driver leaves the arena
-    as it was, and allocations map as they go."""
+def test_an_arena_maps_ahead_without_moving_its_pointer_and_gives_back_what_was_not_used() -> None:
+    """``Arena.map_ahead``: what a restore will reach mapped at once, a piece to each end (a GraphCache passes its
+    artifact's graphs' ends when it loads it), the bump pointer left where it was, never past the arena's size; a
+    failing driver leaves what was mapped before it. ``Arena.unmap_unused`` gives back the pieces wholly past the
+    pointer (graphs not restored after all), and later requests map again."""
     from weightcache.graphs.arena import Arena
 
     vmm = FakeVmm()
-    arena = Arena(vmm, "pool", 16 << 20, base=0x6000_0000_0000)
-    assert arena.allocate(4096) == 0x6000_0000_0000 and arena.mapped == 2 << 20
+    base = 0x6000_0000_0000
+    arena = Arena(vmm, "pool", 16 << 20, base=base)
+    assert arena.allocate(4096) == base and arena.mapped == 2 << 20
     vmm.fail_map = True
-    assert not arena.map_ahead(9 << 20) and arena.mapped == 2 << 20 and len(vmm.handles) == 1
+    assert not arena.map_ahead([5 << 20, 9 << 20]) and arena.mapped == 2 << 20 and len(vmm.handles) == 1
     vmm.fail_map = False
-    assert arena.map_ahead(9 << 20) and (arena.mapped, arena.used) == (10 << 20, 4096)
-    assert len(vmm.maps) == 2 and vmm.maps[0x6000_0000_0000 + (2 << 20)][0] == 8 << 20  # one piece, to a chunk
-    assert arena.map_ahead(64 << 20) and arena.mapped == 16 << 20  # never past the arena
-    arena.skip_to(12 << 20)
-    assert len(vmm.maps) == 3 and arena.used == 12 << 20
+    assert arena.map_ahead([5 << 20, 9 << 20, 64 << 20]) and (arena.mapped, arena.used) == (16 << 20, 4096)
+    assert sorted((a - base, size) for a, (size, _) in vmm.maps.items()) == [
+        (0, 2 << 20), (2 << 20, 4 << 20), (6 << 20, 4 << 20), (10 << 20, 6 << 20)
+    ]  # a piece to each end, rounded to the granularity, never past the arena  # fmt: skip
+    arena.skip_to(5 << 20)
+    assert len(vmm.maps) == 4  # mapped ahead: nothing to map
+    assert arena.unmap_unused() == 10 << 20 and arena.mapped == 6 << 20 and len(vmm.handles) == 2
+    assert arena.unmap_unused() == 0
+    arena.skip_to(7 << 20)  # maps again as it goes
+    assert arena.mapped == 8 << 20 and len(vmm.maps) == 3
     arena.close()
     assert not vmm.maps and not vmm.handles and not vmm.reserved
 

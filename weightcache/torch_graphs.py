@@ -532,9 +532,10 @@ class GraphCache:
         # a graph built in this thread meanwhile), none may lower another's
         self._shared = shared_needs(r.description for r in self._bundle.graphs)
         if self._arena is not None and self._bundle.graphs:
-            # the memory of every recorded graph mapped now in one piece, not one piece a graph
+            # every recorded graph's memory mapped now, before any thread builds graphs ahead (settle() gives back
+            # what no restore reached)
             began = time.perf_counter()
-            if not self._arena.map_ahead(max(r.end for r in self._bundle.graphs)):
+            if not self._arena.map_ahead([r.end for r in self._bundle.graphs]):
                 log.debug("weightcache: the arena's memory is mapped graph by graph (mapping it ahead failed)")
             self.phases["map"] = time.perf_counter() - began
         if self._kernels is not None and self._driver is not None:
@@ -838,7 +839,9 @@ class GraphCache:
         running are waited for) and the kernel images still loading are waited for. From then on no thread of this
         GraphCache calls the driver but the caller's (a graph restored later is built when asked for), so the
         process may capture graphs of its own in CUDA's global capture mode (torch's default), which fails while
-        another thread calls the driver. A refusal does this itself, and so does :meth:`close`."""
+        another thread calls the driver. The arena's memory mapped ahead for graphs not restored (past what was
+        handed out) is given back; captures map what they use. A refusal does this itself, and so does
+        :meth:`close`."""
         if self._prebuilt is not None:
             self._prebuilt.close()
             self._prebuilt = None
@@ -846,6 +849,8 @@ class GraphCache:
         self._relocations.clear()
         if self._kernels is not None:
             self._kernels.settle()
+        if self._arena is not None:
+            self._arena.unmap_unused()
 
     def _restore(self, name: str, started: float) -> CudaGraph | str:
         """The graph rebuilt from the artifact, or why it is not."""

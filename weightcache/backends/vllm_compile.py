@@ -344,6 +344,9 @@ class EngineCompileCache:
             log.info("weightcache: vLLM compiled nothing the keeper's artifact lacked for %s", self.digest[:12])
             return None
         blob, held = pack(self.root, chosen, self.own_rank, others, meta, listed)
+        if self._loaded_sha is not None and set(held) <= set(self.held):  # a new file gone before it was read
+            log.info("weightcache: vLLM compiled nothing the keeper's artifact lacked for %s", self.digest[:12])
+            return None
         if hashlib.sha256(blob).hexdigest() == self._loaded_sha:
             return None
         if self._loaded_sha is not None and self._unstable():

@@ -6,7 +6,7 @@ torch's own segments at their old addresses again (docs/architecture.md): the dr
 An :class:`Arena` instead reserves one range at a base the caller names (``cuMemAddressReserve`` with that address:
 a hint, so what the driver returned is checked and anything else refused), maps physical memory into it on demand in
 granularity-sized chunks (``cuMemCreate``, ``cuMemMap``, ``cuMemSetAccess``; or, :meth:`Arena.map_ahead`, as far as
-a restore will reach, in one piece), and hands out allocations with a bump pointer: the same sequence of requests
+a restore will reach, before it), and hands out allocations with a bump pointer: the same sequence of requests
 gets the same addresses in every process that got the base. Memory is never reused (a graph's memory lives as long
 as its graphs); :meth:`Arena.free` only counts. The range it covers is :meth:`Arena.range`, what
 :mod:`~weightcache.graphs.check` compares between the recording and the restoring process.
@@ -20,6 +20,7 @@ ranges of 2 and 64 MiB elsewhere whatever base they asked for (512 MiB and more 
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, Protocol
 
 from ..errors import GraphRestoreError
@@ -137,17 +138,31 @@ class Arena:
             raise GraphRestoreError(f"arena {self.name!r}: cannot move its pointer back from {self.used} to {used}")
         self.used = used
 
-    def map_ahead(self, end: int) -> bool:
-        """Map the range up to ``end`` bytes from the base (at most the arena's size) now, in one piece, leaving the
-        bump pointer where it is: what a restore is about to reach, mapped before its graphs instead of one
-        piece a graph (each behind the driver calls of the threads building graphs ahead). Returns whether it
-        mapped; a driver call that fails leaves the arena as it was (later requests map as they go, and fail
-        where they must)."""
+    def map_ahead(self, ends: Sequence[int]) -> bool:
+        """Map the range now as far as each of ``ends`` (bytes from the base, ascending; at most the arena's size),
+        one piece to each, leaving the bump pointer where it is: a restore's graphs' memory mapped before them
+        instead of a piece at each (behind the driver calls of the threads building graphs ahead), in pieces that
+        :meth:`unmap_unused` can give back where the graphs are not restored after all. Returns whether it
+        mapped them all; a driver call that fails leaves what was mapped before it (later requests map as they
+        go, and fail where they must)."""
         try:
-            self._map_to(min(end, self.size))
+            for end in ends:
+                self._map_to(min(end, self.size))
         except GraphRestoreError:
             return False
         return True
+
+    def unmap_unused(self) -> int:
+        """Unmap and release every piece that lies wholly past the bump pointer (mapped ahead for allocations that
+        did not come); the bytes given back. Later requests map again as they go."""
+        given = 0
+        while self._chunks and self._chunks[-1][0] >= self.base + self.used:
+            address, length, handle = self._chunks.pop()
+            self._driver.unmap(address, length)
+            self._driver.release(handle)
+            self.mapped -= length
+            given += length
+        return given
 
     def _map_to(self, end: int) -> None:
         while self.mapped < end:
