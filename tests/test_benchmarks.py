@@ -183,3 +183,33 @@ def test_the_cpu_restore_benchmark_restores_every_graph_relocated_on_this_tree(t
     assert report["driver_latency"] is True and report["engine_ms"] == 2.0
     # at least the caller's own: three engine spins of 2 ms, and the first graph's instantiation (3.3 ms modelled)
     assert modelled["seconds_median"] > 0.0093 and modelled["pointers_relocated"] == tree["pointers_relocated"]
+
+
+def test_the_node_cost_benchmark_hands_the_driver_each_nodes_own_bytes_both_ways() -> None:
+    """``benchmarks/graph_node_costs.py`` runs on a GPU only (it has not run yet): what it hands the driver is
+    checked here, on the parameters it builds for a node, as the driver would read them: the arguments as one
+    buffer (``extra``: buffer pointer, a pointer to its size, end), or one pointer to each parameter (by the
+    function's layout, ``kernelParams``), each pointing at that parameter's bytes."""
+    import ctypes
+    import struct
+
+    from weightcache.graphs.description import KernelNode
+
+    costs = benchmark("graph_node_costs")
+    args = struct.pack("<QIIQ", 0x7F00_0000_1000, 7, 9, 0x7F00_0000_2000)
+    node = KernelNode("k", (4, 2, 1), (128, 1, 1), 1024, args, ((0, 8), (8, 4), (12, 4), (16, 8)))
+    keep: list[object] = []
+    buffer = costs.kernel_params(0xF00, node, None, keep)
+    assert (buffer.func, buffer.gridDimX, buffer.gridDimY, buffer.blockDimX, buffer.sharedMemBytes) == (
+        0xF00, 4, 2, 128, 1024
+    )  # fmt: skip
+    assert not buffer.kernelParams
+    extra = [buffer.extra[i] for i in range(5)]
+    assert extra[0] == costs.PARAM_BUFFER and extra[2] == costs.PARAM_SIZE and extra[4] is None  # (END is 0)
+    assert ctypes.c_size_t.from_address(extra[3]).value == len(args)
+    assert ctypes.string_at(extra[1], len(args)) == args
+    laid = costs.kernel_params(0xF00, node, list(node.layout), keep)
+    assert not laid.extra
+    assert [ctypes.string_at(laid.kernelParams[i], size) for i, (_, size) in enumerate(node.layout)] == [
+        args[offset : offset + size] for offset, size in node.layout
+    ]
