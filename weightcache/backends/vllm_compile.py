@@ -66,7 +66,7 @@ import logging
 import os
 import tarfile
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -309,6 +309,14 @@ class EngineCompileCache:
         )
         return True
 
+    def _holds_all(self, names: Iterable[str]) -> bool:
+        """After a restore: whether the artifact restored held every one of ``names`` (vLLM compiled nothing it
+        lacked; said in the log)."""
+        if self._loaded_sha is None or not set(names) <= set(self.held):
+            return False
+        log.info("weightcache: vLLM compiled nothing the keeper's artifact lacked for %s", self.digest[:12])
+        return True
+
     def publish(self) -> Artifact | None:
         """After vLLM compiled and warmed up: publish the hash directories it used, unless the artifact restored
         already held every file of them, in place of the artifact restored (or of one that could not be).
@@ -339,13 +347,12 @@ class EngineCompileCache:
         generation = 0 if self._loaded_sha is None else (self.meta.generation + 1 if self.meta else 1)
         meta = ArchiveMeta(str(self.root), generation)
         listed = members(self.root, chosen, self.own_rank, others)
-        if self._loaded_sha is not None and {META, *(name for name, _ in listed)} <= set(self.held):
-            # (decided by the names alone: packing the whole cache to find that out cost a restoring start ~0.1 s)
-            log.info("weightcache: vLLM compiled nothing the keeper's artifact lacked for %s", self.digest[:12])
+        # decided by the names alone first (packing the whole cache to find that out cost a restoring start ~0.1 s),
+        # and again by what was packed (a new file gone before it was read)
+        if self._holds_all([META, *(name for name, _ in listed)]):
             return None
         blob, held = pack(self.root, chosen, self.own_rank, others, meta, listed)
-        if self._loaded_sha is not None and set(held) <= set(self.held):  # a new file gone before it was read
-            log.info("weightcache: vLLM compiled nothing the keeper's artifact lacked for %s", self.digest[:12])
+        if self._holds_all(held):
             return None
         if hashlib.sha256(blob).hexdigest() == self._loaded_sha:
             return None
