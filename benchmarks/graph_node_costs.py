@@ -35,31 +35,14 @@ import time
 from pathlib import Path
 from typing import Any
 
+from weightcache.graphs.driver import KernelNodeParams
+
 #: ``CU_LAUNCH_PARAM_END``, ``CU_LAUNCH_PARAM_BUFFER_POINTER``, ``CU_LAUNCH_PARAM_BUFFER_SIZE``.
 PARAM_END, PARAM_BUFFER, PARAM_SIZE = 0, 1, 2
 #: ``CU_STREAM_CAPTURE_MODE_THREAD_LOCAL``, ``CU_STREAM_NON_BLOCKING``, ``CU_LAUNCH_ATTRIBUTE_COOPERATIVE``.
 THREAD_LOCAL, NON_BLOCKING, COOPERATIVE = 1, 1, 2
 p = ctypes.c_void_p
 size_p = ctypes.POINTER(ctypes.c_size_t)
-
-
-class KernelParams(ctypes.Structure):
-    """``CUDA_KERNEL_NODE_PARAMS_v2`` (cuda.h)."""
-
-    _fields_ = [
-        ("func", p),
-        ("gridDimX", ctypes.c_uint),
-        ("gridDimY", ctypes.c_uint),
-        ("gridDimZ", ctypes.c_uint),
-        ("blockDimX", ctypes.c_uint),
-        ("blockDimY", ctypes.c_uint),
-        ("blockDimZ", ctypes.c_uint),
-        ("sharedMemBytes", ctypes.c_uint),
-        ("kernelParams", ctypes.POINTER(p)),
-        ("extra", ctypes.POINTER(p)),
-        ("kern", p),
-        ("ctx", p),
-    ]
 
 
 class Lib:
@@ -72,10 +55,10 @@ class Lib:
             "cuGraphDestroy": [p],
             "cuGraphCreate": [ctypes.POINTER(p), ctypes.c_uint],
             "cuGraphAddKernelNode_v2": [ctypes.POINTER(p), p, ctypes.POINTER(p), ctypes.c_size_t,
-                                        ctypes.POINTER(KernelParams)],
+                                        ctypes.POINTER(KernelNodeParams)],
             "cuGraphAddDependencies_v2": [p, ctypes.POINTER(p), ctypes.POINTER(p), ctypes.c_char_p, ctypes.c_size_t],
             "cuGraphGetNodes": [p, ctypes.POINTER(p), ctypes.POINTER(ctypes.c_size_t)],
-            "cuGraphExecKernelNodeSetParams_v2": [p, p, ctypes.POINTER(KernelParams)],
+            "cuGraphExecKernelNodeSetParams_v2": [p, p, ctypes.POINTER(KernelNodeParams)],
             "cuStreamCreate": [ctypes.POINTER(p), ctypes.c_uint],
             "cuStreamDestroy_v2": [p],
             "cuStreamBeginCapture_v2": [p, ctypes.c_int],
@@ -118,12 +101,12 @@ class Lib:
         return [int(found[i] or 0) for i in range(count.value)]
 
 
-def kernel_params(function: int, node: Any, layout: list[tuple[int, int]] | None, keep: list[Any]) -> KernelParams:
+def kernel_params(function: int, node: Any, layout: list[tuple[int, int]] | None, keep: list[Any]) -> KernelNodeParams:
     """A kernel node's parameters for the driver: its arguments as one buffer, or (given the function's
     ``layout``) as a pointer to each parameter in that buffer; what must outlive the call is appended to ``keep``."""
     buffer = ctypes.create_string_buffer(node.args, max(len(node.args), 1))
     keep.append(buffer)
-    params = KernelParams(function, *node.grid, *node.block, node.shared_bytes, None, None)
+    params = KernelNodeParams(function, *node.grid, *node.block, node.shared_bytes, None, None)
     if layout is not None:
         pointers = (p * max(len(layout), 1))(*[ctypes.addressof(buffer) + offset for offset, _ in layout])
         keep.append(pointers)
@@ -205,7 +188,7 @@ def main() -> int:
     as_layout = [kernel_params(functions[k.function], k, layouts[k.function], keep) for k in kernels] if fits else []
     chain &= plain and not any(k.attributes for k in kernels)  # (attributes would need cuLaunchKernelEx)
 
-    def add_params(graph: int, made_with: list[KernelParams]) -> list[int]:
+    def add_params(graph: int, made_with: list[KernelNodeParams]) -> list[int]:
         made = []
         for params, node in zip(made_with, kernels, strict=True):
             out = p()

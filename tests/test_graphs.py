@@ -886,14 +886,14 @@ def test_a_kernel_node_reaches_the_driver_as_its_description_says() -> None:
     launch form; an empty argument list is a buffer of size 0."""
     import ctypes
 
-    from weightcache.graphs.driver import _KernelParams
+    from weightcache.graphs.driver import KernelNodeParams
 
     lib = FakeLibcuda(0)
     seen: list[dict[str, Any]] = []
     attributes: list[tuple[int, int, bytes]] = []
 
     def add(out: int, _graph: int, _deps: int, _count: int, params: int) -> int:
-        p = ctypes.cast(params, ctypes.POINTER(_KernelParams)).contents
+        p = ctypes.cast(params, ctypes.POINTER(KernelNodeParams)).contents
         extra = [p.extra[i] or 0 for i in range(5)]
         assert (extra[0], extra[2], extra[4]) == (1, 2, 0)  # BUFFER_POINTER, BUFFER_SIZE, END
         assert not p.kern and not p.ctx  # the function is given as func: no kernel handle, no context
@@ -943,7 +943,7 @@ class RecordingLibcuda(FakeLibcuda):
     def __init__(self) -> None:
         import ctypes
 
-        from weightcache.graphs.driver import _KernelParams, _Memcpy3D, _MemsetParams
+        from weightcache.graphs.driver import KernelNodeParams, _Memcpy3D, _MemsetParams
 
         super().__init__(0)
         self.calls: list[tuple[Any, ...]] = []
@@ -955,7 +955,7 @@ class RecordingLibcuda(FakeLibcuda):
             return 0
 
         def kernel(out: int, _graph: int, _deps: int, _count: int, params: int) -> int:
-            k = ctypes.cast(params, ctypes.POINTER(_KernelParams)).contents
+            k = ctypes.cast(params, ctypes.POINTER(KernelNodeParams)).contents
             geometry = (k.func, (k.gridDimX, k.gridDimY, k.gridDimZ), (k.blockDimX, k.blockDimY, k.blockDimZ))
             if k.extra:
                 extra = [k.extra[i] or 0 for i in range(5)]
@@ -1081,14 +1081,14 @@ def test_a_cooperative_kernel_node_gets_its_parameters_one_by_one() -> None:
     no ``extra``; its attribute is set again after."""
     import ctypes
 
-    from weightcache.graphs.driver import _KernelParams
+    from weightcache.graphs.driver import KernelNodeParams
 
     lib = FakeLibcuda(0)
     seen: list[tuple[bool, list[bytes]]] = []
     attributes: list[int] = []
 
     def add(out: int, _graph: int, _deps: int, _count: int, params: int) -> int:
-        p = ctypes.cast(params, ctypes.POINTER(_KernelParams)).contents
+        p = ctypes.cast(params, ctypes.POINTER(KernelNodeParams)).contents
         sizes = (8, 4, 8)
         seen.append((bool(p.extra), [ctypes.string_at(p.kernelParams[i], n) for i, n in enumerate(sizes)]))
         ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = 0x3000
@@ -1116,7 +1116,7 @@ def test_a_cooperative_kernel_node_gets_its_parameters_one_by_one() -> None:
     modes: list[bool] = []
 
     def extra_only(out: int, _graph: int, _deps: int, _count: int, params: int) -> int:
-        p = ctypes.cast(params, ctypes.POINTER(_KernelParams)).contents
+        p = ctypes.cast(params, ctypes.POINTER(KernelNodeParams)).contents
         modes.append(bool(p.extra) and not p.kernelParams)
         ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = 0x3001
         return 0

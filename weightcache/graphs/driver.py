@@ -207,8 +207,10 @@ def _address_of(image: bytes | memoryview) -> bytes | ctypes.c_void_p:
     return array.ctypes.data_as(ctypes.c_void_p)
 
 
-class _KernelParams(ctypes.Structure):
-    """``CUDA_KERNEL_NODE_PARAMS_v2``."""
+class KernelNodeParams(ctypes.Structure):
+    """``CUDA_KERNEL_NODE_PARAMS_v2`` (cuda.h): a kernel node's function, grid, block, dynamic shared memory and
+    arguments (``kernelParams``, a pointer to each parameter, or ``extra``, key/value pointers), as the driver's
+    kernel-node calls take and give them."""
 
     _fields_ = [
         ("func", ctypes.c_void_p),
@@ -226,22 +228,22 @@ class _KernelParams(ctypes.Structure):
     ]
 
 
-#: :class:`_KernelParams` as a numpy record, at the same offsets: many nodes' parameters made at once.
+#: :class:`KernelNodeParams` as a numpy record, at the same offsets: many nodes' parameters made at once.
 _KERNEL_PARAMS = np.dtype(
     {
         "names": ["func", "grid", "block", "shared", "params", "extra", "kern", "ctx"],
         "formats": ["<u8", ("<u4", 3), ("<u4", 3), "<u4", "<u8", "<u8", "<u8", "<u8"],
         "offsets": [
-            _KernelParams.func.offset,
-            _KernelParams.gridDimX.offset,
-            _KernelParams.blockDimX.offset,
-            _KernelParams.sharedMemBytes.offset,
-            _KernelParams.kernelParams.offset,
-            _KernelParams.extra.offset,
-            _KernelParams.kern.offset,
-            _KernelParams.ctx.offset,
+            KernelNodeParams.func.offset,
+            KernelNodeParams.gridDimX.offset,
+            KernelNodeParams.blockDimX.offset,
+            KernelNodeParams.sharedMemBytes.offset,
+            KernelNodeParams.kernelParams.offset,
+            KernelNodeParams.extra.offset,
+            KernelNodeParams.kern.offset,
+            KernelNodeParams.ctx.offset,
         ],
-        "itemsize": ctypes.sizeof(_KernelParams),
+        "itemsize": ctypes.sizeof(KernelNodeParams),
     }
 )
 
@@ -307,7 +309,7 @@ _ps = ctypes.POINTER(ctypes.c_size_t)
 _SIGNATURES: dict[str, list[Any]] = {
     "cuGraphGetNodes": [_p, ctypes.POINTER(_p), _ps],
     "cuGraphNodeGetType": [_p, ctypes.POINTER(ctypes.c_int)],
-    "cuGraphKernelNodeGetParams_v2": [_p, ctypes.POINTER(_KernelParams)],
+    "cuGraphKernelNodeGetParams_v2": [_p, ctypes.POINTER(KernelNodeParams)],
     "cuGraphKernelNodeGetAttribute": [_p, ctypes.c_int, ctypes.c_char_p],
     "cuGraphKernelNodeSetAttribute": [_p, ctypes.c_int, ctypes.c_char_p],
     "cuGraphMemsetNodeGetParams": [_p, ctypes.POINTER(_MemsetParams)],
@@ -321,7 +323,7 @@ _SIGNATURES: dict[str, list[Any]] = {
     "cuPointerGetAttribute": [_p, ctypes.c_int, ctypes.c_uint64],
     "cuGraphCreate": [ctypes.POINTER(_p), ctypes.c_uint],
     "cuGraphDestroy": [_p],
-    "cuGraphAddKernelNode_v2": [_pp, _p, _pp, ctypes.c_size_t, ctypes.POINTER(_KernelParams)],
+    "cuGraphAddKernelNode_v2": [_pp, _p, _pp, ctypes.c_size_t, ctypes.POINTER(KernelNodeParams)],
     "cuGraphAddMemsetNode": [_pp, _p, _pp, ctypes.c_size_t, ctypes.POINTER(_MemsetParams), _p],
     "cuGraphAddMemcpyNode": [_pp, _p, _pp, ctypes.c_size_t, ctypes.POINTER(_Memcpy3D), _p],
     "cuGraphAddEmptyNode": [ctypes.POINTER(_p), _p, ctypes.POINTER(_p), ctypes.c_size_t],
@@ -401,7 +403,7 @@ class CudaGraphDriver:
         return layout
 
     def kernel_node(self, node: int) -> tuple[int, KernelNode]:
-        p = _KernelParams()
+        p = KernelNodeParams()
         self._call("cuGraphKernelNodeGetParams_v2", _p(node), ctypes.byref(p))
         function = int(p.func or 0)
         name = self.function_name(function)
@@ -542,10 +544,10 @@ class CudaGraphDriver:
             # the attribute is set after it, and whether the driver checks then is not known): one pointer per
             # parameter into the same bytes, as it was captured, which is valid for every kernel
             params = (_p * len(node.layout))(*[(buffer or 0) + offset for offset, _ in node.layout])
-            p = _KernelParams(function, *node.grid, *node.block, node.shared_bytes, params, None)
+            p = KernelNodeParams(function, *node.grid, *node.block, node.shared_bytes, params, None)
         else:
             extra = (_p * 5)(_PARAM_BUFFER, buffer, _PARAM_SIZE, ctypes.addressof(size), _PARAM_END)
-            p = _KernelParams(function, *node.grid, *node.block, node.shared_bytes, None, extra)
+            p = KernelNodeParams(function, *node.grid, *node.block, node.shared_bytes, None, extra)
         out = _p()
         self._call("cuGraphAddKernelNode_v2", ctypes.byref(out), _p(graph), None, 0, ctypes.byref(p))
         for attribute, value in node.attributes:
@@ -694,6 +696,7 @@ __all__ = [
     "NON_PORTABLE_CLUSTER",
     "CudaGraphDriver",
     "GraphDriver",
+    "KernelNodeParams",
     "RestoreDriver",
     "add_node",
 ]
