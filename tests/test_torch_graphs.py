@@ -1221,6 +1221,58 @@ def test_graphs_over_a_moved_external_tensor_are_each_relocated_once_and_built_a
     r.close()
 
 
+def test_start_builds_builds_every_graph_ahead_once_the_tensors_are_declared_before_the_first_restore(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``GraphCache.start_builds()`` (the engine's tensors declared): every graph, the first too, is built ahead from
+    then on, relocated to where the tensors lie, before any restore; each restore takes its build. Without it the
+    builds start at the first restore (whose graph is built in the caller's thread), after whatever the engine does
+    between declaring and restoring (the vLLM kind: the model's adoption, the first graph's inputs)."""
+    from concurrent.futures import wait
+
+    r = Restoring(monkeypatch)
+    cache, driver = r.cache, r.driver
+    cache.external("kv", FakeCudaTensor(r.here, 8192))  # type: ignore[arg-type]
+    assert driver.executables == {}  # declaring alone starts nothing (the engine may declare more)
+    assert cache.start_builds()
+    assert cache._prebuilt is not None
+    wait([f for f in cache._prebuilt._futures if f is not None], timeout=60)
+    assert len(driver.executables) == 4  # every graph built before any restore
+    assert all(x == [f"kernel 1001 reads {r.here + 64:#x}", "empty", "1 edges"] for x in driver.executables.values())
+
+    restored = [cache.restore(f"g{i}") for i in range(4)]
+
+    assert all(g is not None and g.restored for g in restored), cache.reason
+    assert all("wait" in g.phases and "rebuild" not in g.phases for g in restored if g is not None)
+    assert cache.relocated == 4 and len(r.relocations) == 4 and driver.destroyed == []
+    cache.start_builds()  # again: nothing built again
+    assert len(driver.executables) == 4
+    r.close()
+
+
+def test_graphs_built_ahead_before_their_tensors_were_declared_are_built_again_for_where_they_lie(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``start_builds()`` called before the engine declared a tensor the graphs read: they are built for the
+    recorded address; at the first restore the tensor lies elsewhere, so none of those builds is taken: that
+    graph is built in the caller's thread and the others ahead again, each for where the tensor lies. A stale
+    address never reaches a graph that is handed out."""
+    r = Restoring(monkeypatch)
+    cache, driver = r.cache, r.driver
+    assert cache.start_builds()
+    cache.external("kv", FakeCudaTensor(r.here, 8192))  # type: ignore[arg-type]
+
+    restored = [cache.restore(f"g{i}") for i in range(4)]
+
+    assert all(g is not None and g.restored for g in restored), cache.reason
+    assert restored[0] is not None and "rebuild" in restored[0].phases  # built here, after the tensor's declaration
+    assert all("wait" in g.phases for g in restored[1:] if g is not None)
+    handed = [g._executable for g in restored if g is not None]
+    assert all(driver.executables[e] == [f"kernel 1001 reads {r.here + 64:#x}", "empty", "1 edges"] for e in handed)
+    assert set(driver.destroyed) <= set(driver.executables) - set(handed)
+    r.close()
+
+
 def test_the_arena_is_mapped_for_every_recorded_graph_at_load_and_what_no_restore_reached_is_given_back(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:

@@ -311,6 +311,7 @@ class StandInGraphCache:
 
     made: ClassVar[list[StandInGraphCache]] = []
     holds: ClassVar[set[str]] = set()
+    reading: ClassVar[list[str] | None] = None  # what reads() answers (None: no artifact to restore from)
 
     def __init__(self, weights: Any, key: dict[str, Any], *, device: Any, cache: Any) -> None:
         self.key, self.pool, self.reason = key, object(), None
@@ -347,7 +348,11 @@ class StandInGraphCache:
         return None
 
     def reads(self, name: str) -> list[str] | None:
-        return None
+        return self.reading
+
+    def start_builds(self) -> bool:
+        self.events.append(("start_builds", len(self.declared)))
+        return True
 
     def publish(self) -> bool:
         self.published = True
@@ -458,3 +463,67 @@ def test_full_graphs_the_artifact_holds_are_restored_in_order_and_a_failure_leav
     capture_model(Runner())
     assert StandInGraphCache.made[-1].events[0] == ("adopt", ("Linear", True, False))
     assert set(manager._capture_descs) == {mode.PIECEWISE, mode.FULL} and manager._graphs_captured
+
+
+def test_with_an_artifact_the_runners_tensors_are_declared_and_the_builds_started_before_the_model_is_adopted(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the GraphCache holds an artifact (``reads`` answers for the first graph), the kind declares every
+    tensor the runner reaches right after making it and calls ``start_builds``: the driver builds the graphs while
+    the model is adopted and the first graph's inputs are made (on the H100, 2026-12-05: ~0.2 s before the first
+    restore, when the builds started until then). Without an artifact, nothing is declared before the first
+    graph's inputs."""
+    import types
+
+    import weightcache.torch_graphs as torch_graphs
+
+    managers = fake_vllm(monkeypatch)
+    mode = managers.CUDAGraphMode
+    monkeypatch.setattr(torch_graphs, "GraphCache", StandInGraphCache)
+    monkeypatch.setattr(StandInGraphCache, "made", [])
+    monkeypatch.setattr(vllm_graphs, "_REPORTS", [])
+    config = types.SimpleNamespace(compute_hash=lambda: "c0ffee")
+    monkeypatch.setitem(vllm_graphs._PENDING, id(config), ("0" * 64, None))
+    full = [Desc(mode.FULL, n, n, 1) for n in (8, 4)]  # type: ignore[arg-type]
+    monkeypatch.setattr(StandInGraphCache, "holds", {vllm_graphs.graph_name(d) for d in full})
+    capture = vllm_graphs._capturing(Manager.capture)
+
+    class Buffers:
+        pass
+
+    Buffers.__module__ = "vllm.v1.worker.gpu.fake"  # (walked: one of vLLM's objects)
+    kv = torch.zeros(4)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t is kv))  # the one "CUDA" tensor
+
+    class Runner:
+        def __init__(self) -> None:
+            self.vllm_config = config
+            self.model = torch.nn.Linear(2, 2)
+            self.cudagraph_manager = Manager(mode, {mode.FULL: list(full)}, None)
+            self.buffers = Buffers()
+            self.buffers.kv = kv  # type: ignore[attr-defined]
+
+        def capture_model(self) -> None:
+            manager = self.cudagraph_manager
+
+            def create_forward_fn(desc: Any, warmup: bool) -> Any:
+                def forward(cg_mode: Any) -> None:
+                    if manager.hidden_states is None:
+                        manager.hidden_states = torch.zeros(desc.num_tokens, 4)
+
+                return forward
+
+            capture(manager, create_forward_fn)
+
+    Runner.__module__ = Buffers.__module__
+    capture_model = vllm_graphs._with_runner(Runner.capture_model)
+    for reading, events in [
+        (["runner.buffers.kv"], [("start_builds", 1), ("adopt", ("Linear", True, True)), ("empty", (8, 4))]),
+        (None, [("adopt", ("Linear", True, True)), ("empty", (8, 4))]),
+    ]:
+        monkeypatch.setattr(StandInGraphCache, "reading", reading)
+        capture_model(Runner())
+        cache = StandInGraphCache.made[-1]
+        assert cache.events == events
+        assert cache.declared[0] == "runner.buffers.kv"  # (declared before the first graph either way)
+        assert vllm_graphs.reports()[-1]["restored"] == 2

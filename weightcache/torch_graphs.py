@@ -665,6 +665,21 @@ class GraphCache:
             return None
         return sorted(n.removeprefix("external/") for n in record.reach if n.startswith("external/"))
 
+    def start_builds(self) -> bool:
+        """Say that the external tensors the graphs read are declared (:meth:`external`): the artifact's graphs, from
+        the next one to restore on, are built ahead from now on, each relocated to where those tensors lie here,
+        instead of from the first :meth:`restore` on. An engine that declares its tensors early (the vLLM kind
+        declares the runner's right after making the GraphCache) gains the time until its first restore: the
+        builds are the driver's work (nodes added, graphs instantiated) that a restore waits for. A graph whose
+        tensors are declared elsewhere afterwards is not taken as built: it is built when asked for, and the graphs
+        after it are built ahead again. Where the artifact has no external ranges, building started at load, and
+        this changes nothing. Returns whether graphs are being built ahead (False without an artifact, with
+        ``build_ahead=False``, after restoring stopped or :meth:`settle`)."""
+        if self._build_ahead_waits and self._bundle is not None and not self._diverged:
+            self._build_ahead_waits = False
+            self._build_ahead(self._next)
+        return self._prebuilt is not None
+
     def reproduced(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory lies in the arena or a weights home (memory a restoring process has at the
         same address without a declaration); False without an arena."""

@@ -460,6 +460,10 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
                 report["reason"] = graphs.reason
                 log.info("weightcache: vLLM's FULL graphs are captured as usual: %s", graphs.reason)
                 return descs
+            if graphs.reads(graph_name(descs[0])) is not None:  # an artifact to restore from: its graphs are built
+                with step("declare"):  # from now on, while the model is adopted and the first inputs are made
+                    _declare(graphs, runner)
+                graphs.start_builds()
             model = getattr(runner, "model", None)
             if os.environ.get("VLLM_LOGGING_LEVEL", "").upper() == "DEBUG":
                 # vLLM then checks that each PIECEWISE replay's inputs (the parameters and buffers among them)
