@@ -27,7 +27,11 @@ reported for it: most of the time in the checks, little waiting for builds). Wha
 each other (the caller waiting for the build thread or for the driver, a call's return waiting for the GIL the
 other thread holds) shows, which a driver answering at once hides.
 ``--engine-ms`` spins Python for that long before each graph, as an engine does (vLLM prepares each graph's inputs
-and declares its tensors: ~14 ms a graph on the H100 before af9538c).
+and declares its tensors: ~14 ms a graph on the H100 before af9538c); ``--engine-first-ms`` once, after the tensors
+are declared and before the first graph (the vLLM kind adopts the model there: ~0.1 s on the H100). A tree with
+``GraphCache.start_builds`` (5c58952) is told there that the tensors are declared, as the vLLM kind does; a tree
+whose driver adds a graph's nodes in one native call (``CudaGraphDriver._native_loop``) has its node adds modelled
+as one call a graph.
 
 A tree whose GraphCache keeps other state than this harness sets may fail here; ``tests/test_benchmarks.py`` runs
 it on the current tree.
@@ -49,15 +53,17 @@ from graph_artifact_cpu import ARENA, HOME, synthetic_bundle
 import weightcache.torch_graphs as tg
 from weightcache.graphs.bundle import GraphBundle
 from weightcache.graphs.check import AddressRange, extents, pointers
+from weightcache.graphs.driver import CudaGraphDriver
 from weightcache.graphs.loading import KernelLoader
 
 graphs, nodes, externals, latency = (int(a) for a in sys.argv[2:6])
-engine_s = float(sys.argv[6]) / 1000
+engine_s, first_s = float(sys.argv[6]) / 1000, float(sys.argv[7]) / 1000
 libc = ctypes.CDLL(None)
 NODE_S, INSTANTIATE_S, IMAGE_S_A_MIB, MAP_S = 17e-6, 3.3e-3, 12.4e-3, 0.3e-3  # --driver-latency (module's text)
 
 
 DRIVER = threading.Lock()  # one call in the driver at a time (the module's text)
+NATIVE_LOOP = hasattr(CudaGraphDriver, "_native_loop")
 
 
 def driver_call(seconds=0.0, serial=True):
@@ -108,9 +114,15 @@ class Driver:
     def set_function_attribute(self, function, attribute, value): pass
     def create_graph(self): return self._id()
     def add_description(self, graph, description, functions):
-        # one call a node, as the real one makes (the GIL let go and taken again each time), ~17 us each (slept
-        # 50 nodes at a time, the rest at the end: a sleep that short overshoots)
+        # as the tree's driver makes its calls, ~17 us a node: one call a node (the GIL let go and taken again
+        # each time; slept 50 nodes at a time, the rest at the end: a sleep that short overshoots), or, where the
+        # tree adds a run of nodes in one native call (CudaGraphDriver._native_loop), the GIL let go once for all
+        # of them; still one driver call a node in there, so another thread's query waits for one node at most
+        # (not modelled: the query goes in at once)
         count = len(description.tables.table)
+        if NATIVE_LOOP:
+            driver_call(count * NODE_S, serial=False)
+            return
         for i in range(count):
             driver_call(50 * NODE_S if i % 50 == 49 else 0.0)
         driver_call(count % 50 * NODE_S)
@@ -176,6 +188,11 @@ began = time.perf_counter()
 cache._load()  # the constructor's last step: the artifact asked for, its images loading on worker threads
 for piece in pieces:  # declared where they lie here, as an engine declares its tensors before the first graph
     cache.external(piece.name.removeprefix("external/"), Tensor(piece.base + moved, piece.size))
+if hasattr(cache, "start_builds"):  # (trees before 5c58952 start building at the first restore)
+    cache.start_builds()
+spin = time.perf_counter() + first_s  # the engine's own Python before the first graph (--engine-first-ms)
+while time.perf_counter() < spin:
+    pass
 for record in bundle.graphs:
     spin = time.perf_counter() + engine_s  # the engine's own Python before each graph (--engine-ms)
     while time.perf_counter() < spin:
@@ -197,11 +214,14 @@ def main() -> int:
     def more(parser: argparse.ArgumentParser) -> None:
         parser.add_argument("--driver-latency", action="store_true", help="model the H100's driver (module's text)")
         parser.add_argument("--engine-ms", type=float, default=0.0, help="the engine's Python before each graph")
+        parser.add_argument(
+            "--engine-first-ms", type=float, default=0.0, help="the engine's Python once, after declaring its tensors"
+        )
 
     args = graph_options(__doc__.split("\n\n")[0], 450, 150, "declared tensors the graphs' pointers lie in", more)
     runs = alternate(
         CHILD, args.tree, args.processes, str(args.graphs), str(args.nodes), str(args.externals),
-        str(int(args.driver_latency)), str(args.engine_ms),
+        str(int(args.driver_latency)), str(args.engine_ms), str(args.engine_first_ms),
     )  # fmt: skip
 
     def each(results: list[dict[str, Any]]) -> dict[str, Any]:
@@ -217,7 +237,8 @@ def main() -> int:
         lambda tree, row: (
             f"{tree}: {row['seconds_median']:.3f} s to restore {args.graphs} graphs of {args.nodes} nodes over "
             f"{args.externals} moved tensors{' (driver modelled)' if args.driver_latency else ''}"
-            f"{f', {args.engine_ms} ms of engine work a graph' if args.engine_ms else ''} "
+            f"{f', {args.engine_ms} ms of engine work a graph' if args.engine_ms else ''}"
+            f"{f', {args.engine_first_ms} ms before the first' if args.engine_first_ms else ''} "
             f"({row['pointers_relocated']} pointers relocated; at load {row['start_steps_median']}; median of "
             f"{len(row['seconds'])} processes); steps summed over the graphs: {row['steps_median']}"
         ),

@@ -175,14 +175,14 @@ def test_the_cpu_restore_benchmark_restores_every_graph_relocated_on_this_tree(t
     subprocess.run(
         [sys.executable, "benchmarks/graph_restore_cpu.py", "--tree", str(root), "--processes", "1",
          "--graphs", "3", "--nodes", "20", "--externals", "5", "--driver-latency", "--engine-ms", "2",
-         "--json", str(out)],
+         "--engine-first-ms", "5", "--json", str(out)],
         cwd=root, check=True, capture_output=True, text=True, timeout=300,
     )  # fmt: skip
     report = json.loads(out.read_text())
     [modelled] = report["trees"].values()
-    assert report["driver_latency"] is True and report["engine_ms"] == 2.0
-    # at least the caller's own: three engine spins of 2 ms, and the first graph's instantiation (3.3 ms modelled)
-    assert modelled["seconds_median"] > 0.0093 and modelled["pointers_relocated"] == tree["pointers_relocated"]
+    assert report["driver_latency"] is True and report["engine_ms"] == 2.0 and report["engine_first_ms"] == 5.0
+    # at least the caller's own: three engine spins of 2 ms and one of 5 ms (the builds may all lie under them)
+    assert modelled["seconds_median"] > 0.011 and modelled["pointers_relocated"] == tree["pointers_relocated"]
 
 
 def test_the_node_cost_benchmark_hands_the_driver_each_nodes_own_bytes_both_ways() -> None:

@@ -8,7 +8,10 @@ from __future__ import annotations
 import itertools
 import json
 import os
+import shutil
+import subprocess
 from collections.abc import Mapping, Sequence
+from pathlib import Path
 from struct import pack as struct_pack
 from typing import Any
 
@@ -1025,6 +1028,9 @@ def test_a_graph_built_from_its_tables_reaches_the_driver_as_one_built_node_by_n
         driver = CudaGraphDriver(lib)  # type: ignore[arg-type]
         if how == "tables":
             driver.add_description(0xABC, d, functions)
+        elif how == "tables, one call a node":
+            driver._loop_tried = True  # (as where weightcache's native library cannot be built)
+            driver.add_description(0xABC, d, functions)
         else:
             add_each(driver, 0xABC, d, functions)
         return lib.calls
@@ -1038,6 +1044,69 @@ def test_a_graph_built_from_its_tables_reaches_the_driver_as_one_built_node_by_n
     assert built("tables", read) == one_by_one
     assert read._nodes is None  # no node value was made on the way
     assert built("tables", whole) == one_by_one
+    assert built("tables, one call a node", read) == one_by_one
+
+
+ADD_KERNEL_NODE = r"""
+#include <stddef.h>
+#include <stdint.h>
+static int calls, fail_at = -1;
+static uint64_t funcs[4096];
+void reset(int at) { calls = 0; fail_at = at; }
+int added(void) { return calls; }
+uint64_t func_of(int i) { return funcs[i]; }
+/* cuGraphAddKernelNode_v2: the node's handle 0x5000 + its number; the first field of the parameters (func) kept */
+int cuGraphAddKernelNode_v2(void **node, void *graph, void *const *deps, size_t n, const void *params) {
+    if (calls == fail_at) return 700;
+    funcs[calls & 4095] = *(const uint64_t *)params;
+    *node = (void *)(uintptr_t)(0x5000 + calls++);
+    return 0;
+}
+"""
+
+
+@pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
+def test_runs_of_kernel_nodes_are_added_in_one_native_call_that_lets_go_of_the_gil(tmp_path: Path) -> None:
+    """CudaGraphDriver.add_description adds each run of kernel nodes without attributes in one call of
+    weightcache's native loop (``wc_add_kernel_nodes``, made through ``ctypes``, which lets go of the GIL for the
+    call): one ``ctypes`` call a node takes the GIL back after every node, and a graph built on a worker thread
+    then waits up to the switch interval (5 ms) a node whenever another thread runs Python (an engine preparing
+    its inputs while its graphs are built ahead; benchmarks/graph_restore_cpu.py models it). Here a driver in C
+    is called 300 times for a graph of 300 kernel nodes, one of them with an attribute, through two calls of the
+    loop and one of its own; the nodes come back in order, each with its function; a failing node's error names
+    the call."""
+    import ctypes
+
+    source, library = tmp_path / "add.c", tmp_path / "add.so"
+    source.write_text(ADD_KERNEL_NODE)
+    subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
+    fake = ctypes.CDLL(str(library))
+    fake.func_of.restype = ctypes.c_uint64
+    lib = RecordingLibcuda()
+    lib._functions["cuGraphAddKernelNode_v2"] = fake.cuGraphAddKernelNode_v2
+    nodes = [KernelNode(f"k{i % 3}", (1, 1, 1), (32, 1, 1), 0, u64(i)) for i in range(300)]
+    nodes[120] = KernelNode("k0", (1, 1, 1), (32, 1, 1), 0, u64(7), (), "buffer", ((4, bytes(64)),))
+    description = GraphDescription.from_binary(GraphDescription(tuple(nodes)).to_binary())
+    functions = {"k0": 0x70, "k1": 0x71, "k2": 0x72}
+    driver = CudaGraphDriver(lib)  # type: ignore[arg-type]
+    loop = driver._native_loop()
+    assert loop is not None  # (built with the C compiler)
+    runs: list[int] = []
+
+    def counted(*args: Any) -> int:
+        runs.append(args[4])
+        return int(loop(*args))
+
+    driver._loop = counted
+    fake.reset(-1)
+    driver.add_description(0xABC, description, functions)
+    assert runs == [120, 179] and fake.added() == 300  # the node with an attribute: a call of its own
+    assert [c[0] for c in lib.calls] == ["attribute"] and lib.calls[0][1] == 0x5000 + 120
+    assert [fake.func_of(i) for i in range(300)] == [0x70 + i % 3 if i != 120 else 0x70 for i in range(300)]
+
+    fake.reset(150)
+    with pytest.raises(GraphRestoreError, match="cuGraphAddKernelNode_v2 failed"):
+        driver.add_description(0xABC, description, functions)
 
 
 def test_prepare_gives_each_function_the_shared_memory_and_cluster_size_its_nodes_ask_for() -> None:

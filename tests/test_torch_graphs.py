@@ -1227,7 +1227,9 @@ def test_start_builds_builds_every_graph_ahead_once_the_tensors_are_declared_bef
     """``GraphCache.start_builds()`` (the engine's tensors declared): every graph, the first too, is built ahead from
     then on, relocated to where the tensors lie, before any restore; each restore takes its build. Without it the
     builds start at the first restore (whose graph is built in the caller's thread), after whatever the engine does
-    between declaring and restoring (the vLLM kind: the model's adoption, the first graph's inputs)."""
+    between declaring and restoring (the vLLM kind: the model's adoption, the first graph's inputs). The declared
+    tensors' allocations are asked of the driver before the builds start (the restores' extents checks then ask
+    nothing), not each behind the build thread's graph calls."""
     from concurrent.futures import wait
 
     r = Restoring(monkeypatch)
@@ -1235,6 +1237,7 @@ def test_start_builds_builds_every_graph_ahead_once_the_tensors_are_declared_bef
     cache.external("kv", FakeCudaTensor(r.here, 8192))  # type: ignore[arg-type]
     assert driver.executables == {}  # declaring alone starts nothing (the engine may declare more)
     assert cache.start_builds()
+    assert r.asked == [r.here, r.here + 8191]  # the tensor's allocation asked before the builds, not behind them
     assert cache._prebuilt is not None
     wait([f for f in cache._prebuilt._futures if f is not None], timeout=60)
     assert len(driver.executables) == 4  # every graph built before any restore
@@ -1245,6 +1248,7 @@ def test_start_builds_builds_every_graph_ahead_once_the_tensors_are_declared_bef
     assert all(g is not None and g.restored for g in restored), cache.reason
     assert all("wait" in g.phases and "rebuild" not in g.phases for g in restored if g is not None)
     assert cache.relocated == 4 and len(r.relocations) == 4 and driver.destroyed == []
+    assert r.asked == [r.here, r.here + 8191]  # and not again by the restores' checks
     cache.start_builds()  # again: nothing built again
     assert len(driver.executables) == 4
     r.close()

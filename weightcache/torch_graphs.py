@@ -677,8 +677,30 @@ class GraphCache:
         ``build_ahead=False``, after restoring stopped or :meth:`settle`)."""
         if self._build_ahead_waits and self._bundle is not None and not self._diverged:
             self._build_ahead_waits = False
+            self._check_extents_ahead()
             self._build_ahead(self._next)
         return self._prebuilt is not None
+
+    def _check_extents_ahead(self) -> None:
+        """Ask the driver now, before any graph is built ahead, for the allocation of every declared tensor the
+        artifact's graphs left to restore read, as far as each reaches (what each restore's extents check asks
+        first; kept in ``_extents_passed``, so those checks ask nothing more): the queries are not made behind
+        the build thread's graph calls. What fails here is asked again, and refused, by the restore it concerns."""
+        bundle, driver = self._bundle, self._driver
+        if bundle is None or driver is None:
+            return
+        here = self.ranges()
+        declared = {r.name for r in here if not r.own_mapping}
+        reach: dict[str, int] = {}
+        for record in bundle.graphs[self._next :]:
+            for name, extent in record.reach.items():
+                if name in declared:
+                    reach[name] = max(reach.get(name, 0), extent)
+        if not reach:
+            return
+        moved, problems = moves(bundle.ranges, here, reach)
+        if not problems:
+            extent_problems(moved_ranges(bundle.ranges, moved), here, reach, driver.pointer_range, self._extents_passed)
 
     def reproduced(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory lies in the arena or a weights home (memory a restoring process has at the

@@ -16,6 +16,12 @@ needs one too) into ``$XDG_CACHE_HOME/weightcache/native`` (default ``~/.cache``
 and loaded with ``ctypes``. Where no compiler works, :func:`load_shim` raises
 :class:`~weightcache.errors.GraphRestoreError`: the recorder is not made, and graphs are captured as usual.
 
+The library holds one more loop that must not wait for the GIL, ``wc_add_kernel_nodes``: a graph's kernel nodes
+added in one call (:class:`~weightcache.graphs.driver.CudaGraphDriver` uses it where the library loads). Made one
+``ctypes`` call a node, a graph built on a worker thread takes the GIL back after each node, and waits for it as
+long as the interpreter's switch interval (5 ms) whenever the caller's thread runs Python meanwhile: the graphs an
+engine has built ahead while it prepares its inputs would be built a node every 5 ms.
+
 Layer L3; imports no torch.
 """
 
@@ -280,6 +286,21 @@ int wc_take(wc_state *st, int *kind, uint64_t *seq, uint64_t *module, char **dat
     free(e);
     return 1;
 }
+
+/* Not CUPTI's: a graph's kernel nodes added in one call from Python, which lets go of the GIL once for all of them
+   (graphs/driver.py, CudaGraphDriver.add_description). `add` is cuGraphAddKernelNode_v2; node i's parameters lie
+   at params + i * stride; each is added without dependencies, its handle into nodes[i]. 0, or the first failing
+   CUresult, with the index of its node in *failed. */
+typedef int (*wc_add_kernel)(void **node, void *graph, void *const *deps, size_t count, const void *params);
+int wc_add_kernel_nodes(void *add, void *graph, const char *params, size_t stride, size_t count, void **nodes,
+                        size_t *failed) {
+    wc_add_kernel fn = (wc_add_kernel)add;
+    for (size_t i = 0; i < count; i++) {
+        int code = fn(&nodes[i], graph, NULL, 0, params + i * stride);
+        if (code != 0) { *failed = i; return code; }
+    }
+    return 0;
+}
 """
 
 #: How the shim is compiled (with the compiler's own words on failure).
@@ -392,6 +413,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     out = ctypes.POINTER
     lib.wc_take.argtypes = [ptr, out(ctypes.c_int), out(u64), out(u64), out(ptr), out(u64)]
     lib.wc_take.restype = ctypes.c_int
+    size = ctypes.c_size_t
+    lib.wc_add_kernel_nodes.argtypes = [ptr, ptr, ptr, size, size, ptr, ctypes.POINTER(size)]
+    lib.wc_add_kernel_nodes.restype = ctypes.c_int
     # This thread's first use of the library's thread-local storage, here and not first inside a CUPTI callback:
     # before glibc 2.35 a dlopen'ed library's first thread-local access may take the loader's lock, which a thread
     # in dlopen holds while its constructors call the driver (the deadlock this module exists to avoid).

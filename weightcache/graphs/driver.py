@@ -14,6 +14,7 @@ description replayed bitwise equal. Every method needs the graph's context curre
 from __future__ import annotations
 
 import ctypes
+import logging
 from collections.abc import Mapping, Sequence
 from typing import Any, Protocol
 
@@ -21,6 +22,7 @@ import numpy as np
 
 from ..errors import GraphRestoreError
 from .bundle import IMAGE_ALIGNMENT
+from .cupti_shim import load_shim
 from .description import (
     ATTRIBUTE_BYTES,
     EDGE_BYTES,
@@ -33,6 +35,8 @@ from .description import (
     MemsetNode,
     Node,
 )
+
+log = logging.getLogger("weightcache.graphs")
 
 #: ``CUgraphNodeType`` values by name (the ones a graph of an engine can hold).
 NODE_KINDS = {
@@ -359,9 +363,24 @@ class CudaGraphDriver:
             ) from None
         self._lib = lib
         # cuGraphAddKernelNode_v2 again, taking the parameters' address as a plain integer (add_description)
+        self._add_kernel_address = ctypes.cast(lib.cuGraphAddKernelNode_v2, _p).value or 0
         self._add_kernel_at = ctypes.CFUNCTYPE(ctypes.c_int, _pp, _p, _pp, ctypes.c_size_t, _p)(
-            ctypes.cast(lib.cuGraphAddKernelNode_v2, _p).value or 0
+            self._add_kernel_address
         )
+        self._loop: Any = None  # wc_add_kernel_nodes of weightcache's native library (_native_loop)
+        self._loop_tried = False
+
+    def _native_loop(self) -> Any:
+        """``wc_add_kernel_nodes`` of weightcache's native library (:mod:`~weightcache.graphs.cupti_shim`), which
+        adds a run of kernel nodes in one call, letting go of the GIL once; None where the library cannot be built
+        or loaded here (then one ``ctypes`` call a node, as before). Asked once a driver."""
+        if not self._loop_tried:
+            self._loop_tried = True
+            try:
+                self._loop = load_shim().wc_add_kernel_nodes
+            except (GraphRestoreError, OSError, AttributeError) as exc:
+                log.info("weightcache: graph nodes are added one call a node (%s)", exc)
+        return self._loop
 
     def _call(self, name: str, *args: Any) -> None:
         try:
@@ -654,15 +673,32 @@ class CudaGraphDriver:
         out = _p()
         where, g = ctypes.byref(out), _p(graph)
         made: list[int] = []
-        for i, (j, attributes) in enumerate(zip(slot.tolist(), t.table["attributes"].tolist(), strict=True)):
+        slots, counts = slot.tolist(), t.table["attributes"].tolist()
+        loop = self._native_loop()
+        i = 0
+        while i < n:
+            j, attributes = slots[i], counts[i]
+            if j >= 0 and not attributes and loop is not None:  # a run of such nodes in one call, without the GIL
+                end = i + 1
+                while end < n and slots[end] == j + end - i and not counts[end]:
+                    end += 1
+                nodes, failed = np.zeros(end - i, dtype=np.uint64), ctypes.c_size_t(0)
+                code = loop(self._add_kernel_address, graph, at + size * j, size, end - i, nodes.ctypes.data,
+                            ctypes.byref(failed))  # fmt: skip
+                if code != 0:
+                    raise self._failed("cuGraphAddKernelNode_v2", code)
+                made.extend(nodes.tolist())
+                i = end
+                continue
+            i += 1
             if j < 0:  # one node at a time
-                made.append(add_node(self, graph, t.node(i), functions))
+                made.append(add_node(self, graph, t.node(i - 1), functions))
                 continue
             code = add(where, g, None, 0, at + size * j)
             if code != 0:
                 raise self._failed("cuGraphAddKernelNode_v2", code)
             if attributes:
-                first = int(t.attribute_starts[i])
+                first = int(t.attribute_starts[i - 1])
                 for k in range(first, first + attributes):
                     value = t.attributes[k]
                     self._call("cuGraphKernelNodeSetAttribute", out, int(value["id"]), value["value"].tobytes())
