@@ -30,8 +30,8 @@ other thread holds) shows, which a driver answering at once hides.
 and declares its tensors: ~14 ms a graph on the H100 before af9538c); ``--engine-first-ms`` once, after the tensors
 are declared and before the first graph (the vLLM kind adopts the model there: ~0.1 s on the H100). A tree with
 ``GraphCache.start_builds`` (5c58952) is told there that the tensors are declared, as the vLLM kind does; a tree
-whose driver adds a graph's nodes in one native call (``CudaGraphDriver._native_loop``) has its node adds modelled
-as one call a graph.
+whose driver adds a graph's nodes in one native call (``wc_add_kernel_nodes`` in weightcache's native library)
+has its node adds modelled as one call a graph.
 
 A tree whose GraphCache keeps other state than this harness sets may fail here; ``tests/test_benchmarks.py`` runs
 it on the current tree.
@@ -53,7 +53,7 @@ from graph_artifact_cpu import ARENA, HOME, synthetic_bundle
 import weightcache.torch_graphs as tg
 from weightcache.graphs.bundle import GraphBundle
 from weightcache.graphs.check import AddressRange, extents, pointers
-from weightcache.graphs.driver import CudaGraphDriver
+from weightcache.graphs.cupti_shim import SOURCE
 from weightcache.graphs.loading import KernelLoader
 
 graphs, nodes, externals, latency = (int(a) for a in sys.argv[2:6])
@@ -63,7 +63,7 @@ NODE_S, INSTANTIATE_S, IMAGE_S_A_MIB, MAP_S = 17e-6, 3.3e-3, 12.4e-3, 0.3e-3  # 
 
 
 DRIVER = threading.Lock()  # one call in the driver at a time (the module's text)
-NATIVE_LOOP = hasattr(CudaGraphDriver, "_native_loop")
+NATIVE_LOOP = "wc_add_kernel_nodes" in SOURCE  # (the tree's driver adds a run of nodes in one native call)
 
 
 def driver_call(seconds=0.0, serial=True):
@@ -116,7 +116,7 @@ class Driver:
     def add_description(self, graph, description, functions):
         # as the tree's driver makes its calls, ~17 us a node: one call a node (the GIL let go and taken again
         # each time; slept 50 nodes at a time, the rest at the end: a sleep that short overshoots), or, where the
-        # tree adds a run of nodes in one native call (CudaGraphDriver._native_loop), the GIL let go once for all
+        # tree adds a run of nodes in one native call (wc_add_kernel_nodes), the GIL let go once for all
         # of them; still one driver call a node in there, so another thread's query waits for one node at most
         # (not modelled: the query goes in at once)
         count = len(description.tables.table)
@@ -179,8 +179,8 @@ state = dict(
     _replace=None, _next=0, _diverged=False, _recordable=True, _record_problem=None, _records=[], _external={},
     _also_kept=[], _redeclared={}, _capturing=False, _foreign=False, _images={}, _kernels=KernelLoader(driver),
     _prebuilt=None, _prebuilt_from=0, _prebuilt_moves=[], _build_ahead_waits=False, _relocations={},
-    _relocations_lock=threading.Lock(), _extents_passed=set(), _shared={}, phases={}, _captured=0, graphs=[],
-    _driver=driver, _stream=None,
+    _relocations_lock=threading.Lock(), _relocating=None, _extents_passed=set(), _shared={}, phases={}, _captured=0,
+    graphs=[], _driver=driver, _stream=None,
 )
 for name, value in state.items():
     setattr(cache, name, value)

@@ -446,6 +446,7 @@ class GraphCache:
         # each graph's relocation by how far its ranges moved, worked out once (_relocation)
         self._relocations: dict[tuple[int, tuple[tuple[str, int], ...]], Future[_Relocation]] = {}
         self._relocations_lock = threading.Lock()
+        self._relocating: tuple[threading.Event, threading.Thread] | None = None  # _relocate_ahead's thread
         # the external ranges whose allocation the driver confirmed (extent_problems): their tensors are kept
         self._extents_passed: set[tuple[AddressRange, int]] = set()
         self._shared: dict[str, int] = {}  # each kernel's largest dynamic shared memory over the artifact's graphs
@@ -883,6 +884,7 @@ class GraphCache:
             self._prebuilt.close()
             self._prebuilt = None
         self._build_ahead_waits = False
+        self._stop_relocating()
         self._relocations.clear()
         if self._kernels is not None:
             self._kernels.settle()
@@ -1011,6 +1013,7 @@ class GraphCache:
         for record in self._bundle.graphs[first:]:
             moved, problems = moves(self._bundle.ranges, here, record.reach)
             used.append(moved if not problems else {})
+        self._relocate_ahead([(first + i, moved) for i, moved in enumerate(used) if moved])
 
         def relocated(index: int, record: GraphRecord) -> GraphRecord:
             moved = used[index]
@@ -1032,6 +1035,44 @@ class GraphCache:
             log.warning("weightcache: the graphs are not built ahead (%s: %s)", type(exc).__name__, exc)
             return
         self._prebuilt_from, self._prebuilt_moves = first, used
+
+    def _relocate_ahead(self, jobs: list[tuple[int, dict[str, int]]]) -> None:
+        """Work out the relocations of ``jobs`` (graph index, moves) in order on a thread of their own, ahead of the
+        build thread, which then finds each ready (:meth:`_relocation`: whichever thread asks first works one out,
+        the other waits): the relocations' Python overlaps the build thread's driver calls, which let go of the GIL,
+        instead of coming before each build. A graph restored already is skipped; one such thread at a time."""
+        self._stop_relocating()
+        if not jobs:
+            return
+        stop = threading.Event()
+
+        def work() -> None:
+            for index, moved in jobs:
+                if stop.is_set():
+                    return
+                if index < self._next:  # (restored, or being restored: its relocation was worked out)
+                    continue
+                try:
+                    self._relocation(index, moved)
+                except Exception as exc:  # the thread that needs it works it out again and raises there
+                    log.debug("weightcache: graph %d was not relocated ahead: %s", index, exc)
+                    return
+
+        thread = threading.Thread(target=work, name="weightcache-relocate", daemon=True)
+        try:
+            thread.start()
+        except RuntimeError as exc:  # no thread to be had: the build thread relocates each graph, as before
+            log.debug("weightcache: relocations are not worked out ahead: %s", exc)
+            return
+        self._relocating = (stop, thread)
+
+    def _stop_relocating(self) -> None:
+        """Stop :meth:`_relocate_ahead`'s thread (after the relocation it is working out, if any)."""
+        if self._relocating is not None:
+            stop, thread = self._relocating
+            self._relocating = None
+            stop.set()
+            thread.join()
 
     def _relocation(self, index: int, moved: Mapping[str, int]) -> _Relocation:
         """Graph ``index`` of the artifact relocated by ``moved`` (:func:`~weightcache.graphs.check.moves`), and
