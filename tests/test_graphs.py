@@ -1086,7 +1086,8 @@ def test_runs_of_kernel_nodes_are_added_in_one_native_call_that_lets_go_of_the_g
     lib._functions["cuGraphAddKernelNode_v2"] = fake.cuGraphAddKernelNode_v2
     nodes = [KernelNode(f"k{i % 3}", (1, 1, 1), (32, 1, 1), 0, u64(i)) for i in range(300)]
     nodes[120] = KernelNode("k0", (1, 1, 1), (32, 1, 1), 0, u64(7), (), "buffer", ((4, bytes(64)),))
-    description = GraphDescription.from_binary(GraphDescription(tuple(nodes)).to_binary())
+    edges = (Edge(0, 1), Edge(119, 120), Edge(298, 299))
+    description = GraphDescription.from_binary(GraphDescription(tuple(nodes), edges).to_binary())
     functions = {"k0": 0x70, "k1": 0x71, "k2": 0x72}
     driver = CudaGraphDriver(lib)  # type: ignore[arg-type]
     loop = driver._native_loop()
@@ -1101,11 +1102,12 @@ def test_runs_of_kernel_nodes_are_added_in_one_native_call_that_lets_go_of_the_g
     fake.reset(-1)
     driver.add_description(0xABC, description, functions)
     assert runs == [120, 179] and fake.added() == 300  # the node with an attribute: a call of its own
-    assert [c[0] for c in lib.calls] == ["attribute"] and lib.calls[0][1] == 0x5000 + 120
+    assert [c[0] for c in lib.calls] == ["attribute", "edges"] and lib.calls[0][1] == 0x5000 + 120
+    assert lib.calls[1][1] == [(0x5000 + a, 0x5000 + b) for a, b in ((0, 1), (119, 120), (298, 299))]  # in order
     assert [fake.func_of(i) for i in range(300)] == [0x70 + i % 3 if i != 120 else 0x70 for i in range(300)]
 
     fake.reset(150)
-    with pytest.raises(GraphRestoreError, match="cuGraphAddKernelNode_v2 failed"):
+    with pytest.raises(GraphRestoreError, match=r"cuGraphAddKernelNode_v2 failed: 700 \(node 150 of the graph\)"):
         driver.add_description(0xABC, description, functions)
 
 

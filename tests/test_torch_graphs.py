@@ -1288,6 +1288,7 @@ def test_the_relocations_are_worked_out_ahead_on_a_thread_of_their_own_not_befor
     monkeypatch.setattr(driver, "make_current", held)
     cache.external("kv", FakeCudaTensor(r.here, 8192))  # type: ignore[arg-type]
     assert cache.start_builds()
+    assert done.wait(5)  # every relocation worked out while the build thread is held
 
     restored = [cache.restore(f"g{i}") for i in range(4)]
 
@@ -1318,6 +1319,7 @@ def test_graphs_built_ahead_before_their_tensors_were_declared_are_built_again_f
     handed = [g._executable for g in restored if g is not None]
     assert all(driver.executables[e] == [f"kernel 1001 reads {r.here + 64:#x}", "empty", "1 edges"] for e in handed)
     assert set(driver.destroyed) <= set(driver.executables) - set(handed)
+    assert cache._relocations == {}  # no relocation kept for moves nobody asks for again
     r.close()
 
 

@@ -102,7 +102,7 @@ def test_a_runner_tensor_is_declared_again_only_when_it_changed(monkeypatch: pyt
     same address, shape, strides and dtype is not declared again; one that changed, or is new, is."""
     positions, table = torch.zeros(4), torch.zeros(8)
     found = [("input_buffers.positions", (), positions), ("attn/0", (), table)]
-    monkeypatch.setattr(vllm_graphs, "_walk", lambda runner: iter(found))
+    monkeypatch.setattr(vllm_graphs, "_walk", lambda runner, keep: iter(found))
     cache = StandInGraphCache("0" * 64, {}, device=None, cache=None)
     for _ in range(3):
         vllm_graphs._declare(cache, object())
@@ -141,7 +141,7 @@ def test_the_tensors_a_graph_reads_are_looked_up_by_their_steps_and_the_runner_w
     walks: list[int] = []
     walk = vllm_graphs._walk
 
-    def counted(root: Any) -> Any:
+    def counted(root: Any, keep: Any) -> Any:
         walks.append(1)
         return walk(root, keep=lambda t: True)
 
@@ -493,7 +493,9 @@ def test_with_an_artifact_the_runners_tensors_are_declared_and_the_builds_starte
 
     Buffers.__module__ = "vllm.v1.worker.gpu.fake"  # (walked: one of vLLM's objects)
     kv = torch.zeros(4)
-    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t is kv))  # the one "CUDA" tensor
+    # "CUDA" tensors: kv, and vLLM's graph output buffer (the manager's hidden_states, made at the warm-up)
+    monkeypatch.setattr(torch.Tensor, "is_cuda", property(lambda t: t is kv or getattr(t, "made_by_vllm", False)))
+    monkeypatch.setattr(Manager, "__module__", "vllm.v1.worker.gpu.fake")  # (walked: one of vLLM's objects)
 
     class Runner:
         def __init__(self) -> None:
@@ -510,6 +512,7 @@ def test_with_an_artifact_the_runners_tensors_are_declared_and_the_builds_starte
                 def forward(cg_mode: Any) -> None:
                     if manager.hidden_states is None:
                         manager.hidden_states = torch.zeros(desc.num_tokens, 4)
+                        manager.hidden_states.made_by_vllm = True  # type: ignore[attr-defined]
 
                 return forward
 
@@ -526,4 +529,6 @@ def test_with_an_artifact_the_runners_tensors_are_declared_and_the_builds_starte
         cache = StandInGraphCache.made[-1]
         assert cache.events == events
         assert cache.declared[0] == "runner.buffers.kv"  # (declared before the first graph either way)
+        # vLLM's own output buffer, which the arena's replaces, is never declared (it would be kept for good)
+        assert not [n for n in cache.declared if "hidden_states" in n]
         assert vllm_graphs.reports()[-1]["restored"] == 2

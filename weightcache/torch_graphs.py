@@ -675,11 +675,16 @@ class GraphCache:
         tensors are declared elsewhere afterwards is not taken as built: it is built when asked for, and the graphs
         after it are built ahead again. Where the artifact has no external ranges, building started at load, and
         this changes nothing. Returns whether graphs are being built ahead (False without an artifact, with
-        ``build_ahead=False``, after restoring stopped or :meth:`settle`)."""
+        ``build_ahead=False``, after restoring stopped or :meth:`settle`; True also once every graph built ahead
+        was taken). Never raises: where the builds cannot start, each graph is built when asked for."""
         if self._build_ahead_waits and self._bundle is not None and not self._diverged:
             self._build_ahead_waits = False
-            self._check_extents_ahead()
-            self._build_ahead(self._next)
+            try:
+                with torch.cuda.device(self.device):  # (the build thread takes the caller's context)
+                    self._check_extents_ahead()
+                    self._build_ahead(self._next)
+            except Exception as exc:  # e.g. a driver query that failed: each graph is built when asked for
+                log.warning("weightcache: the graphs are not built ahead (%s: %s)", type(exc).__name__, exc)
         return self._prebuilt is not None
 
     def _check_extents_ahead(self) -> None:
@@ -967,8 +972,9 @@ class GraphCache:
                 return self._refuse(name, str(exc), record)
             log.debug("weightcache: graph %r: the restore failed", name, exc_info=True)
             return self._refuse(name, f"its restore failed ({type(exc).__name__}: {exc})", record)
-        self._relocations.pop((self._next, _frozen(moved)), None)
-        self._next += 1
+        with self._relocations_lock:  # (the relocating thread skips a graph whose index is below _next)
+            self._relocations.pop((self._next, _frozen(moved)), None)
+            self._next += 1
         self.relocated += count
         self._records.append(record)
         self._images.update({d: bundle.images[d] for d in record.kernels.values()})
@@ -1013,6 +1019,11 @@ class GraphCache:
         for record in self._bundle.graphs[first:]:
             moved, problems = moves(self._bundle.ranges, here, record.reach)
             used.append(moved if not problems else {})
+        self._stop_relocating()
+        wanted = {(first + i, _frozen(moved)) for i, moved in enumerate(used) if moved}
+        with self._relocations_lock:  # relocations for moves no build or restore will ask for again
+            for key in [k for k in self._relocations if k[0] >= first and k not in wanted]:
+                del self._relocations[key]
         self._relocate_ahead([(first + i, moved) for i, moved in enumerate(used) if moved])
 
         def relocated(index: int, record: GraphRecord) -> GraphRecord:
@@ -1050,10 +1061,8 @@ class GraphCache:
             for index, moved in jobs:
                 if stop.is_set():
                     return
-                if index < self._next:  # (restored, or being restored: its relocation was worked out)
-                    continue
                 try:
-                    self._relocation(index, moved)
+                    self._work_out(index, moved, ahead=True)
                 except Exception as exc:  # the thread that needs it works it out again and raises there
                     log.debug("weightcache: graph %d was not relocated ahead: %s", index, exc)
                     return
@@ -1077,11 +1086,21 @@ class GraphCache:
     def _relocation(self, index: int, moved: Mapping[str, int]) -> _Relocation:
         """Graph ``index`` of the artifact relocated by ``moved`` (:func:`~weightcache.graphs.check.moves`), and
         why it may not be (:func:`~weightcache.graphs.check.relocation_problems`): worked out once for each graph
-        and moves, by whichever thread asks first (the build ahead, or the restore), since both scan every
-        argument word of the graph; one that asks while another works it out waits for it."""
+        and moves, by whichever thread asks first (the relocating thread, the build ahead, or the restore), since
+        each scans every argument word of the graph; one that asks while another works it out waits for it."""
+        relocation = self._work_out(index, moved, ahead=False)
+        assert relocation is not None
+        return relocation
+
+    def _work_out(self, index: int, moved: Mapping[str, int], *, ahead: bool) -> _Relocation | None:
+        """:meth:`_relocation`; with ``ahead`` (the relocating thread), None and nothing worked out for a graph
+        restored already (``index`` below the next one, asked under the lock the restore advances it under), whose
+        relocation nobody would take out of the memo again."""
         assert self._bundle is not None
         key = (index, _frozen(moved))
         with self._relocations_lock:
+            if ahead and index < self._next:
+                return None
             found = self._relocations.get(key)
             mine = found is None
             if found is None:

@@ -462,7 +462,8 @@ def _full_graphs(manager: Any, managers: Any, descs: list[Any], create_forward_f
                 return descs
             if graphs.reads(graph_name(descs[0])) is not None:  # an artifact to restore from: its graphs are built
                 with step("declare"):  # from now on, while the model is adopted and the first inputs are made
-                    _declare(graphs, runner)
+                    output = id(manager.hidden_states)  # (not declared: replaced by the arena's below, and let go)
+                    _declare(graphs, runner, keep=lambda t: t.is_cuda and id(t) != output)
                 graphs.start_builds()
             model = getattr(runner, "model", None)
             if os.environ.get("VLLM_LOGGING_LEVEL", "").upper() == "DEBUG":
@@ -558,14 +559,20 @@ class _Declared:
 _DECLARED: weakref.WeakKeyDictionary[Any, _Declared] = weakref.WeakKeyDictionary()
 
 
-def _declare(graphs: Any, runner: Any, needed: list[str] | None = None) -> None:
+def _declare(
+    graphs: Any,
+    runner: Any,
+    needed: list[str] | None = None,
+    keep: Callable[[torch.Tensor], bool] = lambda t: t.is_cuda,
+) -> None:
     """Declare every CUDA tensor the runner reaches as an external range of ``graphs``, under its path; one
     declared before with the same address, shape, strides and dtype is not declared again (the kind declares
     before each of vLLM's 51 graphs: on the H100 the walk took 0.3-0.6 s of a start). ``needed`` (the names the
     next graph reads, ``GraphCache.reads``): where each was declared before, only those are looked up again, by
     the steps that led to them, instead of walking the runner; one not declared yet, or whose steps lead to no
     tensor now, makes it walk. A name found for another tensor than declared is not declared (the GraphCache
-    raises, and then restores no graph that reads it: each is captured)."""
+    raises, and then restores no graph that reads it: each is captured). ``keep``: which tensors the walk declares
+    (CUDA tensors)."""
     declared = _DECLARED.setdefault(graphs, _Declared())
     if needed is not None and declared.steps and all(n in declared.steps for n in needed):
         found = [(n, _follow(runner, declared.steps[n])) for n in needed]
@@ -574,7 +581,7 @@ def _declare(graphs: Any, runner: Any, needed: list[str] | None = None) -> None:
                 assert tensor is not None
                 _declare_one(graphs, declared, name, declared.steps[name], tensor)
             return
-    for path, steps, tensor in _walk(runner):
+    for path, steps, tensor in _walk(runner, keep=keep):
         _declare_one(graphs, declared, "runner." + path.replace("/", "|"), steps, tensor)
 
 

@@ -378,8 +378,8 @@ class CudaGraphDriver:
             self._loop_tried = True
             try:
                 self._loop = load_shim().wc_add_kernel_nodes
-            except (GraphRestoreError, OSError, AttributeError) as exc:
-                log.info("weightcache: graph nodes are added one call a node (%s)", exc)
+            except Exception as exc:  # (never the restore's problem: one call a node works everywhere)
+                log.info("weightcache: graph nodes are added one call a node (%s: %s)", type(exc).__name__, exc)
         return self._loop
 
     def _call(self, name: str, *args: Any) -> None:
@@ -686,7 +686,8 @@ class CudaGraphDriver:
                 code = loop(self._add_kernel_address, graph, at + size * j, size, end - i, nodes.ctypes.data,
                             ctypes.byref(failed))  # fmt: skip
                 if code != 0:
-                    raise self._failed("cuGraphAddKernelNode_v2", code)
+                    failure = self._failed("cuGraphAddKernelNode_v2", code)
+                    raise GraphRestoreError(f"{failure} (node {i + failed.value} of the graph)")
                 made.extend(nodes.tolist())
                 i = end
                 continue
