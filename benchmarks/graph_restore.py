@@ -198,6 +198,7 @@ def child(role: str, spec: dict[str, Any]) -> dict[str, Any]:
             for name, tensor in externals.items():
                 if name != "pad":
                     cache.external(name, tensor)
+            cache.start_builds()  # (every tensor declared: with --external the builds start here, not at b1)
             if spec.get("variant") == "foreign":  # a capture of someone else's in the arena, through the pool
                 foreign.append(torch.cuda.CUDAGraph())
                 with torch.cuda.graph(foreign[0], pool=cache.pool):
