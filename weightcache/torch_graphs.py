@@ -1020,11 +1020,12 @@ class GraphCache:
             moved, problems = moves(self._bundle.ranges, here, record.reach)
             used.append(moved if not problems else {})
         self._stop_relocating()
-        wanted = {(first + i, _frozen(moved)) for i, moved in enumerate(used) if moved}
+        jobs = [(first + i, moved) for i, moved in enumerate(used) if moved]
+        wanted = {(index, _frozen(moved)) for index, moved in jobs}
         with self._relocations_lock:  # relocations for moves no build or restore will ask for again
             for key in [k for k in self._relocations if k[0] >= first and k not in wanted]:
                 del self._relocations[key]
-        self._relocate_ahead([(first + i, moved) for i, moved in enumerate(used) if moved])
+        self._relocate_ahead(jobs)
 
         def relocated(index: int, record: GraphRecord) -> GraphRecord:
             moved = used[index]
@@ -1051,8 +1052,8 @@ class GraphCache:
         """Work out the relocations of ``jobs`` (graph index, moves) in order on a thread of their own, ahead of the
         build thread, which then finds each ready (:meth:`_relocation`: whichever thread asks first works one out,
         the other waits): the relocations' Python overlaps the build thread's driver calls, which let go of the GIL,
-        instead of coming before each build. A graph restored already is skipped; one such thread at a time."""
-        self._stop_relocating()
+        instead of coming before each build. A graph restored already is skipped; one such thread at a time (the
+        caller has stopped the last, :meth:`_stop_relocating`)."""
         if not jobs:
             return
         stop = threading.Event()

@@ -690,20 +690,20 @@ class CudaGraphDriver:
                     raise GraphRestoreError(f"{failure} (node {i + failed.value} of the graph)")
                 made.extend(nodes.tolist())
                 i = end
-                continue
-            i += 1
-            if j < 0:  # one node at a time
-                made.append(add_node(self, graph, t.node(i - 1), functions))
-                continue
-            code = add(where, g, None, 0, at + size * j)
-            if code != 0:
-                raise self._failed("cuGraphAddKernelNode_v2", code)
-            if attributes:
-                first = int(t.attribute_starts[i - 1])
-                for k in range(first, first + attributes):
-                    value = t.attributes[k]
-                    self._call("cuGraphKernelNodeSetAttribute", out, int(value["id"]), value["value"].tobytes())
-            made.append(int(out.value or 0))
+            elif j < 0:  # one node at a time
+                made.append(add_node(self, graph, t.node(i), functions))
+                i += 1
+            else:
+                code = add(where, g, None, 0, at + size * j)
+                if code != 0:
+                    raise self._failed("cuGraphAddKernelNode_v2", code)
+                if attributes:
+                    first = int(t.attribute_starts[i])
+                    for k in range(first, first + attributes):
+                        value = t.attributes[k]
+                        self._call("cuGraphKernelNodeSetAttribute", out, int(value["id"]), value["value"].tobytes())
+                made.append(int(out.value or 0))
+                i += 1
         if len(t.edges):
             nodes = np.array(made, dtype=np.uint64)
             src = np.ascontiguousarray(nodes[t.edges["src"].astype(np.intp)])
