@@ -362,6 +362,23 @@ class StandInGraphCache:
         self.stopped = True
 
 
+def kind_with_stand_in(monkeypatch: pytest.MonkeyPatch) -> tuple[Any, Any]:
+    """The kind as a capture in a fake vLLM (:func:`fake_vllm`) meets it, with :class:`StandInGraphCache` for the
+    GraphCache (none made yet) and no report yet: vLLM's ``CUDAGraphMode``, and a vLLM config whose engine's
+    weights the kind has been told of (``begin``)."""
+    import types
+
+    import weightcache.torch_graphs as torch_graphs
+
+    mode = fake_vllm(monkeypatch).CUDAGraphMode
+    monkeypatch.setattr(torch_graphs, "GraphCache", StandInGraphCache)
+    monkeypatch.setattr(StandInGraphCache, "made", [])
+    monkeypatch.setattr(vllm_graphs, "_REPORTS", [])
+    config = types.SimpleNamespace(compute_hash=lambda: "c0ffee")
+    monkeypatch.setitem(vllm_graphs._PENDING, id(config), ("0" * 64, None))
+    return mode, config
+
+
 def test_full_graphs_the_artifact_holds_are_restored_in_order_and_a_failure_leaves_the_rest_to_vllm(
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
@@ -372,17 +389,7 @@ def test_full_graphs_the_artifact_holds_are_restored_in_order_and_a_failure_leav
     where the time went (every step of ``STEPS``) and how long vLLM's whole graph phase took. A failure halfway
     (vLLM's input preparation raising) leaves the graphs not yet made to vLLM's own capture, the worker threads
     stopped."""
-    import types
-
-    import weightcache.torch_graphs as torch_graphs
-
-    managers = fake_vllm(monkeypatch)
-    mode = managers.CUDAGraphMode
-    monkeypatch.setattr(torch_graphs, "GraphCache", StandInGraphCache)
-    monkeypatch.setattr(StandInGraphCache, "made", [])
-    monkeypatch.setattr(vllm_graphs, "_REPORTS", [])
-    config = types.SimpleNamespace(compute_hash=lambda: "c0ffee")
-    monkeypatch.setitem(vllm_graphs._PENDING, id(config), ("0" * 64, None))
+    mode, config = kind_with_stand_in(monkeypatch)
     piecewise = [Desc(mode.PIECEWISE, 16, None)]  # type: ignore[arg-type]
     full = [Desc(mode.FULL, n, n, 1) for n in (8, 4, 2)]  # type: ignore[arg-type]
     names = [vllm_graphs.graph_name(d) for d in full]
@@ -473,17 +480,7 @@ def test_with_an_artifact_the_runners_tensors_are_declared_and_the_builds_starte
     the model is adopted and the first graph's inputs are made (on the H100, 2026-12-05: ~0.2 s before the first
     restore, when the builds started until then). Without an artifact, nothing is declared before the first
     graph's inputs."""
-    import types
-
-    import weightcache.torch_graphs as torch_graphs
-
-    managers = fake_vllm(monkeypatch)
-    mode = managers.CUDAGraphMode
-    monkeypatch.setattr(torch_graphs, "GraphCache", StandInGraphCache)
-    monkeypatch.setattr(StandInGraphCache, "made", [])
-    monkeypatch.setattr(vllm_graphs, "_REPORTS", [])
-    config = types.SimpleNamespace(compute_hash=lambda: "c0ffee")
-    monkeypatch.setitem(vllm_graphs._PENDING, id(config), ("0" * 64, None))
+    mode, config = kind_with_stand_in(monkeypatch)
     full = [Desc(mode.FULL, n, n, 1) for n in (8, 4)]  # type: ignore[arg-type]
     monkeypatch.setattr(StandInGraphCache, "holds", {vllm_graphs.graph_name(d) for d in full})
     capture = vllm_graphs._capturing(Manager.capture)
