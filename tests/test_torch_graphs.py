@@ -1116,7 +1116,9 @@ class Restoring:
 
     here = 0x7B00_0000_1000
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch, count: int = 4) -> None:
+    def __init__(self, monkeypatch: pytest.MonkeyPatch, count: int = 4, *, last_reads: str | None = None) -> None:
+        """``last_reads``: the name of one more external range (4 KiB, recorded at 0x7A10_0000_0000), which the last
+        graph reads too."""
         import weightcache.torch_graphs as tg
         from weightcache.torch_graphs import FetchedBundle
 
@@ -1130,7 +1132,11 @@ class Restoring:
             GraphRecord(f"g{i}", i << 21, (i + 1) << 21, description, (), {"gemm": digest}, {"external/kv": 65})
             for i in range(count)
         )
-        artifact = GraphBundle(b.ranges, graphs, b.images)
+        ranges = b.ranges
+        if last_reads is not None:
+            ranges += (AddressRange(f"external/{last_reads}", 0x7A10_0000_0000, 4096, own_mapping=False),)
+            graphs = (*graphs[:-1], attrs.evolve(graphs[-1], reach={"external/kv": 65, f"external/{last_reads}": 1}))
+        artifact = GraphBundle(ranges, graphs, b.images)
         self.relocations: list[GraphDescription] = []
         self.asked: list[int] = []  # the driver's pointer queries
         here, asked = self.here, self.asked
@@ -1251,6 +1257,54 @@ def test_start_builds_builds_every_graph_ahead_once_the_tensors_are_declared_bef
     assert r.asked == [r.here, r.here + 8191]  # and not again by the restores' checks
     cache.start_builds()  # again: nothing built again
     assert len(driver.executables) == 4
+    r.close()
+
+
+def test_a_declared_tensor_that_cannot_be_used_leaves_the_others_asked_about_before_the_builds(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """One declared tensor that no graph can use here (smaller than recorded, read by the last graph only) does not
+    keep ``start_builds`` from asking the driver about the others before the builds start: the other graphs' restores
+    ask nothing more. It used to check all of them as one set, which that tensor refused, and ask about none; the
+    restores then asked behind the build thread's graph calls. The graph that reads it is refused."""
+    r = Restoring(monkeypatch, last_reads="small")
+    cache = r.cache
+    cache.external("kv", FakeCudaTensor(r.here, 8192))  # type: ignore[arg-type]
+    cache.external("small", FakeCudaTensor(0x7C00_0000_0000, 2048))  # type: ignore[arg-type]
+    assert cache.start_builds()
+    assert r.asked == [r.here, r.here + 8191]  # the kv tensor's allocation, before any restore
+
+    restored = [cache.restore(f"g{i}") for i in range(4)]
+
+    assert all(g is not None and g.restored for g in restored[:3]), cache.reason
+    assert restored[3] is None or not restored[3].restored
+    assert "smaller" in (cache.reason or "")
+    assert r.asked == [r.here, r.here + 8191]  # and not again by the restores' checks
+    r.close()
+
+
+def test_builds_that_cannot_start_stop_the_relocating_thread_and_each_restore_relocates_its_graph(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Where the build threads cannot start, the relocating thread started for them is stopped as well (it used to
+    work out relocations that only the restores would ask for, alongside them); each restore builds and relocates
+    its own graph, and every graph is restored."""
+    import weightcache.torch_graphs as tg
+
+    def no_threads(*_: Any, **__: Any) -> None:
+        raise RuntimeError("can't start new thread")
+
+    r = Restoring(monkeypatch)
+    cache = r.cache
+    monkeypatch.setattr(tg, "Prebuilder", no_threads)
+    cache.external("kv", FakeCudaTensor(r.here, 8192))  # type: ignore[arg-type]
+    assert not cache.start_builds()
+    assert cache._relocating is None
+
+    restored = [cache.restore(f"g{i}") for i in range(4)]
+
+    assert all(g is not None and g.restored and "rebuild" in g.phases for g in restored), cache.reason
+    assert cache.relocated == 4 and cache._relocations == {}
     r.close()
 
 

@@ -706,7 +706,21 @@ class GraphCache:
             return
         moved, problems = moves(bundle.ranges, here, reach)
         if not problems:
-            extent_problems(moved_ranges(bundle.ranges, moved), here, reach, driver.pointer_range, self._extents_passed)
+            ranges = moved_ranges(bundle.ranges, moved)
+            problems = extent_problems(ranges, here, reach, driver.pointer_range, self._extents_passed)
+        if not problems:
+            return
+        # a range with a problem (smaller here, overlapping ones moved apart, not mapped) concerns only the graphs
+        # that read it, which their restores refuse: the others' ranges are still asked about here, graph by graph
+        log.debug("weightcache: the declared tensors are checked graph by graph: %s", "; ".join(problems))
+        for record in bundle.graphs[self._next :]:
+            own = {name: extent for name, extent in record.reach.items() if name in declared}
+            if not own:
+                continue
+            moved, problems = moves(bundle.ranges, here, own)
+            if not problems:
+                ranges = moved_ranges(bundle.ranges, moved)
+                extent_problems(ranges, here, own, driver.pointer_range, self._extents_passed)
 
     def reproduced(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory lies in the arena or a weights home (memory a restoring process has at the
@@ -1045,6 +1059,7 @@ class GraphCache:
             )
         except Exception as exc:  # threads that cannot start: each graph is built when asked for
             log.warning("weightcache: the graphs are not built ahead (%s: %s)", type(exc).__name__, exc)
+            self._stop_relocating()  # (each restore works out its own relocation then)
             return
         self._prebuilt_from, self._prebuilt_moves = first, used
 
