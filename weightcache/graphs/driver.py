@@ -367,6 +367,7 @@ class CudaGraphDriver:
         self._add_kernel_at = ctypes.CFUNCTYPE(ctypes.c_int, _pp, _p, _pp, ctypes.c_size_t, _p)(
             self._add_kernel_address
         )
+        self._set_attribute_address = ctypes.cast(lib.cuGraphKernelNodeSetAttribute, _p).value or 0
         self._loop: Any = None  # wc_add_kernel_nodes of weightcache's native library (_native_loop)
         self._loop_tried = False
 
@@ -644,8 +645,9 @@ class CudaGraphDriver:
 
     def add_description(self, graph: int, description: GraphDescription, functions: Mapping[str, int]) -> None:
         # From the tables: every kernel node's CUDA_KERNEL_NODE_PARAMS_v2 and its `extra` (argument buffer pointer
-        # into the description's own bytes, its size, end) made as arrays, then one driver call a node with the
-        # parameters' address; the edges in one call. A laid-out cooperative node (kernelParams, see
+        # into the description's own bytes, its size, end) made as arrays, then each run of such nodes added, and
+        # their launch attributes set, in one call of the native loop (one driver call a node and attribute where
+        # the loop cannot be had); the edges in one call. A laid-out cooperative node (kernelParams, see
         # add_kernel_node), a memset, a memcpy and an empty node go through the methods one node at a time.
         t = description.tables
         n = len(t.table)
@@ -675,19 +677,28 @@ class CudaGraphDriver:
         made: list[int] = []
         slots, counts = slot.tolist(), t.table["attributes"].tolist()
         loop = self._native_loop()
+        # for the loop: each node's attribute count, and the attribute rows (id, then the value at its offset)
+        counts32 = t.table["attributes"].astype(np.uint32)
+        attribute_rows = np.ascontiguousarray(t.attributes)
+        rows_at, row = attribute_rows.ctypes.data, attribute_rows.dtype.itemsize
+        fields = attribute_rows.dtype.fields
+        assert fields is not None  # (a structured table: id, value)
+        value_at = int(fields["value"][1])
         i = 0
         while i < n:
             j, attributes = slots[i], counts[i]
-            if j >= 0 and not attributes and loop is not None:  # a run of such nodes in one call, without the GIL
+            if j >= 0 and loop is not None:  # a run of such nodes, attributes too, in one call without the GIL
                 end = i + 1
-                while end < n and slots[end] == j + end - i and not counts[end]:
+                while end < n and slots[end] == j + end - i:
                     end += 1
-                nodes, failed = np.zeros(end - i, dtype=np.uint64), ctypes.c_size_t(0)
-                code = loop(self._add_kernel_address, graph, at + size * j, size, end - i, nodes.ctypes.data,
-                            ctypes.byref(failed))  # fmt: skip
+                nodes, failed, which = np.zeros(end - i, dtype=np.uint64), ctypes.c_size_t(0), ctypes.c_int(0)
+                first = rows_at + row * int(t.attribute_starts[i])
+                code = loop(self._add_kernel_address, self._set_attribute_address, graph, at + size * j, size,
+                            end - i, counts32[i:end].ctypes.data, first, row, value_at, nodes.ctypes.data,
+                            ctypes.byref(failed), ctypes.byref(which))  # fmt: skip
                 if code != 0:
-                    failure = self._failed("cuGraphAddKernelNode_v2", code)
-                    raise GraphRestoreError(f"{failure} (node {i + failed.value} of the graph)")
+                    call = "cuGraphKernelNodeSetAttribute" if which.value else "cuGraphAddKernelNode_v2"
+                    raise GraphRestoreError(f"{self._failed(call, code)} (node {i + failed.value} of the graph)")
                 made.extend(nodes.tolist())
                 i = end
             elif j < 0:  # one node at a time
