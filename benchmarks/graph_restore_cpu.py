@@ -31,8 +31,9 @@ and declares its tensors: ~14 ms a graph on the H100 before af9538c); ``--engine
 are declared and before the first graph (the vLLM kind adopts the model there: ~0.1 s on the H100). A tree with
 ``GraphCache.start_builds`` (5c58952) is told there that the tensors are declared, as the vLLM kind does; a tree
 whose driver adds a graph's nodes with their launch attributes in one native call (``wc_add_kernel_nodes`` in
-weightcache's native library, since it sets attributes) has its node adds modelled as one call a graph; others as
-two calls a node (each kernel node has one launch attribute, as every node described on the H200 and the H100 had).
+weightcache's native library since it sets attributes, ``wc_add_nodes`` since it adds memset nodes too) has its node
+adds modelled as one call a graph; others as two calls a node (each kernel node has one launch attribute, as every
+node described on the H200 and the H100 had). The synthetic graphs have no memset nodes.
 
 A tree whose GraphCache keeps other state than this harness sets may fail here; ``tests/test_benchmarks.py`` runs
 it on the current tree.
@@ -64,7 +65,7 @@ NODE_S, INSTANTIATE_S, IMAGE_S_A_MIB, MAP_S = 17e-6, 3.3e-3, 12.4e-3, 0.3e-3  # 
 
 
 DRIVER = threading.Lock()  # one call in the driver at a time (the module's text)
-NATIVE_LOOP = "wc_add_kernel_nodes" in SOURCE  # (the tree's driver adds a run of nodes in one native call)
+NATIVE_LOOP = "wc_add_nodes" in SOURCE or "wc_add_kernel_nodes" in SOURCE  # (a run of nodes in one native call)
 ATTRIBUTES_IN_LOOP = "wc_set_attribute" in SOURCE  # (and sets their launch attributes in that call)
 
 
@@ -120,10 +121,10 @@ class Driver:
         # cluster scheduling policy, as every node described on the H200 and the H100 had): two calls a node, the
         # node's and its attribute's (the GIL let go and taken again each time; slept 50 nodes at a time, the rest
         # at the end: a sleep that short overshoots), or, where the tree adds a run of nodes with their attributes
-        # in one native call (wc_add_kernel_nodes since it sets attributes), the GIL let go once for all of them;
-        # still one driver call a node in there, so another thread's query waits for one node at most (not
-        # modelled: the query goes in at once). (A tree whose loop takes only nodes without attributes makes two
-        # calls a node here.)
+        # in one native call (wc_add_kernel_nodes since it sets attributes, now wc_add_nodes), the GIL let go once
+        # for all of them; still one driver call a node in there, so another thread's query waits for one node at
+        # most (not modelled: the query goes in at once). (A tree whose loop takes only nodes without attributes
+        # makes two calls a node here.)
         count = len(description.tables.table)
         if NATIVE_LOOP and ATTRIBUTES_IN_LOOP:
             driver_call(count * NODE_S, serial=False)

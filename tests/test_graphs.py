@@ -1068,6 +1068,19 @@ static uint64_t set_node[64], set_id[64], set_value[64];
 void fail_attributes(int on) { set_calls = 0; attribute_fails = on; }
 int attributes_set(void) { return set_calls; }
 uint64_t set_of(int i, int what) { return what == 0 ? set_node[i] : what == 1 ? set_id[i] : set_value[i]; }
+/* cuGraphAddMemsetNode: the node's handle 0x9000 + its number; its destination, value and context kept */
+static int memset_calls, memset_fails;
+static uint64_t memset_of[3];
+void fail_memsets(int on) { memset_calls = 0; memset_fails = on; }
+int memsets_added(void) { return memset_calls; }
+uint64_t memset_field(int what) { return memset_of[what]; }
+int cuGraphAddMemsetNode(void **node, void *graph, void *const *deps, size_t n, const void *params, void *ctx) {
+    if (memset_fails) return 2;
+    memset_of[0] = *(const uint64_t *)params; memset_of[1] = *(const uint32_t *)((const char *)params + 16);
+    memset_of[2] = (uintptr_t)ctx;
+    *node = (void *)(uintptr_t)(0x9000 + memset_calls++);
+    return 0;
+}
 int cuGraphKernelNodeSetAttribute(void *node, int id, const void *value) {
     if (attribute_fails) return 1;
     set_node[set_calls & 63] = (uintptr_t)node; set_id[set_calls & 63] = (uint64_t)id;
@@ -1079,37 +1092,52 @@ int cuGraphKernelNodeSetAttribute(void *node, int id, const void *value) {
 
 
 @pytest.mark.skipif(shutil.which("cc") is None and shutil.which("gcc") is None, reason="needs a C compiler")
-def test_runs_of_kernel_nodes_are_added_with_their_attributes_in_one_native_call_that_lets_go_of_the_gil(
+def test_runs_of_nodes_are_added_with_their_attributes_in_one_native_call_that_lets_go_of_the_gil(
     tmp_path: Path,
 ) -> None:
-    """CudaGraphDriver.add_description adds each run of kernel nodes, and sets their launch attributes, in one call
-    of weightcache's native loop (``wc_add_kernel_nodes``, made through ``ctypes``, which lets go of the GIL for the
-    call): one ``ctypes`` call a node or attribute takes the GIL back after each, and a graph built on a worker
-    thread then waits up to the switch interval (5 ms) each time another thread runs Python (an engine preparing its
-    inputs while its graphs are built ahead; benchmarks/graph_restore_cpu.py models it). The loop first took only
-    nodes without attributes, and every kernel node described on the H200 and the H100 has one (its cluster
-    scheduling policy): vLLM's 51 graphs took 0.5-0.9 s to add on the build thread (H100, 2026-12-06). Here a driver
-    in C is called 300 times for a graph of 300 kernel nodes, two of them with attributes, a memset between them,
-    through two calls of the loop; the nodes come back in order, each with its function, each attribute set on its
-    node with its value; a failing node's or attribute's error names the call and the node."""
+    """CudaGraphDriver.add_description adds each run of kernel and memset nodes, and sets the kernel nodes' launch
+    attributes, in one call of weightcache's native loop (``wc_add_nodes``, made through ``ctypes``, which lets go
+    of the GIL for the call): one ``ctypes`` call a node or attribute takes the GIL back after each, and a graph
+    built on a worker thread then waits up to the switch interval (5 ms) each time another thread runs Python (an
+    engine preparing its inputs while its graphs are built ahead; benchmarks/graph_restore_cpu.py models it). The
+    loop first took only kernel nodes without attributes, and every kernel node described on the H200 and the H100
+    has one (its cluster scheduling policy): vLLM's 51 graphs took 0.5-0.9 s to add on the build thread (H100,
+    2026-12-06); a memset node still ended a run. Here a driver in C is called for a graph of 300 kernel nodes,
+    two with attributes, a memset among them and an empty node: the memset and the kernels around it in one call
+    of the loop, the empty node through the driver's method; the nodes come back in order, each kernel with its
+    function, each attribute set on its node with its value, the memset with its fields in the current context; a
+    failing node's or attribute's error names the call and the node."""
     import ctypes
 
+    from weightcache.graphs.driver import _MEMSET_PARAMS, _MemsetParams
+
+    assert _MEMSET_PARAMS.itemsize == ctypes.sizeof(_MemsetParams)
+    assert [_MEMSET_PARAMS.fields[f[0]][1] for f in _MemsetParams._fields_] == [  # type: ignore[index]
+        getattr(_MemsetParams, f[0]).offset for f in _MemsetParams._fields_
+    ]
     source, library = tmp_path / "add.c", tmp_path / "add.so"
     source.write_text(ADD_KERNEL_NODE)
     subprocess.run([shutil.which("cc") or "gcc", "-shared", "-fPIC", "-o", str(library), str(source)], check=True)
     fake = ctypes.CDLL(str(library))
-    fake.func_of.restype = fake.set_of.restype = ctypes.c_uint64
+    fake.func_of.restype = fake.set_of.restype = fake.memset_field.restype = ctypes.c_uint64
     lib = RecordingLibcuda()
-    lib._functions["cuGraphAddKernelNode_v2"] = fake.cuGraphAddKernelNode_v2
-    lib._functions["cuGraphKernelNodeSetAttribute"] = fake.cuGraphKernelNodeSetAttribute
+    for name in ("cuGraphAddKernelNode_v2", "cuGraphKernelNodeSetAttribute", "cuGraphAddMemsetNode"):
+        lib._functions[name] = getattr(fake, name)
+
+    def current(out: int) -> int:
+        ctypes.cast(out, ctypes.POINTER(ctypes.c_void_p))[0] = 0xC7C
+        return 0
+
+    lib._functions["cuCtxGetCurrent"] = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_void_p)(current)
     policy, cluster = (5, u64(1) + bytes(56)), (4, bytes.fromhex("020000000100000001000000") + bytes(52))
-    nodes: list[KernelNode | MemsetNode] = [
+    nodes: list[KernelNode | MemsetNode | EmptyNode] = [
         KernelNode(f"k{i % 3}", (1, 1, 1), (32, 1, 1), 0, u64(i)) for i in range(300)
     ]
     nodes[120] = KernelNode("k0", (1, 1, 1), (32, 1, 1), 0, u64(7), (), "buffer", (policy,))
     nodes[250] = KernelNode("k1", (1, 1, 1), (32, 1, 1), 0, u64(8), (), "buffer", (cluster, policy))
-    nodes.insert(200, MemsetNode(POOL.base, 0, 0, 4, 16, 1))  # one node at a time: between two runs
-    edges = (Edge(0, 1), Edge(119, 120), Edge(199, 200), Edge(299, 300))
+    nodes.insert(200, MemsetNode(POOL.base, 0, 0xAB, 4, 16, 1))  # in the loop's run
+    nodes.insert(280, EmptyNode())  # through the driver's method: ends the run
+    edges = (Edge(0, 1), Edge(119, 120), Edge(199, 200), Edge(200, 201), Edge(279, 280), Edge(300, 301))
     description = GraphDescription.from_binary(GraphDescription(tuple(nodes), edges).to_binary())
     functions = {"k0": 0x70, "k1": 0x71, "k2": 0x72}
     driver = CudaGraphDriver(lib)  # type: ignore[arg-type]
@@ -1118,21 +1146,22 @@ def test_runs_of_kernel_nodes_are_added_with_their_attributes_in_one_native_call
     runs: list[int] = []
 
     def counted(*args: Any) -> int:
-        runs.append(args[5])
+        runs.append(args[6])
         return int(loop(*args))
 
     driver._loop = counted
     fake.reset(-1)
     fake.fail_attributes(0)
+    fake.fail_memsets(0)
     driver.add_description(0xABC, description, functions)
-    assert runs == [200, 100] and fake.added() == 300  # the memset: through the driver's method, between the runs
-    assert [c[0] for c in lib.calls] == ["memset", "edges"]
-    memset = lib.calls[0]
+    assert runs == [280, 21] and fake.added() == 300 and fake.memsets_added() == 1
+    assert [fake.memset_field(w) for w in range(3)] == [POOL.base, 0xAB, 0xC7C]  # dst, value, context
+    assert [c[0] for c in lib.calls] == ["empty", "edges"]
     set_calls = [tuple(fake.set_of(k, w) for w in range(3)) for k in range(fake.attributes_set())]
     assert set_calls == [(0x5000 + 120, 5, 1), (0x5000 + 250, 4, 2 | 1 << 32), (0x5000 + 250, 5, 1)]
     kernel = [0x5000 + i for i in range(300)]
-    handles = [*kernel[:200], 0x5000 + 1, *kernel[200:]]  # (the memset's handle: the recording fake's own count)
-    assert memset[1] == POOL.base and lib.calls[1][1] == [(handles[e.src], handles[e.dst]) for e in edges]
+    handles = [*kernel[:200], 0x9000, *kernel[200:279], 0x5000 + 1, *kernel[279:]]  # (empty: the fake's own count)
+    assert lib.calls[1][1] == [(handles[e.src], handles[e.dst]) for e in edges]
     assert [fake.func_of(i) for i in range(300)] == [0x70 + i % 3 for i in range(300)]
 
     fake.reset(150)
@@ -1141,6 +1170,10 @@ def test_runs_of_kernel_nodes_are_added_with_their_attributes_in_one_native_call
     fake.reset(-1)
     fake.fail_attributes(1)
     with pytest.raises(GraphRestoreError, match=r"cuGraphKernelNodeSetAttribute failed: 1 \(node 120 of the graph\)"):
+        driver.add_description(0xABC, description, functions)
+    fake.fail_attributes(0)
+    fake.fail_memsets(1)
+    with pytest.raises(GraphRestoreError, match=r"cuGraphAddMemsetNode failed: 2 \(node 200 of the graph\)"):
         driver.add_description(0xABC, description, functions)
 
 

@@ -16,13 +16,14 @@ needs one too) into ``$XDG_CACHE_HOME/weightcache/native`` (default ``~/.cache``
 and loaded with ``ctypes``. Where no compiler works, :func:`load_shim` raises
 :class:`~weightcache.errors.GraphRestoreError`: the recorder is not made, and graphs are captured as usual.
 
-The library holds one more loop that must not wait for the GIL, ``wc_add_kernel_nodes``: a graph's kernel nodes
-and their launch attributes added in one call (:class:`~weightcache.graphs.driver.CudaGraphDriver` uses it where
-the library loads). Made one ``ctypes`` call a node or attribute, a graph built on a worker thread takes the GIL
-back after each, and waits for it as long as the interpreter's switch interval (5 ms) whenever the caller's thread
-runs Python meanwhile: the graphs an engine has built ahead while it prepares its inputs would be built a node
-every 5 ms. (Every kernel node described on the H200 and the H100 had a launch attribute, its cluster scheduling
-policy, so a loop over attribute-free nodes alone, as this was first, never ran there.)
+The library holds one more loop that must not wait for the GIL, ``wc_add_nodes``: a run of a graph's kernel nodes,
+their launch attributes and its memset nodes added in one call (:class:`~weightcache.graphs.driver.CudaGraphDriver`
+uses it where the library loads). Made one ``ctypes`` call a node or attribute, a graph built on a worker thread
+takes the GIL back after each, and waits for it as long as the interpreter's switch interval (5 ms) whenever the
+caller's thread runs Python meanwhile: the graphs an engine has built ahead while it prepares its inputs would be
+built a node every 5 ms. (Every kernel node described on the H200 and the H100 had a launch attribute, its cluster
+scheduling policy, so the first loop, over attribute-free kernel nodes alone, never ran there; and vLLM's graphs
+held 832 memset nodes in the H100's probe of 2026-12-05, each of which ended the second loop's runs.)
 
 Layer L3; imports no torch.
 """
@@ -289,29 +290,42 @@ int wc_take(wc_state *st, int *kind, uint64_t *seq, uint64_t *module, char **dat
     return 1;
 }
 
-/* Not CUPTI's: a graph's kernel nodes added in one call from Python, which lets go of the GIL once for all of them
-   (graphs/driver.py, CudaGraphDriver.add_description), their launch attributes too. `add` is
-   cuGraphAddKernelNode_v2 and `set` cuGraphKernelNodeSetAttribute; node i's parameters lie at params + i * stride;
-   each is added without dependencies, its handle into nodes[i], then its counts[i] attributes set, which follow
-   each other from `attributes` on, `attribute_stride` bytes apart, each a 32-bit id and at `value_offset` its
-   64-byte value (copied to aligned memory first: the rows are packed). 0, or the first failing CUresult, with the
-   index of its node in *failed and in *failed_call 0 (the node's add) or 1 (an attribute's). */
+/* Not CUPTI's: a run of a graph's nodes added in one call from Python, which lets go of the GIL once for all of
+   them (graphs/driver.py, CudaGraphDriver.add_description). Node i is a kernel node where kinds[i] is 0 (the next
+   of `kernels`, `kernel_stride` bytes apart, added with `add_kernel`, cuGraphAddKernelNode_v2; then its counts[i]
+   launch attributes set with `set`, cuGraphKernelNodeSetAttribute: they follow each other from `attributes` on,
+   `attribute_stride` bytes apart, each a 32-bit id and at `value_offset` its 64-byte value, copied to aligned
+   memory first since the rows are packed), and a memset node where kinds[i] is 1 (the next of `memsets`,
+   `memset_stride` bytes apart, added with `add_memset`, cuGraphAddMemsetNode, in `context`). Each is added
+   without dependencies, its handle into nodes[i]. 0, or the first failing CUresult, with the index of its node in
+   *failed and in *failed_call 0 (a kernel node's add), 1 (an attribute's) or 2 (a memset node's add). */
 typedef int (*wc_add_kernel)(void **node, void *graph, void *const *deps, size_t count, const void *params);
 typedef int (*wc_set_attribute)(void *node, int id, const void *value);
-int wc_add_kernel_nodes(void *add, void *set, void *graph, const char *params, size_t stride, size_t count,
-                        const uint32_t *counts, const char *attributes, size_t attribute_stride, size_t value_offset,
-                        void **nodes, size_t *failed, int *failed_call) {
-    wc_add_kernel add_node = (wc_add_kernel)add;
+typedef int (*wc_add_memset)(void **node, void *graph, void *const *deps, size_t count, const void *params,
+                             void *context);
+int wc_add_nodes(void *add_kernel, void *set, void *add_memset, void *graph, void *context, const uint8_t *kinds,
+                 size_t count, const char *kernels, size_t kernel_stride, const uint32_t *counts,
+                 const char *attributes, size_t attribute_stride, size_t value_offset, const char *memsets,
+                 size_t memset_stride, void **nodes, size_t *failed, int *failed_call) {
+    wc_add_kernel add_kernel_node = (wc_add_kernel)add_kernel;
     wc_set_attribute set_attribute = (wc_set_attribute)set;
-    const char *a = attributes;
+    wc_add_memset add_memset_node = (wc_add_memset)add_memset;
     for (size_t i = 0; i < count; i++) {
-        int code = add_node(&nodes[i], graph, NULL, 0, params + i * stride);
+        int code;
+        if (kinds[i] == 1) {
+            code = add_memset_node(&nodes[i], graph, NULL, 0, memsets, context);
+            memsets += memset_stride;
+            if (code != 0) { *failed = i; *failed_call = 2; return code; }
+            continue;
+        }
+        code = add_kernel_node(&nodes[i], graph, NULL, 0, kernels);
+        kernels += kernel_stride;
         if (code != 0) { *failed = i; *failed_call = 0; return code; }
-        for (uint32_t k = 0; k < counts[i]; k++, a += attribute_stride) {
+        for (uint32_t k = 0; k < counts[i]; k++, attributes += attribute_stride) {
             uint32_t id;
             uint64_t value[8];
-            memcpy(&id, a, sizeof id);
-            memcpy(value, a + value_offset, sizeof value);
+            memcpy(&id, attributes, sizeof id);
+            memcpy(value, attributes + value_offset, sizeof value);
             code = set_attribute(nodes[i], (int)id, value);
             if (code != 0) { *failed = i; *failed_call = 1; return code; }
         }
@@ -431,9 +445,9 @@ def _declare(lib: ctypes.CDLL) -> ctypes.CDLL:
     lib.wc_take.argtypes = [ptr, out(ctypes.c_int), out(u64), out(u64), out(ptr), out(u64)]
     lib.wc_take.restype = ctypes.c_int
     size = ctypes.c_size_t
-    lib.wc_add_kernel_nodes.argtypes = [ptr, ptr, ptr, ptr, size, size, ptr, ptr, size, size, ptr]
-    lib.wc_add_kernel_nodes.argtypes += [ctypes.POINTER(size), ctypes.POINTER(ctypes.c_int)]
-    lib.wc_add_kernel_nodes.restype = ctypes.c_int
+    lib.wc_add_nodes.argtypes = [ptr, ptr, ptr, ptr, ptr, ptr, size, ptr, size, ptr, ptr, size, size, ptr, size]
+    lib.wc_add_nodes.argtypes += [ptr, ctypes.POINTER(size), ctypes.POINTER(ctypes.c_int)]
+    lib.wc_add_nodes.restype = ctypes.c_int
     # This thread's first use of the library's thread-local storage, here and not first inside a CUPTI callback:
     # before glibc 2.35 a dlopen'ed library's first thread-local access may take the loader's lock, which a thread
     # in dlopen holds while its constructors call the driver (the deadlock this module exists to avoid).

@@ -461,7 +461,8 @@ class DescriptionTables:
     ``name`` index, ``grid``, ``block``, ``shared``, and counts of ``args`` bytes, ``layout`` spans and
     ``attributes``; a memset's fields); ``spans``, ``attributes``, ``edges`` and ``copies`` the other tables;
     ``names`` the kernel names; ``args`` every kernel's argument bytes one after the other, ``arg_starts`` where
-    each node's begin (and ``span_starts``, ``attribute_starts`` likewise). ``data``: the bytes read (a view of
+    each node's begin (and ``span_starts``, ``attribute_starts`` likewise); ``kernel`` and ``memset`` which rows are
+    kernel and memset nodes. ``data``: the bytes read (a view of
     them: of an artifact's mapping, in a restore)."""
 
     __slots__ = (
@@ -474,6 +475,7 @@ class DescriptionTables:
         "data",
         "edges",
         "kernel",
+        "memset",
         "names",
         "span_starts",
         "spans",
@@ -494,6 +496,7 @@ class DescriptionTables:
         self.data, self.table, self.spans, self.attributes = data, table, spans, attributes
         self.edges, self.copies, self.names, self.args = edges, copies, names, args
         self.kernel = table["kind"] == _KERNEL
+        self.memset = table["kind"] == _MEMSET
         self.arg_starts = _starts(table["args"])
         self.span_starts = _starts(table["layout"])
         self.attribute_starts = _starts(table["attributes"])

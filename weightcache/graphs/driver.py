@@ -265,6 +265,13 @@ class _MemsetParams(ctypes.Structure):
     ]
 
 
+#: ``CUDA_MEMSET_NODE_PARAMS`` as a row of a numpy table (the same layout as :class:`_MemsetParams`), its fields in
+#: the order of a description's memset fields (``MemsetNode``'s).
+_MEMSET_PARAMS = np.dtype(
+    [("dst", "<u8"), ("pitch", "<u8"), ("value", "<u4"), ("elementSize", "<u4"), ("width", "<u8"), ("height", "<u8")]
+)
+
+
 class _Memcpy3D(ctypes.Structure):
     """``CUDA_MEMCPY3D`` (``_v2``)."""
 
@@ -368,17 +375,19 @@ class CudaGraphDriver:
             self._add_kernel_address
         )
         self._set_attribute_address = ctypes.cast(lib.cuGraphKernelNodeSetAttribute, _p).value or 0
-        self._loop: Any = None  # wc_add_kernel_nodes of weightcache's native library (_native_loop)
+        self._add_memset_address = ctypes.cast(lib.cuGraphAddMemsetNode, _p).value or 0
+        self._loop: Any = None  # wc_add_nodes of weightcache's native library (_native_loop)
         self._loop_tried = False
 
     def _native_loop(self) -> Any:
-        """``wc_add_kernel_nodes`` of weightcache's native library (:mod:`~weightcache.graphs.cupti_shim`), which
-        adds a run of kernel nodes in one call, letting go of the GIL once; None where the library cannot be built
-        or loaded here (then one ``ctypes`` call a node, as before). Asked once a driver."""
+        """``wc_add_nodes`` of weightcache's native library (:mod:`~weightcache.graphs.cupti_shim`), which adds a run
+        of kernel and memset nodes, and sets the kernel nodes' launch attributes, in one call, letting go of the GIL
+        once; None where the library cannot be built or loaded here (then one ``ctypes`` call a node and
+        attribute, as before). Asked once a driver."""
         if not self._loop_tried:
             self._loop_tried = True
             try:
-                self._loop = load_shim().wc_add_kernel_nodes
+                self._loop = load_shim().wc_add_nodes
             except Exception as exc:  # (never the restore's problem: one call a node works everywhere)
                 log.info("weightcache: graph nodes are added one call a node (%s: %s)", type(exc).__name__, exc)
         return self._loop
@@ -677,28 +686,43 @@ class CudaGraphDriver:
         made: list[int] = []
         slots, counts = slot.tolist(), t.table["attributes"].tolist()
         loop = self._native_loop()
-        # for the loop: each node's attribute count, and the attribute rows (id, then the value at its offset)
+        # for the loop: each node's attribute count, the attribute rows (id, then the value at its offset), and the
+        # memset nodes' CUDA_MEMSET_NODE_PARAMS, one row each in the nodes' order
         counts32 = t.table["attributes"].astype(np.uint32)
         attribute_rows = np.ascontiguousarray(t.attributes)
         rows_at, row = attribute_rows.ctypes.data, attribute_rows.dtype.itemsize
         fields = attribute_rows.dtype.fields
         assert fields is not None  # (a structured table: id, value)
         value_at = int(fields["value"][1])
+        memset_rows = np.flatnonzero(t.memset)
+        memsets = np.zeros(len(memset_rows), dtype=_MEMSET_PARAMS)
+        for k, name in enumerate(_MEMSET_PARAMS.names or ()):
+            memsets[name] = t.table["memset"][memset_rows, k]
+        memset_slot = np.full(n, -1, dtype=np.int64)
+        memset_slot[memset_rows] = np.arange(len(memset_rows))
+        batched = fast | t.memset  # what the loop adds
+        kinds = t.memset.astype(np.uint8)
+        context = self.current_context() if len(memset_rows) and loop is not None else 0
+        batched_list, memset_slots = batched.tolist(), memset_slot.tolist()
         i = 0
         while i < n:
             j, attributes = slots[i], counts[i]
-            if j >= 0 and loop is not None:  # a run of such nodes, attributes too, in one call without the GIL
+            if batched_list[i] and loop is not None:  # a run of such nodes, attributes too, in one call without the GIL
                 end = i + 1
-                while end < n and slots[end] == j + end - i:
+                while end < n and batched_list[end]:
                     end += 1
+                kernel = next((slots[k] for k in range(i, end) if slots[k] >= 0), 0)
+                memset = next((memset_slots[k] for k in range(i, end) if memset_slots[k] >= 0), 0)
                 nodes, failed, which = np.zeros(end - i, dtype=np.uint64), ctypes.c_size_t(0), ctypes.c_int(0)
-                first = rows_at + row * int(t.attribute_starts[i])
-                code = loop(self._add_kernel_address, self._set_attribute_address, graph, at + size * j, size,
-                            end - i, counts32[i:end].ctypes.data, first, row, value_at, nodes.ctypes.data,
+                code = loop(self._add_kernel_address, self._set_attribute_address, self._add_memset_address, graph,
+                            context, kinds[i:end].ctypes.data, end - i, at + size * kernel, size,
+                            counts32[i:end].ctypes.data, rows_at + row * int(t.attribute_starts[i]), row, value_at,
+                            memsets.ctypes.data + memsets.itemsize * memset, memsets.itemsize, nodes.ctypes.data,
                             ctypes.byref(failed), ctypes.byref(which))  # fmt: skip
                 if code != 0:
-                    call = "cuGraphKernelNodeSetAttribute" if which.value else "cuGraphAddKernelNode_v2"
-                    raise GraphRestoreError(f"{self._failed(call, code)} (node {i + failed.value} of the graph)")
+                    call = ("cuGraphAddKernelNode_v2", "cuGraphKernelNodeSetAttribute", "cuGraphAddMemsetNode")
+                    failure = self._failed(call[which.value], code)
+                    raise GraphRestoreError(f"{failure} (node {i + failed.value} of the graph)")
                 made.extend(nodes.tolist())
                 i = end
             elif j < 0:  # one node at a time
