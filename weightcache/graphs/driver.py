@@ -654,10 +654,10 @@ class CudaGraphDriver:
 
     def add_description(self, graph: int, description: GraphDescription, functions: Mapping[str, int]) -> None:
         # From the tables: every kernel node's CUDA_KERNEL_NODE_PARAMS_v2 and its `extra` (argument buffer pointer
-        # into the description's own bytes, its size, end) made as arrays, then each run of such nodes added, and
-        # their launch attributes set, in one call of the native loop (one driver call a node and attribute where
-        # the loop cannot be had); the edges in one call. A laid-out cooperative node (kernelParams, see
-        # add_kernel_node), a memset, a memcpy and an empty node go through the methods one node at a time.
+        # into the description's own bytes, its size, end) and every memset node's parameters made as arrays, then
+        # each run of such nodes added, and the kernels' launch attributes set, in one call of the native loop; the
+        # edges in one call. A laid-out cooperative node (kernelParams, see add_kernel_node), a memcpy and an empty
+        # node go through the methods one node at a time, as every node does where the loop cannot be had.
         t = description.tables
         n = len(t.table)
         fast = t.kernel.copy()
@@ -707,7 +707,7 @@ class CudaGraphDriver:
         i = 0
         while i < n:
             j, attributes = slots[i], counts[i]
-            if batched_list[i] and loop is not None:  # a run of such nodes, attributes too, in one call without the GIL
+            if batched_list[i] and loop is not None:  # a run of kernel and memset nodes in one call, without the GIL
                 end = i + 1
                 while end < n and batched_list[end]:
                     end += 1
