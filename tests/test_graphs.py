@@ -1176,6 +1176,16 @@ def test_runs_of_nodes_are_added_with_their_attributes_in_one_native_call_that_l
     with pytest.raises(GraphRestoreError, match=r"cuGraphAddMemsetNode failed: 2 \(node 200 of the graph\)"):
         driver.add_description(0xABC, description, functions)
 
+    driver._loop = None  # one call a node and attribute (no native library): the same node named
+    fake.fail_memsets(0)
+    fake.reset(150)
+    with pytest.raises(GraphRestoreError, match=r"cuGraphAddKernelNode_v2 failed: 700 \(node 150 of the graph\)"):
+        driver.add_description(0xABC, description, functions)
+    fake.reset(-1)
+    fake.fail_attributes(1)
+    with pytest.raises(GraphRestoreError, match=r"cuGraphKernelNodeSetAttribute failed: 1 \(node 120 of the graph\)"):
+        driver.add_description(0xABC, description, functions)
+
 
 def test_prepare_gives_each_function_the_shared_memory_and_cluster_size_its_nodes_ask_for() -> None:
     """A function loaded from a kept image has the default limits: prepare sets the largest dynamic shared memory

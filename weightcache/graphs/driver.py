@@ -692,7 +692,9 @@ class CudaGraphDriver:
         attribute_rows = np.ascontiguousarray(t.attributes)
         rows_at, row = attribute_rows.ctypes.data, attribute_rows.dtype.itemsize
         fields = attribute_rows.dtype.fields
-        assert fields is not None  # (a structured table: id, value)
+        # (what the loop reads of a row: a 32-bit id first, the 64-byte value at value_at)
+        assert fields is not None and fields["id"][1] == 0 and fields["id"][0].itemsize == 4
+        assert fields["value"][0].itemsize == ATTRIBUTE_BYTES == 64
         value_at = int(fields["value"][1])
         memset_rows = np.flatnonzero(t.memset)
         memsets = np.zeros(len(memset_rows), dtype=_MEMSET_PARAMS)
@@ -731,12 +733,15 @@ class CudaGraphDriver:
             else:
                 code = add(where, g, None, 0, at + size * j)
                 if code != 0:
-                    raise self._failed("cuGraphAddKernelNode_v2", code)
+                    raise GraphRestoreError(f"{self._failed('cuGraphAddKernelNode_v2', code)} (node {i} of the graph)")
                 if attributes:
                     first = int(t.attribute_starts[i])
                     for k in range(first, first + attributes):
                         value = t.attributes[k]
-                        self._call("cuGraphKernelNodeSetAttribute", out, int(value["id"]), value["value"].tobytes())
+                        try:
+                            self._call("cuGraphKernelNodeSetAttribute", out, int(value["id"]), value["value"].tobytes())
+                        except GraphRestoreError as exc:
+                            raise GraphRestoreError(f"{exc} (node {i} of the graph)") from None
                 made.append(int(out.value or 0))
                 i += 1
         if len(t.edges):
