@@ -1164,27 +1164,20 @@ def test_runs_of_nodes_are_added_with_their_attributes_in_one_native_call_that_l
     assert lib.calls[1][1] == [(handles[e.src], handles[e.dst]) for e in edges]
     assert [fake.func_of(i) for i in range(300)] == [0x70 + i % 3 for i in range(300)]
 
-    fake.reset(150)
-    with pytest.raises(GraphRestoreError, match=r"cuGraphAddKernelNode_v2 failed: 700 \(node 150 of the graph\)"):
-        driver.add_description(0xABC, description, functions)
-    fake.reset(-1)
-    fake.fail_attributes(1)
-    with pytest.raises(GraphRestoreError, match=r"cuGraphKernelNodeSetAttribute failed: 1 \(node 120 of the graph\)"):
-        driver.add_description(0xABC, description, functions)
-    fake.fail_attributes(0)
     fake.fail_memsets(1)
     with pytest.raises(GraphRestoreError, match=r"cuGraphAddMemsetNode failed: 2 \(node 200 of the graph\)"):
         driver.add_description(0xABC, description, functions)
-
-    driver._loop = None  # one call a node and attribute (no native library): the same node named
     fake.fail_memsets(0)
-    fake.reset(150)
-    with pytest.raises(GraphRestoreError, match=r"cuGraphAddKernelNode_v2 failed: 700 \(node 150 of the graph\)"):
-        driver.add_description(0xABC, description, functions)
-    fake.reset(-1)
-    fake.fail_attributes(1)
-    with pytest.raises(GraphRestoreError, match=r"cuGraphKernelNodeSetAttribute failed: 1 \(node 120 of the graph\)"):
-        driver.add_description(0xABC, description, functions)
+    for driver._loop in (counted, None):  # the loop, then one call a node and attribute (no native library)
+        fake.reset(150)
+        with pytest.raises(GraphRestoreError, match=r"cuGraphAddKernelNode_v2 failed: 700 \(node 150 of the graph\)"):
+            driver.add_description(0xABC, description, functions)
+        fake.reset(-1)
+        fake.fail_attributes(1)
+        match = r"cuGraphKernelNodeSetAttribute failed: 1 \(node 120 of the graph\)"
+        with pytest.raises(GraphRestoreError, match=match):
+            driver.add_description(0xABC, description, functions)
+        fake.fail_attributes(0)
 
 
 def test_prepare_gives_each_function_the_shared_memory_and_cluster_size_its_nodes_ask_for() -> None:

@@ -702,12 +702,13 @@ class GraphCache:
             for name, extent in record.reach.items():
                 if name in declared:
                     reach[name] = max(reach.get(name, 0), extent)
-        if not reach:
-            return
-        moved, problems = moves(bundle.ranges, here, reach)
-        if not problems:
+
+        def ask(reach: Mapping[str, int]) -> list[str]:  # the driver asked about these ranges, where they can move
+            moved, problems = moves(bundle.ranges, here, reach)
             ranges = moved_ranges(bundle.ranges, moved)
-            problems = extent_problems(ranges, here, reach, driver.pointer_range, self._extents_passed)
+            return problems or extent_problems(ranges, here, reach, driver.pointer_range, self._extents_passed)
+
+        problems = ask(reach) if reach else []
         if not problems:
             return
         # a range with a problem (smaller here, overlapping ones moved apart, not mapped) concerns only the graphs
@@ -715,12 +716,8 @@ class GraphCache:
         log.debug("weightcache: the declared tensors are checked graph by graph: %s", "; ".join(problems))
         for record in bundle.graphs[self._next :]:
             own = {name: extent for name, extent in record.reach.items() if name in declared}
-            if not own:
-                continue
-            moved, problems = moves(bundle.ranges, here, own)
-            if not problems:
-                ranges = moved_ranges(bundle.ranges, moved)
-                extent_problems(ranges, here, own, driver.pointer_range, self._extents_passed)
+            if own:
+                ask(own)
 
     def reproduced(self, tensor: torch.Tensor) -> bool:
         """Whether ``tensor``'s memory lies in the arena or a weights home (memory a restoring process has at the

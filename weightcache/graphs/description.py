@@ -462,8 +462,7 @@ class DescriptionTables:
     ``attributes``; a memset's fields); ``spans``, ``attributes``, ``edges`` and ``copies`` the other tables;
     ``names`` the kernel names; ``args`` every kernel's argument bytes one after the other, ``arg_starts`` where
     each node's begin (and ``span_starts``, ``attribute_starts`` likewise); ``kernel`` and ``memset`` which rows are
-    kernel and memset nodes. ``data``: the bytes read (a view of
-    them: of an artifact's mapping, in a restore)."""
+    kernel and memset nodes. ``data``: the bytes read (a view of them: of an artifact's mapping, in a restore)."""
 
     __slots__ = (
         "_words",
