@@ -1528,6 +1528,46 @@ def test_a_graph_not_recorded_says_why_recording_is_off_from_the_first_graph(mon
     assert cache._after_capture("b2", None, (), 0, False) == "graph 'b1': a kernel image was not kept"
 
 
+def test_the_kill_switch_takes_no_arena_keeps_no_kernel_images_and_asks_the_keeper_nothing(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``WEIGHTCACHE_MODE=off`` turns GraphCache off before it touches anything: no fixed-base range reserved, no
+    pool served from it, no CUPTI subscription keeping every module image, no driver, nothing asked of the keeper;
+    every graph is captured as without weightcache (:attr:`GraphCache.pool` None, :meth:`GraphCache.restore` None)
+    and :meth:`GraphCache.publish` publishes nothing, the reason naming the switch. (It used to reserve the arena,
+    serve torch's pool from it and subscribe to CUPTI first, looking at the switch only before asking the keeper.)"""
+    import contextlib
+
+    import torch
+
+    import weightcache.torch_graphs as tg
+
+    touched: list[str] = []
+
+    def refuse(what: str) -> Any:
+        def called(*_: object, **__: object) -> None:
+            touched.append(what)
+            raise AssertionError(f"{what} was called with the kill switch on")
+
+        return called
+
+    for name in ("Arena", "CudaArenaDriver", "CudaGraphDriver", "KernelLoader", "keep_kernel_images", "fetch_bundle"):
+        monkeypatch.setattr(tg, name, refuse(name))
+    monkeypatch.setattr(torch.cuda, "init", refuse("torch.cuda.init"))
+    monkeypatch.setenv("WEIGHTCACHE_MODE", "off")
+    monkeypatch.setattr(torch.cuda, "device", refuse("torch.cuda.device"))
+    cache = tg.GraphCache("ab" * 32, {"model": "m"}, device=0, socket_dir="/nonexistent/weightcache")
+    assert touched == []
+    monkeypatch.setattr(torch.cuda, "device", lambda index: contextlib.nullcontext())  # (no GPU on this machine)
+    assert cache.pool is None and cache.relocated == 0
+    assert cache.reason == "WEIGHTCACHE_MODE=off: graphs are captured and nothing is published"
+    assert cache.restore("b8") is None
+    assert cache.reason == "graph 'b8' is captured: WEIGHTCACHE_MODE=off: graphs are captured and nothing is published"
+    assert cache.publish() is False
+    cache.close()
+    assert touched == []
+
+
 @needs_c_compiler
 def test_the_cupti_callback_is_built_once_and_a_compiler_that_fails_is_a_graph_restore_error(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch

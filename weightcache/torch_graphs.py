@@ -16,8 +16,9 @@ code can be had. A :class:`GraphCache` arranges both, for the graphs of one mode
   addresses in every process. Weights are reproducible where the keeper's segments are mapped at their home
   addresses (:func:`weightcache.segments.cuda_vmm.home_ranges`) or where :meth:`GraphCache.adopt` copied a
   module's parameters into the arena. A tensor made elsewhere (torch's own allocator, an engine's buffers) can be
-  declared by name with :meth:`GraphCache.external`: it is trusted only where a restoring process declares the
-  same name at the same address.
+  declared by name with :meth:`GraphCache.external`: a restoring process declares the same name, and where the
+  tensor lies elsewhere there (at least as large, one device allocation) every pointer into it is moved with it
+  (relocated, :attr:`GraphCache.relocated`).
 - **Kernels.** From the first :func:`keep_kernel_images` (a GraphCache calls it too), CUPTI hands this process
   the image of every CUDA module loaded (:class:`~weightcache.graphs.cubins.CubinRecorder`); the artifact keeps
   the images that define the graphs' kernels, and a restore loads them itself. Call :func:`keep_kernel_images`
@@ -26,10 +27,10 @@ code can be had. A :class:`GraphCache` arranges both, for the graphs of one mode
 - **Checks.** Recording refuses a graph with any device address outside the reproduced ranges, a kernel whose
   image was not seen, or a graph rebuilt from the kept images that does not replay bitwise equal to the captured
   one (``verify``). A restore refuses, and captures instead, on another name or order of graphs, an arena pointer
-  elsewhere than recorded, a range that is missing, elsewhere or smaller (an external tensor declared at another
-  address), or a pointer that is not mapped device memory in its range
-  (:func:`~weightcache.graphs.check.restore_problems`). From the first refusal on, every
-  later graph of that GraphCache is captured (the arena's layout is this process's own from there) and
+  elsewhere than recorded, a range that is missing, elsewhere (the arena, a weights home) or smaller, an external
+  tensor that cannot be relocated (:func:`~weightcache.graphs.check.relocation_problems`), or a pointer that is not
+  mapped device memory in its range (:func:`~weightcache.graphs.check.extent_problems`). From the first refusal
+  on, every later graph of that GraphCache is captured (the arena's layout is this process's own from there) and
   :meth:`GraphCache.publish` replaces the artifact.
 
 An engine that runs its own capture loop (vLLM, SGLang) asks :meth:`GraphCache.restore` for each graph in its
@@ -38,7 +39,8 @@ order and, where that gives None, captures it itself into :attr:`GraphCache.pool
 
 The artifact (kind ``cuda.graphs``) is keyed by the weights and the caller's key plus torch, CUDA, the driver, the
 GPU and the arena; it is code, so only this uid's own artifacts are loaded. ``WEIGHTCACHE_MODE=off``: every graph
-is captured and nothing is published. Layer L3.
+is captured with torch's own pool and nothing is published (no arena reserved, no kernel images kept, nothing asked of
+the keeper). Layer L3.
 """
 
 from __future__ import annotations
@@ -455,12 +457,16 @@ class GraphCache:
         self.phases: dict[str, float] = {}
         self._captured = 0
         self.graphs: list[CudaGraph] = []
+        self._driver: CudaGraphDriver | None = None
+        if switched_off():  # before anything is reserved, served from it, subscribed to or asked of the keeper
+            self._off(f"{SWITCH_ENV}=off: graphs are captured and nothing is published")
+            return
         began = time.perf_counter()
         with torch.cuda.device(self.device):
             torch.cuda.init()  # type: ignore[no-untyped-call]
             torch.cuda.current_stream(self.device)  # the primary context is current on this thread from here on
             try:
-                self._driver: CudaGraphDriver | None = CudaGraphDriver()
+                self._driver = CudaGraphDriver()
                 self._kernels = KernelLoader(self._driver)
                 self._arena = Arena(CudaArenaDriver(), "graphs", arena_bytes, self.device, base)
                 self._alloc = _ALLOC(self._allocate)  # kept alive: torch holds the raw pointers
@@ -518,9 +524,6 @@ class GraphCache:
     # -- the artifact ------------------------------------------------------------------------------------------
 
     def _load(self) -> None:
-        if switched_off():
-            self._off(f"{SWITCH_ENV}=off: graphs are captured and nothing is published")
-            return
         assert self.key is not None
         fetched = fetch_bundle(self._cache, self.weights, self.key)
         if isinstance(fetched, BundleMiss):
