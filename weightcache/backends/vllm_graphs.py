@@ -1,7 +1,7 @@
 """vLLM's FULL CUDA graphs restored from the keeper instead of captured: the ``cuda.graphs`` artifact kind for vLLM
-(issue 31). **Opt-in and experimental**: ``WEIGHTCACHE_VLLM_GRAPHS=1``. On an H100 (2026-12-05, vLLM 0.26.0) every
-restoring engine restored all 51 FULL graphs with the same greedy tokens, not yet faster than vLLM captures them
-(docs/benchmarks.md).
+(issue 31). **Opt-in and experimental**: ``WEIGHTCACHE_VLLM_GRAPHS=1``. On an H100 (2026-12-06, vLLM 0.26.0,
+``FULL_DECODE_ONLY``) every restoring engine restored all 51 FULL graphs with the same greedy tokens, and vLLM's graph
+phase took 0.70 s against 1.97 s with vLLM capturing them, in engines forked by the warm process (docs/benchmarks.md).
 
 A vLLM start captures two kinds of graphs (docs/architecture.md, "Restoring captured CUDA graphs at recorded
 addresses", the vLLM artifact kind; measured on an H100 with vLLM 0.26.0): FULL graphs, whole forward passes for the
@@ -66,7 +66,7 @@ from ..fingerprint import Fingerprint
 
 log = logging.getLogger(__name__)
 
-#: ``WEIGHTCACHE_VLLM_GRAPHS=1`` turns the kind on (it is off by default until it has run on a GPU).
+#: ``WEIGHTCACHE_VLLM_GRAPHS=1`` turns the kind on (off by default: experimental, one vLLM release, one rank).
 SWITCH_ENV = "WEIGHTCACHE_VLLM_GRAPHS"
 #: Where vLLM's V2 GPU runner keeps its graph managers and its model runner.
 MANAGERS = "vllm.v1.worker.gpu.cudagraph_utils"
@@ -104,12 +104,15 @@ def switched_on() -> bool:
 
 
 def reports() -> list[dict[str, Any]]:
-    """What each capture of this process did: ``restored`` and ``captured`` FULL graphs (``captured`` None where
-    the kind stood aside: vLLM captured every graph), ``recorded``, ``published``, ``reason`` (why the first graph
-    not restored was captured, ``graph '<name>' is captured: <why>``, or why the kind stood aside),
-    ``record_problem`` (why the first graph captured here was not recorded, ``graph '<name>': <why>``; None where
-    each was), ``seconds``
-    (where the kind's time went, :data:`STEPS`; absent where it stood aside), ``restore_steps`` (the ``restore``
+    """What each capture of this process did: ``restored`` FULL graphs and ``captured`` ones (captured here,
+    through :meth:`~weightcache.torch_graphs.GraphCache.capturing`; None where the kind stood aside before the graph
+    phase, for another release, rank count or feature: vLLM captured every graph; the graphs the kind left to vLLM's
+    own capture, all of them where no GraphCache could be had, the rest after an exception, are counted in
+    neither), ``recorded``, ``published``, ``reason`` (why the first graph not restored was captured, ``graph
+    '<name>' is captured: <why>``, or why the kind stood aside or left graphs to vLLM; an exception that stopped
+    the kind replaces it, ``<type>: <message>``), ``record_problem`` (why the first graph captured here was not
+    recorded, ``graph '<name>': <why>``; None where each was), ``seconds`` (where the kind's time went,
+    :data:`STEPS`; absent where it stood aside before the graph phase), ``restore_steps`` (the ``restore``
     step by the restored graphs' own steps, summed over them: ``map``, ``checks``, ``relocate``, ``extents``,
     ``wait`` for a graph built ahead and that build's ``ahead_kernels``, ``ahead_rebuild``, ``ahead_instantiate``,
     or ``kernels``, ``rebuild``, ``instantiate`` where built on the caller's thread: each graph's
