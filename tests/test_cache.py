@@ -104,9 +104,9 @@ def test_evict_refuses_leased_entries_and_keeps_mapped_memory(cache: wc.Cache, c
     assert cache.entries() == [] and cache.get(fp) is None
     assert torch.equal(handle.tensors["w"], torch.arange(100.0))  # still mapped here
     handle.close()
-    with pytest.raises(wc.KeeperError, match="no entry matches") as missing:
+    with pytest.raises(wc.EntryNotFound, match="no entry matches") as missing:
         cache.evict(fp)
-    assert missing.value.code == "not_found"
+    assert isinstance(missing.value, wc.KeeperError) and missing.value.code == "not_found"
 
 
 def test_evict_unleased(cache: wc.Cache, checkpoint: Path) -> None:

@@ -68,7 +68,9 @@ def attach(
         device: where the weights live (``"cpu"``; ``"cuda:N"`` with the CUDA transport). Default ``"cpu"``.
         dtype: convert floating point weights to this dtype on load (part of the fingerprint).
         quant: quantization method of the weights; refused methods raise UnsupportedQuantError in modes
-            daemon and client, before anything is loaded.
+            daemon and client, before anything is loaded (an unknown name in every mode). A transformers model
+            takes its method from its configuration (another ``quant`` is an InvalidArgument), and a refused one
+            raises UnsupportedQuantError in every mode, mode off and ``WEIGHTCACHE_MODE=off`` included.
         quant_config: the method's configuration (its hash is part of the fingerprint).
         parallel: ``{"tp": (rank, size), ...}`` of these weights (part of the fingerprint).
         transform: applied to the loaded state dict (on ``device``) before binding or publishing (sharding,
@@ -76,8 +78,10 @@ def attach(
             its name and a hash of its code are part of the fingerprint (see
             :func:`weightcache.fingerprint.transform_identity`; functions it calls are not covered).
         strict: raise instead of falling back to disk: in mode client KeeperUnavailable, EntryNotFound or
-            FingerprintMismatch; in mode daemon the error that stopped publishing (BudgetExceeded, SegmentError,
-            KeeperUnavailable, ...), where without it the engine serves the weights it loaded, with a warning.
+            FingerprintMismatch, or the cache's own error where it failed otherwise (a KeeperError, a
+            SocketDirError, a ManifestError, ...); in mode daemon the error that stopped publishing
+            (BudgetExceeded, SegmentError, KeeperUnavailable, ...), where without it the engine serves the weights
+            it loaded, with a warning.
         socket_dir: the keeper's socket directory (default: see :mod:`weightcache.rundir`).
         progress: show a bar of the bytes read on stderr while loading from disk, and in mode daemon one of the
             bytes packed while publishing. None (default): only when stderr is a terminal and the checkpoint is at

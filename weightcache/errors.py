@@ -74,12 +74,22 @@ class KeeperForbidden(PeerRejected, KeeperError):
     for what only its owner may do (code ``"forbidden"``): both a PeerRejected and a KeeperError."""
 
 
+class EntryNotFound(KeeperError):
+    """The keeper holds no entry with the requested fingerprint or digest: its reply to a request naming one (an
+    evict, an inspect) with code ``"not_found"``, and a strict client's ``attach`` that found none. A
+    :class:`KeeperError` whose :attr:`~KeeperError.code` is ``"not_found"``."""
+
+    def __init__(self, message: str, code: str = "not_found") -> None:
+        super().__init__(message, code)
+
+
 #: What a keeper's error code means to a caller: the one table (see :func:`keeper_error`); codes not named here
 #: raise :class:`KeeperError` carrying the code. The codes are :mod:`weightcache.messages`'s constants.
 KEEPER_ERRORS: dict[str, type[WeightCacheError]] = {
     "over_budget": BudgetExceeded,
     "version": ProtocolVersionError,
     "forbidden": KeeperForbidden,
+    "not_found": EntryNotFound,
 }
 
 
@@ -99,10 +109,6 @@ class FingerprintMismatch(WeightCacheError):
         super().__init__(message)
         #: ``(field, requested, cached)`` for each field that differs.
         self.differences = differences
-
-
-class EntryNotFound(WeightCacheError):
-    """The keeper holds no entry with the requested fingerprint or digest."""
 
 
 class ManifestError(WeightCacheError):
