@@ -78,6 +78,12 @@ def test_keys_are_values_with_a_canonical_digest() -> None:
         ArtifactKey("x", {"big": "y" * 20000})
     with pytest.raises(ProtocolError, match="'fields' must be an object"):
         ArtifactKey.from_json({"kind": "x", "fields": []})
+    # a key that is no str at any level: JSON would make it one, so that two keys unequal as fields had one digest
+    for fields in ({1: "a"}, {"a": {2: "b"}}, {"a": [{"x": 1, 3: 4}]}):
+        with pytest.raises(wc.InvalidArgumentType, match="str keys at every level.* of type int"):
+            ArtifactKey("x", fields)
+    with pytest.raises(wc.InvalidArgumentType, match="must be a mapping of names to JSON values; found 5"):
+        ArtifactKey("x", 5)  # type: ignore[arg-type]
     key = f"{WEIGHTS}/{KEY.digest}~1000"
     assert artifact_matches(key, WEIGHTS[:6]) and artifact_matches(key, f"{WEIGHTS[:12]}/{KEY.digest[:12]}")
     assert not artifact_matches(key, f"{WEIGHTS[:12]}/{'0' * 12}")

@@ -100,3 +100,22 @@ def test_structure_digest() -> None:
     kept = build()
     kept.register_buffer("positions", torch.arange(16, device="meta"))  # now persistent
     assert structure_digest(kept) != structure_digest(build())
+
+
+def test_an_argument_of_the_wrong_type_is_an_invalid_argument_type_naming_what_is_expected() -> None:
+    """docs/reference/errors.md: every error derives from WeightCacheError, and a class or value of the wrong type
+    is an InvalidArgumentType (also a TypeError). These raised bare TypeErrors."""
+    from weightcache.backends.engine_config import quant_spec_from_config
+    from weightcache.backends.torch import TorchBackend
+    from weightcache.backends.transformers import quant_spec
+
+    cases = [
+        (lambda: loaders.register("pkg", object()), "expects a weightcache.loaders.ModuleLoader"),  # type: ignore[arg-type]
+        (lambda: TorchBackend().quant(3.5), "quantization must be None, a method name or"),
+        (lambda: quant_spec_from_config("vllm", object()), "expected a QuantizationConfig or None"),
+        (lambda: quant_spec(["gptq"]), "quantization_config must be a dict or a transformers config"),
+    ]
+    for call, message in cases:
+        with pytest.raises(wc.InvalidArgumentType, match=message) as raised:
+            call()
+        assert isinstance(raised.value, TypeError) and isinstance(raised.value, wc.WeightCacheError)

@@ -19,7 +19,7 @@ from typing import Any
 
 import attrs
 
-from .errors import InvalidArgument, ProtocolError
+from .errors import InvalidArgument, InvalidArgumentType, ProtocolError
 from .fingerprint import MAX_EXTRA_DEPTH, canonical_json
 
 #: Deepest nesting of a key's fields (the fingerprint's limit on its ``extra``): a key nested ~1,000 deep made the
@@ -40,6 +40,8 @@ SHA256_PATTERN = re.compile(r"[0-9a-f]{64}")
 
 
 def _fields(value: Mapping[str, Any]) -> dict[str, Any]:
+    if not isinstance(value, Mapping):
+        raise InvalidArgumentType(f"artifact key fields must be a mapping of names to JSON values; found {value!r:.80}")
     fields = dict(value)
     depth = nesting(fields, MAX_KEY_DEPTH + 1)
     if depth > MAX_KEY_DEPTH:
@@ -47,7 +49,29 @@ def _fields(value: Mapping[str, Any]) -> dict[str, Any]:
             f"artifact key fields nest more than {MAX_KEY_DEPTH} levels deep; flatten them (or hash a deep value "
             "and put the hash in the key)"
         )
+    key = _non_str_key(fields)
+    if key is not None:  # (JSON would make it a string: two keys equal as JSON, unequal as fields)
+        raise InvalidArgumentType(
+            f"artifact key fields must have str keys at every level (JSON's object keys); found {key!r:.80} of type "
+            f"{type(key).__name__}: name it with a string"
+        )
     return fields
+
+
+def _non_str_key(value: object) -> object | None:
+    """The first key of a dict anywhere in ``value`` (dicts, lists, tuples) that is not a str, or None."""
+    stack: list[object] = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            keys: list[object] = list(item)
+            for key in keys:
+                if not isinstance(key, str):
+                    return key
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return None
 
 
 def nesting(value: object, stop: int) -> int:

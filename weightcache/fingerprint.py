@@ -29,7 +29,7 @@ import attrs
 from . import quant as quant_registry
 from .checkpoint import CheckpointFile, checkpoint_files, qualified_name, read_model_config
 from .dtypes import dtype_name
-from .errors import InvalidArgument, InvalidArgumentType, ManifestError
+from .errors import InvalidArgument, InvalidArgumentType, ManifestError, WeightCacheError
 
 #: Bumped whenever the layout of cached data or the meaning of a field changes: old entries stop matching.
 FORMAT_VERSION = 1
@@ -204,7 +204,7 @@ def _installed_torch_version() -> str:
     try:
         return importlib.metadata.version("torch")
     except importlib.metadata.PackageNotFoundError:
-        raise ValueError(
+        raise WeightCacheError(
             "a fingerprint records the torch version that produces the weights; torch is not installed"
         ) from None
 

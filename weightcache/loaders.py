@@ -33,6 +33,7 @@ import torch
 from torch import nn
 
 from .binding import bind, check_fit
+from .errors import InvalidArgumentType
 from .fingerprint import Fingerprint
 from .handle import Handle
 from .pipeline import Steps
@@ -106,7 +107,7 @@ _registry: dict[str, ModuleLoader] = {}
 def register(package: str, loader: ModuleLoader) -> None:
     """Use ``loader`` for models whose class (or a base class) is defined in top-level package ``package``."""
     if not isinstance(loader, ModuleLoader):
-        raise TypeError(f"register() expects a weightcache.loaders.ModuleLoader; found {loader!r}")
+        raise InvalidArgumentType(f"register() expects a weightcache.loaders.ModuleLoader; found {loader!r}")
     _registry[package] = loader
 
 

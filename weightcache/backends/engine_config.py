@@ -15,7 +15,7 @@ from typing import Any
 import attrs
 import torch
 
-from ..errors import UnsupportedQuantError
+from ..errors import InvalidArgumentType, UnsupportedQuantError
 
 
 @attrs.frozen
@@ -94,7 +94,7 @@ def quant_spec_from_config(engine: str, engine_quant: object) -> QuantSpec:
     get_name = getattr(engine_quant, "get_name", None)
     method = get_name() if callable(get_name) else None
     if not isinstance(method, str):
-        raise TypeError(f"{engine} adapter: expected a QuantizationConfig or None; found {engine_quant!r}")
+        raise InvalidArgumentType(f"{engine} adapter: expected a QuantizationConfig or None; found {engine_quant!r}")
     config: dict[str, Any] = {"engine_method": method, "config": _json_attributes(engine_quant)}
     if method in FP8_METHODS:
         block = getattr(engine_quant, "weight_block_size", None)

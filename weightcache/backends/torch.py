@@ -20,6 +20,7 @@ from torch import nn
 
 from ..api import attach
 from ..binding import bind
+from ..errors import InvalidArgumentType
 from ..loader import load_weights
 from .engine_config import QuantSpec
 from .template import Backend
@@ -61,7 +62,7 @@ class TorchBackend(Backend):
         if isinstance(engine_quant, tuple) and len(engine_quant) == 2 and isinstance(engine_quant[0], str):
             config = engine_quant[1]
             return QuantSpec(engine_quant[0], dict(config) if config is not None else None)
-        raise TypeError(
+        raise InvalidArgumentType(
             f"torch adapter: quantization must be None, a method name or (name, config); found {engine_quant!r}"
         )
 

@@ -34,7 +34,7 @@ from torch import nn
 from .. import loaders
 from .. import quant as quant_registry
 from ..api import attach
-from ..errors import UnsupportedQuantError
+from ..errors import InvalidArgumentType, UnsupportedQuantError
 from ..fingerprint import placement_of
 from ..handle import Handle
 from ..loaders import ModelIdentity, ModuleLoader
@@ -60,7 +60,7 @@ def quant_spec(quantization_config: object) -> tuple[str, dict[str, Any] | None]
     to_dict = getattr(quantization_config, "to_dict", None)
     raw = to_dict() if callable(to_dict) else quantization_config
     if not isinstance(raw, dict):
-        raise TypeError(f"quantization_config must be a dict or a transformers config; found {raw!r}")
+        raise InvalidArgumentType(f"quantization_config must be a dict or a transformers config; found {raw!r}")
     config = json.loads(json.dumps(raw, sort_keys=True, default=str))
     method = str(config.get("quant_method", "")).lower()
     if method == "fp8":
@@ -141,7 +141,7 @@ class TransformersLoader(ModuleLoader):
     def identify(self, model: nn.Module, checkpoint: str | os.PathLike[str]) -> ModelIdentity:
         config = getattr(model, "config", None)
         if config is None or not hasattr(config, "to_json_string"):
-            raise TypeError(f"{type(model).__name__} is no transformers PreTrainedModel (it has no config)")
+            raise InvalidArgumentType(f"{type(model).__name__} is no transformers PreTrainedModel (it has no config)")
         method, quant_config = quant_spec(_quantization_config(config))
         # Refused in every mode, mode off included: binding a refused method's loaded tensors into a model built
         # on meta would lose the Python-side state that makes it refused (transformers' own load keeps it).
