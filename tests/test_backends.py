@@ -231,6 +231,10 @@ def test_backend_template_runs_every_mode(checkpoint: Path, socket_dir: Path) ->
     first = load("daemon")  # spawns a keeper, loads, publishes, serves the published copy
     assert first.source == "cache" and first.handle is not None and first.handle.read_disk
     assert first.handle.fingerprint == fp  # no structure added: attach() makes the same fingerprint, shares entries
+    described = backend.make_fingerprint(  # and so does the adapter's own fingerprint, without an engine config
+        str(checkpoint), dtype=None, engine_quant=None, parallel=lambda: {}, device="cpu", identity={}
+    )
+    assert described == fp and described.digest == fp.digest
     assert first.preloaded_bytes == 0  # allocated by this very load
     again = load("client")
     assert again.source == "cache" and again.handle is not None and not again.handle.read_disk
