@@ -295,6 +295,37 @@ def test_gpu_segments_are_large_when_the_weights_come_from_host_memory() -> None
     assert default_segment_bytes("cpu", sizes, from_host=True) == 8 << 30
 
 
+def test_the_kill_switch_is_read_alike_everywhere_in_any_case_and_an_unknown_value_is_said(
+    checkpoint: Path, socket_dir: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """``WEIGHTCACHE_MODE`` is read one way by every entry point: surrounding spaces and case do not matter (`` OFF ``
+    switches ``attach`` off as it does the engine adapters; ``attach`` used to take only the exact ``off``, the
+    adapters ``OFF`` not at all), and a value that is none of off, daemon, client switches nothing off, which the
+    library entry points log once as a warning and the engine adapters refuse."""
+    from weightcache.errors import BackendConfigError
+    from weightcache.pipeline import switched_off
+
+    backend = backends.get("torch")
+    for value in (" OFF ", "Off", "off"):
+        monkeypatch.setenv("WEIGHTCACHE_MODE", value)
+        assert switched_off() and backend.effective_options(LoaderOptions(mode="client")) is None
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")  # no FallbackWarning: switched off, not falling back
+            model = meta_model(**model_kwargs(checkpoint))
+            handle = wc.attach(model, checkpoint, mode="client", socket_dir=socket_dir, strict=True)  # no keeper
+        assert handle.source == "disk" and torch.equal(model(INPUT_IDS), reference_output(checkpoint))
+    monkeypatch.setenv("WEIGHTCACHE_MODE", " Client ")
+    assert not switched_off() and backend.effective_options(LoaderOptions(mode="daemon")).mode == "client"  # type: ignore[union-attr]
+    monkeypatch.setenv("WEIGHTCACHE_MODE", "of")
+    with caplog.at_level("WARNING", logger="weightcache"):
+        assert not switched_off() and not switched_off()
+    said = [r.getMessage() for r in caplog.records if "WEIGHTCACHE_MODE" in r.getMessage()]
+    assert said == ["weightcache: WEIGHTCACHE_MODE='of' is none of off, daemon, client: weightcache is not switched "
+                    "off (set it to off to switch it off, or unset it)"]  # fmt: skip
+    with pytest.raises(BackendConfigError, match="must be one of off, daemon, client; found 'of'"):
+        backend.effective_options(LoaderOptions(mode="client"))
+
+
 def test_the_kill_switch_turns_off_every_entry_point(
     checkpoint: Path, socket_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

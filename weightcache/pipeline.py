@@ -32,6 +32,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import difflib
+import functools
 import gc
 import logging
 import os
@@ -74,12 +75,36 @@ log = logging.getLogger("weightcache")
 #: entry point: :func:`run` serves the caller's own disk load (``attach`` and the engine adapters, whatever mode they
 #: were given; no warning, ``strict`` does not apply), ``preload`` (``weightcache load``) refuses, and
 #: ``compile_cache`` neither loads nor publishes. The engine adapters also take ``daemon`` or ``client`` from it.
+#: Its value is read without surrounding spaces and without case (``OFF`` is ``off``).
 SWITCH_ENV = "WEIGHTCACHE_MODE"
+#: What :data:`SWITCH_ENV` may say: ``off`` everywhere, ``daemon`` or ``client`` for the engine adapters.
+SWITCH_VALUES = ("off", "daemon", "client")
+
+
+def switch_value() -> str:
+    """:data:`SWITCH_ENV` as every entry point reads it: stripped and lower-cased (empty where unset)."""
+    return os.environ.get(SWITCH_ENV, "").strip().lower()
 
 
 def switched_off() -> bool:
-    """Whether the operator turned weightcache off (``WEIGHTCACHE_MODE=off``)."""
-    return os.environ.get(SWITCH_ENV, "").strip() == "off"
+    """Whether the operator turned weightcache off (``WEIGHTCACHE_MODE=off``, in any case). Another value that is
+    not one of :data:`SWITCH_VALUES` switches nothing off and is logged once as a warning (the engine adapters
+    refuse it: :class:`~weightcache.errors.BackendConfigError`)."""
+    value = switch_value()
+    if value and value not in SWITCH_VALUES:
+        _unknown_switch(value)
+    return value == "off"
+
+
+@functools.cache
+def _unknown_switch(value: str) -> None:
+    log.warning(
+        "weightcache: %s=%r is none of %s: weightcache is not switched off (set it to off to switch it off, or "
+        "unset it)",
+        SWITCH_ENV,
+        value,
+        ", ".join(SWITCH_VALUES),
+    )
 
 
 def refuse_if_switched_off() -> None:

@@ -282,7 +282,7 @@ class Backend(abc.ABC):
         """``options`` with the mode :data:`MODE_ENV` sets, if it is set; None when it says ``off``.
 
         Raises BackendConfigError for another value."""
-        value = os.environ.get(MODE_ENV, "").strip()
+        value = pipeline.switch_value()
         if not value:
             return options
         if value == "off":
