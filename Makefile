@@ -2,7 +2,9 @@
 #   make demo   - a model loaded from disk once, then a restarted engine attaching it from the cache
 #   make test   - lint, type check, the docs site (strict), the test suite, and the engine adapter tests
 # Both create .venv on first use. Where no NVIDIA GPU is present, the CPU build of PyTorch is installed
-# (TORCH_SPEC), so nothing ever downloads a multi-GB CUDA build by accident.
+# (TORCH_SPEC names its +cpu version), so nothing ever downloads a multi-GB CUDA build by accident: where pip's
+# indexes lack it (plain PyPI has CUDA builds only), the install fails and says so; add PyTorch's CPU index with
+# PIP_EXTRA_INDEX_URL=https://download.pytorch.org/whl/cpu.
 
 PYTHON ?= python3
 VENV ?= .venv
@@ -11,7 +13,7 @@ HAS_GPU := $(shell command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi -L >/dev/
 ifeq ($(HAS_GPU),yes)
 TORCH_SPEC ?= torch>=2.4
 else
-TORCH_SPEC ?= torch==2.13.0
+TORCH_SPEC ?= torch==2.13.0+cpu
 endif
 
 # The engine adapters are tested against the real engines, each in its own venv (they pin other PyTorch releases
