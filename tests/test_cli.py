@@ -19,6 +19,7 @@ from conftest import keeper_pid, one_tensor_manifest, sealed_memfd, start_keeper
 from safetensors.torch import save_file
 
 import weightcache as wc
+from weightcache import parity
 from weightcache.checkpoint import drop_page_cache
 from weightcache.client import KeeperConnection, ensure_keeper
 from weightcache.tools.cli import build_parser
@@ -318,6 +319,33 @@ def test_doctor_works_without_torch_and_what_needs_torch_says_so(checkpoint: Pat
     assert load.stderr.strip().count("\n") == 0 and "needs torch" in load.stderr, load.stderr
     warm = cli("warm", "ls")
     assert warm.returncode == 0 and "no warm process" in warm.stdout, warm.stderr
+
+
+def test_parity_of_two_tables_runs_without_torch_as_the_needs_torch_line_says(tmp_path: Path) -> None:
+    """`parity LEFT RIGHT` diffs two tables without torch (weightcache.parity imports it only to record them), and
+    the line of a command that needs torch names it among those that do without."""
+    left, right = tmp_path / "left.json", tmp_path / "right.json"
+    parity.write_table({"w": torch.ones(3)}, left)  # this process has torch: it writes the tables
+    parity.write_table({"w": torch.zeros(3)}, right)
+    site = tmp_path / "no-torch"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(NO_TORCH)
+    attempts = tmp_path / "torch.log"
+    path = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "WC_TORCH_LOG": str(attempts)}
+
+    def cli(*args: str) -> subprocess.CompletedProcess[str]:
+        command = [sys.executable, "-m", "weightcache", *args]
+        return subprocess.run(command, capture_output=True, text=True, timeout=120, env=env)
+
+    same = cli("parity", str(left), str(left))
+    assert same.returncode == 0 and same.stdout.startswith("identical: 1 tensors"), same.stdout + same.stderr
+    differ = cli("parity", str(right), str(left), "--json")
+    assert differ.returncode == 1 and not json.loads(differ.stdout)["identical"], differ.stdout + differ.stderr
+    assert not attempts.exists(), f"parity of two tables imported torch:\n{attempts.read_text()}"
+    load = cli("load", str(tmp_path), "--socket-dir", str(tmp_path / "s"))
+    assert load.returncode == 1 and len(load.stderr.splitlines()) == 1, load.stderr
+    assert "doctor, parity of two tables and the warm commands run without it" in load.stderr, load.stderr
 
 
 def imported_modules(path: Path) -> set[str]:

@@ -5,10 +5,11 @@ Argument parsing and the commands; each command translates its arguments into ca
 API (``weightcache.attach``/``preload``/``Cache``, :class:`weightcache.client.KeeperConnection` for the keeper
 commands) or of the other tools (doctor, bench, engine parity).
 
-Keeper commands (serve, ls, inspect, evict, stop) do not import torch, so they answer in milliseconds. So a
-command imports at its start what only it needs: torch (load, through ``wc.preload``; bench; doctor's GPU
-checks), the keeper's server (serve), and the keeper client with filelock, which ``serve`` has no use for
-(~20-60 ms of every keeper start).
+Keeper commands (serve, ls, inspect, evict, stop) do not import torch, so they answer in milliseconds; nor do
+doctor (but for its GPU and engine checks), parity of two tables (``parity --engine`` runs the engine, and so
+torch, in processes of its own) and the warm commands. So a command imports at its start what only it needs: torch
+(load, through ``wc.preload``; bench; doctor's GPU checks), the keeper's server (serve), and the keeper client with
+filelock, which ``serve`` has no use for (~20-60 ms of every keeper start).
 
 This module holds the parser and :func:`main`; the commands live by group, each group adding its own to the parser
 (in the order ``weightcache --help`` lists them), and are re-exported here:
@@ -85,7 +86,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                 raise
             print(
                 f"weightcache {args.command}: needs torch, which is not installed here (only the keeper's commands "
-                "serve, ls, inspect, evict, stop, doctor and the warm commands run without it): pip install torch",
+                "serve, ls, inspect, evict and stop, doctor, parity of two tables and the warm commands run without "
+                "it): pip install torch",
                 file=sys.stderr,
             )
             result = 1
