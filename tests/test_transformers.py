@@ -222,6 +222,31 @@ def test_weightcache_load_engine_transformers_makes_the_entry_a_model_attaches(
     assert refused.returncode == 1 and "leave out --quant" in refused.stderr
 
 
+def test_load_engine_transformers_of_a_checkpoint_it_cannot_build_is_one_line(
+    checkpoint: Path, socket_dir: Path, tmp_path: Path
+) -> None:
+    """`load --engine transformers` of a path that does not exist, of a directory without config.json and of a
+    config.json transformers cannot read: a CheckpointError, printed as one line (`weightcache load: ...`, what was
+    expected, what was found, what to do), exit status 1, no traceback, nothing started."""
+    missing = tmp_path / "missing"
+    out = load_cli(str(missing), "--engine", "transformers", "--socket-dir", str(socket_dir))
+    assert out.returncode == 1 and "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(f"weightcache load: checkpoint {missing} does not exist; pass "), out.stderr
+
+    (checkpoint / "config.json").rename(tmp_path / "config.json")  # a plain module's checkpoint: no config.json
+    out = load_cli(str(checkpoint), "--engine", "transformers", "--socket-dir", str(socket_dir))
+    assert out.returncode == 1 and "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(f"weightcache load: checkpoint directory {checkpoint} has no config.json"), out
+    assert "found model.safetensors" in out.stderr and "save_pretrained" in out.stderr, out.stderr
+
+    (tmp_path / "config.json").rename(checkpoint / "config.json")  # model_type "tiny": not a transformers model
+    out = load_cli(str(checkpoint), "--engine", "transformers", "--socket-dir", str(socket_dir))
+    assert out.returncode == 1 and "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith(f"weightcache load: transformers cannot read {checkpoint / 'config.json'}: "), out
+    assert "model type `tiny`" in out.stderr, out.stderr
+    assert not socket_dir.exists()  # refused before any keeper was started
+
+
 def test_the_structure_digest_is_the_same_in_every_process(models: dict[str, Path]) -> None:
     code = textwrap.dedent(
         """

@@ -66,7 +66,7 @@ def safetensors_files(checkpoint: str | os.PathLike[str]) -> list[Path]:
             )
         return [path]
     if not path.is_dir():
-        raise CheckpointError(f"checkpoint {path} does not exist; pass a directory of .safetensors files")
+        raise _missing(path, "a directory of .safetensors files")
     index = _index_file(path)
     if index is not None:
         try:
@@ -93,13 +93,50 @@ def safetensors_files(checkpoint: str | os.PathLike[str]) -> list[Path]:
     files = sorted(p for p in path.iterdir() if p.suffix == ".safetensors" and p.is_file())
     if not files:
         names = sorted(p.name for p in path.iterdir())
-        found = f"found {_listing(names)}" if names else "it is empty"
         pickled = any(n.endswith((".bin", ".pt", ".pth")) for n in names)
         raise CheckpointError(
-            f"checkpoint directory {path} holds no .safetensors files ({found}); pass a directory of .safetensors "
-            "files" + (f". {_CONVERT}" if pickled else "")
+            f"checkpoint directory {path} holds no .safetensors files ({_found(names)}); pass a directory of "
+            ".safetensors files" + (f". {_CONVERT}" if pickled else "")
         )
     return files
+
+
+#: What a transformers model is built and loaded from (:func:`model_config_file`).
+_SAVE_PRETRAINED = "the directory that model.save_pretrained() wrote (config.json beside the .safetensors files)"
+
+
+def model_config_file(checkpoint: str | os.PathLike[str]) -> Path:
+    """The ``config.json`` of ``checkpoint``, a Hugging Face ``save_pretrained`` directory, which a transformers
+    model is built from (:func:`weightcache.backends.transformers.build_on_meta`). Raises :class:`CheckpointError`
+    where the checkpoint does not exist (in the words :func:`safetensors_files` uses), is not a directory, or holds
+    no ``config.json``, saying what it found and what to pass instead. Reads nothing but the directory's listing."""
+    path = Path(checkpoint)
+    if not path.exists():
+        raise _missing(path, _SAVE_PRETRAINED)
+    if not path.is_dir():
+        raise CheckpointError(
+            f"checkpoint {path} is a file, not a directory; a transformers model is built from the config.json of "
+            f"its checkpoint directory: pass {_SAVE_PRETRAINED}"
+        )
+    config = path / "config.json"
+    if not config.is_file():
+        names = sorted(p.name for p in path.iterdir())
+        raise CheckpointError(
+            f"checkpoint directory {path} has no config.json ({_found(names)}), which a transformers model is built "
+            f"from: pass {_SAVE_PRETRAINED}; the checkpoint of a plain module (no config.json) loads as one "
+            "(`weightcache load` without --engine transformers, `weightcache.preload`)"
+        )
+    return config
+
+
+def _missing(path: Path, expected: str) -> CheckpointError:
+    """The error for a checkpoint path that does not exist; ``expected``: what to pass instead."""
+    return CheckpointError(f"checkpoint {path} does not exist; pass {expected}")
+
+
+def _found(names: list[str]) -> str:
+    """What a checkpoint directory holds (its file ``names``), for an error that says what it lacks."""
+    return f"found {_listing(names)}" if names else "it is empty"
 
 
 #: How to turn a pickled PyTorch checkpoint into safetensors, once (weightcache never unpickles).

@@ -127,7 +127,8 @@ class UnsupportedQuantError(WeightCacheError):
 
 
 class CheckpointError(WeightCacheError):
-    """The checkpoint is missing, empty, or not valid safetensors."""
+    """The checkpoint is missing, empty, or not valid safetensors; for a transformers model, also: it has no
+    config.json that transformers can read."""
 
 
 class BindError(WeightCacheError):

@@ -34,7 +34,8 @@ from torch import nn
 from .. import loaders
 from .. import quant as quant_registry
 from ..api import attach
-from ..errors import InvalidArgumentType, UnsupportedQuantError
+from ..checkpoint import model_config_file
+from ..errors import CheckpointError, InvalidArgumentType, UnsupportedQuantError
 from ..fingerprint import placement_of
 from ..handle import Handle
 from ..loaders import ModelIdentity, ModuleLoader
@@ -188,11 +189,24 @@ def build_on_meta(
 ) -> Any:
     """The model of ``checkpoint``'s ``config.json`` built on the meta device, as the README shows:
     ``model_class.from_config(config)`` (``model_class`` default ``AutoModelForCausalLM``), with ``dtype=`` when
-    given (else in the configuration's dtype)."""
+    given (else in the configuration's dtype).
+
+    Raises :class:`~weightcache.errors.CheckpointError` where ``checkpoint`` is not a directory holding a
+    ``config.json`` (:func:`weightcache.checkpoint.model_config_file`) or transformers cannot read that file."""
     import transformers
 
     cls = model_class if model_class is not None else transformers.AutoModelForCausalLM
-    config = transformers.AutoConfig.from_pretrained(os.fspath(checkpoint))
+    config_file = model_config_file(checkpoint)
+    try:
+        config = transformers.AutoConfig.from_pretrained(os.fspath(checkpoint))
+    except (OSError, ValueError, KeyError) as exc:  # malformed JSON; no model_type, or one it does not know
+        lines = str(exc).strip().splitlines()
+        detail = " ".join(lines[0].split())[:300].rstrip(".") if lines else type(exc).__name__
+        raise CheckpointError(
+            f"transformers cannot read {config_file}: {detail}. Expected a model's configuration as "
+            f"save_pretrained() writes it, of a model_type that transformers {transformers.__version__} knows: "
+            "re-save the model with save_pretrained(), or upgrade transformers for a newer model"
+        ) from exc
     build = getattr(cls, "from_config", None) or cls._from_config
     with torch.device("meta"):
         return build(config, dtype=resolve_dtype(dtype)) if dtype is not None else build(config)
