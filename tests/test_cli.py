@@ -348,6 +348,26 @@ def test_parity_of_two_tables_runs_without_torch_as_the_needs_torch_line_says(tm
     assert "doctor, parity of two tables and the warm commands run without it" in load.stderr, load.stderr
 
 
+def test_load_engine_transformers_without_transformers_says_how_to_install_it(checkpoint: Path, tmp_path: Path) -> None:
+    """Where transformers is not installed, `load --engine transformers` says in one line how to install it as the
+    docs do: from a clone of the repository (weightcache is not on PyPI, so `weightcache[transformers]` is none)."""
+    site = tmp_path / "no-transformers"
+    site.mkdir()
+    (site / "sitecustomize.py").write_text(
+        NO_TORCH.replace('== "torch"', '== "transformers"').replace("without torch", "without transformers")
+    )
+    path = [str(site), ROOT.as_posix(), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "WC_TORCH_LOG": str(tmp_path / "imports.log")}
+    command = [sys.executable, "-m", "weightcache", "load", str(checkpoint), "--engine", "transformers"]
+    out = subprocess.run(
+        [*command, "--socket-dir", str(tmp_path / "s")], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 1 and "Traceback" not in out.stderr and len(out.stderr.splitlines()) == 1, out.stderr
+    assert out.stderr.startswith("weightcache load: --engine transformers needs the transformers package"), out
+    assert "`pip install '.[transformers]'` in a clone of the weightcache repository" in out.stderr, out.stderr
+    assert "weightcache[" not in out.stderr, out.stderr
+
+
 def imported_modules(path: Path) -> set[str]:
     """The absolute names of the modules ``path`` imports (relative imports resolved within weightcache)."""
     package = ".".join(path.relative_to(ROOT).with_suffix("").parts[:-1])

@@ -65,7 +65,8 @@ def _load_transformers(args: argparse.Namespace, quant_config: object) -> wc.Han
     except ImportError as exc:
         raise wc.EngineNotInstalled(
             f"--engine transformers needs the transformers package ({exc}); install it with "
-            "`pip install 'weightcache[transformers]'`, or load without --engine for a plain module"
+            "`pip install '.[transformers]'` in a clone of the weightcache repository (weightcache is not on PyPI), "
+            "or load without --engine for a plain module"
         ) from None
     from weightcache.backends.transformers import preload
 
