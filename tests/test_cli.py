@@ -490,6 +490,18 @@ def test_ls_counts_bytes_under_a_bare_budget_and_load_reports_what_it_evicted(
         terminate_keeper(keeper)
 
 
+def test_socket_dir_help_says_xdg_runtime_dir_counts_only_where_it_exists() -> None:
+    """`--socket-dir`'s default, as weightcache.rundir resolves it: $XDG_RUNTIME_DIR/weightcache only where
+    $XDG_RUNTIME_DIR names an existing directory (else /tmp/weightcache-<uid>), in every command's help."""
+    for command in ("serve", "ls", "load", "warm"):
+        out = wc_cli(command, "--help")
+        text = " ".join(out.stdout.split())
+        assert (
+            "(default: $WEIGHTCACHE_DIR, else $XDG_RUNTIME_DIR/weightcache where $XDG_RUNTIME_DIR names an existing "
+            "directory, else /tmp/weightcache-<uid>)" in text
+        ), out.stdout
+
+
 def test_every_option_has_a_whole_help_text() -> None:
     parser = build_parser()
     [sub] = [a for a in parser._actions if isinstance(a, argparse._SubParsersAction)]

@@ -50,8 +50,8 @@ def build_parser() -> argparse.ArgumentParser:
         p.add_argument(
             "--socket-dir",
             default=None,
-            help="the keeper's socket directory (default: $WEIGHTCACHE_DIR, else $XDG_RUNTIME_DIR/weightcache, else "
-            "/tmp/weightcache-<uid>)",
+            help="the keeper's socket directory (default: $WEIGHTCACHE_DIR, else $XDG_RUNTIME_DIR/weightcache where "
+            "$XDG_RUNTIME_DIR names an existing directory, else /tmp/weightcache-<uid>)",
         )
         return p
 
