@@ -553,6 +553,20 @@ def test_ctrl_c_while_load_reads_the_checkpoint_is_a_clean_exit(tmp_path: Path, 
     assert wc.Cache(socket_dir).entries() == []
 
 
+def test_ctrl_c_stops_a_foreground_serve_cleanly(socket_dir: Path) -> None:
+    """The exception docs/cli.md names: SIGINT to a foreground `weightcache serve` stops the keeper as `stop` does
+    (its log says so, keeper.stopped is left), exit status 0, and no `interrupted` line."""
+    keeper = start_keeper(socket_dir)
+    try:
+        keeper.send_signal(signal.SIGINT)
+        assert keeper.wait(30) == 0
+    finally:
+        keeper.kill()
+    log = keeper.stderr.read().decode() if keeper.stderr else ""
+    assert log.rstrip().endswith(f"keeper {keeper.pid} stopped") and "interrupted" not in log, log
+    assert (socket_dir / "keeper.stopped").read_text() == f"{keeper.pid}\n"
+
+
 def test_the_llama_restart_runs_tiny_on_cpu(tmp_path: Path) -> None:
     """benchmarks/restart_llama.py end to end with a two-layer model: every step timed, modes off, daemon,
     client and client from a warm process (``--warm``; the script fails if one started directly) served from where
