@@ -52,13 +52,41 @@ def keeper_error_codes() -> set[str]:
     return set(weightcache.messages.ERROR_CODES)
 
 
+def client_error_codes() -> set[str]:
+    """The codes weightcache's client side gives the KeeperErrors it raises itself (no keeper reply carries them,
+    e.g. ``timeout`` of ``stop --wait``): every literal code passed to KeeperError or a subclass in weightcache/,
+    and ``"error"``, KeeperError's default, where one is raised without a code."""
+    classes = {"KeeperError", "BudgetExceeded", "KeeperForbidden"}
+    codes = set()
+    for path in (ROOT / "weightcache").rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.Call):
+                continue
+            name = node.func.id if isinstance(node.func, ast.Name) else getattr(node.func, "attr", None)
+            if name not in classes:
+                continue
+            code = (
+                node.args[1] if len(node.args) > 1 else next((k.value for k in node.keywords if k.arg == "code"), None)
+            )
+            if code is None:
+                codes.add("error")
+            elif isinstance(code, ast.Constant) and isinstance(code.value, str):
+                codes.add(code.value)
+    return codes
+
+
 def test_every_keeper_error_code_is_in_troubleshooting() -> None:
+    """`exc.code` of a KeeperError is one of the table's codes (docs/troubleshooting.md says so): those the keeper
+    replies with and those the client gives errors of its own."""
     codes = keeper_error_codes()
     # sanity: the regexes find codes raised in every way the keeper raises them
     assert {"bad_request", "forbidden", "busy", "not_found", "leased", "ambiguous", "over_budget", "version"} <= codes
     assert "internal" in codes
-    section = TROUBLESHOOTING.split("## Keeper error codes", 1)[1]
+    client = client_error_codes()
+    assert {"timeout", "version"} <= client  # sanity: `stop --wait`'s, and a keeper too old for artifacts
+    section = TROUBLESHOOTING.split("## Keeper error codes", 1)[1].split("\n## ", 1)[0]
     table = {m for m in re.findall(r"^\| `(\w+)` \|", section, re.MULTILINE)}
+    codes |= client
     assert codes <= table, f"keeper error codes missing from docs/troubleshooting.md: {sorted(codes - table)}"
 
 
