@@ -744,6 +744,21 @@ def test_a_socket_directory_too_long_for_a_warm_socket_is_one_line_and_run_still
         shutil.rmtree(base, ignore_errors=True)
 
 
+def test_warm_serve_of_a_directory_that_is_none_is_one_line(tmp_path: Path) -> None:
+    """``warm serve --dir DIR`` where DIR does not exist or is a file: ``weightcache warm: ...`` in one line, exit 1,
+    as for any weightcache error (it ended in a FileNotFoundError traceback), and nothing is created there."""
+    a_file = tmp_path / "file"
+    a_file.write_text("")
+    for where, what in ((tmp_path / "missing", "does not exist"), (a_file, "is not a directory")):
+        served = subprocess.run(
+            cli("warm", "serve", "--dir", str(where), "--preload", "json"), capture_output=True, text=True, timeout=60
+        )
+        assert served.returncode == 1 and "Traceback" not in served.stderr, served.stderr
+        assert served.stderr.startswith(f"weightcache warm: --dir {where} {what}"), served.stderr
+        assert len(served.stderr.strip().splitlines()) == 1
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file"]
+
+
 def test_the_warm_log_says_why_the_warm_process_stopped(tmp_path: Path) -> None:
     """The guide: its log says what it imported, in how long, and why it stopped: a stop request, an idle
     timeout, a SIGTERM (the log held only its import lines)."""

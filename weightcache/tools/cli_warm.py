@@ -15,6 +15,7 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
+from weightcache.errors import InvalidArgument
 from weightcache.warm import identity, launcher, server
 from weightcache.warm.server import DEFAULT_IDLE_TIMEOUT_S
 from weightcache.warm.target import NotWarmable, default_preloads, resolve
@@ -98,7 +99,14 @@ def cmd_warm_stop(args: argparse.Namespace) -> int:
 
 
 def cmd_warm_serve(args: argparse.Namespace) -> int:
-    return server.serve(Path(args.dir), _named(args), args.idle_timeout)
+    directory = Path(args.dir)
+    if not directory.is_dir():
+        found = "is not a directory" if directory.exists() else "does not exist"
+        raise InvalidArgument(
+            f"--dir {directory} {found}; pass the warm processes' directory (<socket dir>/warm), which "
+            "`weightcache run` and `weightcache warm start` make before they spawn this command"
+        )
+    return server.serve(directory, _named(args), args.idle_timeout)
 
 
 def cmd_warm_ls(args: argparse.Namespace) -> int:
