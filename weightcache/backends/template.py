@@ -219,7 +219,9 @@ class Backend(abc.ABC):
         """The fingerprint of weights this engine loads from ``checkpoint``: the quantization is checked first
         (UnsupportedQuantError before anything is read or asked of the engine, hence ``parallel`` is a function
         that reads this rank's layout), ``identity`` (the engine's model config, as plain JSON) is recorded under
-        the adapter's name, and the engine's name and version are the producer.
+        the adapter's name where it holds anything (an engine without a config of its own, the torch adapter's plain
+        modules, then has :func:`weightcache.attach`'s fingerprint and shares its entries), and the engine's name
+        and version are the producer.
 
         This is the fingerprint before a model is built: :meth:`load_model` adds the structure of the model it
         builds; :meth:`complete_fingerprint` tells the same without loading."""
@@ -231,7 +233,7 @@ class Backend(abc.ABC):
             quant_config=spec.config,
             parallel=parallel(),
             device=device_spec(device),
-            extra={self.name: dict(identity)},
+            extra={self.name: dict(identity)} if identity else None,
             engine=self.name,
             engine_version=self.version(),
         )

@@ -11,7 +11,7 @@ same checkpoint and settings, so they share entries.
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable
 from typing import Any, ClassVar
 
 import attrs
@@ -21,7 +21,6 @@ from torch import nn
 from ..api import attach
 from ..binding import bind
 from ..errors import InvalidArgumentType
-from ..fingerprint import Fingerprint, canonical_json
 from ..loader import load_weights
 from .engine_config import QuantSpec
 from .template import Backend
@@ -66,24 +65,6 @@ class TorchBackend(Backend):
         raise InvalidArgumentType(
             f"torch adapter: quantization must be None, a method name or (name, config); found {engine_quant!r}"
         )
-
-    def make_fingerprint(
-        self,
-        checkpoint: str,
-        *,
-        dtype: object,
-        engine_quant: object,
-        parallel: Callable[[], Mapping[str, tuple[int, int]]],
-        device: torch.device | str,
-        identity: Mapping[str, Any],
-    ) -> Fingerprint:
-        """:meth:`Backend.make_fingerprint`, with ``identity`` recorded only where it holds something: a plain
-        module has no engine config, and without one the fingerprint is the one :func:`weightcache.attach` makes
-        for the same checkpoint and settings, so the two share entries."""
-        made = super().make_fingerprint(
-            checkpoint, dtype=dtype, engine_quant=engine_quant, parallel=parallel, device=device, identity=identity
-        )
-        return made if identity else attrs.evolve(made, extra=canonical_json({}))
 
     def build_model(self, context: ModuleLoad) -> nn.Module:
         return context.build()
