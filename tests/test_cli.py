@@ -249,13 +249,19 @@ sys.meta_path.insert(0, NoTorch)
 """
 
 
-def test_keeper_commands_work_without_torch(checkpoint: Path, socket_dir: Path, tmp_path: Path) -> None:
+def without_torch(tmp_path: Path, attempts: Path) -> dict[str, str]:
+    """An environment whose Python cannot import torch (:data:`NO_TORCH` as its sitecustomize) and notes each
+    attempt in ``attempts``."""
     site = tmp_path / "no-torch"
     site.mkdir()
     (site / "sitecustomize.py").write_text(NO_TORCH)
-    attempts = tmp_path / "torch-imports.log"
     path = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "WC_TORCH_LOG": str(attempts)}
+    return {**os.environ, "PYTHONPATH": os.pathsep.join(path), "WC_TORCH_LOG": str(attempts)}
+
+
+def test_keeper_commands_work_without_torch(checkpoint: Path, socket_dir: Path, tmp_path: Path) -> None:
+    attempts = tmp_path / "torch-imports.log"
+    env = without_torch(tmp_path, attempts)
 
     def run(*args: str) -> subprocess.CompletedProcess[str]:
         out = subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=60, env=env)
@@ -300,11 +306,7 @@ def test_doctor_works_without_torch_and_what_needs_torch_says_so(checkpoint: Pat
     """Where torch is not installed (the keeper's image): `doctor` checks what it can and says in one line that the
     GPU checks and engines need torch; `load` says in one line that it needs torch; `warm ls` answers. No
     traceback anywhere."""
-    site = tmp_path / "no-torch"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(NO_TORCH)
-    path = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "WC_TORCH_LOG": str(tmp_path / "torch.log")}
+    env = without_torch(tmp_path, tmp_path / "torch.log")
     socket_dir = tmp_path / "s"
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
@@ -327,12 +329,8 @@ def test_parity_of_two_tables_runs_without_torch_as_the_needs_torch_line_says(tm
     left, right = tmp_path / "left.json", tmp_path / "right.json"
     parity.write_table({"w": torch.ones(3)}, left)  # this process has torch: it writes the tables
     parity.write_table({"w": torch.zeros(3)}, right)
-    site = tmp_path / "no-torch"
-    site.mkdir()
-    (site / "sitecustomize.py").write_text(NO_TORCH)
     attempts = tmp_path / "torch.log"
-    path = [str(site), *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(path), "WC_TORCH_LOG": str(attempts)}
+    env = without_torch(tmp_path, attempts)
 
     def cli(*args: str) -> subprocess.CompletedProcess[str]:
         command = [sys.executable, "-m", "weightcache", *args]
